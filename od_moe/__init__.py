@@ -1,0 +1,46 @@
+"""od-moe: run Mixture-of-Experts models larger than memory with MLX.
+
+A bounded cache of experts stays resident per MoE layer; the rest are read from SSD when needed.
+
+    import od_moe
+    engine = od_moe.load(capacity=0.25)          # the embedded default model, 25% of experts resident
+    print(engine.generate("def fib(n):", max_tokens=32))
+    print(engine.stats()["total"]["hit_rate"])
+
+    od_moe.generate("import os", max_tokens=16)  # one-liner on the embedded default
+"""
+
+from typing import Generator
+
+from .engine import DEFAULT_MODEL, Engine, load
+from .errors import UserError
+
+__all__ = ["load", "generate", "stream_generate", "Engine", "UserError", "DEFAULT_MODEL"]
+__version__ = "0.1.0"
+
+_engines = {}
+
+
+def _engine_for(model, load_kwargs) -> Engine:
+    if isinstance(model, Engine):
+        return model
+    key = (str(model), tuple(sorted(load_kwargs.items())))
+    if key not in _engines:
+        _engines[key] = load(model, **load_kwargs)
+    return _engines[key]
+
+
+def stream_generate(prompt, model=None, *, capacity=None, memory_budget=None, miss_policy="load",
+                    **kwargs) -> Generator:
+    """Stream a completion of `prompt`; `model` is an `Engine`, a model path, or None (embedded default).
+
+    Engines loaded here are kept for the next call with the same arguments.
+    """
+    engine = _engine_for(model, {"capacity": capacity, "memory_budget": memory_budget, "miss_policy": miss_policy})
+    return engine.stream_generate(prompt, **kwargs)
+
+
+def generate(prompt, model=None, *, capacity=None, memory_budget=None, miss_policy="load", **kwargs) -> str:
+    """The completion of `prompt` as a string; arguments as `stream_generate`."""
+    return "".join(r.text for r in stream_generate(prompt, model, capacity=capacity, memory_budget=memory_budget,
+                                                   miss_policy=miss_policy, **kwargs))

@@ -1,0 +1,229 @@
+"""Resident expert cache of one MoE layer: C stacked slots, a total lookup table, pinning and eviction.
+
+The stacked `(C, ...)` arrays live inside the layer's own mlx-lm switch projections (`gate_proj.weight`
+and friends), replacing the `(E, ...)` originals, so mlx-lm's `SwitchGLU` computes on them unchanged once
+expert ids are remapped to slots. Bookkeeping is numpy on the generation thread:
+- `slot_of[e]`: the slot holding expert e, or -1. The lookup table handed to MLX maps every id to a
+  valid slot (non-resident ids to slot 0): `gather_qmm` does no bounds check.
+- per slot: the expert in it, pinned flag, last use, decayed use frequency and who put it there.
+Eviction never touches pinned slots or the experts the running layer needs. Not here: deciding when to
+read (`runtime.py`) and how bytes come off disk (`store.py`).
+"""
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Dict, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .store import BlockLayout
+
+EVICTION_POLICIES = ("lru", "lfu")
+LFU_HALF_LIFE = 64.0  # forward passes after which an expert's use count has halved
+
+
+class Origin(IntEnum):
+    """Who put an expert into its slot."""
+
+    EMPTY = 0
+    DEMAND = 1
+    PREFETCH = 2
+    PROFILE = 3
+    SNAPSHOT = 4
+    PRELOAD = 5
+
+
+@dataclass
+class PhaseCounts:
+    lookups: int = 0
+    hits: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
+
+    def as_dict(self):
+        return {"lookups": self.lookups, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / self.lookups if self.lookups else None}
+
+
+@dataclass
+class LayerStats:
+    prefill: PhaseCounts = field(default_factory=PhaseCounts)
+    decode: PhaseCounts = field(default_factory=PhaseCounts)
+    experts_loaded: int = 0
+    bytes_read: int = 0
+    stall_s: float = 0.0  # generation thread waiting for reads
+    install_s: float = 0.0  # copying read bytes into the stacked arrays
+    evictions: int = 0
+
+
+def _raw_to_mx(raw: np.ndarray, disk_dtype: str, target: mx.Dtype) -> mx.array:
+    a = mx.array(raw)
+    if disk_dtype == "BF16":
+        a = a.view(mx.bfloat16)
+    return a if a.dtype == target else a.astype(target)
+
+
+class LayerCache:
+    """The resident experts of one MoE layer."""
+
+    def __init__(self, layer: int, projections: Dict[str, object], layout: BlockLayout, capacity: int,
+                 eviction: str = "lru"):
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction!r}")
+        self.layer = layer
+        self.layout = layout
+        self.num_experts = E = layout.num_experts
+        self.capacity = C = capacity
+        self.eviction = eviction
+        self.projections = projections
+        self.targets = {}
+        for part in layout.parts:
+            module = projections[part.proj]
+            original = module[part.name]
+            if tuple(original.shape[1:]) != tuple(part.shape):
+                raise ValueError(f"{layout.module_path}.{part.proj}.{part.name}: model expects {original.shape[1:]}, file has {part.shape}")
+            self.targets[(part.proj, part.name)] = original.dtype
+            module[part.name] = mx.zeros((C, *part.shape), dtype=original.dtype)
+        mx.eval([projections[p.proj][p.name] for p in layout.parts])
+        self.slot_of = np.full(E, -1, dtype=np.int64)
+        self.expert_in_slot = np.full(C, -1, dtype=np.int64)
+        self.pinned = np.zeros(C, dtype=bool)
+        self.last_use = np.zeros(C, dtype=np.float64)
+        self.frequency = np.zeros(C, dtype=np.float64)
+        self.origin = np.zeros(C, dtype=np.int8)
+        self.stats = LayerStats()
+        self._lookup = None
+        self._resident = None
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot holds in memory (all parts, in their in-memory dtypes)."""
+        return sum(int(np.prod(p.shape)) * self.targets[(p.proj, p.name)].size for p in self.layout.parts)
+
+    @property
+    def resident_count(self) -> int:
+        return int((self.expert_in_slot >= 0).sum())
+
+    def resident_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.slot_of >= 0)
+
+    def is_full(self) -> bool:
+        """Every expert of the layer is resident: no lookup can miss."""
+        return self.resident_count == self.num_experts
+
+    def lookup_table(self) -> mx.array:
+        """(E,) int32 slot of every expert id; total: non-resident ids map to slot 0."""
+        if self._lookup is None:
+            self._lookup = mx.array(np.where(self.slot_of >= 0, self.slot_of, 0).astype(np.int32))
+        return self._lookup
+
+    def resident_mask(self) -> mx.array:
+        """(E,) bool: which experts are resident now."""
+        if self._resident is None:
+            self._resident = mx.array(self.slot_of >= 0)
+        return self._resident
+
+    def slots_for(self, ids: np.ndarray) -> mx.array:
+        """Slots of `ids` (numpy) as an MLX int32 array; non-resident ids map to slot 0."""
+        return mx.array(np.where(self.slot_of[ids] >= 0, self.slot_of[ids], 0).astype(np.int32))
+
+    # -- accounting ----------------------------------------------------------------------------
+    def record_lookups(self, phase: str, lookups: int, hits: int):
+        counts = self.stats.prefill if phase == "prefill" else self.stats.decode
+        counts.lookups += int(lookups)
+        counts.hits += int(hits)
+
+    def touch(self, ids: np.ndarray, uses: np.ndarray, clock: float):
+        """Record that resident experts `ids` were used `uses` times at time `clock`."""
+        slots = self.slot_of[ids]
+        slots, uses = slots[slots >= 0], np.asarray(uses)[slots >= 0]
+        if slots.size == 0:
+            return
+        decay = 0.5 ** ((clock - self.last_use[slots]) / LFU_HALF_LIFE)
+        self.frequency[slots] = self.frequency[slots] * decay + uses
+        self.last_use[slots] = clock
+
+    # -- eviction ------------------------------------------------------------------------------
+    def _eviction_order(self, clock: float) -> np.ndarray:
+        """Occupied slots, most evictable first."""
+        if self.eviction == "lru":
+            score = self.last_use
+        else:
+            score = self.frequency * 0.5 ** ((clock - self.last_use) / LFU_HALF_LIFE)
+        return np.argsort(score, kind="stable")
+
+    def room(self, protect: Sequence[int] = ()) -> int:
+        """How many experts can be installed without evicting pinned slots or `protect`."""
+        blocked = self.pinned.copy()
+        held = self.slot_of[np.asarray(protect, dtype=np.int64)] if len(protect) else np.empty(0, np.int64)
+        blocked[held[held >= 0]] = True
+        return int((~blocked).sum())
+
+    def choose_slots(self, n: int, protect: Sequence[int], clock: float) -> np.ndarray:
+        """n slots to install into: free ones first, then the most evictable unpinned, unprotected."""
+        free = np.flatnonzero(self.expert_in_slot < 0)
+        if len(free) >= n:
+            return free[:n]
+        blocked = self.pinned.copy()
+        held = self.slot_of[np.asarray(protect, dtype=np.int64)] if len(protect) else np.empty(0, np.int64)
+        blocked[held[held >= 0]] = True
+        order = [s for s in self._eviction_order(clock) if not blocked[s] and self.expert_in_slot[s] >= 0]
+        chosen = np.concatenate([free, np.array(order[: n - len(free)], dtype=np.int64)])
+        if len(chosen) < n:
+            raise RuntimeError(f"layer {self.layer}: no room for {n} experts (capacity {self.capacity}, pinned {int(self.pinned.sum())})")
+        return chosen
+
+    # -- installing ----------------------------------------------------------------------------
+    def install(self, ids: Sequence[int], raw: Dict[Tuple[str, str], np.ndarray], origin: Origin,
+                protect: Sequence[int] = (), clock: float = 0.0) -> np.ndarray:
+        """Put experts `ids` (raw bytes per part, row i = ids[i]) into slots; returns the slots used.
+
+        The stacked arrays are updated with one scatter per part and evaluated at once, so memory stays
+        bounded and the numpy staging buffers may be reused as soon as this returns.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        if np.any(self.slot_of[ids] >= 0):
+            raise ValueError(f"layer {self.layer}: experts {ids[self.slot_of[ids] >= 0].tolist()} are already resident")
+        slots = self.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=clock)
+        index = mx.array(slots.astype(np.int32))
+        updated = []
+        for part in self.layout.parts:
+            key = (part.proj, part.name)
+            stacked = self.projections[part.proj][part.name]
+            stacked[index] = _raw_to_mx(raw[key][: len(ids)], part.dtype, self.targets[key])
+            updated.append(stacked)
+        mx.eval(updated)
+        evicted = self.expert_in_slot[slots]
+        evicted = evicted[evicted >= 0]
+        self.slot_of[evicted] = -1
+        self.stats.evictions += len(evicted)
+        self.slot_of[ids] = slots
+        self.expert_in_slot[slots] = ids
+        self.pinned[slots] = False
+        self.last_use[slots] = clock
+        self.frequency[slots] = 0.0
+        self.origin[slots] = int(origin)
+        self._lookup = self._resident = None
+        return slots
+
+    def pin(self, ids: Sequence[int]):
+        """Make resident experts `ids` unevictable. At least one slot must stay evictable."""
+        slots = self.slot_of[np.asarray(ids, dtype=np.int64)]
+        if np.any(slots < 0):
+            raise ValueError(f"layer {self.layer}: only resident experts can be pinned")
+        pinned = self.pinned.copy()
+        pinned[slots] = True
+        if pinned.sum() >= self.capacity:
+            raise ValueError(f"layer {self.layer}: pinning {int(pinned.sum())} of {self.capacity} slots leaves none for misses")
+        self.pinned = pinned
+
+    def unpin_all(self):
+        self.pinned[:] = False
+
+    def stacked_arrays(self) -> Dict[str, mx.array]:
+        """The stacked slot arrays by `proj.part` name (for snapshots)."""
+        return {f"{p.proj}.{p.name}": self.projections[p.proj][p.name] for p in self.layout.parts}

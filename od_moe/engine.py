@@ -1,0 +1,244 @@
+"""The engine: load an MoE model with a bounded expert cache and generate with it.
+
+`load()` resolves the model (embedded default, local folder or hub id), loads it with mlx-lm lazily,
+swaps every MoE block's experts for an offloaded switch over a `LayerCache`, and materialises only the
+non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
+are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. Not here: the CLI, the
+server, reading bytes or cache policy.
+"""
+
+import hashlib
+from pathlib import Path
+from typing import Generator, List, Optional, Union
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.sample_utils import make_sampler
+
+from . import backend
+from .cache import EVICTION_POLICIES, LayerCache, Origin
+from .capacity import resolve_capacity
+from .errors import UserError
+from .runtime import MISS_POLICIES, OffloadRuntime
+from .store import ExpertStore
+from .surgery import MoEBlock, expert_nbytes, find_moe_blocks, top_k_of
+from .switch import GateTap, OffloadedSwitch
+
+DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
+
+
+def resolve_model_path(model: Optional[str]) -> Path:
+    """A local model folder for `model`: None is the embedded default; a missing path that looks like
+    a hub id ("org/name") is fetched the way mlx-lm fetches it (needs network)."""
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a model folder (it has no config.json): point --model at an MLX or Hugging Face model folder")
+        return path
+    if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
+        try:
+            from mlx_lm.utils import _download
+
+            return Path(_download(str(model)))
+        except Exception as e:
+            raise UserError(f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({type(e).__name__}): check the name and your network")
+    raise UserError(f"model folder {model} does not exist: give the path of an MLX or Hugging Face model folder")
+
+
+def model_identity(path: Path, store: ExpertStore) -> str:
+    """A digest of the model's config and safetensors headers: what a snapshot or predictor is tied to."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    digest.update(store.weights_digest.encode())
+    return digest.hexdigest()[:16]
+
+
+class Engine:
+    """An MoE model whose experts live in bounded per-layer caches, and its tokenizer."""
+
+    def __init__(self, model, tokenizer, model_path: Path, runtime: OffloadRuntime, switches: List[OffloadedSwitch],
+                 identity: str, top_k: int, non_expert_nbytes: int, predictor=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.runtime = runtime
+        self.switches = switches
+        self.identity = identity
+        self.top_k = top_k
+        self.non_expert_nbytes = non_expert_nbytes
+        self.predictor = predictor
+
+    @property
+    def caches(self) -> List[LayerCache]:
+        return [s.cache for s in self.switches]
+
+    @property
+    def capacity(self) -> int:
+        return self.caches[0].capacity
+
+    @property
+    def num_experts(self) -> int:
+        return self.caches[0].num_experts
+
+    @property
+    def miss_policy(self) -> str:
+        return self.runtime.miss_policy
+
+    # -- generation ------------------------------------------------------------------------------
+    def stream_generate(self, prompt: Union[str, List[int]], max_tokens: int = 256, temperature: float = 0.0,
+                        top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
+                        **kwargs) -> Generator[GenerationResponse, None, None]:
+        """Yield mlx-lm `GenerationResponse`s for `prompt` (text or token ids).
+
+        kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`).
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 100:
+            raise UserError(f"temperature must be a number >= 0, got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
+        if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
+            raise UserError("prompt is empty: give some text to continue")
+        if seed is not None:
+            mx.random.seed(int(seed))
+        sampler = make_sampler(temp=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p))
+        try:
+            yield from mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens,
+                                              sampler=sampler, **kwargs)
+        finally:
+            self.runtime.settle()
+
+    def generate(self, prompt: Union[str, List[int]], max_tokens: int = 256, temperature: float = 0.0, **kwargs) -> str:
+        """The whole completion of `prompt` as a string."""
+        return "".join(r.text for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs))
+
+    # -- statistics ------------------------------------------------------------------------------
+    def reset_stats(self):
+        """Zero the counters (lookups, reads, stall) and the peak memory; the cache stays as it is."""
+        from .cache import LayerStats
+
+        self.runtime.settle()
+        for cache in self.caches:
+            cache.stats = LayerStats()
+        self.runtime.tokens = {"prefill": 0, "decode": 0}
+        self.runtime.forwards = 0
+        backend.reset_peak_memory()
+
+    def stats(self) -> dict:
+        """Demand lookups, hits, misses, hit rate (prefill and decode apart), bytes read, stall seconds,
+        resident experts and capacity, per layer and in total, and memory."""
+        self.runtime.settle()
+        layers, totals = [], {}
+        for i, cache in enumerate(self.caches):
+            s = cache.stats
+            lookups = s.prefill.lookups + s.decode.lookups
+            hits = s.prefill.hits + s.decode.hits
+            row = {
+                "layer": i, "module": cache.layout.module_path,
+                "lookups": lookups, "hits": hits, "misses": lookups - hits,
+                "hit_rate": hits / lookups if lookups else None,
+                "prefill": s.prefill.as_dict(), "decode": s.decode.as_dict(),
+                "experts_loaded": s.experts_loaded, "bytes_read": s.bytes_read,
+                "stall_s": s.stall_s, "install_s": s.install_s, "evictions": s.evictions,
+                "resident": cache.resident_count, "pinned": int(cache.pinned.sum()), "capacity": cache.capacity,
+            }
+            layers.append(row)
+            for key in ("lookups", "hits", "misses", "experts_loaded", "bytes_read", "stall_s", "install_s",
+                        "evictions", "resident", "pinned", "capacity"):
+                totals[key] = totals.get(key, 0) + row[key]
+            for phase in ("prefill", "decode"):
+                for key in ("lookups", "hits", "misses"):
+                    totals.setdefault(phase, {}).setdefault(key, 0)
+                    totals[phase][key] += row[phase][key]
+        totals["hit_rate"] = totals["hits"] / totals["lookups"] if totals["lookups"] else None
+        for phase in ("prefill", "decode"):
+            p = totals[phase]
+            p["hit_rate"] = p["hits"] / p["lookups"] if p["lookups"] else None
+        cache_bytes = sum(c.slot_nbytes * c.capacity for c in self.caches)
+        return {
+            "model": str(self.model_path), "model_identity": self.identity,
+            "miss_policy": self.miss_policy, "eviction": self.caches[0].eviction,
+            "num_experts": self.num_experts, "top_k": self.top_k, "moe_layers": len(self.caches),
+            "capacity": self.capacity, "capacity_fraction": self.capacity / self.num_experts,
+            "tokens": dict(self.runtime.tokens), "forwards": self.runtime.forwards,
+            "layers": layers, "total": totals,
+            "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
+                       "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes},
+        }
+
+    # -- warm start ------------------------------------------------------------------------------
+    def save_snapshot(self, path, weights: bool = False):
+        """Save which experts sit in which slots (and, with `weights`, their packed bytes)."""
+        from .snapshot import save_snapshot
+
+        save_snapshot(self, path, weights=weights)
+
+    def load_snapshot(self, path):
+        """Restore a resident set saved for this model, capacity and predictor (else a UserError)."""
+        from .snapshot import load_snapshot
+
+        load_snapshot(self, path)
+
+
+def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, predictor=None,
+         miss_policy: str = "load", eviction: str = "lru", snapshot=None, dtype: str = "auto") -> Engine:
+    """Load an MoE model with a bounded expert cache.
+
+    model: a local folder (MLX or Hugging Face layout), a hub id where there is network, or None for the
+        embedded default. capacity: experts per layer (int), a fraction (0.25) or "25%"; memory_budget:
+        bytes or "8GB" for the whole engine (None and no capacity: 70% of available memory).
+    miss_policy: "load" (exact) or "skip" (approximate). eviction: "lru" or "lfu".
+    snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
+    dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
+    """
+    if miss_policy not in MISS_POLICIES:
+        raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
+    if eviction not in EVICTION_POLICIES:
+        raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
+    path = resolve_model_path(model)
+    target_dtype = backend.compute_dtype(dtype)
+    try:
+        mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise UserError(f"mlx-lm cannot load {path}: {e}")
+    if target_dtype is not None:
+        mlx_model.set_dtype(target_dtype)
+    blocks = find_moe_blocks(mlx_model)
+    if not blocks:
+        raise UserError(f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps MoE models; use mlx-lm directly")
+    store = ExpertStore(path)
+    total_expert_bytes = expert_nbytes(blocks)
+    from mlx.utils import tree_flatten
+
+    non_expert = sum(v.nbytes for _, v in tree_flatten(mlx_model.parameters())) - total_expert_bytes
+    num_experts = blocks[0].num_experts
+    slot_nbytes = total_expert_bytes // (num_experts * len(blocks))
+    slots = resolve_capacity(capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert)
+    runtime = OffloadRuntime(store, miss_policy)
+    switches = [_offload_block(b, i, store, runtime, slots, eviction, miss_policy) for i, b in enumerate(blocks)]
+    mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
+    engine = Engine(mlx_model, tokenizer, path, runtime, switches, model_identity(path, store),
+                    top_k_of(blocks[0].block), non_expert, predictor)
+    if snapshot is not None:
+        engine.load_snapshot(snapshot)
+    elif slots == num_experts:
+        for cache in engine.caches:  # fully resident: read everything once, layer by layer
+            runtime.load(cache, np.arange(num_experts), Origin.PRELOAD)
+    backend.reset_peak_memory()
+    return engine
+
+
+def _offload_block(block: MoEBlock, index: int, store: ExpertStore, runtime: OffloadRuntime, slots: int,
+                   eviction: str, miss_policy: str) -> OffloadedSwitch:
+    layout = store.block_layout(block.path, block.expert_parts(), block.num_experts)
+    cache = LayerCache(index, block.projections, layout, slots, eviction)
+    switch = OffloadedSwitch(block.switch, cache, runtime, index)
+    setattr(block.block, block.attr, switch)
+    gate = block.block.get("gate")
+    if miss_policy == "skip" and gate is not None:
+        block.block.gate = GateTap(gate, switch)
+    return switch

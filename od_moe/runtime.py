@@ -1,0 +1,95 @@
+"""Per-model offload runtime: the clock, reads into the caches, and the work done between tokens.
+
+Every `OffloadedSwitch` of a model shares one runtime. It
+- advances a clock per forward pass (the first MoE layer calls `begin_forward`), which is also the
+  cooperative point "between tokens": deferred bookkeeping of the previous pass runs there;
+- reads experts through the store in staging-buffer chunks and installs them (`load`), timing the read
+  (stall) and the copy (install) separately;
+- keeps lazily recorded routing of passes that needed no sync (skip mode, fully resident layers) and
+  accounts for it later (`settle`); in skip mode the missed experts are loaded then, so later tokens hit.
+Everything here runs on the generation thread. Not here: the forward math (`switch.py`).
+"""
+
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import LayerCache, Origin
+from .store import ExpertStore, Staging
+
+MISS_POLICIES = ("load", "skip")
+READ_BATCH = 16  # experts per preadv round; bounds the staging buffers
+
+
+class OffloadRuntime:
+    def __init__(self, store: ExpertStore, miss_policy: str = "load"):
+        if miss_policy not in MISS_POLICIES:
+            raise ValueError(f"unknown miss policy {miss_policy!r}")
+        self.store = store
+        self.miss_policy = miss_policy
+        self.clock = 0
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.forwards = 0
+        self._deferred: List[Tuple[object, mx.array, str]] = []
+        self._staging: Dict[tuple, Staging] = {}
+
+    # -- between tokens --------------------------------------------------------------------------
+    def begin_forward(self, n_tokens: int, phase: str):
+        """Called by the first MoE layer of every forward pass, before it computes."""
+        self.settle()
+        self.clock += 1
+        self.forwards += 1
+        self.tokens[phase] += n_tokens
+
+    def defer(self, switch, indices: mx.array, phase: str):
+        """Keep a layer's routing (lazy) to account for after the pass is evaluated."""
+        self._deferred.append((switch, indices, phase))
+
+    def settle(self):
+        """Account for deferred routing; in skip mode, load what missed so later tokens hit."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        mx.eval([indices for _, indices, _ in deferred])
+        for switch, indices, phase in deferred:
+            cache = switch.cache
+            ids = np.array(indices).astype(np.int64)
+            uniq, counts = np.unique(ids, return_counts=True)
+            resident = cache.slot_of[uniq] >= 0
+            cache.record_lookups(phase, ids.size, counts[resident].sum())
+            cache.touch(uniq[resident], counts[resident], self.clock)
+            missing = uniq[~resident]
+            if missing.size and self.miss_policy == "skip":
+                most_used_first = missing[np.argsort(-counts[~resident], kind="stable")]
+                fit = most_used_first[: cache.room()]
+                if fit.size:
+                    self.load(cache, np.sort(fit), Origin.DEMAND)
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _staging_for(self, cache: LayerCache) -> Staging:
+        key = tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in cache.layout.parts)
+        staging = self._staging.get(key)
+        if staging is None:
+            staging = self._staging[key] = Staging(cache.layout, READ_BATCH)
+        return staging
+
+    def load(self, cache: LayerCache, ids: Sequence[int], origin: Origin, protect: Sequence[int] = ()):
+        """Read experts `ids` of `cache`'s layer from disk and install them (synchronously)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        staging = self._staging_for(cache)
+        keep = list(protect) + ids.tolist()
+        for start in range(0, len(ids), staging.size):
+            chunk = ids[start:start + staging.size]
+            before = self.store.bytes_read
+            t0 = time.perf_counter()
+            raw = self.store.read(cache.layout, chunk, staging)
+            t1 = time.perf_counter()
+            cache.install(chunk, raw, origin, protect=keep, clock=self.clock)
+            t2 = time.perf_counter()
+            stats = cache.stats
+            stats.stall_s += t1 - t0
+            stats.install_s += t2 - t1
+            stats.bytes_read += self.store.bytes_read - before
+            stats.experts_loaded += len(chunk)

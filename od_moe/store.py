@@ -1,0 +1,242 @@
+"""Expert store: where every expert's bytes live on disk, and reading them with `preadv`.
+
+The safetensors headers of a model folder (one file, or shards listed by an index JSON) are parsed once.
+For each MoE block the store builds a `BlockLayout`: for every array an expert owns (gate/up/down weight,
+and scales/biases when quantized) the file, offset and length of each expert's slice. Two layouts:
+- MLX: stacked `(E, ...)` tensors (`...switch_mlp.gate_proj.weight`); expert e is row e, contiguous.
+- Hugging Face: one tensor per expert (`...experts.{e}.gate_proj.weight`, Mixtral's `w1/w3/w2`).
+Reads go straight from the file into caller-owned numpy staging buffers; a whole stacked tensor is never
+loaded. This module does file I/O only (no MLX), so a reader thread may call it. Not here: what to read
+and where it goes (see `cache.py`).
+"""
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .errors import UserError
+
+# safetensors dtype -> numpy dtype holding the raw bytes (bfloat16 is read as uint16 and viewed later)
+RAW_NUMPY_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+# Names a projection of mlx-lm's SwitchGLU / SwitchMLP has in per-expert Hugging Face checkpoints.
+HF_PROJECTION_NAMES = {
+    "gate_proj": ("gate_proj", "w1"),
+    "up_proj": ("up_proj", "w3"),
+    "down_proj": ("down_proj", "w2"),
+    "fc1": ("fc1",),
+    "fc2": ("fc2",),
+}
+HF_PART_NAMES = {"weight": "weight", "bias": "bias"}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    dtype: str
+    shape: Tuple[int, ...]
+
+
+@dataclass
+class ExpertPart:
+    """One array of every expert of a block (for example `gate_proj.scales`)."""
+
+    proj: str
+    name: str
+    dtype: str  # safetensors dtype of the bytes on disk
+    shape: Tuple[int, ...]  # one expert's shape
+    files: np.ndarray  # (E,) file index of each expert's slice
+    offsets: np.ndarray  # (E,) absolute byte offset of each expert's slice
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(RAW_NUMPY_DTYPES[self.dtype]).itemsize
+
+
+@dataclass
+class BlockLayout:
+    """Where one MoE block's experts are: one `ExpertPart` per array an expert owns."""
+
+    module_path: str
+    num_experts: int
+    parts: List[ExpertPart]
+    layout: str  # "mlx" or "hf"
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes one expert occupies on disk (weights + scales + biases)."""
+        return sum(p.nbytes for p in self.parts)
+
+
+class Staging:
+    """Preallocated numpy buffers for a batch of up to `size` experts of one layout."""
+
+    def __init__(self, layout: BlockLayout, size: int):
+        self.size = size
+        self.buffers = {
+            (p.proj, p.name): np.empty((size, *p.shape), dtype=RAW_NUMPY_DTYPES[p.dtype])
+            for p in layout.parts
+        }
+
+    def fits(self, layout: BlockLayout) -> bool:
+        return all(
+            self.buffers.get((p.proj, p.name)) is not None
+            and self.buffers[(p.proj, p.name)].shape[1:] == tuple(p.shape)
+            and self.buffers[(p.proj, p.name)].dtype == RAW_NUMPY_DTYPES[p.dtype]
+            for p in layout.parts
+        )
+
+
+def _read_header(path: Path) -> Tuple[int, dict]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise UserError(f"{path} is not a safetensors file (too short): re-download or re-convert the model")
+        (n,) = struct.unpack("<Q", raw)
+        header = f.read(n)
+    if len(header) != n:
+        raise UserError(f"{path} has a truncated safetensors header: re-download or re-convert the model")
+    try:
+        return 8 + n, json.loads(header)
+    except json.JSONDecodeError:
+        raise UserError(f"{path} has an unreadable safetensors header: re-download or re-convert the model")
+
+
+class ExpertStore:
+    """Index of a model folder's safetensors files and a reader of expert bytes.
+
+    `bytes_read` counts every byte read from disk (thread-safe enough: only incremented by the thread
+    that reads, and read for reporting).
+    """
+
+    def __init__(self, model_dir):
+        self.model_dir = Path(model_dir)
+        index_file = self.model_dir / "model.safetensors.index.json"
+        if index_file.exists():
+            names = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+        else:
+            names = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
+        if not names:
+            raise UserError(f"no .safetensors files in {self.model_dir}: point --model at an MLX or Hugging Face model folder")
+        self.files = [self.model_dir / n for n in names]
+        self.tensors: Dict[str, TensorEntry] = {}
+        digest = hashlib.sha256()
+        for i, path in enumerate(self.files):
+            data_start, header = _read_header(path)
+            size = path.stat().st_size
+            digest.update(f"{path.name}:{size}:".encode())
+            digest.update(json.dumps(header, sort_keys=True).encode())
+            for key, meta in header.items():
+                if key == "__metadata__":
+                    continue
+                start, end = meta["data_offsets"]
+                if data_start + end > size:
+                    raise UserError(f"{path} is truncated ({size} bytes, tensor {key} ends at {data_start + end}): re-download the model")
+                self.tensors[key] = TensorEntry(i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"]))
+        self.weights_digest = digest.hexdigest()
+        self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
+        self.bytes_read = 0
+
+    def close(self):
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def block_layout(self, module_path: str, parts: Dict[str, Sequence[str]], num_experts: int) -> BlockLayout:
+        """Locate the experts of the switch module at `module_path` (e.g. `model.layers.3.mlp.switch_mlp`).
+
+        parts: projection name -> names of its per-expert arrays, as the loaded module has them
+        (e.g. {"gate_proj": ["weight", "scales", "biases"], ...}).
+        """
+        found = [self._stacked_part(module_path, proj, name, num_experts) for proj, names in parts.items() for name in names]
+        if all(found):
+            return BlockLayout(module_path, num_experts, found, "mlx")
+        parent = module_path.rsplit(".", 1)[0]
+        found = [self._per_expert_part(parent, proj, name, num_experts) for proj, names in parts.items() for name in names]
+        if all(found):
+            return BlockLayout(module_path, num_experts, found, "hf")
+        raise UserError(
+            f"cannot find the expert weights of {module_path} in {self.model_dir}: expected stacked tensors "
+            f"'{module_path}.<proj>.weight' (MLX layout) or '{parent}.experts.<e>.<proj>.weight' (Hugging Face layout)"
+        )
+
+    def _stacked_part(self, module_path, proj, name, num_experts):
+        entry = self.tensors.get(f"{module_path}.{proj}.{name}")
+        if entry is None or not entry.shape or entry.shape[0] != num_experts:
+            return None
+        row = entry.nbytes // num_experts
+        return ExpertPart(proj, name, entry.dtype, entry.shape[1:], np.full(num_experts, entry.file, np.int64),
+                          entry.offset + row * np.arange(num_experts, dtype=np.int64))
+
+    def _per_expert_part(self, parent, proj, name, num_experts):
+        hf_name = HF_PART_NAMES.get(name)
+        if hf_name is None:
+            return None  # quantization arrays only exist in the stacked MLX layout
+        for candidate in HF_PROJECTION_NAMES.get(proj, (proj,)):
+            entries = [self.tensors.get(f"{parent}.experts.{e}.{candidate}.{hf_name}") for e in range(num_experts)]
+            if all(entries) and len({(x.dtype, x.shape) for x in entries}) == 1:
+                return ExpertPart(proj, name, entries[0].dtype, entries[0].shape,
+                                  np.array([x.file for x in entries], np.int64),
+                                  np.array([x.offset for x in entries], np.int64))
+        return None
+
+    def read(self, layout: BlockLayout, ids: Sequence[int], staging: Staging) -> Dict[Tuple[str, str], np.ndarray]:
+        """Read the experts `ids` (at most `staging.size`) into `staging`; returns views, row i = ids[i].
+
+        Consecutive experts that lie back to back in a file are read with one `preadv`.
+        Raises OSError naming the file when it is shorter than its header says.
+        """
+        n = len(ids)
+        if n > staging.size:
+            raise ValueError(f"read of {n} experts exceeds the staging size {staging.size}")
+        out = {}
+        ids = np.asarray(ids, dtype=np.int64)
+        for part in layout.parts:
+            buf = staging.buffers[(part.proj, part.name)]
+            size = part.nbytes
+            files, offsets = part.files[ids], part.offsets[ids]
+            start = 0
+            while start < n:
+                end = start + 1
+                while end < n and files[end] == files[start] and offsets[end] == offsets[end - 1] + size:
+                    end += 1
+                view = memoryview(buf[start:end].reshape(-1).view(np.uint8))
+                self._pread_exact(int(files[start]), view, int(offsets[start]))
+                start = end
+            out[(part.proj, part.name)] = buf[:n]
+        return out
+
+    def _pread_exact(self, file_index: int, view: memoryview, offset: int):
+        fd, done = self._fds[file_index], 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable")
+            done += got
+        self.bytes_read += done
+
+    def drop_page_cache(self):
+        """Ask the OS to forget this model's cached file pages, so the next reads are cold."""
+        if not hasattr(os, "posix_fadvise"):
+            return False
+        for fd in self._fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True

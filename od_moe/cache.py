@@ -189,12 +189,13 @@ class LayerCache:
         if np.any(self.slot_of[ids] >= 0):
             raise ValueError(f"layer {self.layer}: experts {ids[self.slot_of[ids] >= 0].tolist()} are already resident")
         slots = self.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=clock)
-        index = mx.array(slots.astype(np.int32))
         updated = []
         for part in self.layout.parts:
             key = (part.proj, part.name)
             stacked = self.projections[part.proj][part.name]
-            stacked[index] = _raw_to_mx(raw[key][: len(ids)], part.dtype, self.targets[key])
+            rows = _raw_to_mx(raw[key][: len(ids)], part.dtype, self.targets[key])
+            for j, slot in enumerate(slots.tolist()):
+                stacked[slot] = rows[j]  # a slice update: in place, ~10x faster than a scatter here
             updated.append(stacked)
         mx.eval(updated)
         evicted = self.expert_in_slot[slots]

@@ -70,6 +70,7 @@ class Engine:
         self.top_k = top_k
         self.non_expert_nbytes = non_expert_nbytes
         self.predictor = predictor
+        self.load_peak_bytes = 0
 
     @property
     def caches(self) -> List[LayerCache]:
@@ -167,7 +168,8 @@ class Engine:
             "tokens": dict(self.runtime.tokens), "forwards": self.runtime.forwards,
             "layers": layers, "total": totals,
             "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
-                       "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes},
+                       "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes,
+                       "load_peak_bytes": self.load_peak_bytes},
         }
 
     # -- warm start ------------------------------------------------------------------------------
@@ -228,7 +230,8 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     elif slots == num_experts:
         for cache in engine.caches:  # fully resident: read everything once, layer by layer
             runtime.load(cache, np.arange(num_experts), Origin.PRELOAD)
-    backend.reset_peak_memory()
+    engine.load_peak_bytes = backend.peak_memory_bytes()
+    engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
 
 

@@ -37,7 +37,7 @@ HF_PROJECTION_NAMES = {
     "fc1": ("fc1",),
     "fc2": ("fc2",),
 }
-HF_PART_NAMES = {"weight": "weight", "bias": "bias"}
+HF_PART_NAMES = {"weight": "weight", "bias": "bias", "scales": "scales", "biases": "biases"}
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,9 @@ class ExpertStore:
         self.weights_digest = digest.hexdigest()
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
         self.bytes_read = 0
+        # Benchmarks set this to make every read cold, as on a machine whose page cache cannot hold the
+        # model: the pages just read are dropped again.
+        self.drop_after_read = False
 
     def close(self):
         for fd in self._fds:
@@ -189,7 +192,7 @@ class ExpertStore:
     def _per_expert_part(self, parent, proj, name, num_experts):
         hf_name = HF_PART_NAMES.get(name)
         if hf_name is None:
-            return None  # quantization arrays only exist in the stacked MLX layout
+            return None
         for candidate in HF_PROJECTION_NAMES.get(proj, (proj,)):
             entries = [self.tensors.get(f"{parent}.experts.{e}.{candidate}.{hf_name}") for e in range(num_experts)]
             if all(entries) and len({(x.dtype, x.shape) for x in entries}) == 1:
@@ -232,6 +235,8 @@ class ExpertStore:
                 raise OSError(f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable")
             done += got
         self.bytes_read += done
+        if self.drop_after_read and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
 
     def drop_page_cache(self):
         """Ask the OS to forget this model's cached file pages, so the next reads are cold."""

@@ -1,0 +1,63 @@
+"""Exact mode generates stock mlx-lm's tokens on the bundled trained model, at every capacity."""
+
+import numpy as np
+import pytest
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25, 0.125])
+def test_load_mode_matches_mlx_lm(bundled_reference, fraction):
+    engine = od_moe.load(capacity=fraction)
+    assert engine.capacity == round(64 * fraction)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    stats = engine.stats()
+    total = stats["total"]
+    tokens = stats["tokens"]["prefill"] + stats["tokens"]["decode"]
+    assert total["lookups"] == tokens * stats["moe_layers"] * stats["top_k"] == total["hits"] + total["misses"]
+    assert tokens >= sum(len(t) for t in bundled_reference)
+    assert sum(l["lookups"] for l in stats["layers"]) == total["lookups"]
+    assert all(l["resident"] <= l["capacity"] == engine.capacity for l in stats["layers"])
+    if fraction < 1:
+        assert total["misses"] > 0 and total["bytes_read"] > 0 and total["experts_loaded"] >= total["evictions"]
+        assert total["bytes_read"] == total["experts_loaded"] * engine.caches[0].layout.expert_nbytes
+    else:
+        assert total["misses"] == 0 and total["bytes_read"] == 0  # preloaded at start, not counted here
+
+
+def test_capacity_below_top_k_computes_in_rounds(bundled_reference):
+    engine = od_moe.load(capacity=3)  # fewer slots than the 8 experts each token needs
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+
+
+def test_checkpoint_dtype_matches_unmodified_mlx_lm():
+    """dtype="model" keeps bfloat16 scales: compare with mlx-lm loaded exactly as it comes."""
+    reference = reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[:1], 24, dtype="model")
+    engine = od_moe.load(capacity=0.25, dtype="model")
+    assert od_moe_tokens(engine, PROMPTS[:1], 24) == reference
+
+
+def test_skip_mode_runs_and_counts_misses(bundled_reference):
+    engine = od_moe.load(capacity=0.25, miss_policy="skip")
+    out = od_moe_tokens(engine, PROMPTS, NEW_TOKENS)
+    stats = engine.stats()["total"]
+    assert stats["misses"] > 0 and stats["lookups"] == stats["hits"] + stats["misses"]
+    assert stats["experts_loaded"] > 0  # misses were queued and loaded for later tokens
+    assert [len(t) for t in out] == [len(t) for t in bundled_reference]
+    agreement = np.mean([a == b for x, y in zip(out, bundled_reference) for a, b in zip(x, y)])
+    assert 0.0 < agreement <= 1.0
+
+
+def test_skip_mode_with_every_expert_resident_is_exact(bundled_reference):
+    engine = od_moe.load(capacity=1.0, miss_policy="skip")
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+
+
+def test_generate_and_module_one_liner(bundled_reference):
+    engine = od_moe.load(capacity=16)
+    text = engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
+    assert text == engine.tokenizer.decode(bundled_reference[0])
+    assert od_moe.generate(PROMPTS[0], max_tokens=NEW_TOKENS, capacity=16) == text
+    responses = list(od_moe.stream_generate(PROMPTS[0], max_tokens=8, capacity=16))
+    assert responses[-1].finish_reason == "length" and responses[-1].generation_tokens == 8

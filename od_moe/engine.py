@@ -21,7 +21,7 @@ from . import backend
 from .cache import EVICTION_POLICIES, LayerCache, Origin
 from .capacity import resolve_capacity
 from .errors import UserError
-from .runtime import MISS_POLICIES, OffloadRuntime
+from .runtime import MISS_POLICIES, OffloadRuntime, empty_io
 from .store import ExpertStore
 from .surgery import MoEBlock, expert_nbytes, find_moe_blocks, top_k_of
 from .switch import GateTap, OffloadedSwitch
@@ -127,6 +127,7 @@ class Engine:
             cache.stats = LayerStats()
         self.runtime.tokens = {"prefill": 0, "decode": 0}
         self.runtime.forwards = 0
+        self.runtime.io = empty_io()
         backend.reset_peak_memory()
 
     def stats(self) -> dict:
@@ -165,7 +166,7 @@ class Engine:
             "miss_policy": self.miss_policy, "eviction": self.caches[0].eviction,
             "num_experts": self.num_experts, "top_k": self.top_k, "moe_layers": len(self.caches),
             "capacity": self.capacity, "capacity_fraction": self.capacity / self.num_experts,
-            "tokens": dict(self.runtime.tokens), "forwards": self.runtime.forwards,
+            "tokens": dict(self.runtime.tokens), "io": {k: dict(v) for k, v in self.runtime.io.items()}, "forwards": self.runtime.forwards,
             "layers": layers, "total": totals,
             "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
                        "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes,
@@ -203,16 +204,16 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
         raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
     path = resolve_model_path(model)
     target_dtype = backend.compute_dtype(dtype)
+    store = ExpertStore(path)  # validates every safetensors header against its file first
     try:
         mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         raise UserError(f"mlx-lm cannot load {path}: {e}")
     if target_dtype is not None:
         mlx_model.set_dtype(target_dtype)
     blocks = find_moe_blocks(mlx_model)
     if not blocks:
         raise UserError(f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps MoE models; use mlx-lm directly")
-    store = ExpertStore(path)
     total_expert_bytes = expert_nbytes(blocks)
     from mlx.utils import tree_flatten
 

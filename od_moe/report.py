@@ -20,6 +20,8 @@ def table(headers: Sequence[str], rows: List[Sequence], title: Optional[str] = N
 def _fmt(v) -> str:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
     if isinstance(v, int):

@@ -32,6 +32,8 @@ class OffloadRuntime:
         self.clock = 0
         self.tokens = {"prefill": 0, "decode": 0}
         self.forwards = 0
+        self.phase = "prefill"
+        self.io = empty_io()
         self._deferred: List[Tuple[object, mx.array, str]] = []
         self._staging: Dict[tuple, Staging] = {}
 
@@ -39,6 +41,7 @@ class OffloadRuntime:
     def begin_forward(self, n_tokens: int, phase: str):
         """Called by the first MoE layer of every forward pass, before it computes."""
         self.settle()
+        self.phase = phase
         self.clock += 1
         self.forwards += 1
         self.tokens[phase] += n_tokens
@@ -93,3 +96,12 @@ class OffloadRuntime:
             stats.install_s += t2 - t1
             stats.bytes_read += self.store.bytes_read - before
             stats.experts_loaded += len(chunk)
+            io = self.io[self.phase]
+            io["bytes_read"] += self.store.bytes_read - before
+            io["stall_s"] += t1 - t0
+            io["install_s"] += t2 - t1
+
+
+def empty_io() -> Dict[str, Dict[str, float]]:
+    """Reads by the phase of the pass that caused them (deferred skip-mode loads count to the next pass)."""
+    return {phase: {"bytes_read": 0, "stall_s": 0.0, "install_s": 0.0} for phase in ("prefill", "decode")}

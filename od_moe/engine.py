@@ -204,6 +204,7 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
         raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
     path = resolve_model_path(model)
     target_dtype = backend.compute_dtype(dtype)
+    backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = ExpertStore(path)  # validates every safetensors header against its file first
     try:
         mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)

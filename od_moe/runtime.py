@@ -20,7 +20,8 @@ from .cache import LayerCache, Origin
 from .store import ExpertStore, Staging
 
 MISS_POLICIES = ("load", "skip")
-READ_BATCH = 16  # experts per preadv round; bounds the staging buffers
+READ_BATCH = 16  # experts per read round at most...
+STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install copies count against budgets
 
 
 class OffloadRuntime:
@@ -75,7 +76,8 @@ class OffloadRuntime:
         key = tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in cache.layout.parts)
         staging = self._staging.get(key)
         if staging is None:
-            staging = self._staging[key] = Staging(cache.layout, READ_BATCH)
+            size = max(1, min(READ_BATCH, STAGING_BYTES // cache.layout.expert_nbytes))
+            staging = self._staging[key] = Staging(cache.layout, size)
         return staging
 
     def load(self, cache: LayerCache, ids: Sequence[int], origin: Origin, protect: Sequence[int] = ()):

@@ -79,7 +79,7 @@ def _row(model, capacity_fraction, result, stock, budget=None):
     peak = max(stats["memory"]["peak_bytes"], result["load_peak_bytes"])
     return {
         "model": model, "capacity": capacity_fraction, "slots": stats["capacity"],
-        "miss_policy": stats["miss_policy"], "reads": "cold" if budget is not None else "warm",
+        "miss_policy": stats["miss_policy"], "eviction": stats["eviction"], "reads": "cold" if budget is not None else "warm",
         "hit_rate": stats["total"]["decode"]["hit_rate"], "prefill_hit_rate": stats["total"]["prefill"]["hit_rate"],
         "bytes_per_token": io["bytes_read"] / decode_tokens,
         "stall_ms_per_token": io["stall_s"] * 1e3 / decode_tokens,
@@ -98,10 +98,11 @@ def run_foundation(capacities, max_tokens, widen, widened_tokens, workdir: Path,
     rows.append({"model": "bundled", "capacity": 1.0, "policy": "stock mlx-lm", "tok_s": stock["tok_s"],
                  "tok_s_ratio_resident": 1.0, "peak_bytes": stock["peak_bytes"], "exact": True})
     for fraction in capacities:
-        result = run_od_moe(DEFAULT_MODEL, PROMPTS, max_tokens, capacity=fraction)
-        rows.append(_row("bundled", fraction, result, stock))
-    say(table(["capacity", "exact", "decode hit", "decode tok/s", "x stock", "KiB read/tok", "stall ms/tok", "peak MiB"],
-              [[r.get("policy") or f"{r['capacity']:.1%}", r["exact"], r.get("hit_rate"), r["tok_s"], r["tok_s_ratio_resident"],
+        for eviction in ("lru", "lfu") if fraction < 1 else ("lru",):
+            result = run_od_moe(DEFAULT_MODEL, PROMPTS, max_tokens, capacity=fraction, eviction=eviction)
+            rows.append(_row("bundled", fraction, result, stock))
+    say(table(["capacity", "eviction", "exact", "decode hit", "decode tok/s", "x stock", "KiB read/tok", "stall ms/tok", "peak MiB"],
+              [[r.get("policy") or f"{r['capacity']:.1%}", r.get("eviction"), r["exact"], r.get("hit_rate"), r["tok_s"], r["tok_s_ratio_resident"],
                 None if "bytes_per_token" not in r else r["bytes_per_token"] / 1024, r.get("stall_ms_per_token"),
                 mib(r["peak_bytes"])] for r in rows],
               title=f"\nBundled model, {max_tokens} greedy tokens per prompt, load (exact) mode"))

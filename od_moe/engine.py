@@ -198,6 +198,8 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
     """
+    if predictor is not None:
+        raise UserError("shadow predictors are not supported by this version yet: load without predictor=")
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
     if eviction not in EVICTION_POLICIES:

@@ -156,21 +156,23 @@ class LayerCache:
             score = self.frequency * 0.5 ** ((clock - self.last_use) / LFU_HALF_LIFE)
         return np.argsort(score, kind="stable")
 
-    def room(self, protect: Sequence[int] = ()) -> int:
-        """How many experts can be installed without evicting pinned slots or `protect`."""
+    def _blocked(self, protect: Sequence[int]) -> np.ndarray:
+        """Slots that may not be evicted: pinned ones and those holding `protect`."""
         blocked = self.pinned.copy()
         held = self.slot_of[np.asarray(protect, dtype=np.int64)] if len(protect) else np.empty(0, np.int64)
         blocked[held[held >= 0]] = True
-        return int((~blocked).sum())
+        return blocked
+
+    def room(self, protect: Sequence[int] = ()) -> int:
+        """How many experts can be installed without evicting pinned slots or `protect`."""
+        return int((~self._blocked(protect)).sum())
 
     def choose_slots(self, n: int, protect: Sequence[int], clock: float) -> np.ndarray:
         """n slots to install into: free ones first, then the most evictable unpinned, unprotected."""
         free = np.flatnonzero(self.expert_in_slot < 0)
         if len(free) >= n:
             return free[:n]
-        blocked = self.pinned.copy()
-        held = self.slot_of[np.asarray(protect, dtype=np.int64)] if len(protect) else np.empty(0, np.int64)
-        blocked[held[held >= 0]] = True
+        blocked = self._blocked(protect)
         order = [s for s in self._eviction_order(clock) if not blocked[s] and self.expert_in_slot[s] >= 0]
         chosen = np.concatenate([free, np.array(order[: n - len(free)], dtype=np.int64)])
         if len(chosen) < n:

@@ -1,4 +1,4 @@
-"""The `od-moe` command line: `generate` and `bench` (more subcommands join as they are built).
+"""The `od-moe` command line: `generate`, `bench`, `train-predictor` and `eval-predictor`.
 
 User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2.
 """
@@ -38,6 +38,33 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_arguments
 
     add_arguments(bench)
+
+    train = sub.add_parser("train-predictor", help="record routing traces, train the shadow predictor, report its accuracy")
+    train.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    train.add_argument("--data", help="text/JSON lines/parquet file, a folder of them, or a hub dataset (default: bundled Python source)")
+    train.add_argument("--text-field", default="text", help="the column holding the text in JSON/parquet/CSV data")
+    train.add_argument("--eval-data", help="held-out text to report on (default: 10%% of --data's documents, held out)")
+    train.add_argument("--out", default="predictor", help="folder for the predictor and report.json (default: ./predictor)")
+    train.add_argument("--lookahead", type=int, default=4, help="predict the experts of this many layers ahead")
+    train.add_argument("--max-tokens", type=int, default=200_000, help="training tokens to record (default 200000)")
+    train.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens to record (default 16384)")
+    train.add_argument("--epochs", type=int, default=4)
+    train.add_argument("--rank", type=int, default=64, help="width of the predictor's trunk")
+    train.add_argument("--batch-size", type=int, default=512)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--traces", help="folder to record traces into and reuse (default: DIR/traces, removed after)")
+    train.add_argument("--keep-traces", action="store_true", help="keep OUT/traces after training")
+    train.add_argument("--json", action="store_true", help="print report.json instead of the tables")
+    _capacity_arg(train)
+
+    ev = sub.add_parser("eval-predictor", help="report a predictor's accuracy and the baselines on any text")
+    ev.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    ev.add_argument("--predictor", required=True, help="folder written by train-predictor")
+    ev.add_argument("--data", required=True, help="text/JSON lines/parquet file, a folder of them, or a hub dataset")
+    ev.add_argument("--text-field", default="text")
+    ev.add_argument("--max-tokens", type=int, default=16384, help="tokens to record and evaluate (default 16384)")
+    ev.add_argument("--json", action="store_true", help="print the report as JSON")
+    _capacity_arg(ev)
     return parser
 
 
@@ -62,14 +89,52 @@ def cmd_generate(args):
         print(format_stats(engine.stats(), response), file=sys.stderr)
 
 
+def _print_report(report: dict, as_json: bool):
+    import json
+
+    from .training.report import format_report
+
+    print(json.dumps(report, indent=1) if as_json else format_report(report))
+
+
+def cmd_train_predictor(args):
+    from .training.pipeline import train_predictor_job
+
+    report = train_predictor_job(
+        model=args.model, data=args.data, text_field=args.text_field, eval_data=args.eval_data, out=args.out,
+        lookahead=args.lookahead, rank=args.rank, max_tokens=args.max_tokens, eval_tokens=args.eval_tokens,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, capacity=args.capacity,
+        memory_budget=args.memory_budget, traces_dir=args.traces, keep_traces=args.keep_traces)
+    _print_report(report, args.json)
+    if not args.json:
+        print(f"\npredictor and report.json written to {args.out}")
+
+
+def cmd_eval_predictor(args):
+    from .training.pipeline import eval_predictor_job
+
+    report = eval_predictor_job(args.predictor, args.data, model=args.model, text_field=args.text_field,
+                                max_tokens=args.max_tokens, capacity=args.capacity, memory_budget=args.memory_budget)
+    _print_report(report, args.json)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
         _check_positive(parser, "--max-tokens", args.max_tokens)
+    if args.command in ("train-predictor", "eval-predictor"):
+        for name in ("max_tokens", "eval_tokens", "epochs", "rank", "batch_size"):
+            _check_positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
+        if getattr(args, "lr", 1.0) <= 0:
+            parser.error(f"--lr must be positive, got {args.lr}")
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "train-predictor":
+            cmd_train_predictor(args)
+        elif args.command == "eval-predictor":
+            cmd_eval_predictor(args)
         elif args.command == "bench":
             from .bench.cli import run
 

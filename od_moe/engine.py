@@ -71,6 +71,7 @@ class Engine:
         self.non_expert_nbytes = non_expert_nbytes
         self.predictor = predictor
         self.load_peak_bytes = 0
+        self.moe_blocks = []  # the modules that hold each MoE layer's router and switch, in layer order
 
     @property
     def caches(self) -> List[LayerCache]:
@@ -229,6 +230,7 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(mlx_model, tokenizer, path, runtime, switches, model_identity(path, store),
                     top_k_of(blocks[0].block), non_expert, predictor)
+    engine.moe_blocks = [b.block for b in blocks]
     if snapshot is not None:
         engine.load_snapshot(snapshot)
     elif slots == num_experts:

@@ -1,0 +1,166 @@
+"""The shadow network: from what exists at MoE layer i, scores for every expert of layers i+1 ... i+D.
+
+Inputs at source layer i, for each token: the hidden state entering layer i's MoE block (x_i), layer i's
+router logits, and the "next-gate" logits, the routers of the target layers applied to x_i (the model's
+own router weights, attached at load, not stored here). Per source layer, a trunk `[x_i, logits_i] -> R`
+(SiLU) feeds one head per lookahead (fused into one matmul); each head's output is added to its next-gate
+logits times a learned per-expert scale, so the network starts from next-gate speculation and learns the
+correction. Saved as `predictor.safetensors` plus `config.json`, tied to one model's identity.
+Not here: training (`od_moe.training.train`) or prefetching.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import UserError
+
+WEIGHTS_FILE, CONFIG_FILE = "predictor.safetensors", "config.json"
+
+
+@dataclass
+class PredictorConfig:
+    model_identity: str
+    num_layers: int  # MoE layers of the model
+    num_experts: int
+    hidden_size: int
+    top_k: int
+    lookahead: int = 4
+    rank: int = 64
+    use_router_logits: bool = True
+    use_next_gate: bool = True
+    data_sha256: str = ""
+    trained_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PredictorConfig":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def targets(self, source: int) -> List[int]:
+        """The target layers a prediction made at `source` covers."""
+        return list(range(source + 1, min(source + self.lookahead, self.num_layers - 1) + 1))
+
+
+class ShadowPredictor(nn.Module):
+    def __init__(self, config: PredictorConfig):
+        super().__init__()
+        c = self.config = config
+        if not 1 <= c.lookahead < c.num_layers:
+            raise UserError(f"lookahead {c.lookahead} must be 1 to {c.num_layers - 1}: the model has {c.num_layers} "
+                            "MoE layers, and a prediction must land on a layer that exists")
+        in_dim = c.hidden_size + (c.num_experts if c.use_router_logits else 0)
+        sources = range(c.num_layers - 1)
+        self.trunks = [nn.Linear(in_dim, c.rank) for _ in sources]
+        self.heads = [nn.Linear(c.rank, c.num_experts * len(c.targets(i))) for i in sources]
+        for head in self.heads:  # start as next-gate speculation (or uniform without it)
+            head.weight = mx.zeros_like(head.weight)
+            head.bias = mx.zeros_like(head.bias)
+        self.gate_scales = [mx.ones((len(c.targets(i)), c.num_experts)) for i in sources]
+        self._routers: Optional[mx.array] = None  # (L, E, H) and (L, E): the model's routers
+
+    # -- routers ------------------------------------------------------------------------------------
+    def attach_routers(self, weights: np.ndarray, biases: np.ndarray):
+        """Give the predictor the model's router weights (L, E, H) and biases (L, E) for next-gate logits."""
+        object.__setattr__(self, "_routers", (mx.array(weights, mx.float32), mx.array(biases, mx.float32)))
+
+    def next_gate(self, source: int, x: mx.array) -> mx.array:
+        """The target layers' routers applied to `x` (n, H): (n, D_i, E)."""
+        if self._routers is None:
+            raise RuntimeError("attach_routers() first: next-gate logits need the model's router weights")
+        w, b = self._routers
+        targets = self.config.targets(source)
+        w_t = w[targets[0]: targets[-1] + 1]  # (D_i, E, H)
+        return mx.einsum("nh,deh->nde", x, w_t) + b[targets[0]: targets[-1] + 1]
+
+    # -- prediction ---------------------------------------------------------------------------------
+    def __call__(self, source: int, x: mx.array, logits: Optional[mx.array] = None,
+                 next_gate: Optional[mx.array] = None) -> mx.array:
+        """Scores (n, D_i, E) for the target layers of `source`, from x (n, H) and the router logits (n, E)
+        of that layer. `next_gate` may be given precomputed (training); otherwise it is computed."""
+        c = self.config
+        x = x.astype(mx.float32)
+        inputs = [x, logits.astype(mx.float32)] if c.use_router_logits else [x]
+        h = nn.silu(self.trunks[source](mx.concatenate(inputs, axis=-1)))
+        out = self.heads[source](h).reshape(x.shape[0], -1, c.num_experts)
+        if c.use_next_gate:
+            if next_gate is None:
+                next_gate = self.next_gate(source, x)
+            out = out + next_gate * self.gate_scales[source]
+        return out
+
+    def predict_topk(self, source: int, x: mx.array, logits: Optional[mx.array], k: int) -> mx.array:
+        """The k highest-scored experts per token and target layer: (n, D_i, k), best first."""
+        scores = self(source, x, logits)
+        return mx.argsort(-scores, axis=-1)[..., :k]
+
+    # -- size and cost ------------------------------------------------------------------------------
+    def num_params(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.size for _, v in tree_flatten(self.parameters()))
+
+    def macs_per_token(self) -> int:
+        """Multiply-adds to predict from every source layer for one token (next-gate logits included)."""
+        c = self.config
+        in_dim = c.hidden_size + (c.num_experts if c.use_router_logits else 0)
+        total = 0
+        for i in range(c.num_layers - 1):
+            d = len(c.targets(i))
+            total += in_dim * c.rank + c.rank * c.num_experts * d
+            if c.use_next_gate:
+                total += c.hidden_size * c.num_experts * d
+        return total
+
+    # -- persistence --------------------------------------------------------------------------------
+    def save(self, path):
+        from mlx.utils import tree_flatten
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(out / WEIGHTS_FILE), dict(tree_flatten(self.parameters())))
+        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1))
+
+
+def load_predictor(path, model_identity: Optional[str] = None) -> ShadowPredictor:
+    """A saved predictor; a UserError if the folder is not one or it was trained for another model."""
+    folder = Path(path).expanduser()
+    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise UserError(f"{folder} is not a predictor folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}): "
+                        f"train one with `od-moe train-predictor --out {folder}`")
+    try:
+        config = PredictorConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise UserError(f"{folder / CONFIG_FILE} is not a valid predictor config: {e}")
+    if model_identity is not None and config.model_identity != model_identity:
+        raise UserError(f"predictor {folder} was trained for another model (identity {config.model_identity}, "
+                        f"this model is {model_identity}): train one for this model with `od-moe train-predictor --model ...`")
+    predictor = ShadowPredictor(config)
+    predictor.load_weights(str(folder / WEIGHTS_FILE))
+    mx.eval(predictor.parameters())
+    return predictor
+
+
+def router_matrices(engine) -> tuple:
+    """The model's routers as dense float32 arrays: weights (L, E, H) and biases (L, E)."""
+    weights, biases = [], []
+    for block in engine.moe_blocks:
+        gate = block.get("gate")
+        if isinstance(gate, nn.QuantizedLinear):
+            w = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
+                              mode=getattr(gate, "mode", "affine"))
+        elif gate is not None and "weight" in gate:
+            w = gate.weight
+        else:
+            raise UserError(f"{type(block).__name__} has no linear router (`gate.weight`): this model's routing "
+                            "cannot drive the shadow predictor's next-gate features")
+        b = gate.get("bias") if isinstance(gate, nn.Module) else None
+        weights.append(np.array(w.astype(mx.float32)))
+        biases.append(np.array(b.astype(mx.float32)) if b is not None else np.zeros(w.shape[0], np.float32))
+    return np.stack(weights), np.stack(biases)

@@ -1,0 +1,121 @@
+"""How well experts of layers ahead are named: the shadow predictor and the baselines, on the same tokens.
+
+Definitions (../shared/DESIGN.md): recall@k at lookahead d averages, over tokens and source layers i with
+i+d < L, |predicted top-k for layer i+d ∩ true top-k of layer i+d| / k, the prediction using only what
+exists at layer i; recall@2k counts the true experts among the top 2k predicted, still divided by k.
+Baselines: next-gate speculation (layer i+d's router on layer i's MoE input), the previous token's experts
+at the same layer, and a static frequency profile (the C most used experts per layer on the first half of
+the tokens, hit rate on the second half). Not here: training, or the report's printing (`report.py`).
+"""
+
+import time
+from typing import Dict
+
+import mlx.core as mx
+import numpy as np
+
+PROFILE_FRACTIONS = (0.125, 0.25, 0.5)
+
+
+def multi_hot(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """(N, k) expert ids -> (N, E) booleans."""
+    out = np.zeros((ids.shape[0], num_experts), bool)
+    np.put_along_axis(out, ids.astype(np.int64), True, axis=-1)
+    return out
+
+
+def recall(predicted: np.ndarray, truth: np.ndarray, k: int) -> np.ndarray:
+    """Per row: how many of the true experts (multi-hot (N, E)) are among `predicted` (N, m), over k."""
+    return np.take_along_axis(truth, predicted.astype(np.int64), axis=-1).sum(axis=-1) / k
+
+
+def top(scores: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the m highest scores per row."""
+    return np.argpartition(-scores, m - 1, axis=-1)[..., :m]
+
+
+def next_gate_logits(features: np.ndarray, routers, source: int, target: int) -> np.ndarray:
+    weights, biases = routers
+    return features[:, source].astype(np.float32) @ weights[target].T + biases[target]
+
+
+def baselines(traces: dict, routers, lookahead: int) -> dict:
+    ids, features = traces["ids"], traces["features"]
+    N, L, k = ids.shape
+    E = routers[0].shape[1]
+    truth = [multi_hot(ids[:, j], E) for j in range(L)]
+    next_gate, next_gate_2k = {}, {}
+    for d in range(1, lookahead + 1):
+        r1, r2 = [], []
+        for i in range(L - d):
+            scores = next_gate_logits(features, routers, i, i + d)
+            r1.append(recall(top(scores, k), truth[i + d], k))
+            r2.append(recall(top(scores, 2 * k), truth[i + d], k))
+        next_gate[str(d)] = float(np.mean(r1))
+        next_gate_2k[str(d)] = float(np.mean(r2))
+    same = traces["sequence"][1:] == traces["sequence"][:-1]
+    prev = [recall(ids[:-1, i][same], truth[i][1:][same], k) for i in range(L)]
+    profile = {}
+    half = N // 2
+    for frac in PROFILE_FRACTIONS:
+        C = max(1, int(E * frac))
+        hits = []
+        for i in range(L):
+            counts = np.bincount(ids[:half, i].ravel(), minlength=E)
+            resident = np.zeros(E, bool)
+            resident[np.argsort(-counts, kind="stable")[:C]] = True
+            hits.append(resident[ids[half:, i]].mean())
+        profile[str(frac)] = float(np.mean(hits))
+    return {"next_gate": next_gate, "next_gate_recall_at_2k": next_gate_2k,
+            "prev_token": float(np.mean(np.concatenate(prev))), "static_profile": profile}
+
+
+def predictor_scores(predictor, traces: dict, routers, source: int, batch: int = 4096) -> np.ndarray:
+    """Scores (N, D_i, E) of the predictor at `source` for every token of `traces`."""
+    c = predictor.config
+    targets = c.targets(source)
+    out = []
+    for s in range(0, traces["ids"].shape[0], batch):
+        x = traces["features"][s:s + batch, source].astype(np.float32)
+        logits = traces["logits"][s:s + batch, source].astype(np.float32) if c.use_router_logits else None
+        ng = np.stack([next_gate_logits(traces["features"][s:s + batch], routers, source, j) for j in targets], 1)
+        scores = predictor(source, mx.array(x), None if logits is None else mx.array(logits), mx.array(ng))
+        out.append(np.array(scores))
+    return np.concatenate(out)
+
+
+def evaluate_predictor(predictor, traces: dict, routers) -> dict:
+    """recall@k and recall@2k per lookahead, overall and per source layer."""
+    c = predictor.config
+    ids = traces["ids"]
+    N, L, k = ids.shape
+    truth = [multi_hot(ids[:, j], c.num_experts) for j in range(L)]
+    per = {d: {"k": [], "2k": []} for d in range(1, c.lookahead + 1)}
+    for i in range(L - 1):
+        scores = predictor_scores(predictor, traces, routers, i)
+        for n, j in enumerate(c.targets(i)):
+            order = top(scores[:, n], 2 * k)
+            s = scores[:, n]
+            best2k = np.take_along_axis(order, np.argsort(-np.take_along_axis(s, order, -1), -1), -1)
+            per[j - i]["k"].append(recall(best2k[:, :k], truth[j], k).mean())
+            per[j - i]["2k"].append(recall(best2k, truth[j], k).mean())
+    return {str(d): {"recall_at_k": float(np.mean(v["k"])), "recall_at_2k": float(np.mean(v["2k"])),
+                     "per_layer": [float(x) for x in v["k"]], "per_layer_at_2k": [float(x) for x in v["2k"]]}
+            for d, v in per.items() if v["k"]}
+
+
+def predictor_latency_ms(predictor, hidden_size: int, num_experts: int, repeats: int = 50) -> float:
+    """Wall time to predict from every source layer for one token (next-gate logits included), in ms."""
+    x = mx.random.normal((1, hidden_size))
+    logits = mx.random.normal((1, num_experts))
+    mx.eval(x, logits)
+
+    def once():
+        mx.eval([predictor.predict_topk(i, x, logits, 2 * predictor.config.top_k)
+                 for i in range(predictor.config.num_layers - 1)])
+
+    once()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    return (time.perf_counter() - start) / repeats * 1000

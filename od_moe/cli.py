@@ -1,4 +1,4 @@
-"""The `od-moe` command line: `generate`, `bench`, `train-predictor` and `eval-predictor`.
+"""The `od-moe` command line: `generate`, `serve`, `bench`, `train-predictor` and `eval-predictor`.
 
 User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2.
 """
@@ -33,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--snapshot", help="warm-start from a snapshot folder saved for this model and capacity")
     gen.add_argument("--save-snapshot", help="after generating, save the resident set to this folder")
     gen.add_argument("--stats", action="store_true", help="print cache statistics after the text")
+
+    srv = sub.add_parser("serve", help="serve OpenAI-compatible completions and chat over HTTP, with /health")
+    srv.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    srv.add_argument("--predictor", help="a shadow predictor folder written by train-predictor")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; anything else is your choice to expose it)")
+    srv.add_argument("--port", type=int, default=8080)
+    _capacity_arg(srv)
+    srv.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may generate")
+    srv.add_argument("--max-input-tokens", type=int, default=16384, help="the longest prompt accepted, in tokens")
 
     bench = sub.add_parser("bench", help="measure speed, memory, hit rate and reads against stock mlx-lm")
     from .bench.cli import add_arguments
@@ -118,11 +127,23 @@ def cmd_eval_predictor(args):
     _print_report(report, args.json)
 
 
+def cmd_serve(args):
+    from .server import serve
+
+    serve(args.model, predictor=args.predictor, host=args.host, port=args.port, capacity=args.capacity,
+          memory_budget=args.memory_budget, max_tokens=args.max_tokens, max_input_tokens=args.max_input_tokens,
+          log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         _check_positive(parser, "--max-tokens", args.max_tokens)
+    if args.command == "serve":
+        _check_positive(parser, "--max-input-tokens", args.max_input_tokens)
+        if not 0 <= args.port < 65536:
+            parser.error(f"--port must be 0 to 65535, got {args.port}")
     if args.command in ("train-predictor", "eval-predictor"):
         for name in ("max_tokens", "eval_tokens", "epochs", "rank", "batch_size"):
             _check_positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
@@ -131,6 +152,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "serve":
+            cmd_serve(args)
         elif args.command == "train-predictor":
             cmd_train_predictor(args)
         elif args.command == "eval-predictor":

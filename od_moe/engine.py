@@ -196,11 +196,10 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
         embedded default. capacity: experts per layer (int), a fraction (0.25) or "25%"; memory_budget:
         bytes or "8GB" for the whole engine (None and no capacity: 70% of available memory).
     miss_policy: "load" (exact) or "skip" (approximate). eviction: "lru" or "lfu".
+    predictor: a shadow predictor folder written by `od-moe train-predictor` (checked against this model).
     snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
     """
-    if predictor is not None:
-        raise UserError("shadow predictors are not supported by this version yet: load without predictor=")
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
     if eviction not in EVICTION_POLICIES:
@@ -229,8 +228,10 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     switches = [_offload_block(b, i, store, runtime, slots, eviction, miss_policy) for i, b in enumerate(blocks)]
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(mlx_model, tokenizer, path, runtime, switches, model_identity(path, store),
-                    top_k_of(blocks[0].block), non_expert, predictor)
+                    top_k_of(blocks[0].block), non_expert)
     engine.moe_blocks = [b.block for b in blocks]
+    if predictor is not None:
+        engine.predictor = _attach_predictor(engine, predictor)
     if snapshot is not None:
         engine.load_snapshot(snapshot)
     elif slots == num_experts:
@@ -239,6 +240,19 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
+
+
+def _attach_predictor(engine: Engine, predictor):
+    """A shadow predictor (a folder or a `ShadowPredictor`) checked against this model, with its routers."""
+    from .predictor import ShadowPredictor, load_predictor, router_matrices
+
+    if not isinstance(predictor, ShadowPredictor):
+        predictor = load_predictor(predictor, engine.identity)
+    elif predictor.config.model_identity != engine.identity:
+        raise UserError(f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
+                        f"this model is {engine.identity}): train one for this model")
+    predictor.attach_routers(*router_matrices(engine))
+    return predictor
 
 
 def _offload_block(block: MoEBlock, index: int, store: ExpertStore, runtime: OffloadRuntime, slots: int,

@@ -100,6 +100,19 @@ class ShadowPredictor(nn.Module):
         scores = self(source, x, logits)
         return mx.argsort(-scores, axis=-1)[..., :k]
 
+    @property
+    def identity(self) -> str:
+        """A digest of the configuration and weights: what snapshots made with this predictor are tied to."""
+        import hashlib
+
+        from mlx.utils import tree_flatten
+
+        digest = hashlib.sha256(json.dumps(asdict(self.config), sort_keys=True, default=str).encode())
+        for key, value in tree_flatten(self.parameters()):
+            digest.update(key.encode())
+            digest.update(np.array(value).tobytes())
+        return digest.hexdigest()[:16]
+
     # -- size and cost ------------------------------------------------------------------------------
     def num_params(self) -> int:
         from mlx.utils import tree_flatten

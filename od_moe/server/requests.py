@@ -1,0 +1,126 @@
+"""Validation of OpenAI-style request bodies into a `GenerationParams`, and the API's error type.
+
+Every user mistake becomes an `ApiError` with an HTTP status and an OpenAI-shaped JSON body. Not here:
+tokenizing prompts (the app does it, because it needs the tokenizer) or generating.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body, name, default, low, high, integer=False, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"{'>' if low_open else '>='} {low} and <= {high}"
+        raise ApiError(400, f"'{name}' must be {bounds}, got {value!r}", name)
+    return value
+
+
+def parse_params(body: dict, max_tokens_cap: int, default_max_tokens: int) -> GenerationParams:
+    """Sampling and length settings shared by completions and chat."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        max_tokens = min(default_max_tokens, max_tokens_cap)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", name)
+    elif value < 1:
+        raise ApiError(400, f"'{name}' must be at least 1, got {value}", name)
+    elif value > max_tokens_cap:
+        raise ApiError(400, f"'{name}' {value} is above this server's limit of {max_tokens_cap} (--max-tokens)", name)
+    else:
+        max_tokens = value
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", "stop")
+    stop = [s for s in stop if s]
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "seed")
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+        top_k=int(_number(body, "top_k", 0, 0, 1_000_000, integer=True)),
+        seed=seed, stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)))
+
+
+def parse_prompt(body: dict):
+    """The prompt of a completions request: text, or token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return prompt
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    raise ApiError(400, "'prompt' must be a non-empty string (or one list of token ids)", "prompt")
+
+
+def parse_messages(body: dict) -> List[dict]:
+    """The messages of a chat request, as {role, content} with text content."""
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object with a role ({', '.join(ROLES)})", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}].content parts must be text parts", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["content"] for m in out):
+        raise ApiError(400, "'messages' has no content", "messages")
+    return out

@@ -34,6 +34,8 @@ class PredictorConfig:
     rank: int = 64
     use_router_logits: bool = True
     use_next_gate: bool = True
+    use_prev_token: bool = True
+    prev_feature: str = "logits"  # "routing": the previous token's experts; "logits": its router log-probabilities
     data_sha256: str = ""
     trained_tokens: int = 0
     metrics: dict = field(default_factory=dict)
@@ -63,6 +65,8 @@ class ShadowPredictor(nn.Module):
             head.weight = mx.zeros_like(head.weight)
             head.bias = mx.zeros_like(head.bias)
         self.gate_scales = [mx.ones((len(c.targets(i)), c.num_experts)) for i in sources]
+        if c.use_prev_token:  # a learned bonus for the experts the previous token used at each target layer
+            self.prev_scales = [mx.zeros((len(c.targets(i)), c.num_experts)) for i in sources]
         self._routers: Optional[mx.array] = None  # (L, E, H) and (L, E): the model's routers
 
     # -- routers ------------------------------------------------------------------------------------
@@ -81,9 +85,10 @@ class ShadowPredictor(nn.Module):
 
     # -- prediction ---------------------------------------------------------------------------------
     def __call__(self, source: int, x: mx.array, logits: Optional[mx.array] = None,
-                 next_gate: Optional[mx.array] = None) -> mx.array:
+                 next_gate: Optional[mx.array] = None, prev: Optional[mx.array] = None) -> mx.array:
         """Scores (n, D_i, E) for the target layers of `source`, from x (n, H) and the router logits (n, E)
-        of that layer. `next_gate` may be given precomputed (training); otherwise it is computed."""
+        of that layer. `next_gate` may be given precomputed (training); otherwise it is computed. `prev`
+        (n, D_i, E) marks the experts the previous token used at the target layers (none: first token)."""
         c = self.config
         x = x.astype(mx.float32)
         inputs = [x, logits.astype(mx.float32)] if c.use_router_logits else [x]
@@ -93,11 +98,14 @@ class ShadowPredictor(nn.Module):
             if next_gate is None:
                 next_gate = self.next_gate(source, x)
             out = out + next_gate * self.gate_scales[source]
+        if c.use_prev_token and prev is not None:
+            out = out + prev.astype(mx.float32) * self.prev_scales[source]
         return out
 
-    def predict_topk(self, source: int, x: mx.array, logits: Optional[mx.array], k: int) -> mx.array:
+    def predict_topk(self, source: int, x: mx.array, logits: Optional[mx.array], k: int,
+                     prev: Optional[mx.array] = None) -> mx.array:
         """The k highest-scored experts per token and target layer: (n, D_i, k), best first."""
-        scores = self(source, x, logits)
+        scores = self(source, x, logits, prev=prev)
         return mx.argsort(-scores, axis=-1)[..., :k]
 
     @property

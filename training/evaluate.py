@@ -34,6 +34,23 @@ def top(scores: np.ndarray, m: int) -> np.ndarray:
     return np.argpartition(-scores, m - 1, axis=-1)[..., :m]
 
 
+def previous_token_routing(traces: dict, rows: np.ndarray, layers, num_experts: int, kind: str = "routing") -> np.ndarray:
+    """(n, len(layers), E): what the previous token of the same sequence did at `layers`: the experts it
+    used ("routing", multi-hot) or its router's log-probabilities ("logits"); zeros for a first token."""
+    rows = np.asarray(rows)
+    prev = np.maximum(rows - 1, 0)
+    ok = (rows > 0) & (traces["sequence"][prev] == traces["sequence"][rows])
+    out = np.zeros((len(rows), len(layers), num_experts), np.float32)
+    for n, j in enumerate(layers):
+        if kind == "logits":
+            lg = traces["logits"][prev, j].astype(np.float32)
+            lg = lg - lg.max(-1, keepdims=True)
+            out[:, n] = (lg - np.log(np.exp(lg).sum(-1, keepdims=True))) * ok[:, None]
+        else:
+            out[:, n] = multi_hot(traces["ids"][prev, j], num_experts) * ok[:, None]
+    return out
+
+
 def next_gate_logits(features: np.ndarray, routers, source: int, target: int) -> np.ndarray:
     weights, biases = routers
     return features[:, source].astype(np.float32) @ weights[target].T + biases[target]
@@ -79,7 +96,9 @@ def predictor_scores(predictor, traces: dict, routers, source: int, batch: int =
         x = traces["features"][s:s + batch, source].astype(np.float32)
         logits = traces["logits"][s:s + batch, source].astype(np.float32) if c.use_router_logits else None
         ng = np.stack([next_gate_logits(traces["features"][s:s + batch], routers, source, j) for j in targets], 1)
-        scores = predictor(source, mx.array(x), None if logits is None else mx.array(logits), mx.array(ng))
+        rows = np.arange(s, min(s + batch, traces["ids"].shape[0]))
+        prev = mx.array(previous_token_routing(traces, rows, targets, c.num_experts, c.prev_feature)) if c.use_prev_token else None
+        scores = predictor(source, mx.array(x), None if logits is None else mx.array(logits), mx.array(ng), prev)
         out.append(np.array(scores))
     return np.concatenate(out)
 
@@ -106,13 +125,14 @@ def evaluate_predictor(predictor, traces: dict, routers) -> dict:
 
 def predictor_latency_ms(predictor, hidden_size: int, num_experts: int, repeats: int = 50) -> float:
     """Wall time to predict from every source layer for one token (next-gate logits included), in ms."""
+    c = predictor.config
     x = mx.random.normal((1, hidden_size))
     logits = mx.random.normal((1, num_experts))
-    mx.eval(x, logits)
+    prev = [mx.zeros((1, len(c.targets(i)), num_experts)) if c.use_prev_token else None for i in range(c.num_layers - 1)]
+    mx.eval(x, logits, [p for p in prev if p is not None])
 
     def once():
-        mx.eval([predictor.predict_topk(i, x, logits, 2 * predictor.config.top_k)
-                 for i in range(predictor.config.num_layers - 1)])
+        mx.eval([predictor.predict_topk(i, x, logits, 2 * c.top_k, prev[i]) for i in range(c.num_layers - 1)])
 
     once()
     start = time.perf_counter()

@@ -78,8 +78,8 @@ def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict
             "predictor": _predictor_section(predictor, engine, history)}
 
 
-def train_predictor_job(model=None, data=None, text_field="text", eval_data=None, out="predictor",
-                        lookahead=4, rank=64, max_tokens=None, eval_tokens=16384, epochs=4, batch_size=512,
+def train_predictor_job(model=None, data=None, text_field="text", eval_data=None, out="od-moe-predictor",
+                        lookahead=4, rank=80, max_tokens=None, eval_tokens=16384, epochs=3, batch_size=512,
                         lr=2e-3, capacity=None, memory_budget=None, traces_dir=None, keep_traces=False) -> dict:
     """Record, train, evaluate and save; returns the report (also written to `out/report.json`)."""
     from .. import load

@@ -16,11 +16,11 @@ import mlx.optimizers as optim
 import numpy as np
 
 from ..progress import Progress
-from .evaluate import multi_hot, next_gate_logits
+from .evaluate import multi_hot, next_gate_logits, previous_token_routing
 
 
 def _layer_batches(shard: dict, config, routers, rows: np.ndarray):
-    """Per source layer: (x, logits, next-gate logits, target distribution) for the given rows."""
+    """Per source layer: (x, logits, next-gate logits, previous token's routing, target distribution)."""
     feats, logits, ids = shard["features"][rows], shard.get("logits"), shard["ids"][rows]
     k = ids.shape[-1]
     out = []
@@ -29,15 +29,16 @@ def _layer_batches(shard: dict, config, routers, rows: np.ndarray):
         x = feats[:, i].astype(np.float32)
         lg = logits[rows, i].astype(np.float32) if config.use_router_logits else None
         ng = np.stack([next_gate_logits(feats, routers, i, j) for j in targets], 1)
+        prev = previous_token_routing(shard, rows, targets, config.num_experts, config.prev_feature) if config.use_prev_token else None
         y = np.stack([multi_hot(ids[:, j], config.num_experts) for j in targets], 1).astype(np.float32) / k
-        out.append((mx.array(x), None if lg is None else mx.array(lg), mx.array(ng), mx.array(y)))
+        out.append(tuple(None if a is None else mx.array(a) for a in (x, lg, ng, prev, y)))
     return out
 
 
 def loss_fn(predictor, batches) -> mx.array:
     total = 0.0
-    for i, (x, lg, ng, y) in enumerate(batches):
-        scores = predictor(i, x, lg, ng)
+    for i, (x, lg, ng, prev, y) in enumerate(batches):
+        scores = predictor(i, x, lg, ng, prev)
         total = total + mx.mean(-mx.sum(y * nn.log_softmax(scores, axis=-1), axis=-1))
     return total
 

@@ -229,3 +229,27 @@ def test_od_moe_serve_command_starts_a_server():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_anthropic_messages_endpoint(server):
+    base, _, _ = server
+    body = {"model": "tiny-qwen3-moe-4bit", "max_tokens": 12, "temperature": 0, "system": "You write Python.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "sort a list"}]}]}
+    status, reply = call(base, "/v1/messages", body)
+    assert status == 200 and reply["type"] == "message" and reply["stop_reason"] == "max_tokens"
+    assert reply["usage"]["output_tokens"] == 12 and reply["content"][0]["type"] == "text"
+    req = urllib.request.Request(base + "/v1/messages", data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        blocks = [b for b in r.read().decode().split("\n\n") if b]
+    names = [b.split("\n")[0][len("event: "):] for b in blocks]
+    assert names[:2] == ["message_start", "content_block_start"] and names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    deltas = [json.loads(b.split("\n")[1][len("data: "):])["delta"]["text"] for b, n in zip(blocks, names) if n == "content_block_delta"]
+    assert "".join(deltas) == reply["content"][0]["text"]
+    first_word = reply["content"][0]["text"].strip()[:3]
+    if first_word:
+        status, stopped = call(base, "/v1/messages", dict(body, stop_sequences=[first_word]))
+        assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == first_word
+        assert first_word not in stopped["content"][0]["text"]
+    status, err = call(base, "/v1/messages", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and err["type"] == "error" and "max_tokens" in err["error"]["message"]

@@ -87,7 +87,7 @@ def load_documents(data: Optional[str] = None, text_field: str = "text") -> Docu
             builder = _builder_for(f)
             if builder != "text" or _is_text(f):
                 groups.setdefault(builder, []).append(f)
-        texts = [t for builder, fs in sorted(groups.items()) for t in _load_files(fs, builder, text_field)]
+        texts = _load_text_groups(groups, text_field)
     elif str(data).count("/") <= 1 and not str(data).startswith((".", "/", "~")):
         texts = _load_hub(str(data), text_field)
     else:
@@ -95,6 +95,24 @@ def load_documents(data: Optional[str] = None, text_field: str = "text") -> Docu
     if not texts:
         raise UserError(f"no text found in {data}: the source is empty (or its --text-field column is)")
     return Documents(texts, str(path if path.exists() else data), text_field)
+
+
+def _load_text_groups(groups: dict, text_field: str) -> List[str]:
+    """A folder's documents: text files whole; structured files one by one, skipping those without the
+    text column (a folder may hold configs beside its data), unless none has it."""
+    texts, skipped = [], []
+    for builder, files in sorted(groups.items()):
+        if builder == "text":
+            texts += _load_files(files, builder, text_field)
+            continue
+        for f in files:
+            try:
+                texts += _load_files([f], builder, text_field)
+            except UserError as e:
+                skipped.append(e)
+    if not texts and skipped:
+        raise skipped[0]
+    return texts
 
 
 def _load_hub(name: str, text_field: str) -> List[str]:

@@ -1,4 +1,5 @@
-"""The Flask app: OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models`, plus
+"""The Flask app: OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models`, Anthropic's
+`/v1/messages` (for coding agents), plus
 `/health` (cache, prefetch and memory statistics) and `/metrics` (the same in Prometheus text).
 
 `create_app(engine)` wraps an engine in a `GenerationWorker`; request threads only validate, tokenize,
@@ -8,7 +9,6 @@ Not here: generation (`worker.py`) or validation rules (`requests.py`).
 """
 
 import json
-import queue
 import time
 import uuid
 from typing import Optional
@@ -16,6 +16,7 @@ from typing import Optional
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from . import anthropic
 from .requests import ApiError, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
 
@@ -44,6 +45,8 @@ def create_app(engine=None, *, worker: Optional[GenerationWorker] = None, model_
     def api_error(e: ApiError):
         with worker.lock:
             worker.counters["rejected"] += 1
+        if request.path == "/v1/messages":
+            return jsonify(anthropic.error_body(e)), e.status
         return jsonify(e.body()), e.status
 
     @app.errorhandler(HTTPException)
@@ -94,6 +97,19 @@ def create_app(engine=None, *, worker: Optional[GenerationWorker] = None, model_
         check_length(tokens)
         return respond(list(tokens), params, chat=True)
 
+    @app.post("/v1/messages")
+    def messages():
+        data = body_json()
+        messages, params = anthropic.parse_request(data, max_tokens)
+        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template))
+        check_length(tokens)
+        job = worker.submit(tokens, params)
+        if params.stream:
+            return Response(anthropic.stream(job, name, len(tokens), event_timeout_s), mimetype="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+        return jsonify(anthropic.message(job, name, event_timeout_s))
+
     @app.get("/v1/models")
     def models():
         return jsonify({"object": "list", "data": [{"id": name, "object": "model", "created": int(started),
@@ -114,15 +130,7 @@ def create_app(engine=None, *, worker: Optional[GenerationWorker] = None, model_
         obj = "chat.completion" if chat else "text_completion"
 
         def events():
-            while True:
-                try:
-                    event = job.events.get(timeout=event_timeout_s)
-                except queue.Empty:
-                    job.cancelled.set()
-                    raise ApiError(504, "generation timed out", kind="server_error")
-                yield event
-                if event[0] != "text":
-                    return
+            return job.stream(event_timeout_s)
 
         def chunk(delta_text=None, finish=None, usage=None, first=False):
             if chat:
@@ -145,7 +153,7 @@ def create_app(engine=None, *, worker: Optional[GenerationWorker] = None, model_
                     elif event[0] == "error":
                         raise event[1]
                     else:
-                        _, finish, usage = event
+                        finish, usage = event[1], event[2]
             except GeneratorExit:
                 job.cancelled.set()
                 raise
@@ -166,7 +174,7 @@ def create_app(engine=None, *, worker: Optional[GenerationWorker] = None, model_
                         yield "data: " + json.dumps(event[1].body()) + "\n\n"
                         return
                     else:
-                        _, finish, usage = event
+                        finish, usage = event[1], event[2]
                         yield chunk(None, finish)
                         if params.include_usage:
                             yield chunk(usage=usage)

@@ -69,7 +69,8 @@ def parse_params(body: dict, max_tokens_cap: int, default_max_tokens: int) -> Ge
     elif not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", "stop")
     stop = [s for s in stop if s]
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise ApiError(400, f"'stream' must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}

@@ -1,7 +1,8 @@
 """The generation worker: one thread that owns the engine and runs requests one at a time, in order.
 
 MLX work stays on this thread (the engine may even be loaded on it). Each job streams events to its own
-queue: ("text", str) pieces, then ("done", finish_reason, usage) or ("error", ApiError). A job whose client
+queue: ("text", str) pieces, then ("done", finish_reason, usage, matched stop string or None) or
+("error", ApiError). A job whose client
 went away is cancelled and its generation stopped at the next token. The KV cache of the previous request
 is kept with the tokens it holds and reused for the longest common token prefix of the next prompt; a
 failed or cancelled request drops it, so it is never reused wrongly. Not here: HTTP (`app.py`).
@@ -25,6 +26,18 @@ class Job:
     params: GenerationParams
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def stream(self, timeout_s: float):
+        """The job's events until its last one; a worker silent for `timeout_s` cancels it."""
+        while True:
+            try:
+                event = self.events.get(timeout=timeout_s)
+            except queue.Empty:
+                self.cancelled.set()
+                raise ApiError(504, "generation timed out", kind="server_error")
+            yield event
+            if event[0] != "text":
+                return
 
 
 class PromptCache:
@@ -125,7 +138,7 @@ class GenerationWorker:
         engine, p = self.engine, job.params
         cache, rest, reused = self.prompt_cache.take(engine.model, job.prompt)
         stops, hold = p.stop, max((len(s) for s in p.stop), default=1) - 1
-        text, sent, tokens, finish = "", 0, [], "length"
+        text, sent, tokens, finish, matched = "", 0, [], "length", None
         start = time.perf_counter()
         for response in engine.stream_generate(rest, max_tokens=p.max_tokens, temperature=p.temperature,
                                                top_p=p.top_p, top_k=p.top_k, seed=p.seed, prompt_cache=cache):
@@ -133,8 +146,9 @@ class GenerationWorker:
                 return "cancelled"  # the cache is dropped: it is not kept below
             tokens.append(response.token)
             text += response.text
-            cut = min((i for i in (text.find(s, max(0, sent - len(s))) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
+            found = [(i, s) for s in stops if (i := text.find(s, max(0, sent - len(s)))) >= 0]
+            if found:
+                cut, matched = min(found)
                 text, finish = text[:cut], "stop"
                 break
             if response.finish_reason == "stop":
@@ -154,5 +168,5 @@ class GenerationWorker:
             self.prompt_tokens += len(job.prompt)
             self.cached_tokens += reused
             self.completion_tokens += len(tokens)
-        job.events.put(("done", finish, usage))
+        job.events.put(("done", finish, usage, matched))
         return "completed"

@@ -56,6 +56,8 @@ class LayerStats:
     bytes_read: int = 0
     stall_s: float = 0.0  # generation thread waiting for reads
     install_s: float = 0.0  # copying read bytes into the stacked arrays
+    prefetch_useful: int = 0  # prefetched experts used before eviction
+    prefetch_wasted: int = 0  # prefetched experts evicted unused, or read when already resident
     evictions: int = 0
 
 
@@ -94,6 +96,7 @@ class LayerCache:
         self.last_use = np.zeros(C, dtype=np.float64)
         self.frequency = np.zeros(C, dtype=np.float64)
         self.origin = np.zeros(C, dtype=np.int8)
+        self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.stats = LayerStats()
         self._lookup = None
         self._resident = None
@@ -143,6 +146,8 @@ class LayerCache:
         slots, uses = slots[slots >= 0], np.asarray(uses)[slots >= 0]
         if slots.size == 0:
             return
+        self.stats.prefetch_useful += int(self.unused_prefetch[slots].sum())
+        self.unused_prefetch[slots] = False
         decay = 0.5 ** ((clock - self.last_use[slots]) / LFU_HALF_LIFE)
         self.frequency[slots] = self.frequency[slots] * decay + uses
         self.last_use[slots] = clock
@@ -201,6 +206,7 @@ class LayerCache:
             updated.append(stacked)
         mx.eval(updated)
         evicted = self.expert_in_slot[slots]
+        self.stats.prefetch_wasted += int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
         self.slot_of[evicted] = -1
         self.stats.evictions += len(evicted)
@@ -210,6 +216,7 @@ class LayerCache:
         self.last_use[slots] = clock
         self.frequency[slots] = 0.0
         self.origin[slots] = int(origin)
+        self.unused_prefetch[slots] = origin == Origin.PREFETCH
         self._lookup = self._resident = None
         return slots
 

@@ -108,6 +108,7 @@ class Engine:
         if seed is not None:
             mx.random.seed(int(seed))
         sampler = make_sampler(temp=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p))
+        self.runtime.start_generation()
         try:
             yield from mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens,
                                               sampler=sampler, **kwargs)
@@ -117,6 +118,56 @@ class Engine:
     def generate(self, prompt: Union[str, List[int]], max_tokens: int = 256, temperature: float = 0.0, **kwargs) -> str:
         """The whole completion of `prompt` as a string."""
         return "".join(r.text for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs))
+
+    # -- prefetch --------------------------------------------------------------------------------
+    def configure_prefetch(self, policy: str, oracle_trace=None, per_layer: Optional[int] = None,
+                           lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20):
+        """Choose what predicts experts ahead (see `policies.py`); "oracle" needs `oracle_trace`, the
+        routing recorded by `record_routing` for the same prompt."""
+        from .policies import POLICIES, NextGatePolicy, OraclePolicy, PredictorPolicy
+        from .prefetch import PrefetchQueue
+
+        if policy not in POLICIES:
+            raise UserError(f"unknown prefetch policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if policy != "none" and self.miss_policy == "skip" and policy != "profile":
+            raise UserError(f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')")
+        runtime = self.runtime
+        if runtime.prefetcher is not None:
+            runtime.prefetcher.close()
+        runtime.prefetcher, runtime.policy, runtime.policy_name, runtime.profile_counts = None, None, policy, None
+        runtime.segment = segment
+        per_layer = per_layer or self.top_k
+        for block, switch in zip(self.moe_blocks, self.switches):
+            gate = block.get("gate")
+            if policy == "predictor" and gate is not None and not isinstance(gate, GateTap):
+                block.gate = GateTap(gate, switch)
+        if policy == "none" or policy == "profile":
+            return
+        if policy == "predictor":
+            if self.predictor is None:
+                raise UserError("prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
+                                "(train one with `od-moe train-predictor`)")
+            runtime.policy = PredictorPolicy(self.predictor, per_layer)
+        elif policy == "next-gate":
+            from .predictor import router_matrices
+
+            runtime.policy = NextGatePolicy(router_matrices(self), per_layer)
+        else:
+            if oracle_trace is None:
+                raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt (record_routing)")
+            runtime.policy = OraclePolicy(oracle_trace, lookahead)
+        runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer)
+
+    def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
+        """Generate greedily and return the routing of every forward pass: [{layer: ids (n, k)}, ...]."""
+        self.runtime.recording = []
+        try:
+            for _ in self.stream_generate(prompt, max_tokens=max_tokens, **kwargs):
+                pass
+            self.runtime.settle()
+            return self.runtime.recording
+        finally:
+            self.runtime.recording = None
 
     # -- statistics ------------------------------------------------------------------------------
     def reset_stats(self):
@@ -129,6 +180,8 @@ class Engine:
         self.runtime.tokens = {"prefill": 0, "decode": 0}
         self.runtime.forwards = 0
         self.runtime.io = empty_io()
+        if self.runtime.prefetcher is not None:
+            self.runtime.prefetcher.reset_stats()
         backend.reset_peak_memory()
 
     def stats(self) -> dict:
@@ -168,11 +221,17 @@ class Engine:
             "num_experts": self.num_experts, "top_k": self.top_k, "moe_layers": len(self.caches),
             "capacity": self.capacity, "capacity_fraction": self.capacity / self.num_experts,
             "tokens": dict(self.runtime.tokens), "io": {k: dict(v) for k, v in self.runtime.io.items()}, "forwards": self.runtime.forwards,
-            "layers": layers, "total": totals,
+            "layers": layers, "total": totals, "prefetch": self._prefetch_stats(),
             "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
                        "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes,
                        "load_peak_bytes": self.load_peak_bytes},
         }
+
+    def _prefetch_stats(self) -> dict:
+        q = self.runtime.prefetcher
+        out = q.stats() if q is not None else {"issued": 0, "useful": 0, "late": 0, "wasted": 0, "in_flight": 0,
+                                               "precision": None, "bytes_read": 0, "backoffs": 0}
+        return dict(out, policy=self.runtime.policy_name)
 
     # -- warm start ------------------------------------------------------------------------------
     def save_snapshot(self, path, weights: bool = False):
@@ -189,7 +248,8 @@ class Engine:
 
 
 def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, predictor=None,
-         miss_policy: str = "load", eviction: str = "lru", snapshot=None, dtype: str = "auto") -> Engine:
+         miss_policy: str = "load", eviction: str = "lru", snapshot=None, dtype: str = "auto",
+         prefetch: Optional[str] = None) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
     model: a local folder (MLX or Hugging Face layout), a hub id where there is network, or None for the
@@ -198,6 +258,8 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     miss_policy: "load" (exact) or "skip" (approximate). eviction: "lru" or "lfu".
     predictor: a shadow predictor folder written by `od-moe train-predictor` (checked against this model).
     snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
+    prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `policies.py`); default:
+        "predictor" with a predictor, else "none".
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
     """
     if miss_policy not in MISS_POLICIES:
@@ -232,6 +294,8 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     engine.moe_blocks = [b.block for b in blocks]
     if predictor is not None:
         engine.predictor = _attach_predictor(engine, predictor)
+    runtime._caches, runtime._switches = engine.caches, switches
+    engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
     if snapshot is not None:
         engine.load_snapshot(snapshot)
     elif slots == num_experts:

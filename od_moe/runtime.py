@@ -11,7 +11,7 @@ Everything here runs on the generation thread. Not here: the forward math (`swit
 """
 
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -37,15 +37,56 @@ class OffloadRuntime:
         self.io = empty_io()
         self._deferred: List[Tuple[object, mx.array, str]] = []
         self._staging: Dict[tuple, Staging] = {}
+        self.prefetcher = None  # a PrefetchQueue when a prefetch policy is on
+        self.policy = None  # what predicts experts ahead (policies.py); None: on-demand only
+        self.policy_name = "none"
+        self.segment = 1  # predict at every `segment`-th MoE layer
+        self.profile_counts: Optional[List[np.ndarray]] = None  # the prompt's routing (profile policy)
+        self.recording: Optional[List[Dict[int, np.ndarray]]] = None  # routing per forward (oracle traces)
+        self.generation_forward = 0
+        self._caches: List[LayerCache] = []
 
     # -- between tokens --------------------------------------------------------------------------
     def begin_forward(self, n_tokens: int, phase: str):
         """Called by the first MoE layer of every forward pass, before it computes."""
         self.settle()
+        if self.prefetcher is not None:  # between tokens: the cooperative install point
+            self.prefetcher.end_token(self.phase)
+            self.prefetcher.install_ready(clock=self.clock)
+        if self.profile_counts is not None and phase == "decode" and self.phase == "prefill":
+            from .policies import seed_from_profile
+
+            seed_from_profile(self, self._caches, self.profile_counts)
         self.phase = phase
         self.clock += 1
         self.forwards += 1
         self.tokens[phase] += n_tokens
+        if self.recording is not None:
+            self.recording.append({})
+        if hasattr(self.policy, "forward"):
+            self.policy.forward = self.generation_forward
+        self.generation_forward += 1
+
+    def start_generation(self):
+        """A new prompt: forward passes count from zero again (oracle traces are indexed by them)."""
+        self.generation_forward = 0
+        if self.policy_name == "profile":
+            self.profile_counts = [np.zeros(c.num_experts, np.int64) for c in self._caches]
+
+    def observe(self, layer: int, ids: np.ndarray, phase: str):
+        """A layer's routing, once known: kept for oracle traces and the prompt profile."""
+        if self.recording is not None and self.recording:
+            self.recording[-1][layer] = ids.reshape(-1, ids.shape[-1])
+        if self.profile_counts is not None and phase == "prefill":
+            self.profile_counts[layer] += np.bincount(ids.ravel(), minlength=len(self.profile_counts[layer]))
+
+    def predict(self, switch, x: mx.array, phase: str) -> list:
+        """Predictions of the prefetch policy at this layer (decode only, every `segment` layers)."""
+        if self.policy is None or phase != "decode" or not hasattr(self.policy, "predict"):
+            return []
+        if switch.index % self.segment:
+            return []
+        return self.policy.predict(switch.index, x, switch.last_gate_output, self._switches)
 
     def defer(self, switch, indices: mx.array, phase: str):
         """Keep a layer's routing (lazy) to account for after the pass is evaluated."""
@@ -60,6 +101,7 @@ class OffloadRuntime:
         for switch, indices, phase in deferred:
             cache = switch.cache
             ids = np.array(indices).astype(np.int64)
+            self.observe(switch.index, ids, phase)
             uniq, counts = np.unique(ids, return_counts=True)
             resident = cache.slot_of[uniq] >= 0
             cache.record_lookups(phase, ids.size, counts[resident].sum())

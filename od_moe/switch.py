@@ -32,7 +32,7 @@ class GateTap(nn.Module):
 
     def __call__(self, x):
         out = self.gate(x)
-        self._switch.last_gate_output = out
+        object.__setattr__(self._switch, "last_gate_output", out)  # a plain attribute, not a parameter
         return out
 
 
@@ -46,6 +46,7 @@ class OffloadedSwitch(nn.Module):
         self.runtime = runtime
         self.index = index  # position among the model's MoE blocks
         self.last_gate_output = None
+        self.prev_logprobs = None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         phase = "prefill" if x.ndim >= 2 and x.shape[-2] > 1 else "decode"
@@ -60,20 +61,43 @@ class OffloadedSwitch(nn.Module):
 
     # -- exact ---------------------------------------------------------------------------------
     def _call_load(self, x, indices, phase):
-        cache, runtime = self.cache, self.runtime
+        cache, runtime, prefetcher = self.cache, self.runtime, self.runtime.prefetcher
+        predictions = runtime.predict(self, x, phase)
+        mx.eval(indices, [a for p in predictions for a in p[1:] if isinstance(a, mx.array)])
         ids = np.array(indices).astype(np.int64)  # the one sync point of this layer
+        runtime.observe(self.index, ids, phase)
+        self._keep_router_output()
         uniq, counts = np.unique(ids, return_counts=True)
+        if prefetcher is not None:  # between layers: the cooperative install point
+            prefetcher.drop_stale(self.index)
+            prefetcher.install_ready({self.index: uniq}, runtime.clock)
         resident = cache.slot_of[uniq] >= 0
         cache.record_lookups(phase, ids.size, counts[resident].sum())
         cache.touch(uniq[resident], counts[resident], runtime.clock)
         missing = uniq[~resident]
-        if missing.size == 0:
-            return self.inner(x, cache.slots_for(ids))
-        if missing.size <= cache.room(protect=uniq):
-            runtime.load(cache, missing, Origin.DEMAND, protect=uniq)
-            cache.touch(missing, counts[~resident], runtime.clock)
-            return self.inner(x, cache.slots_for(ids))
-        return self._call_in_rounds(x, ids, uniq, counts)
+        if missing.size and prefetcher is not None:  # late prefetches: wait for them, do not read twice
+            still = prefetcher.claim(self.index, missing, uniq, runtime.clock)
+            arrived = np.setdiff1d(missing, still)
+            cache.touch(arrived, counts[np.searchsorted(uniq, arrived)], runtime.clock)
+            missing = still
+        try:
+            if missing.size == 0:
+                return self.inner(x, cache.slots_for(ids))
+            if missing.size <= cache.room(protect=uniq):
+                runtime.load(cache, missing, Origin.DEMAND, protect=uniq)
+                cache.touch(missing, counts[np.searchsorted(uniq, missing)], runtime.clock)
+                return self.inner(x, cache.slots_for(ids))
+            return self._call_in_rounds(x, ids, uniq, counts)
+        finally:
+            for layer, experts, scores in predictions:  # read while this layer computes
+                prefetcher.submit(layer, np.asarray(experts), np.asarray(scores))
+
+    def _keep_router_output(self):
+        """The last token's router log-probabilities: the next token's predictor reads them."""
+        out = self.last_gate_output
+        if isinstance(out, mx.array) and self.runtime.policy is not None:
+            object.__setattr__(self, "prev_logprobs",  # a plain attribute, not a parameter
+                               nn.log_softmax(out.reshape(-1, out.shape[-1])[-1].astype(mx.float32)))
 
     def _call_in_rounds(self, x, ids, uniq, counts):
         cache, runtime = self.cache, self.runtime

@@ -173,6 +173,7 @@ def router_matrices(engine) -> tuple:
     weights, biases = [], []
     for block in engine.moe_blocks:
         gate = block.get("gate")
+        gate = gate.gate if type(gate).__name__ == "GateTap" else gate  # od-moe's pass-through tap
         if isinstance(gate, nn.QuantizedLinear):
             w = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
                               mode=getattr(gate, "mode", "affine"))

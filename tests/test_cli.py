@@ -35,6 +35,10 @@ def test_console_script_runs_on_the_embedded_default():
     (["generate", "--prompt", "x", "--frobnicate"], "unrecognized arguments"),
     (["generate"], "--prompt"),
     (["generate", "--prompt", ""], "prompt is empty"),
+    (["serve", "--port", "70000"], "--port must be 0 to 65535"),
+    (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
+    (["serve", "--model", "/no/such/dir"], "does not exist"),
+    (["serve", "--predictor", "/no/such/dir"], "not a predictor folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     try:

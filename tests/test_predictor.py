@@ -120,6 +120,10 @@ def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):
     np.testing.assert_allclose(np.array(loaded(2, x, logits)), np.array(loaded(2, x, logits, mx.array(ng))), atol=1e-4)
     with pytest.raises(UserError, match="another model"):
         load_predictor(tmp_path / "p", "0123456789abcdef")
+    # the engine takes it by folder, checked against the model, with the model's routers attached
+    with_predictor = od_moe.load(capacity=8, predictor=tmp_path / "p")
+    np.testing.assert_array_equal(np.array(with_predictor.predictor(2, x, logits)), np.array(loaded(2, x, logits)))
+    assert with_predictor.predictor.identity == loaded.identity
 
 
 def test_lookahead_beyond_depth_is_refused(engine):
@@ -140,9 +144,9 @@ def test_documents_split_by_document_and_sources(tmp_path):
     (tmp_path / "blob.bin").write_bytes(b"\0\1\2" * 100)
     with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
         f.write(json.dumps({"content": "x = 1"}) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))  # no text column: skipped
     folder = load_documents(str(tmp_path), text_field="content")
     assert sorted(folder.texts) == sorted(["print('a')\n", "some text\n", "x = 1"])
-
 
 
 def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):

@@ -1,0 +1,219 @@
+"""The cooperative prefetch queue: predicted experts are ranked, read by a background thread, and
+installed by the generation thread between layers and between tokens.
+
+- `submit(layer, experts, scores)`: candidates for a layer ahead; resident or in-flight ones are skipped.
+  Pending requests are ranked by score (predicted probability, discounted by distance).
+- The reader thread only does file I/O (`ExpertStore.read` into its own buffers), one expert at a time,
+  best score first, while the bytes read but not yet installed stay under `max_inflight_bytes`.
+- `install_ready()` (generation thread, cooperative): finished reads go into free or evictable slots; an
+  expert that became resident meanwhile counts as wasted.
+- `drop_stale(layer)`: when a layer runs, pending requests for it that were never started are dropped.
+- `claim(layer, experts)`: at a demand miss, an expert being read is waited for ("late") instead of read
+  twice; a pending one is withdrawn so the demand path reads it.
+- Self-protection: every `window` decode tokens the precision of the last window is checked; below
+  `min_precision` the number of experts predicted per layer is halved (down to none, when prefetch stops),
+  above `recover_precision` it grows back. `stats()` says so.
+Invariant: issued = useful + wasted + in flight (reading, read, or installed and not used yet).
+Not here: what to predict (`policies.py`) or the demand path (`switch.py`).
+"""
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .cache import LayerCache, Origin
+from .store import ExpertStore, Staging
+
+
+@dataclass
+class _Read:
+    layer: int
+    expert: int
+    score: float
+    nbytes: int
+    raw: Optional[dict] = None
+    read_s: float = 0.0
+    error: Optional[BaseException] = None
+
+
+class PrefetchQueue:
+    def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
+                 per_layer: int = 8, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5):
+        self.store, self.caches = store, caches
+        self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
+        self.per_layer_max = self.per_layer = per_layer
+        self.window, self.min_precision, self.recover_precision = window, min_precision, recover_precision
+        self._cv = threading.Condition()
+        self._pending: Dict[tuple, _Read] = {}
+        self._reading: Dict[tuple, _Read] = {}
+        self._ready: Dict[tuple, _Read] = {}
+        self._inflight_bytes = 0
+        self._stop = False
+        self.issued = self.late = self.dropped = self.bytes_read = 0
+        self.read_s = self.wait_s = 0.0
+        self.backoffs, self.backoff_reason = 0, None
+        self._window_start = (0, 0, 0)  # (tokens, useful, wasted) at the start of the window
+        self.decode_tokens = 0
+        self._thread = threading.Thread(target=self._reader, name="od-moe-prefetch", daemon=True)
+        self._thread.start()
+
+    # -- generation thread ------------------------------------------------------------------------
+    def submit(self, layer: int, experts: Sequence[int], scores: Sequence[float]):
+        if self.per_layer == 0:
+            return
+        cache = self.caches[layer]
+        order = np.argsort(-np.asarray(scores), kind="stable")[: self.per_layer]
+        with self._cv:
+            for n in order:
+                e = int(experts[n])
+                key = (layer, e)
+                if cache.slot_of[e] >= 0 or key in self._reading or key in self._ready:
+                    continue
+                old = self._pending.get(key)
+                if old is None or old.score < scores[n]:
+                    self._pending[key] = _Read(layer, e, float(scores[n]), cache.layout.expert_nbytes)
+            self._cv.notify_all()
+
+    def drop_stale(self, layer: int):
+        with self._cv:
+            stale = [k for k in self._pending if k[0] == layer]
+            for k in stale:
+                del self._pending[k]
+            self.dropped += len(stale)
+
+    def claim(self, layer: int, experts: Sequence[int], protect: Sequence[int], clock: float) -> np.ndarray:
+        """For demand misses of `layer`: wait for those being read and install them; return the experts
+        the demand path must still read itself."""
+        wanted = [int(e) for e in experts]
+        with self._cv:
+            for e in wanted:
+                self._pending.pop((layer, e), None)
+            waiting = [e for e in wanted if (layer, e) in self._reading or (layer, e) in self._ready]
+            if waiting:
+                start = time.perf_counter()
+                while any((layer, e) in self._reading for e in waiting):
+                    self._cv.wait()
+                waited = time.perf_counter() - start
+                self.wait_s += waited
+                self.caches[layer].stats.stall_s += waited
+                reads = [self._ready.pop((layer, e)) for e in waiting]
+                self._inflight_bytes -= sum(r.nbytes for r in reads)
+                self._cv.notify_all()
+            else:
+                reads = []
+        for r in reads:
+            self._install(r, protect, clock)
+            self.late += 1
+        return np.array([e for e in wanted if self.caches[layer].slot_of[e] < 0], dtype=np.int64)
+
+    def install_ready(self, protect: Dict[int, Sequence[int]] = None, clock: float = 0.0):
+        """Install every finished read (cooperative point: between layers and between tokens)."""
+        with self._cv:
+            if not self._ready:
+                return
+            reads = list(self._ready.values())
+            self._ready.clear()
+            self._inflight_bytes -= sum(r.nbytes for r in reads)
+            self._cv.notify_all()
+        for r in sorted(reads, key=lambda r: -r.score):
+            self._install(r, (protect or {}).get(r.layer, ()), clock)
+
+    def _install(self, r: _Read, protect: Sequence[int], clock: float):
+        if r.error is not None:
+            raise r.error
+        cache = self.caches[r.layer]
+        cache.stats.bytes_read += r.nbytes  # read whether or not it turns out useful
+        if cache.slot_of[r.expert] >= 0:
+            cache.stats.prefetch_wasted += 1  # demand got there first: the read bought nothing
+            return
+        if cache.room(protect=protect) < 1:
+            cache.stats.prefetch_wasted += 1
+            return
+        t0 = time.perf_counter()
+        cache.install([r.expert], r.raw, Origin.PREFETCH, protect=protect, clock=clock - 0.5)
+        cache.stats.install_s += time.perf_counter() - t0
+        cache.stats.experts_loaded += 1
+
+    def end_token(self, phase: str):
+        """Between tokens: after a window of decode tokens, check precision and back off or recover."""
+        if phase != "decode":
+            return
+        self.decode_tokens += 1
+        tokens0, useful0, wasted0 = self._window_start
+        if self.decode_tokens - tokens0 < self.window:
+            return
+        useful, wasted = self._totals()
+        du, dw = useful - useful0, wasted - wasted0
+        self._window_start = (self.decode_tokens, useful, wasted)
+        if du + dw == 0:
+            return
+        precision = du / (du + dw)
+        if precision < self.min_precision and self.per_layer > 0:
+            self.per_layer //= 2
+            self.backoffs += 1
+            self.backoff_reason = (f"precision {precision:.2f} over the last {self.window} tokens is below "
+                                   f"{self.min_precision}: now {self.per_layer} experts per layer")
+        elif precision > self.recover_precision and self.per_layer < self.per_layer_max:
+            self.per_layer = min(self.per_layer_max, max(1, self.per_layer * 2))
+
+    # -- reader thread ----------------------------------------------------------------------------
+    def _reader(self):
+        while True:
+            with self._cv:
+                while not self._stop and not (self._pending and self._inflight_bytes < self.max_inflight_bytes):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                key, r = max(self._pending.items(), key=lambda kv: kv[1].score)
+                del self._pending[key]
+                self._reading[key] = r
+                self._inflight_bytes += r.nbytes
+                self.issued += 1
+            cache = self.caches[r.layer]
+            t0 = time.perf_counter()
+            try:
+                r.raw = self.store.read(cache.layout, [r.expert], Staging(cache.layout, 1))
+                self.bytes_read += cache.layout.expert_nbytes
+            except BaseException as e:  # raised on the generation thread when installed
+                r.error = e
+            r.read_s = time.perf_counter() - t0
+            with self._cv:
+                self.read_s += r.read_s
+                del self._reading[key]
+                self._ready[key] = r
+                self._cv.notify_all()
+
+    def close(self):
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    # -- statistics -------------------------------------------------------------------------------
+    def _totals(self):
+        return (sum(c.stats.prefetch_useful for c in self.caches), sum(c.stats.prefetch_wasted for c in self.caches))
+
+    def stats(self) -> dict:
+        useful, wasted = self._totals()
+        with self._cv:
+            queued = len(self._reading) + len(self._ready)
+            pending = len(self._pending)
+        installed_unused = int(sum(c.unused_prefetch.sum() for c in self.caches))
+        return {"issued": self.issued, "useful": useful, "late": self.late, "wasted": wasted,
+                "in_flight": queued + installed_unused, "pending": pending, "dropped": self.dropped,
+                "precision": useful / (useful + wasted) if useful + wasted else None,
+                "bytes_read": self.bytes_read, "read_s": self.read_s, "wait_s": self.wait_s,
+                "experts_per_layer": self.per_layer, "backoffs": self.backoffs, "backoff_reason": self.backoff_reason}
+
+    def reset_stats(self):
+        for c in self.caches:
+            c.unused_prefetch[:] = False
+        with self._cv:
+            self.issued = len(self._reading) + len(self._ready)  # still outstanding: keeps the invariant
+        self.late = self.dropped = self.bytes_read = 0
+        self.read_s = self.wait_s = 0.0
+        self.backoffs, self.backoff_reason = 0, None
+        self.decode_tokens = 0
+        self._window_start = (0, 0, 0)

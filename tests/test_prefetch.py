@@ -1,0 +1,151 @@
+"""Prefetch: exact tokens under every policy, pinned experts stay, stale requests are dropped, read
+failures surface clearly and leave the caches consistent, and the prefetch statistics add up."""
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
+from od_moe.errors import UserError
+from od_moe.predictor import PredictorConfig, ShadowPredictor
+
+
+@pytest.fixture(scope="module")
+def predictor_dir(tmp_path_factory):
+    """An untrained predictor for the bundled model (it starts as next-gate speculation): enough for
+    exactness, which must not depend on how good the predictions are."""
+    identity = od_moe.load(capacity=8).identity
+    folder = tmp_path_factory.mktemp("predictor")
+    ShadowPredictor(PredictorConfig(identity, 8, 64, 192, 8, lookahead=4, rank=16)).save(folder)
+    return folder
+
+
+def _engine(policy, predictor_dir, capacity="25%", prompt=None):
+    engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
+    trace = None
+    if policy == "oracle":
+        trace = engine.record_routing(prompt, NEW_TOKENS)
+        engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
+    engine.configure_prefetch(policy, oracle_trace=trace)
+    return engine
+
+
+def _consistent(cache):
+    resident = np.flatnonzero(cache.slot_of >= 0)
+    assert np.array_equal(np.sort(cache.expert_in_slot[cache.expert_in_slot >= 0]), resident)
+    assert all(cache.expert_in_slot[cache.slot_of[e]] == e for e in resident)
+    table = np.array(cache.lookup_table())
+    assert table.min() >= 0 and table.max() < cache.capacity
+
+
+def _invariants(stats):
+    p = stats["prefetch"]
+    assert p["issued"] == p["useful"] + p["wasted"] + p["in_flight"], p
+    if p["useful"] + p["wasted"]:
+        assert p["precision"] == pytest.approx(p["useful"] / (p["useful"] + p["wasted"]))
+    t = stats["total"]
+    assert t["hits"] + t["misses"] == t["lookups"]
+
+
+@pytest.mark.parametrize("policy", ["none", "profile", "next-gate", "predictor", "oracle"])
+def test_exact_tokens_under_every_policy(policy, predictor_dir, bundled_reference):
+    for prompt, expected in zip(PROMPTS, bundled_reference):
+        engine = _engine(policy, predictor_dir, "25%", prompt)
+        assert od_moe_tokens(engine, [prompt], NEW_TOKENS)[0] == expected
+        stats = engine.stats()
+        _invariants(stats)
+        for cache in engine.caches:
+            _consistent(cache)
+        if policy in ("next-gate", "predictor", "oracle"):
+            assert stats["prefetch"]["issued"] > 0 and stats["prefetch"]["useful"] > 0
+    if policy == "oracle":  # the true future routing, prefetched, is the upper bound: nearly all hits
+        assert stats["total"]["decode"]["hit_rate"] > 0.9 and stats["prefetch"]["precision"] == 1.0
+
+
+def test_prefetch_raises_the_hit_rate_over_on_demand(predictor_dir):
+    rates = {}
+    for policy in ("none", "next-gate"):
+        engine = _engine(policy, predictor_dir, "25%")
+        engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
+        rates[policy] = engine.stats()["total"]["decode"]["hit_rate"]
+    assert rates["next-gate"] > rates["none"] + 0.05
+
+
+def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(predictor_dir):
+    engine = _engine("profile", predictor_dir, "12.5%")
+    engine.generate(PROMPTS[1], max_tokens=NEW_TOKENS)
+    pinned = [np.flatnonzero(c.pinned) for c in engine.caches]
+    held = [c.expert_in_slot[p].copy() for c, p in zip(engine.caches, pinned)]
+    for cache, slots, counts in zip(engine.caches, pinned, engine.runtime.profile_counts):
+        assert len(slots) == 2  # a quarter of 8 slots: the prompt's two most used experts of the layer
+        assert set(cache.expert_in_slot[slots]) == set(np.argsort(-counts, kind="stable")[:2])
+    engine.configure_prefetch("none")  # keep the pins, stop re-seeding
+    engine.reset_stats()
+    engine.generate(PROMPTS[2], max_tokens=NEW_TOKENS)
+    for cache, slots, experts in zip(engine.caches, pinned, held):
+        assert cache.stats.evictions > 0  # many evictions later the pinned experts are still in their slots
+        assert np.array_equal(cache.expert_in_slot[slots], experts) and cache.pinned[slots].all()
+        _consistent(cache)
+
+
+def test_stale_requests_are_dropped(predictor_dir):
+    engine = _engine("next-gate", predictor_dir, "25%")
+    queue = engine.runtime.prefetcher
+    gate = threading.Event()
+    real_read = engine.runtime.store.read
+    engine.runtime.store.read = lambda *a: (gate.wait(10), real_read(*a))[1]  # the disk stalls
+    try:
+        missing = np.flatnonzero(engine.caches[3].slot_of < 0)[:6]
+        queue.submit(3, missing, np.linspace(1, 0.5, len(missing)))
+        queue.submit(5, missing[:2], [0.9, 0.8])
+        assert queue.stats()["pending"] + queue.stats()["issued"] == 8
+        queue.drop_stale(3)  # layer 3 ran: its requests not yet started are useless now
+        s = queue.stats()
+        assert s["issued"] <= 1 and s["dropped"] == 6 - s["issued"]  # at most one read started (and stalls)
+        assert all(layer != 3 for layer, _ in queue._pending) and s["pending"] == 2
+    finally:
+        gate.set()
+        engine.runtime.store.read = real_read
+    engine.generate(PROMPTS[0], max_tokens=8)
+    _invariants(engine.stats())
+
+
+def test_prefetch_read_failure_is_a_clear_error_and_leaves_caches_consistent(predictor_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(od_moe.DEFAULT_MODEL, model)
+    engine = od_moe.load(str(model), capacity="25%", prefetch="next-gate")
+    engine.generate(PROMPTS[0], max_tokens=4)
+    data = model / "model.safetensors"
+    data.chmod(0o644)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 3)
+    engine.runtime.store.drop_page_cache()
+    with pytest.raises(OSError, match="short read"):
+        engine.generate(PROMPTS[1], max_tokens=32)
+    for cache in engine.caches:
+        _consistent(cache)
+
+
+def test_prefetch_backs_off_when_it_does_not_pay(predictor_dir):
+    # an oracle replaying another prompt's routing predicts wrongly: precision falls, prefetch backs off
+    wrong = od_moe.load(capacity="25%").record_routing(PROMPTS[1], NEW_TOKENS)
+    engine = od_moe.load(capacity="25%")
+    engine.configure_prefetch("oracle", oracle_trace=wrong)
+    engine.runtime.prefetcher.window = 8
+    assert od_moe_tokens(engine, [PROMPTS[0]], NEW_TOKENS)[0]  # still exact and running
+    p = engine.stats()["prefetch"]
+    assert p["backoffs"] >= 1 and p["experts_per_layer"] < 8 and "precision" in p["backoff_reason"]
+
+
+def test_policy_errors_are_clear(predictor_dir):
+    with pytest.raises(UserError, match="unknown prefetch policy"):
+        od_moe.load(capacity=8, prefetch="psychic")
+    with pytest.raises(UserError, match="needs a shadow predictor"):
+        od_moe.load(capacity=8, prefetch="predictor")
+    with pytest.raises(UserError, match="oracle"):
+        od_moe.load(capacity=8, prefetch="oracle")
+    with pytest.raises(UserError, match="miss_policy='load'"):
+        od_moe.load(capacity=8, miss_policy="skip", prefetch="next-gate")

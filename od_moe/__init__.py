@@ -12,10 +12,10 @@ A bounded cache of experts stays resident per MoE layer; the rest are read from 
 
 from typing import Generator
 
-from .engine import DEFAULT_MODEL, Engine, load
+from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load
 from .errors import UserError
 
-__all__ = ["load", "generate", "stream_generate", "Engine", "UserError", "DEFAULT_MODEL"]
+__all__ = ["load", "generate", "stream_generate", "Engine", "UserError", "DEFAULT_MODEL", "DEFAULT_PREDICTOR"]
 __version__ = "0.1.0"
 
 _engines = {}

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--miss-policy", choices=["load", "skip"], default="load",
                      help="load: exact, read missing experts before use; skip: approximate, drop them")
     gen.add_argument("--eviction", choices=["lru", "lfu"], default="lru")
+    gen.add_argument("--predictor", help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's")
+    gen.add_argument("--prefetch", choices=["none", "profile", "next-gate", "predictor"],
+                     help="what drives prefetching (default: predictor with --predictor, else none)")
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
@@ -36,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve OpenAI-compatible completions and chat over HTTP, with /health")
     srv.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
-    srv.add_argument("--predictor", help="a shadow predictor folder written by train-predictor")
+    srv.add_argument("--predictor", help="a shadow predictor folder written by train-predictor ('bundled': the embedded model's)")
+    srv.add_argument("--prefetch", choices=["none", "profile", "next-gate", "predictor"],
+                     help="what drives prefetching (default: predictor with --predictor, else none)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; anything else is your choice to expose it)")
     srv.add_argument("--port", type=int, default=8080)
     _capacity_arg(srv)
@@ -82,12 +87,21 @@ def _check_positive(parser, name, value):
         parser.error(f"{name} must be a positive integer, got {value}")
 
 
+def _predictor_arg(value):
+    if value == "bundled":
+        from .engine import DEFAULT_PREDICTOR
+
+        return DEFAULT_PREDICTOR
+    return value
+
+
 def cmd_generate(args):
     from . import load
     from .report import format_stats
 
     engine = load(args.model, capacity=args.capacity, memory_budget=args.memory_budget,
-                  miss_policy=args.miss_policy, eviction=args.eviction, snapshot=args.snapshot)
+                  miss_policy=args.miss_policy, eviction=args.eviction, snapshot=args.snapshot,
+                  predictor=_predictor_arg(args.predictor), prefetch=args.prefetch)
     for response in engine.stream_generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temp,
                                            top_p=args.top_p, seed=args.seed):
         print(response.text, end="", flush=True)
@@ -130,7 +144,7 @@ def cmd_eval_predictor(args):
 def cmd_serve(args):
     from .server import serve
 
-    serve(args.model, predictor=args.predictor, host=args.host, port=args.port, capacity=args.capacity,
+    serve(args.model, predictor=_predictor_arg(args.predictor), prefetch=args.prefetch, host=args.host, port=args.port, capacity=args.capacity,
           memory_budget=args.memory_budget, max_tokens=args.max_tokens, max_input_tokens=args.max_input_tokens,
           log=lambda line: print(line, file=sys.stderr, flush=True))
 

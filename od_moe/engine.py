@@ -27,6 +27,8 @@ from .surgery import MoEBlock, expert_nbytes, find_moe_blocks, top_k_of
 from .switch import GateTap, OffloadedSwitch
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
+# A shadow predictor for it, made by `od-moe train-predictor` (its report.json is beside it).
+DEFAULT_PREDICTOR = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit-predictor"
 
 
 def resolve_model_path(model: Optional[str]) -> Path:
@@ -157,6 +159,7 @@ class Engine:
                 raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt (record_routing)")
             runtime.policy = OraclePolicy(oracle_trace, lookahead)
         runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer)
+        runtime.prefetcher.account = runtime.account
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
         """Generate greedily and return the routing of every forward pass: [{layer: ids (n, k)}, ...]."""

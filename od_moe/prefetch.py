@@ -57,6 +57,7 @@ class PrefetchQueue:
         self.backoffs, self.backoff_reason = 0, None
         self._window_start = (0, 0, 0)  # (tokens, useful, wasted) at the start of the window
         self.decode_tokens = 0
+        self.account = lambda nbytes, stall_s: None  # the runtime books reads and waits to its phase
         self._thread = threading.Thread(target=self._reader, name="od-moe-prefetch", daemon=True)
         self._thread.start()
 
@@ -99,6 +100,7 @@ class PrefetchQueue:
                 waited = time.perf_counter() - start
                 self.wait_s += waited
                 self.caches[layer].stats.stall_s += waited
+                self.account(0, waited)
                 reads = [self._ready.pop((layer, e)) for e in waiting]
                 self._inflight_bytes -= sum(r.nbytes for r in reads)
                 self._cv.notify_all()
@@ -126,6 +128,7 @@ class PrefetchQueue:
             raise r.error
         cache = self.caches[r.layer]
         cache.stats.bytes_read += r.nbytes  # read whether or not it turns out useful
+        self.account(r.nbytes, 0.0)
         if cache.slot_of[r.expert] >= 0:
             cache.stats.prefetch_wasted += 1  # demand got there first: the read bought nothing
             return

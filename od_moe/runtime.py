@@ -67,6 +67,12 @@ class OffloadRuntime:
             self.policy.forward = self.generation_forward
         self.generation_forward += 1
 
+    def account(self, nbytes: int, stall_s: float):
+        """Reads and waits of the prefetcher, booked to the phase of the running pass."""
+        io = self.io[self.phase]
+        io["bytes_read"] += nbytes
+        io["stall_s"] += stall_s
+
     def start_generation(self):
         """A new prompt: forward passes count from zero again (oracle traces are indexed by them)."""
         self.generation_forward = 0

@@ -248,7 +248,7 @@ def prometheus_text(health: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve(model=None, *, predictor=None, host="127.0.0.1", port=8080, capacity=None, memory_budget=None,
+def serve(model=None, *, predictor=None, prefetch=None, host="127.0.0.1", port=8080, capacity=None, memory_budget=None,
           max_tokens=4096, max_input_tokens=16384, log=print):
     """Load the model on the generation thread, then serve until interrupted."""
     from werkzeug.serving import make_server
@@ -256,7 +256,7 @@ def serve(model=None, *, predictor=None, host="127.0.0.1", port=8080, capacity=N
     from .. import load
 
     worker = GenerationWorker(loader=lambda: load(model, capacity=capacity, memory_budget=memory_budget,
-                                                  predictor=predictor))
+                                                  predictor=predictor, prefetch=prefetch))
     app = create_app(worker=worker, max_tokens=max_tokens, max_input_tokens=max_input_tokens)
     server = make_server(host, port, app, threaded=True)
     log(f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.server_port} "

@@ -1,0 +1,132 @@
+"""The prefetch benchmark: every policy side by side, on the bundled model and on the widened copy.
+
+For each model, capacity, read temperature (cold: page cache dropped and every read made cold; warm),
+miss policy and prefetch policy, one run over the same prompts gives the decode demand hit rate, stall
+and bytes read per decoded token, decode tok/s and its ratio to the fully resident model (stock mlx-lm,
+measured in the same process), prefetch precision and back-offs, and for skip mode the share of tokens
+that equal the exact output. The oracle replays the routing recorded from an exact run of the same
+prompt. The predictor is the bundled one; on the widened copy it is used as is, because widening keeps
+every hidden state and routing decision of the bundled model (`widen.py`). Skip mode is measured with
+`none` and `profile` only (predictive prefetch needs the per-layer sync of load mode).
+"""
+
+import dataclasses
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import backend, load
+from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
+from ..predictor import load_predictor
+from ..report import mib, table
+from .foundation import PROMPTS, run_stock
+from .widen import widen_model
+
+POLICY_ORDER = ("none", "profile", "next-gate", "predictor", "oracle")
+
+
+def _predictor_for(identity):
+    """The bundled predictor, keyed to `identity` (the bundled model or its widened copy)."""
+    predictor = load_predictor(DEFAULT_PREDICTOR)
+    predictor.config = dataclasses.replace(predictor.config, model_identity=identity)
+    return predictor
+
+
+def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, miss_policy="load"):
+    """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics."""
+    settings = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none")
+    predictor = _predictor_for(load(str(path), **settings).identity) if policy == "predictor" else None
+    tokens, tps, stats = [], [], []
+    for prompt in prompts:
+        trace = load(str(path), **settings).record_routing(prompt, max_tokens) if policy == "oracle" else None
+        mx.clear_cache()
+        backend.reset_peak_memory()
+        engine = load(str(path), predictor=predictor, **settings)
+        engine.configure_prefetch(policy, oracle_trace=trace)
+        store = engine.runtime.store
+        store.drop_after_read = cold
+        if cold:
+            store.drop_page_cache()
+        out, last = [], None
+        for last in engine.stream_generate(prompt, max_tokens=max_tokens):
+            out.append(last.token)
+        tokens.append(out)
+        tps.append(last.generation_tps)
+        stats.append(engine.stats())
+        if engine.runtime.prefetcher is not None:
+            engine.runtime.prefetcher.close()
+    return {"tokens": tokens, "tok_s": sum(tps) / len(tps), "stats": stats}
+
+
+def _sum(stats, *keys):
+    total = 0
+    for s in stats:
+        v = s
+        for k in keys:
+            v = v[k]
+        total += v or 0
+    return total
+
+
+def _row(model, fraction, reads, miss_policy, policy, result, stock):
+    stats = result["stats"]
+    decode = _sum(stats, "tokens", "decode") or 1
+    lookups, hits = _sum(stats, "total", "decode", "lookups"), _sum(stats, "total", "decode", "hits")
+    useful, wasted = _sum(stats, "prefetch", "useful"), _sum(stats, "prefetch", "wasted")
+    same = [sum(a == b for a, b in zip(t, s)) / max(len(s), 1) for t, s in zip(result["tokens"], stock["tokens"])]
+    return {
+        "model": model, "policy": policy, "capacity": fraction, "reads": reads, "miss_policy": miss_policy,
+        "hit_rate": hits / lookups if lookups else None,
+        "stall_ms_per_token": _sum(stats, "io", "decode", "stall_s") * 1e3 / decode,
+        "bytes_per_token": _sum(stats, "io", "decode", "bytes_read") / decode,
+        "tok_s": result["tok_s"], "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
+        "prefetch_precision": useful / (useful + wasted) if useful + wasted else None,
+        "prefetch_issued": _sum(stats, "prefetch", "issued"), "prefetch_late": _sum(stats, "prefetch", "late"),
+        "prefetch_backoffs": _sum(stats, "prefetch", "backoffs"),
+        "token_agreement": sum(same) / len(same), "exact": result["tokens"] == stock["tokens"],
+    }
+
+
+def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: int, workdir: Path, printer=print):
+    say = printer or (lambda *_: None)
+    rows = []
+    capacities = (0.125, 0.25, 0.5)
+    plan = [("bundled", DEFAULT_MODEL, max_tokens, capacities, ("cold", "warm") if full else ("warm",))]
+    if widen:
+        t0 = time.perf_counter()
+        wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
+        say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
+        plan.append(("widened", wide, widened_tokens, capacities if full else (0.25,), ("cold", "warm") if full else ("cold",)))
+    for model, path, n_tokens, fractions, temps in plan:
+        stock = run_stock(path, PROMPTS, n_tokens)
+        say(f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, {1e3 / stock['tok_s']:.1f} ms/token")
+        model_rows = []
+        for fraction in fractions:
+            for reads in temps:
+                for miss_policy in ("load", "skip") if full else ("load",):
+                    policies = POLICY_ORDER if miss_policy == "load" else ("none", "profile")
+                    if not full and model == "widened":
+                        policies = ("none", "next-gate", "predictor", "oracle")
+                    for policy in policies:
+                        result = run_policy(path, PROMPTS, n_tokens, policy, capacity=fraction, cold=reads == "cold",
+                                            miss_policy=miss_policy)
+                        row = _row(model, fraction, reads, miss_policy, policy, result, stock)
+                        model_rows.append(row)
+                        say(_line(row))
+        rows += model_rows
+        say(table(["capacity", "reads", "miss", "policy", "decode hit", "stall ms/tok", "KiB read/tok", "tok/s",
+                   "x resident", "precision", "late", "backoffs", "same tokens"],
+                  [[f"{r['capacity']:.1%}", r["reads"], r["miss_policy"], r["policy"], r["hit_rate"],
+                    r["stall_ms_per_token"], r["bytes_per_token"] / 1024, r["tok_s"], r["tok_s_ratio_resident"],
+                    r["prefetch_precision"], r["prefetch_late"], r["prefetch_backoffs"], r["token_agreement"]]
+                   for r in model_rows],
+                  title=f"\n{model} model, {len(PROMPTS)} prompts x {n_tokens} greedy tokens, decode figures"))
+        rows.append({"model": model, "policy": "stock mlx-lm", "capacity": 1.0, "tok_s": stock["tok_s"],
+                     "tok_s_ratio_resident": 1.0})
+    return {"rows": rows}
+
+
+def _line(r) -> str:
+    return (f"  {r['model']} {r['capacity']:.1%} {r['reads']} {r['miss_policy']} {r['policy']}: hit {r['hit_rate']:.3f} "
+            f"x resident {r['tok_s_ratio_resident']:.3f}")

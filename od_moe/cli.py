@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval-predictor", help="report a predictor's accuracy and the baselines on any text")
     ev.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
-    ev.add_argument("--predictor", required=True, help="folder written by train-predictor")
+    ev.add_argument("--predictor", required=True, help="folder written by train-predictor ('bundled': the embedded model's)")
     ev.add_argument("--data", required=True, help="text/JSON lines/parquet file, a folder of them, or a hub dataset")
     ev.add_argument("--text-field", default="text")
     ev.add_argument("--max-tokens", type=int, default=16384, help="tokens to record and evaluate (default 16384)")
@@ -136,7 +136,7 @@ def cmd_train_predictor(args):
 def cmd_eval_predictor(args):
     from .training.pipeline import eval_predictor_job
 
-    report = eval_predictor_job(args.predictor, args.data, model=args.model, text_field=args.text_field,
+    report = eval_predictor_job(_predictor_arg(args.predictor), args.data, model=args.model, text_field=args.text_field,
                                 max_tokens=args.max_tokens, capacity=args.capacity, memory_budget=args.memory_budget)
     _print_report(report, args.json)
 

@@ -127,6 +127,11 @@ class ShadowPredictor(nn.Module):
 
         return sum(v.size for _, v in tree_flatten(self.parameters()))
 
+    def nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
+
     def macs_per_token(self) -> int:
         """Multiply-adds to predict from every source layer for one token (next-gate logits included)."""
         c = self.config

@@ -54,11 +54,11 @@ def _expert_bytes(engine) -> int:
 def _predictor_section(predictor, engine, history: Optional[dict]) -> dict:
     c = predictor.config
     params = predictor.num_params()
+    nbytes = predictor.nbytes()
     latency = predictor_latency_ms(predictor, c.hidden_size, c.num_experts)
     model_ms = _model_ms_per_token(engine)
     expert_bytes = _expert_bytes(engine)
-    section = {"params": params, "bytes_float16": params * 2, "expert_bytes": expert_bytes,
-               "size_fraction": params * 2 / expert_bytes, "rank": c.rank, "lookahead": c.lookahead,
+    section = {"params": params, "bytes": nbytes, "expert_bytes": expert_bytes, "size_fraction": nbytes / expert_bytes, "rank": c.rank, "lookahead": c.lookahead,
                "macs_per_token": predictor.macs_per_token(), "latency_ms_per_token": latency,
                "model_ms_per_token": model_ms, "latency_fraction": latency / model_ms}
     if history:
@@ -108,6 +108,7 @@ def train_predictor_job(model=None, data=None, text_field="text", eval_data=None
     predictor.attach_routers(*routers)
     history = train_predictor(predictor, train, routers, epochs=epochs, batch_size=batch_size, lr=lr,
                               heldout=heldout.load(max_tokens=4096))
+    predictor.set_dtype(mx.float16)  # stored and run in float16 (inputs stay float32): what is reported is what ships
     report = _report(engine, predictor, heldout, routers, history)
     report["train_data"] = train.manifest["data"]
     report["train_tokens"] = train.tokens

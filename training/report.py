@@ -23,7 +23,7 @@ def format_report(report: dict) -> str:
         *[[f"static frequency profile at {float(f):.1%} resident, hit rate", v] for f, v in prof.items()],
     ]))
     p = report["predictor"]
-    rows = [["parameters", p["params"]], ["size (float16) / expert bytes", p["size_fraction"]],
+    rows = [["parameters", p["params"]], ["size / expert bytes (both on disk)", p["size_fraction"]],
             ["multiply-adds per token (all source layers)", p["macs_per_token"]],
             ["latency ms per token (all source layers)", p["latency_ms_per_token"]],
             ["model decode ms per token (same run)", p["model_ms_per_token"]],

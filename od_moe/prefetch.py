@@ -106,9 +106,9 @@ class PrefetchQueue:
                 self._cv.notify_all()
             else:
                 reads = []
-        for r in reads:
-            self._install(r, protect, clock)
-            self.late += 1
+        if reads:
+            self._install(reads, protect, clock)
+            self.late += len(reads)
         return np.array([e for e in wanted if self.caches[layer].slot_of[e] < 0], dtype=np.int64)
 
     def install_ready(self, protect: Dict[int, Sequence[int]] = None, clock: float = 0.0):
@@ -120,25 +120,32 @@ class PrefetchQueue:
             self._ready.clear()
             self._inflight_bytes -= sum(r.nbytes for r in reads)
             self._cv.notify_all()
+        by_layer: Dict[int, List[_Read]] = {}
         for r in sorted(reads, key=lambda r: -r.score):
-            self._install(r, (protect or {}).get(r.layer, ()), clock)
+            by_layer.setdefault(r.layer, []).append(r)
+        for layer, group in by_layer.items():  # one install (one evaluation) per layer
+            self._install(group, (protect or {}).get(layer, ()), clock)
 
-    def _install(self, r: _Read, protect: Sequence[int], clock: float):
-        if r.error is not None:
-            raise r.error
-        cache = self.caches[r.layer]
-        cache.stats.bytes_read += r.nbytes  # read whether or not it turns out useful
-        self.account(r.nbytes, 0.0)
-        if cache.slot_of[r.expert] >= 0:
-            cache.stats.prefetch_wasted += 1  # demand got there first: the read bought nothing
+    def _install(self, reads: List[_Read], protect: Sequence[int], clock: float):
+        """Install reads of one layer, best first, as far as unprotected slots allow."""
+        for r in reads:
+            if r.error is not None:
+                raise r.error
+        cache = self.caches[reads[0].layer]
+        for r in reads:
+            cache.stats.bytes_read += r.nbytes  # read whether or not it turns out useful
+            self.account(r.nbytes, 0.0)
+        fresh = [r for r in reads if cache.slot_of[r.expert] < 0]
+        fresh = fresh[: cache.room(protect=protect)]
+        # demand got there first, or no slot may be evicted for it: the read bought nothing
+        cache.stats.prefetch_wasted += len(reads) - len(fresh)
+        if not fresh:
             return
-        if cache.room(protect=protect) < 1:
-            cache.stats.prefetch_wasted += 1
-            return
+        raw = {key: np.concatenate([r.raw[key][:1] for r in fresh]) for key in fresh[0].raw}
         t0 = time.perf_counter()
-        cache.install([r.expert], r.raw, Origin.PREFETCH, protect=protect, clock=clock - 0.5)
+        cache.install([r.expert for r in fresh], raw, Origin.PREFETCH, protect=protect, clock=clock - 0.5)
         cache.stats.install_s += time.perf_counter() - t0
-        cache.stats.experts_loaded += 1
+        cache.stats.experts_loaded += len(fresh)
 
     def end_token(self, phase: str):
         """Between tokens: after a window of decode tokens, check precision and back off or recover."""

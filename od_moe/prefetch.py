@@ -10,9 +10,10 @@ installed by the generation thread between layers and between tokens.
 - `drop_stale(layer)`: when a layer runs, pending requests for it that were never started are dropped.
 - `claim(layer, experts)`: at a demand miss, an expert being read is waited for ("late") instead of read
   twice; a pending one is withdrawn so the demand path reads it.
-- Self-protection: every `window` decode tokens the precision of the last window is checked; below
-  `min_precision` the number of experts predicted per layer is halved (down to none, when prefetch stops),
-  above `recover_precision` it grows back. `stats()` says so.
+- Self-protection, reported in `stats()`: every `window` decode tokens the precision of the last window
+  is checked; below `min_precision` the number of experts predicted per layer is halved (down to none),
+  above `recover_precision` it grows back. And every `probe_every` tokens prefetch is switched off for
+  `probe_tokens` tokens: if tokens are faster without it, it costs more than it saves and pauses.
 Invariant: issued = useful + wasted + in flight (reading, read, or installed and not used yet).
 Not here: what to predict (`policies.py`) or the demand path (`switch.py`).
 """
@@ -41,11 +42,15 @@ class _Read:
 
 class PrefetchQueue:
     def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
-                 per_layer: int = 8, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5):
+                 per_layer: int = 8, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
+                 probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
         self.store, self.caches = store, caches
         self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
         self.per_layer_max = self.per_layer = per_layer
         self.window, self.min_precision, self.recover_precision = window, min_precision, recover_precision
+        self.probe_every, self.probe_tokens, self.pause_tokens = probe_every, probe_tokens, pause_tokens
+        self.cost_margin = cost_margin
+        self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
         self._cv = threading.Condition()
         self._pending: Dict[tuple, _Read] = {}
         self._reading: Dict[tuple, _Read] = {}
@@ -63,7 +68,7 @@ class PrefetchQueue:
 
     # -- generation thread ------------------------------------------------------------------------
     def submit(self, layer: int, experts: Sequence[int], scores: Sequence[float]):
-        if self.per_layer == 0:
+        if not self.active:
             return
         cache = self.caches[layer]
         order = np.argsort(-np.asarray(scores), kind="stable")[: self.per_layer]
@@ -147,11 +152,23 @@ class PrefetchQueue:
         cache.stats.install_s += time.perf_counter() - t0
         cache.stats.experts_loaded += len(fresh)
 
-    def end_token(self, phase: str):
-        """Between tokens: after a window of decode tokens, check precision and back off or recover."""
+    @property
+    def active(self) -> bool:
+        return self.per_layer > 0 and self.mode == "on"
+
+    def end_token(self, phase: str, seconds: Optional[float] = None):
+        """Between tokens (`seconds`: the wall time of the token that ended): check precision every
+        window, and whether prefetch pays at all with a periodic probe."""
         if phase != "decode":
             return
         self.decode_tokens += 1
+        if seconds is not None:
+            self._times.append((self.mode, seconds))
+            del self._times[:-64]
+        self._check_precision()
+        self._check_cost()
+
+    def _check_precision(self):
         tokens0, useful0, wasted0 = self._window_start
         if self.decode_tokens - tokens0 < self.window:
             return
@@ -168,6 +185,31 @@ class PrefetchQueue:
                                    f"{self.min_precision}: now {self.per_layer} experts per layer")
         elif precision > self.recover_precision and self.per_layer < self.per_layer_max:
             self.per_layer = min(self.per_layer_max, max(1, self.per_layer * 2))
+
+    def _check_cost(self):
+        """Every `probe_every` tokens with prefetch on, run `probe_tokens` with it off and compare token
+        times (the first two of each stretch skipped: earlier prefetches still land). If off is faster,
+        prefetch costs more than it saves: it pauses for `pause_tokens`, then tries again."""
+        n = self.decode_tokens - self._mode_since
+        if self.mode == "on" and n >= self.probe_every:
+            self._set_mode("probe")
+        elif self.mode == "probe" and n >= self.probe_tokens:
+            on = [t for m, t in self._times if m == "on"][-(self.probe_tokens - 2):]
+            off = [t for m, t in self._times if m == "probe"][-(self.probe_tokens - 2):]
+            if on and off:
+                self.probe = {"on_ms": 1e3 * float(np.mean(on)), "off_ms": 1e3 * float(np.mean(off))}
+            if on and off and np.mean(off) < np.mean(on) * (1 - self.cost_margin):
+                self.backoffs += 1
+                self.backoff_reason = (f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token with "
+                                       f"it, {self.probe['off_ms']:.1f} without; paused for {self.pause_tokens} tokens")
+                self._set_mode("paused")
+            else:
+                self._set_mode("on")
+        elif self.mode == "paused" and n >= self.pause_tokens:
+            self._set_mode("on")
+
+    def _set_mode(self, mode: str):
+        self.mode, self._mode_since = mode, self.decode_tokens
 
     # -- reader thread ----------------------------------------------------------------------------
     def _reader(self):
@@ -215,7 +257,8 @@ class PrefetchQueue:
                 "in_flight": queued + installed_unused, "pending": pending, "dropped": self.dropped,
                 "precision": useful / (useful + wasted) if useful + wasted else None,
                 "bytes_read": self.bytes_read, "read_s": self.read_s, "wait_s": self.wait_s,
-                "experts_per_layer": self.per_layer, "backoffs": self.backoffs, "backoff_reason": self.backoff_reason}
+                "experts_per_layer": self.per_layer, "mode": self.mode, "cost_probe": self.probe,
+                "backoffs": self.backoffs, "backoff_reason": self.backoff_reason}
 
     def reset_stats(self):
         for c in self.caches:
@@ -227,3 +270,5 @@ class PrefetchQueue:
         self.backoffs, self.backoff_reason = 0, None
         self.decode_tokens = 0
         self._window_start = (0, 0, 0)
+        self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
+        self.per_layer = self.per_layer_max

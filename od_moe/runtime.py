@@ -44,20 +44,23 @@ class OffloadRuntime:
         self.profile_counts: Optional[List[np.ndarray]] = None  # the prompt's routing (profile policy)
         self.recording: Optional[List[Dict[int, np.ndarray]]] = None  # routing per forward (oracle traces)
         self.generation_forward = 0
+        self._forward_start = None
         self._caches: List[LayerCache] = []
 
     # -- between tokens --------------------------------------------------------------------------
     def begin_forward(self, n_tokens: int, phase: str):
         """Called by the first MoE layer of every forward pass, before it computes."""
         self.settle()
+        now = time.perf_counter()
         if self.prefetcher is not None:  # between tokens: the cooperative install point
-            self.prefetcher.end_token(self.phase)
+            self.prefetcher.end_token(self.phase, now - self._forward_start if self._forward_start else None)
             self.prefetcher.install_ready(clock=self.clock)
         if self.profile_counts is not None and phase == "decode" and self.phase == "prefill":
             from .policies import seed_from_profile
 
             seed_from_profile(self, self._caches, self.profile_counts)
         self.phase = phase
+        self._forward_start = now
         self.clock += 1
         self.forwards += 1
         self.tokens[phase] += n_tokens
@@ -76,6 +79,7 @@ class OffloadRuntime:
     def start_generation(self):
         """A new prompt: forward passes count from zero again (oracle traces are indexed by them)."""
         self.generation_forward = 0
+        self._forward_start = None  # the time between two prompts is not a token's
         if self.policy_name == "profile":
             self.profile_counts = [np.zeros(c.num_experts, np.int64) for c in self._caches]
 

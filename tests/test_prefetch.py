@@ -135,6 +135,7 @@ def test_prefetch_backs_off_when_it_does_not_pay(predictor_dir):
     engine = od_moe.load(capacity="25%")
     engine.configure_prefetch("oracle", oracle_trace=wrong)
     engine.runtime.prefetcher.window = 8
+    engine.runtime.prefetcher.probe_every = 10**9  # this test is about precision alone
     assert od_moe_tokens(engine, [PROMPTS[0]], NEW_TOKENS)[0]  # still exact and running
     p = engine.stats()["prefetch"]
     assert p["backoffs"] >= 1 and p["experts_per_layer"] < 8 and "precision" in p["backoff_reason"]
@@ -149,3 +150,29 @@ def test_policy_errors_are_clear(predictor_dir):
         od_moe.load(capacity=8, prefetch="oracle")
     with pytest.raises(UserError, match="miss_policy='load'"):
         od_moe.load(capacity=8, miss_policy="skip", prefetch="next-gate")
+
+
+def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
+    engine = _engine("next-gate", predictor_dir, "25%")
+    queue = engine.runtime.prefetcher
+    queue.probe_every, queue.probe_tokens, queue.pause_tokens = 16, 8, 32
+    for _ in range(16):
+        queue.end_token("decode", 0.010)  # 10 ms per token with prefetch on
+    assert queue.mode == "probe" and not queue.active
+    for _ in range(8):
+        queue.end_token("decode", 0.006)  # faster without it
+    assert queue.mode == "paused" and queue.backoffs == 1
+    assert "costs more than it saves" in queue.backoff_reason
+    missing = np.flatnonzero(engine.caches[2].slot_of < 0)[:3]
+    queue.submit(2, missing, [0.9, 0.8, 0.7])
+    assert queue.stats()["pending"] == 0  # paused: nothing is queued
+    for _ in range(32):
+        queue.end_token("decode", 0.006)
+    assert queue.mode == "on" and queue.active
+    # when tokens are slower without prefetch, it stays on
+    for _ in range(16):
+        queue.end_token("decode", 0.010)
+    for _ in range(8):
+        queue.end_token("decode", 0.020)
+    assert queue.mode == "on" and queue.backoffs == 1
+    assert queue.stats()["cost_probe"]["off_ms"] == pytest.approx(20.0)

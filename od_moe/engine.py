@@ -121,6 +121,16 @@ class Engine:
         """The whole completion of `prompt` as a string."""
         return "".join(r.text for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs))
 
+    def close(self):
+        """Stop the prefetch reader thread (the engine can still generate, without prefetch)."""
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None and runtime.prefetcher is not None:
+            runtime.prefetcher.close()
+            runtime.prefetcher, runtime.policy, runtime.policy_name = None, None, "none"
+
+    def __del__(self):
+        self.close()
+
     # -- prefetch --------------------------------------------------------------------------------
     def configure_prefetch(self, policy: str, oracle_trace=None, per_layer: Optional[int] = None,
                            lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20):

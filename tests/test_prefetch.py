@@ -176,3 +176,23 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
         queue.end_token("decode", 0.020)
     assert queue.mode == "on" and queue.backoffs == 1
     assert queue.stats()["cost_probe"]["off_ms"] == pytest.approx(20.0)
+
+
+def test_the_reader_thread_ends_with_its_engine():
+    import gc
+    import time
+
+    def readers():
+        return sum(t.name == "od-moe-prefetch" for t in threading.enumerate())
+
+    gc.collect()
+    before = readers()
+    engine = od_moe.load(capacity=16, prefetch="next-gate")
+    engine.generate(PROMPTS[0], max_tokens=8)
+    assert readers() == before + 1
+    del engine
+    gc.collect()
+    deadline = time.time() + 5
+    while readers() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert readers() == before

@@ -5,6 +5,9 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   quantized kernels several times faster than bfloat16, so floating weights are cast to float32 there.
   On GPUs the checkpoint's dtype is kept.
 - Metal reports a recommended working-set size; on Linux the OS reports available memory.
+- On the CPU and on Metal (unified memory) an array's memory is host memory: expert bytes are written
+  into the cache's stacked arrays through a numpy view, with no MLX op. CUDA memory is not written that
+  way; the cache falls back to MLX slice updates there.
 Nothing else in od-moe asks which backend it is on.
 """
 
@@ -13,6 +16,9 @@ import sys
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
+
+_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def is_cpu_backend() -> bool:
@@ -46,6 +52,27 @@ def cast_floating(array: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
     if dtype is None or not mx.issubdtype(array.dtype, mx.floating) or array.dtype == dtype:
         return array
     return array.astype(dtype)
+
+
+def host_view(array: mx.array) -> Optional[np.ndarray]:
+    """A writable numpy view of an evaluated, row-contiguous array's memory, as unsigned integers of the
+    same item size (so bfloat16 works too), or None where the memory cannot be written from the host.
+
+    Writes through the view change the array behind MLX's back: the caller must make sure no pending
+    computation reads the rows it writes (`mx.synchronize()` first).
+    """
+    if mx.default_device().type == mx.gpu and not mx.metal.is_available():
+        return None  # CUDA: device memory
+    bits = _UINT_OF_SIZE.get(array.dtype.size)
+    if bits is None:
+        return None
+    raw = array if array.dtype == bits else array.view(bits)  # shares the buffer
+    mx.eval(raw)
+    try:
+        view = np.array(raw, copy=False)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return view if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(array.shape) else None
 
 
 def available_memory_bytes() -> int:

@@ -12,11 +12,12 @@ read (`runtime.py`) and how bytes come off disk (`store.py`).
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from . import backend
 from .store import BlockLayout
 
 EVICTION_POLICIES = ("lru", "lfu")
@@ -61,6 +62,22 @@ class LayerStats:
     evictions: int = 0
 
 
+# safetensors dtypes whose bytes are already the in-memory representation of an MLX dtype
+SAME_BYTES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "I32": mx.int32,
+              "U16": mx.uint16, "I16": mx.int16, "U8": mx.uint8, "I8": mx.int8, "U64": mx.uint64, "I64": mx.int64}
+
+
+def _host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
+    """`raw` converted to `target`'s in-memory bytes with numpy, where that is exact; else None."""
+    if SAME_BYTES.get(disk_dtype) == target:
+        return raw
+    if target == mx.float32 and disk_dtype == "BF16":
+        return raw.astype(np.uint32) << 16  # bfloat16 is the high half of a float32
+    if target == mx.float32 and disk_dtype == "F16":
+        return raw.astype(np.float32)
+    return None
+
+
 def _raw_to_mx(raw: np.ndarray, disk_dtype: str, target: mx.Dtype) -> mx.array:
     a = mx.array(raw)
     if disk_dtype == "BF16":
@@ -98,6 +115,8 @@ class LayerCache:
         self.origin = np.zeros(C, dtype=np.int8)
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.stats = LayerStats()
+        self.host_writes = True  # False once the backend or a dtype rules out numpy writes
+        self._views = {}  # (proj, part) -> (stacked array, its numpy view)
         self._lookup = None
         self._resident = None
 
@@ -187,24 +206,20 @@ class LayerCache:
     # -- installing ----------------------------------------------------------------------------
     def install(self, ids: Sequence[int], raw: Dict[Tuple[str, str], np.ndarray], origin: Origin,
                 protect: Sequence[int] = (), clock: float = 0.0) -> np.ndarray:
-        """Put experts `ids` (raw bytes per part, row i = ids[i]) into slots; returns the slots used.
+        """Put experts `ids` into slots; returns the slots used. raw: per part, the bytes read from disk,
+        indexable by row (an array or a list of per-expert arrays), row i = ids[i].
 
-        The stacked arrays are updated with one scatter per part and evaluated at once, so memory stays
-        bounded and the numpy staging buffers may be reused as soon as this returns.
+        Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
+        elsewhere with MLX slice updates, evaluated at once. Either way memory stays bounded and the
+        staging buffers may be reused as soon as this returns.
         """
         ids = np.asarray(ids, dtype=np.int64)
         if np.any(self.slot_of[ids] >= 0):
             raise ValueError(f"layer {self.layer}: experts {ids[self.slot_of[ids] >= 0].tolist()} are already resident")
         slots = self.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=clock)
-        updated = []
-        for part in self.layout.parts:
-            key = (part.proj, part.name)
-            stacked = self.projections[part.proj][part.name]
-            rows = _raw_to_mx(raw[key][: len(ids)], part.dtype, self.targets[key])
-            for j, slot in enumerate(slots.tolist()):
-                stacked[slot] = rows[j]  # a slice update: in place, ~10x faster than a scatter here
-            updated.append(stacked)
-        mx.eval(updated)
+        if not (self.host_writes and self._write_host(slots, raw)):
+            self.host_writes = False
+            self._write_mlx(slots, raw)
         evicted = self.expert_in_slot[slots]
         self.stats.prefetch_wasted += int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
@@ -219,6 +234,42 @@ class LayerCache:
         self.unused_prefetch[slots] = origin == Origin.PREFETCH
         self._lookup = self._resident = None
         return slots
+
+    def _host_view(self, part) -> Optional[np.ndarray]:
+        """The numpy view of a part's stacked array, kept while that array stays the module's."""
+        array = self.projections[part.proj][part.name]
+        kept = self._views.get((part.proj, part.name))
+        if kept is None or kept[0] is not array:
+            kept = self._views[(part.proj, part.name)] = (array, backend.host_view(array))
+        return kept[1]
+
+    def _write_host(self, slots: np.ndarray, raw) -> bool:
+        """Copy expert bytes into the slots' memory through numpy views; False where that is impossible."""
+        writes = []
+        for part in self.layout.parts:
+            key = (part.proj, part.name)
+            view = self._host_view(part)
+            rows = [_host_bits(raw[key][j], part.dtype, self.targets[key]) for j in range(len(slots))]
+            if view is None or any(r is None for r in rows):
+                return False
+            writes.append((view, [r.view(view.dtype) for r in rows]))
+        mx.synchronize()  # nothing still computing may read the rows about to change
+        for view, rows in writes:
+            for slot, row in zip(slots.tolist(), rows):
+                view[slot] = row
+        return True
+
+    def _write_mlx(self, slots: np.ndarray, raw):
+        """Copy expert bytes into the slots with MLX slice updates (backends without host-visible memory)."""
+        updated = []
+        for part in self.layout.parts:
+            key = (part.proj, part.name)
+            stacked = self.projections[part.proj][part.name]
+            rows = _raw_to_mx(np.stack([raw[key][j] for j in range(len(slots))]), part.dtype, self.targets[key])
+            for j, slot in enumerate(slots.tolist()):
+                stacked[slot] = rows[j]  # a slice update: in place, ~10x faster than a scatter here
+            updated.append(stacked)
+        mx.eval(updated)
 
     def pin(self, ids: Sequence[int]):
         """Make resident experts `ids` unevictable. At least one slot must stay evictable."""

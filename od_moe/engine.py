@@ -133,10 +133,11 @@ class Engine:
 
     # -- prefetch --------------------------------------------------------------------------------
     def configure_prefetch(self, policy: str, oracle_trace=None, per_layer: Optional[int] = None,
-                           lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20):
+                           lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20,
+                           min_score: float = 0.0):
         """Choose what predicts experts ahead (see `policies.py`); "oracle" needs `oracle_trace`, the
         routing recorded by `record_routing` for the same prompt."""
-        from .policies import POLICIES, NextGatePolicy, OraclePolicy, PredictorPolicy
+        from .policies import POLICIES, NextGatePolicy, NextTokenLens, OraclePolicy, PredictorPolicy
         from .prefetch import PrefetchQueue
 
         if policy not in POLICIES:
@@ -159,7 +160,7 @@ class Engine:
             if self.predictor is None:
                 raise UserError("prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
                                 "(train one with `od-moe train-predictor`)")
-            runtime.policy = PredictorPolicy(self.predictor, per_layer)
+            runtime.policy = PredictorPolicy(self.predictor, per_layer, NextTokenLens.of(self.model, self.moe_blocks))
         elif policy == "next-gate":
             from .predictor import router_matrices
 
@@ -167,8 +168,8 @@ class Engine:
         else:
             if oracle_trace is None:
                 raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt (record_routing)")
-            runtime.policy = OraclePolicy(oracle_trace, lookahead)
-        runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer)
+            runtime.policy = OraclePolicy(oracle_trace, lookahead, len(self.caches))
+        runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer, min_score)
         runtime.prefetcher.account = runtime.account
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
@@ -233,7 +234,8 @@ class Engine:
             "miss_policy": self.miss_policy, "eviction": self.caches[0].eviction,
             "num_experts": self.num_experts, "top_k": self.top_k, "moe_layers": len(self.caches),
             "capacity": self.capacity, "capacity_fraction": self.capacity / self.num_experts,
-            "tokens": dict(self.runtime.tokens), "io": {k: dict(v) for k, v in self.runtime.io.items()}, "forwards": self.runtime.forwards,
+            "tokens": dict(self.runtime.tokens), "io": {k: dict(v) for k, v in self.runtime.io.items()},
+            "direct_io": self.runtime.store.direct_io, "forwards": self.runtime.forwards,
             "layers": layers, "total": totals, "prefetch": self._prefetch_stats(),
             "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
                        "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes,
@@ -262,7 +264,7 @@ class Engine:
 
 def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, predictor=None,
          miss_policy: str = "load", eviction: str = "lru", snapshot=None, dtype: str = "auto",
-         prefetch: Optional[str] = None) -> Engine:
+         prefetch: Optional[str] = None, direct_io: Union[bool, str] = "auto") -> Engine:
     """Load an MoE model with a bounded expert cache.
 
     model: a local folder (MLX or Hugging Face layout), a hub id where there is network, or None for the
@@ -274,6 +276,9 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `policies.py`); default:
         "predictor" with a predictor, else "none".
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
+    direct_io: read experts past the OS page cache (Linux O_DIRECT, macOS F_NOCACHE): True, False, or
+        "auto" (on when the model's files are larger than the memory available, where caching their
+        pages would only push out the expert cache).
     """
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
@@ -283,6 +288,10 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     target_dtype = backend.compute_dtype(dtype)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = ExpertStore(path)  # validates every safetensors header against its file first
+    if direct_io not in (True, False, "auto"):
+        raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
+    if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
+        store.use_direct_io(True)
     try:
         mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:

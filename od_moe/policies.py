@@ -7,8 +7,10 @@ together with the layer's own routing (one sync per layer). Policies:
 - `profile`: no per-layer prediction; after the prompt's prefill (router discovery: the routing of the
   prompt itself) the most used experts of every layer are loaded and the hottest pinned; LRU after that.
 - `next-gate`: the next layer's router applied to the current MoE input (Mixtral-offloading, HOBBIT).
-- `predictor`: the shadow predictor, several layers ahead.
-- `oracle`: the true routing of the same forward pass, from a recorded run of the same prompt (upper bound).
+- `predictor`: the shadow predictor, several layers ahead; at the last MoE layer, `NextTokenLens` names
+  the first MoE layer's experts of the next token (a forward pass cannot see across tokens otherwise).
+- `oracle`: the true routing, from a recorded run of the same prompt (upper bound); its lookahead runs on
+  into the next forward pass.
 Not here: reading or installing (`prefetch.py`).
 """
 
@@ -26,6 +28,55 @@ def _softmax_topk(scores: mx.array, k: int):
     probs = mx.softmax(scores.astype(mx.float32), axis=-1)
     ids = mx.argsort(-probs, axis=-1)[..., :k]
     return ids, mx.take_along_axis(probs, ids, axis=-1)
+
+
+class NextTokenLens:
+    """The first MoE layer's experts for the next token, guessed at the last MoE layer.
+
+    The first MoE layer's routing is nearly a function of the token itself (its router on the token's
+    embedding alone recalls 0.98 of the true top-8 in 16 guesses on the bundled model's held-out traces),
+    and the last MoE layer's input already points at the next token: read through the model's own final
+    norm and output head (the "logit lens"), its top tokens, each weighted by its probability, vote with
+    the first router's probabilities. Parameter-free; None where the model's parts are not found.
+    """
+
+    def __init__(self, post_norm_last, final_norm, head, embed, post_norm_first, router, tokens: int = 32):
+        self.post_norm_last, self.final_norm, self.head = post_norm_last, final_norm, head
+        self.embed, self.post_norm_first, self.router, self.tokens = embed, post_norm_first, router, tokens
+
+    @classmethod
+    def of(cls, model, moe_blocks) -> Optional["NextTokenLens"]:
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        embed, final_norm = getattr(inner, "embed_tokens", None), getattr(inner, "norm", None)
+        if layers is None or embed is None or final_norm is None or not moe_blocks:
+            return None
+        head = getattr(model, "lm_head", None) or getattr(embed, "as_linear", None)
+
+        def owner(block):
+            return next((l for l in layers if any(c is block for c in l.children().values())), None)
+
+        first, last = owner(moe_blocks[0]), owner(moe_blocks[-1])
+        norms = [getattr(l, "post_attention_layernorm", None) for l in (first, last)]
+        router = moe_blocks[0].get("gate") if hasattr(moe_blocks[0], "get") else None
+        router = getattr(router, "gate", router)  # unwrap od-moe's GateTap
+        if head is None or None in norms or router is None or not isinstance(getattr(norms[1], "weight", None), mx.array):
+            return None
+        return cls(norms[1], final_norm, head, embed, norms[0], router)
+
+    def predict(self, x: mx.array, k: int):
+        """Lazy (ids, probabilities) of the k likeliest first-layer experts for the next token."""
+        x = x.reshape(-1, x.shape[-1])[-1:]
+        h = x / self.post_norm_last.weight  # undo the norm's gain; the final norm rescales anyway
+        logits = self.head(self.final_norm(h)).astype(mx.float32)[0]
+        probs = mx.softmax(logits)
+        top = mx.argpartition(-logits, kth=self.tokens - 1)[: self.tokens]
+        scores = self.router(self.post_norm_first(self.embed(top)))
+        if not isinstance(scores, mx.array):
+            return None
+        votes = probs[top][None] @ mx.softmax(scores.astype(mx.float32), axis=-1)
+        ids = mx.argsort(-votes[0])[:k]
+        return ids, votes[0][ids]
 
 
 class NextGatePolicy:
@@ -49,12 +100,16 @@ class NextGatePolicy:
 class PredictorPolicy:
     name = "predictor"
 
-    def __init__(self, predictor, per_layer: int):
+    def __init__(self, predictor, per_layer: int, lens: Optional[NextTokenLens] = None):
         self.predictor = predictor
         self.per_layer = per_layer
+        self.lens = lens
 
     def predict(self, source: int, x: mx.array, gate_output, switches) -> List[tuple]:
         c = self.predictor.config
+        if source == c.num_layers - 1 and self.lens is not None:
+            guess = self.lens.predict(x, self.per_layer)
+            return [(0, *guess)] if guess is not None else []
         targets = c.targets(source) if source < c.num_layers - 1 else []
         if not targets or not isinstance(gate_output, mx.array):
             return []
@@ -76,21 +131,22 @@ class OraclePolicy:
 
     name = "oracle"
 
-    def __init__(self, trace: List[Dict[int, np.ndarray]], lookahead: int):
+    def __init__(self, trace: List[Dict[int, np.ndarray]], lookahead: int, num_layers: int):
         self.trace = trace
         self.lookahead = lookahead
+        self.num_layers = num_layers
         self.forward = 0  # set by the runtime at every forward pass of a generation
 
     def predict(self, source: int, x, gate_output, switches) -> List[tuple]:
-        if self.forward >= len(self.trace):
-            return []
-        routing = self.trace[self.forward]
         out = []
         for d in range(1, self.lookahead + 1):
-            ids = routing.get(source + d)
+            forward, layer = divmod(source + d, self.num_layers)  # past the last layer: the next pass
+            if self.forward + forward >= len(self.trace):
+                break
+            ids = self.trace[self.forward + forward].get(layer)
             if ids is not None:
                 uniq = np.unique(ids)
-                out.append((source + d, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
+                out.append((layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
         return out
 
 

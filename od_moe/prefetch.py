@@ -36,17 +36,19 @@ class _Read:
     score: float
     nbytes: int
     raw: Optional[dict] = None
+    staging: Optional[Staging] = None
     read_s: float = 0.0
     error: Optional[BaseException] = None
 
 
 class PrefetchQueue:
     def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
-                 per_layer: int = 8, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
+                 per_layer: int = 8, min_score: float = 0.0, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
                  probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
         self.store, self.caches = store, caches
         self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
         self.per_layer_max = self.per_layer = per_layer
+        self.min_score = min_score  # candidates scored below this are not worth a read
         self.window, self.min_precision, self.recover_precision = window, min_precision, recover_precision
         self.probe_every, self.probe_tokens, self.pause_tokens = probe_every, probe_tokens, pause_tokens
         self.cost_margin = cost_margin
@@ -56,6 +58,7 @@ class PrefetchQueue:
         self._reading: Dict[tuple, _Read] = {}
         self._ready: Dict[tuple, _Read] = {}
         self._inflight_bytes = 0
+        self._spare: Dict[int, List[Staging]] = {}  # staging buffers of installed reads, by layer
         self._stop = False
         self.issued = self.late = self.dropped = self.bytes_read = 0
         self.read_s = self.wait_s = 0.0
@@ -74,6 +77,8 @@ class PrefetchQueue:
         order = np.argsort(-np.asarray(scores), kind="stable")[: self.per_layer]
         with self._cv:
             for n in order:
+                if scores[n] < self.min_score:
+                    break
                 e = int(experts[n])
                 key = (layer, e)
                 if cache.slot_of[e] >= 0 or key in self._reading or key in self._ready:
@@ -144,13 +149,14 @@ class PrefetchQueue:
         fresh = fresh[: cache.room(protect=protect)]
         # demand got there first, or no slot may be evicted for it: the read bought nothing
         cache.stats.prefetch_wasted += len(reads) - len(fresh)
-        if not fresh:
-            return
-        raw = {key: np.concatenate([r.raw[key][:1] for r in fresh]) for key in fresh[0].raw}
-        t0 = time.perf_counter()
-        cache.install([r.expert for r in fresh], raw, Origin.PREFETCH, protect=protect, clock=clock - 0.5)
-        cache.stats.install_s += time.perf_counter() - t0
-        cache.stats.experts_loaded += len(fresh)
+        if fresh:
+            raw = {key: [r.raw[key][0] for r in fresh] for key in fresh[0].raw}
+            t0 = time.perf_counter()
+            cache.install([r.expert for r in fresh], raw, Origin.PREFETCH, protect=protect, clock=clock - 0.5)
+            cache.stats.install_s += time.perf_counter() - t0
+            cache.stats.experts_loaded += len(fresh)
+        with self._cv:  # the bytes are in their slots now (or not wanted): the buffers may be reused
+            self._spare.setdefault(cache.layer, []).extend(r.staging for r in reads)
 
     @property
     def active(self) -> bool:
@@ -226,8 +232,11 @@ class PrefetchQueue:
                 self.issued += 1
             cache = self.caches[r.layer]
             t0 = time.perf_counter()
+            with self._cv:
+                spare = self._spare.get(r.layer)
+                r.staging = spare.pop() if spare else Staging(cache.layout, 1)
             try:
-                r.raw = self.store.read(cache.layout, [r.expert], Staging(cache.layout, 1))
+                r.raw = self.store.read(cache.layout, [r.expert], r.staging)
                 self.bytes_read += cache.layout.expert_nbytes
             except BaseException as e:  # raised on the generation thread when installed
                 r.error = e

@@ -91,11 +91,11 @@ class OffloadRuntime:
             self.profile_counts[layer] += np.bincount(ids.ravel(), minlength=len(self.profile_counts[layer]))
 
     def predict(self, switch, x: mx.array, phase: str) -> list:
-        """Predictions of the prefetch policy at this layer (decode only, every `segment` layers)."""
+        """Predictions of the prefetch policy at this layer (decode only, every `segment` layers and the last)."""
         if self.policy is None or phase != "decode" or not hasattr(self.policy, "predict"):
             return []
-        if switch.index % self.segment:
-            return []
+        if switch.index % self.segment and switch.index != len(self._switches) - 1:
+            return []  # the last layer always predicts: it alone sees the next token coming
         return self.policy.predict(switch.index, x, switch.last_gate_output, self._switches)
 
     def defer(self, switch, indices: mx.array, phase: str):

@@ -6,7 +6,9 @@ and scales/biases when quantized) the file, offset and length of each expert's s
 - MLX: stacked `(E, ...)` tensors (`...switch_mlp.gate_proj.weight`); expert e is row e, contiguous.
 - Hugging Face: one tensor per expert (`...experts.{e}.gate_proj.weight`, Mixtral's `w1/w3/w2`).
 Reads go straight from the file into caller-owned numpy staging buffers; a whole stacked tensor is never
-loaded. This module does file I/O only (no MLX), so a reader thread may call it. Not here: what to read
+loaded. With direct I/O on (`use_direct_io`) reads bypass the OS page cache, as they must when the model
+is larger than memory: Linux `O_DIRECT` (aligned spans through a per-thread bounce buffer; the device
+copies, not the CPU) or macOS `F_NOCACHE`. This module does file I/O only (no MLX), so a reader thread may call it. Not here: what to read
 and where it goes (see `cache.py`).
 """
 
@@ -14,6 +16,8 @@ import hashlib
 import json
 import os
 import struct
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -38,6 +42,29 @@ HF_PROJECTION_NAMES = {
     "fc2": ("fc2",),
 }
 HF_PART_NAMES = {"weight": "weight", "bias": "bias", "scales": "scales", "biases": "biases"}
+DIRECT_ALIGN = 4096  # O_DIRECT wants aligned offsets, lengths and buffers; 4 KiB suits every device
+BOUNCE_BYTES = 4 * 2**20  # per-thread aligned buffer for O_DIRECT reads
+
+
+def _open_direct(path: Path):
+    """(fd, needs alignment) for reads that bypass the page cache, or None where the OS or the file
+    system offers no such reads (tmpfs refuses O_DIRECT, for example)."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError:
+            return None
+    if sys.platform == "darwin":
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd, False
+    return None
 
 
 @dataclass(frozen=True)
@@ -147,15 +174,44 @@ class ExpertStore:
                 self.tensors[key] = TensorEntry(i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"]))
         self.weights_digest = digest.hexdigest()
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
+        self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
+        self._bounce = threading.local()
         self.bytes_read = 0
         # Benchmarks set this to make every read cold, as on a machine whose page cache cannot hold the
         # model: the pages just read are dropped again.
         self.drop_after_read = False
 
     def close(self):
+        self.use_direct_io(False)
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether reads bypass the page cache."""
+        return self._direct is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the model's safetensors files."""
+        return sum(p.stat().st_size for p in self.files)
+
+    def use_direct_io(self, on: bool) -> bool:
+        """Turn page-cache-bypassing reads on or off; returns whether they are on (off where unsupported)."""
+        if not on and self._direct is not None:
+            for fd, _ in self._direct:
+                os.close(fd)
+            self._direct = None
+        elif on and self._direct is None:
+            opened = [_open_direct(p) for p in self.files]
+            if all(opened):
+                self._direct = opened
+            else:
+                for o in opened:
+                    if o:
+                        os.close(o[0])
+        return self.direct_io
 
     def __del__(self):
         try:
@@ -228,15 +284,40 @@ class ExpertStore:
         return out
 
     def _pread_exact(self, file_index: int, view: memoryview, offset: int):
-        fd, done = self._fds[file_index], 0
+        if self._direct is not None:
+            fd, aligned = self._direct[file_index]
+            if aligned:
+                return self._pread_aligned(file_index, fd, view, offset)
+        else:
+            fd = self._fds[file_index]
+        done = 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
                 raise OSError(f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable")
             done += got
         self.bytes_read += done
-        if self.drop_after_read and hasattr(os, "posix_fadvise"):
+        if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
+
+    def _pread_aligned(self, file_index: int, fd: int, view: memoryview, offset: int):
+        """O_DIRECT: read the aligned span around [offset, offset + len(view)) through the bounce buffer."""
+        bounce = getattr(self._bounce, "buffer", None)
+        if bounce is None:
+            raw = np.empty(BOUNCE_BYTES + DIRECT_ALIGN, dtype=np.uint8)
+            start = -raw.ctypes.data % DIRECT_ALIGN
+            bounce = self._bounce.buffer = memoryview(raw[start:start + BOUNCE_BYTES])
+        end = offset + len(view)
+        pos = offset - offset % DIRECT_ALIGN
+        while pos < end:
+            span = min(BOUNCE_BYTES, -(-(end - pos) // DIRECT_ALIGN) * DIRECT_ALIGN)
+            got = os.preadv(fd, [bounce[:span]], pos)
+            lo, hi = max(offset, pos), min(end, pos + max(got, 0))
+            if got <= 0 or (got < span and hi < end):
+                raise OSError(f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is truncated or unreadable")
+            view[lo - offset:hi - offset] = bounce[lo - pos:hi - pos]
+            pos += span
+        self.bytes_read += len(view)
 
     def drop_page_cache(self):
         """Ask the OS to forget this model's cached file pages, so the next reads are cold."""

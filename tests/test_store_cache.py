@@ -31,6 +31,23 @@ def test_store_reads_exactly_the_expert_rows():
     assert store.bytes_read == len(ids) * layout.expert_nbytes
 
 
+@pytest.mark.parametrize("dtype", ["auto", "model"])
+def test_both_install_paths_put_the_checkpoint_rows_in_the_slots(dtype):
+    """Numpy writes into host memory (CPU, Metal) and MLX slice updates (CUDA) give the same slots."""
+    full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
+    ids = np.array([9, 3, 60])
+    for host in (True, False):
+        engine = od_moe.load(capacity=8, dtype=dtype)
+        cache = engine.caches[4]
+        cache.host_writes = host
+        slots = cache.install(ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4)), Origin.DEMAND)
+        assert cache.host_writes == host  # the CPU backend takes the numpy path whenever asked
+        for part in cache.layout.parts:
+            stacked = cache.projections[part.proj][part.name]
+            expected = full[f"model.layers.4.mlp.switch_mlp.{part.proj}.{part.name}"][mx.array(ids)]
+            assert mx.array_equal(stacked[mx.array(slots)], expected.astype(stacked.dtype)), (host, part.name)
+
+
 def test_truncated_file_is_a_clear_error(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(od_moe.DEFAULT_MODEL, model)

@@ -47,6 +47,7 @@ def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, mis
         store = engine.runtime.store
         store.drop_after_read = cold
         if cold:
+            store.use_direct_io(True)  # cold: every read from the device, as when the model exceeds memory
             store.drop_page_cache()
         out, last = [], None
         for last in engine.stream_generate(prompt, max_tokens=max_tokens):

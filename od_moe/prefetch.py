@@ -8,6 +8,8 @@ installed by the generation thread between layers and between tokens.
 - `install_ready()` (generation thread, cooperative): finished reads go into free or evictable slots; an
   expert that became resident meanwhile counts as wasted.
 - `drop_stale(layer)`: when a layer runs, pending requests for it that were never started are dropped.
+- Installs never evict an expert predicted for the same run of its layer (resident ones are not read,
+  so without this a prefetch could push out what the same prediction said to keep).
 - `claim(layer, experts)`: at a demand miss, an expert being read is waited for ("late") instead of read
   twice; a pending one is withdrawn so the demand path reads it.
 - Self-protection, reported in `stats()`: every `window` decode tokens the precision of the last window
@@ -58,6 +60,7 @@ class PrefetchQueue:
         self._reading: Dict[tuple, _Read] = {}
         self._ready: Dict[tuple, _Read] = {}
         self._inflight_bytes = 0
+        self._wanted: Dict[int, set] = {}  # layer -> experts predicted for its next run: kept at installs
         self._spare: Dict[int, List[Staging]] = {}  # staging buffers of installed reads, by layer
         self._stop = False
         self.issued = self.late = self.dropped = self.bytes_read = 0
@@ -76,10 +79,12 @@ class PrefetchQueue:
         cache = self.caches[layer]
         order = np.argsort(-np.asarray(scores), kind="stable")[: self.per_layer]
         with self._cv:
+            wanted = self._wanted.setdefault(layer, set())
             for n in order:
                 if scores[n] < self.min_score:
                     break
                 e = int(experts[n])
+                wanted.add(e)
                 key = (layer, e)
                 if cache.slot_of[e] >= 0 or key in self._reading or key in self._ready:
                     continue
@@ -90,6 +95,7 @@ class PrefetchQueue:
 
     def drop_stale(self, layer: int):
         with self._cv:
+            self._wanted.pop(layer, None)
             stale = [k for k in self._pending if k[0] == layer]
             for k in stale:
                 del self._pending[k]
@@ -142,6 +148,8 @@ class PrefetchQueue:
             if r.error is not None:
                 raise r.error
         cache = self.caches[reads[0].layer]
+        with self._cv:  # a prefetch must not evict an expert predicted for the same run of the layer
+            protect = list(protect) + sorted(self._wanted.get(cache.layer, ()))
         for r in reads:
             cache.stats.bytes_read += r.nbytes  # read whether or not it turns out useful
             self.account(r.nbytes, 0.0)

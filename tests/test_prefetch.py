@@ -196,3 +196,39 @@ def test_the_reader_thread_ends_with_its_engine():
     while readers() > before and time.time() < deadline:
         time.sleep(0.05)
     assert readers() == before
+
+
+def test_a_prefetch_never_evicts_an_expert_predicted_for_the_same_layer(predictor_dir):
+    engine = _engine("next-gate", predictor_dir, 16)
+    queue, cache = engine.runtime.prefetcher, engine.caches[3]
+    engine.runtime.load(cache, np.arange(16), od_moe.cache.Origin.PROFILE)
+    cache.touch(np.arange(16), np.ones(16), clock=1.0 + np.arange(16))  # expert 0 is the least recently used
+    queue.submit(3, np.array([0, 20]), np.array([0.9, 0.8]))  # 0 is resident and predicted: only 20 is read
+    for _ in range(200):
+        if queue.stats()["issued"] == 1 and not queue._reading:
+            break
+        threading.Event().wait(0.01)
+    queue.install_ready(clock=20.0)
+    assert cache.slot_of[20] >= 0 and cache.slot_of[0] >= 0  # LRU alone would have evicted 0 for 20
+    assert cache.slot_of[1] < 0  # the next least recently used went instead
+    _consistent(cache)
+
+
+def test_next_token_lens_names_the_next_first_layer_experts():
+    """At the last layer the logit lens guesses the next token's first-layer experts far better than
+    repeating this token's (the bundled predictor's policy; truth from the recorded routing)."""
+    engine = od_moe.load(capacity="25%", predictor=od_moe.DEFAULT_PREDICTOR)
+    lens, guesses = engine.runtime.policy.lens, []
+    real = lens.predict
+    lens.predict = lambda x, k: guesses.append((engine.runtime.forwards, real(x, k))) or guesses[-1][1]
+    engine.runtime.recording = []
+    engine.generate(PROMPTS[1], max_tokens=48)
+    routing = engine.runtime.recording
+    lens_recall, repeat_recall = [], []
+    for forward, (ids, _) in guesses:
+        if forward < len(routing):  # forwards count from 1: routing[forward] is the next pass
+            truth = set(routing[forward][0][-1].tolist())
+            lens_recall.append(len(truth & set(np.array(ids).tolist())) / len(truth))
+            repeat_recall.append(len(truth & set(routing[forward - 1][0][-1].tolist())) / len(truth))
+    assert len(lens_recall) >= 40
+    assert np.mean(lens_recall) > 0.55 and np.mean(lens_recall) > np.mean(repeat_recall) + 0.2, (np.mean(lens_recall), np.mean(repeat_recall))

@@ -148,3 +148,21 @@ def test_memory_budget_bounds_the_cache_and_peak_memory():
     # experts were never all resident: loading and generating both stayed well below the full set
     assert engine.load_peak_bytes - base < probe.non_expert_nbytes + all_experts / 2
     assert stats["peak_bytes"] - base < stats["non_expert_bytes"] + all_experts
+
+
+def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_reference):
+    from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
+
+    buffered, direct = ExpertStore(od_moe.DEFAULT_MODEL), ExpertStore(od_moe.DEFAULT_MODEL)
+    assert direct.use_direct_io(True) and direct.direct_io  # O_DIRECT on Linux, F_NOCACHE on macOS
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    layout = buffered.block_layout("model.layers.6.mlp.switch_mlp", parts, 64)
+    for ids in ([0], [63], [5, 6, 7, 40, 62], list(range(16))):  # unaligned starts, runs, the file's tail
+        a, b = buffered.read(layout, ids, Staging(layout, 16)), direct.read(layout, ids, Staging(layout, 16))
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert direct.bytes_read == buffered.bytes_read
+    engine = od_moe.load(capacity="25%", direct_io=True)
+    assert engine.stats()["direct_io"] and od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    assert not od_moe.load(capacity="25%").stats()["direct_io"]  # "auto": the bundled model fits in memory
+    with pytest.raises(UserError, match="direct_io"):
+        od_moe.load(capacity=8, direct_io="yes")

@@ -15,6 +15,15 @@ def _capacity_arg(parser: argparse.ArgumentParser):
     group.add_argument("--memory-budget", help="memory for the whole engine, e.g. 8GB or 512MiB (default: 70%% of available)")
 
 
+def _direct_io_arg(parser: argparse.ArgumentParser):
+    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
+                        help="read experts past the OS page cache (default auto: when the model is larger than memory)")
+
+
+def _direct_io(value: str):
+    return {"auto": "auto", "on": True, "off": False}[value]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="od-moe", description="Run Mixture-of-Experts models larger than memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -24,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-tokens", type=int, default=256)
     _capacity_arg(gen)
+    _direct_io_arg(gen)
     gen.add_argument("--miss-policy", choices=["load", "skip"], default="load",
                      help="load: exact, read missing experts before use; skip: approximate, drop them")
     gen.add_argument("--eviction", choices=["lru", "lfu"], default="lru")
@@ -45,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; anything else is your choice to expose it)")
     srv.add_argument("--port", type=int, default=8080)
     _capacity_arg(srv)
+    _direct_io_arg(srv)
     srv.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may generate")
     srv.add_argument("--max-input-tokens", type=int, default=16384, help="the longest prompt accepted, in tokens")
 
@@ -101,7 +112,7 @@ def cmd_generate(args):
 
     engine = load(args.model, capacity=args.capacity, memory_budget=args.memory_budget,
                   miss_policy=args.miss_policy, eviction=args.eviction, snapshot=args.snapshot,
-                  predictor=_predictor_arg(args.predictor), prefetch=args.prefetch)
+                  predictor=_predictor_arg(args.predictor), prefetch=args.prefetch, direct_io=_direct_io(args.direct_io))
     for response in engine.stream_generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temp,
                                            top_p=args.top_p, seed=args.seed):
         print(response.text, end="", flush=True)
@@ -146,7 +157,7 @@ def cmd_serve(args):
 
     serve(args.model, predictor=_predictor_arg(args.predictor), prefetch=args.prefetch, host=args.host, port=args.port, capacity=args.capacity,
           memory_budget=args.memory_budget, max_tokens=args.max_tokens, max_input_tokens=args.max_input_tokens,
-          log=lambda line: print(line, file=sys.stderr, flush=True))
+          direct_io=_direct_io(args.direct_io), log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def main(argv=None) -> int:

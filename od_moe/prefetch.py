@@ -14,8 +14,9 @@ installed by the generation thread between layers and between tokens.
   twice; a pending one is withdrawn so the demand path reads it.
 - Self-protection, reported in `stats()`: every `window` decode tokens the precision of the last window
   is checked; below `min_precision` the number of experts predicted per layer is halved (down to none),
-  above `recover_precision` it grows back. And every `probe_every` tokens prefetch is switched off for
-  `probe_tokens` tokens: if tokens are faster without it, it costs more than it saves and pauses.
+  above `recover_precision` it grows back. And after `first_probe` tokens, then every `probe_every`,
+  prefetch is switched off for `probe_tokens` tokens: if tokens are faster without it, it costs more
+  than it saves and pauses.
 Invariant: issued = useful + wasted + in flight (reading, read, or installed and not used yet).
 Not here: what to predict (`policies.py`) or the demand path (`switch.py`).
 """
@@ -46,13 +47,14 @@ class _Read:
 class PrefetchQueue:
     def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
                  per_layer: int = 8, min_score: float = 0.0, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
-                 probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
+                 first_probe: int = 8, probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
         self.store, self.caches = store, caches
         self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
         self.per_layer_max = self.per_layer = per_layer
         self.min_score = min_score  # candidates scored below this are not worth a read
         self.window, self.min_precision, self.recover_precision = window, min_precision, recover_precision
-        self.probe_every, self.probe_tokens, self.pause_tokens = probe_every, probe_tokens, pause_tokens
+        self.first_probe, self.probe_every = first_probe, probe_every
+        self.probe_tokens, self.pause_tokens = probe_tokens, pause_tokens
         self.cost_margin = cost_margin
         self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
         self._cv = threading.Condition()
@@ -205,7 +207,8 @@ class PrefetchQueue:
         times (the first two of each stretch skipped: earlier prefetches still land). If off is faster,
         prefetch costs more than it saves: it pauses for `pause_tokens`, then tries again."""
         n = self.decode_tokens - self._mode_since
-        if self.mode == "on" and n >= self.probe_every:
+        every = self.first_probe if self.probe is None else self.probe_every  # decide early, then check
+        if self.mode == "on" and n >= every:
             self._set_mode("probe")
         elif self.mode == "probe" and n >= self.probe_tokens:
             on = [t for m, t in self._times if m == "on"][-(self.probe_tokens - 2):]

@@ -19,6 +19,7 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -87,7 +88,7 @@ class ExpertPart:
     files: np.ndarray  # (E,) file index of each expert's slice
     offsets: np.ndarray  # (E,) absolute byte offset of each expert's slice
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * np.dtype(RAW_NUMPY_DTYPES[self.dtype]).itemsize
 
@@ -101,7 +102,7 @@ class BlockLayout:
     parts: List[ExpertPart]
     layout: str  # "mlx" or "hf"
 
-    @property
+    @cached_property
     def expert_nbytes(self) -> int:
         """Bytes one expert occupies on disk (weights + scales + biases)."""
         return sum(p.nbytes for p in self.parts)

@@ -69,6 +69,8 @@ def test_prefetch_raises_the_hit_rate_over_on_demand(predictor_dir):
     rates = {}
     for policy in ("none", "next-gate"):
         engine = _engine(policy, predictor_dir, "25%")
+        if engine.runtime.prefetcher is not None:  # on this tiny model the cost probe would pause it
+            engine.runtime.prefetcher.first_probe = engine.runtime.prefetcher.probe_every = 10**9
         engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
         rates[policy] = engine.stats()["total"]["decode"]["hit_rate"]
     assert rates["next-gate"] > rates["none"] + 0.05
@@ -135,7 +137,7 @@ def test_prefetch_backs_off_when_it_does_not_pay(predictor_dir):
     engine = od_moe.load(capacity="25%")
     engine.configure_prefetch("oracle", oracle_trace=wrong)
     engine.runtime.prefetcher.window = 8
-    engine.runtime.prefetcher.probe_every = 10**9  # this test is about precision alone
+    engine.runtime.prefetcher.first_probe = engine.runtime.prefetcher.probe_every = 10**9  # precision alone
     assert od_moe_tokens(engine, [PROMPTS[0]], NEW_TOKENS)[0]  # still exact and running
     p = engine.stats()["prefetch"]
     assert p["backoffs"] >= 1 and p["experts_per_layer"] < 8 and "precision" in p["backoff_reason"]
@@ -155,7 +157,7 @@ def test_policy_errors_are_clear(predictor_dir):
 def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
     engine = _engine("next-gate", predictor_dir, "25%")
     queue = engine.runtime.prefetcher
-    queue.probe_every, queue.probe_tokens, queue.pause_tokens = 16, 8, 32
+    queue.first_probe, queue.probe_every, queue.probe_tokens, queue.pause_tokens = 16, 16, 8, 32
     for _ in range(16):
         queue.end_token("decode", 0.010)  # 10 ms per token with prefetch on
     assert queue.mode == "probe" and not queue.active

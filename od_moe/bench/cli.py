@@ -15,7 +15,7 @@ def add_arguments(parser):
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model")
     parser.add_argument("--widen", type=int, default=128,
                         help="widening factor of the I/O-bound copy of the bundled model (0: skip it)")
-    parser.add_argument("--widened-tokens", type=int, default=12, help="new tokens per prompt on the widened model")
+    parser.add_argument("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "od-moe-bench"),
                         help="where the widened model is written (about 1.4 GB at --widen 128)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")

@@ -249,14 +249,14 @@ def prometheus_text(health: dict) -> str:
 
 
 def serve(model=None, *, predictor=None, prefetch=None, host="127.0.0.1", port=8080, capacity=None, memory_budget=None,
-          max_tokens=4096, max_input_tokens=16384, log=print):
+          max_tokens=4096, max_input_tokens=16384, direct_io="auto", log=print):
     """Load the model on the generation thread, then serve until interrupted."""
     from werkzeug.serving import make_server
 
     from .. import load
 
     worker = GenerationWorker(loader=lambda: load(model, capacity=capacity, memory_budget=memory_budget,
-                                                  predictor=predictor, prefetch=prefetch))
+                                                  predictor=predictor, prefetch=prefetch, direct_io=direct_io))
     app = create_app(worker=worker, max_tokens=max_tokens, max_input_tokens=max_input_tokens)
     server = make_server(host, port, app, threaded=True)
     log(f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.server_port} "

@@ -47,7 +47,7 @@ class _Read:
 class PrefetchQueue:
     def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
                  per_layer: int = 8, min_score: float = 0.0, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
-                 first_probe: int = 8, probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
+                 first_probe: int = 48, probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
         self.store, self.caches = store, caches
         self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
         self.per_layer_max = self.per_layer = per_layer

@@ -94,6 +94,8 @@ class OffloadRuntime:
         """Predictions of the prefetch policy at this layer (decode only, every `segment` layers and the last)."""
         if self.policy is None or phase != "decode" or not hasattr(self.policy, "predict"):
             return []
+        if self.prefetcher is not None and not self.prefetcher.active:
+            return []  # backed off or paused: predicting would cost without reading anything
         if switch.index % self.segment and switch.index != len(self._switches) - 1:
             return []  # the last layer always predicts: it alone sees the next token coming
         return self.policy.predict(switch.index, x, switch.last_gate_output, self._switches)

@@ -133,8 +133,7 @@ class Engine:
 
     # -- prefetch --------------------------------------------------------------------------------
     def configure_prefetch(self, policy: str, oracle_trace=None, per_layer: Optional[int] = None,
-                           lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20,
-                           min_score: float = 0.0):
+                           lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20):
         """Choose what predicts experts ahead (see `policies.py`); "oracle" needs `oracle_trace`, the
         routing recorded by `record_routing` for the same prompt."""
         from .policies import POLICIES, NextGatePolicy, NextTokenLens, OraclePolicy, PredictorPolicy
@@ -169,7 +168,7 @@ class Engine:
             if oracle_trace is None:
                 raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt (record_routing)")
             runtime.policy = OraclePolicy(oracle_trace, lookahead, len(self.caches))
-        runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer, min_score)
+        runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer)
         runtime.prefetcher.account = runtime.account
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:

@@ -46,12 +46,11 @@ class _Read:
 
 class PrefetchQueue:
     def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
-                 per_layer: int = 8, min_score: float = 0.0, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
+                 per_layer: int = 8, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
                  first_probe: int = 48, probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
         self.store, self.caches = store, caches
         self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
         self.per_layer_max = self.per_layer = per_layer
-        self.min_score = min_score  # candidates scored below this are not worth a read
         self.window, self.min_precision, self.recover_precision = window, min_precision, recover_precision
         self.first_probe, self.probe_every = first_probe, probe_every
         self.probe_tokens, self.pause_tokens = probe_tokens, pause_tokens
@@ -83,8 +82,6 @@ class PrefetchQueue:
         with self._cv:
             wanted = self._wanted.setdefault(layer, set())
             for n in order:
-                if scores[n] < self.min_score:
-                    break
                 e = int(experts[n])
                 wanted.add(e)
                 key = (layer, e)

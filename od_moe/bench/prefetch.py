@@ -55,8 +55,7 @@ def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, mis
         tokens.append(out)
         tps.append(last.generation_tps)
         stats.append(engine.stats())
-        if engine.runtime.prefetcher is not None:
-            engine.runtime.prefetcher.close()
+        engine.close()
     return {"tokens": tokens, "tok_s": sum(tps) / len(tps), "stats": stats}
 
 

@@ -14,9 +14,11 @@ installed by the generation thread between layers and between tokens.
   twice; a pending one is withdrawn so the demand path reads it.
 - Self-protection, reported in `stats()`: every `window` decode tokens the precision of the last window
   is checked; below `min_precision` the number of experts predicted per layer is halved (down to none),
-  above `recover_precision` it grows back. And after `first_probe` tokens, then every `probe_every`,
-  prefetch is switched off for `probe_tokens` tokens: if tokens are faster without it, it costs more
-  than it saves and pauses.
+  above `recover_precision` it grows back. After `first_check` tokens (and again whenever it resumes),
+  the read time its useful prefetches saved bounds what it can gain: under `min_gain` of the token time
+  (reads from the page cache of a small model) it pauses until the demand stall grows. And after
+  `first_probe` tokens, then every `probe_every`, prefetch is switched off for `probe_tokens` tokens:
+  if tokens are faster without it, it costs more than it saves and pauses.
 Invariant: issued = useful + wasted + in flight (reading, read, or installed and not used yet).
 Not here: what to predict (`policies.py`) or the demand path (`switch.py`).
 """
@@ -24,7 +26,7 @@ Not here: what to predict (`policies.py`) or the demand path (`switch.py`).
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -44,10 +46,22 @@ class _Read:
     error: Optional[BaseException] = None
 
 
+class _Mark(NamedTuple):  # cumulative counters at the end of a forward pass
+    mode: str
+    seconds: Optional[float]
+    stall_s: float
+    useful: int
+    reads: int
+    read_s: float
+    busy_s: float
+    per_install_s: float
+
+
 class PrefetchQueue:
     def __init__(self, store: ExpertStore, caches: List[LayerCache], max_inflight_bytes: int = 32 * 2**20,
                  per_layer: int = 8, window: int = 16, min_precision: float = 0.25, recover_precision: float = 0.5,
-                 first_probe: int = 48, probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03):
+                 first_probe: int = 48, probe_every: int = 48, probe_tokens: int = 8, pause_tokens: int = 192, cost_margin: float = 0.03,
+                 first_check: int = 2, min_gain: float = 0.02):
         self.store, self.caches = store, caches
         self.max_inflight_bytes = max(max_inflight_bytes, max(c.layout.expert_nbytes for c in caches))
         self.per_layer_max = self.per_layer = per_layer
@@ -55,7 +69,11 @@ class PrefetchQueue:
         self.first_probe, self.probe_every = first_probe, probe_every
         self.probe_tokens, self.pause_tokens = probe_tokens, pause_tokens
         self.cost_margin = cost_margin
+        self.first_check, self.min_gain = first_check, min_gain
         self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
+        self._pause_kind = None  # "gain": little to hide, resumes when the stall grows; "cost": probe said so
+        self.gain = None  # the last check of what prefetch hides
+        self._marks: List[_Mark] = []  # per pass: (mode, seconds, stall_s, useful, reads, read_s)
         self._cv = threading.Condition()
         self._pending: Dict[tuple, _Read] = {}
         self._reading: Dict[tuple, _Read] = {}
@@ -64,8 +82,8 @@ class PrefetchQueue:
         self._wanted: Dict[int, set] = {}  # layer -> experts predicted for its next run: kept at installs
         self._spare: Dict[int, List[Staging]] = {}  # staging buffers of installed reads, by layer
         self._stop = False
-        self.issued = self.late = self.dropped = self.bytes_read = 0
-        self.read_s = self.wait_s = 0.0
+        self.issued = self.late = self.dropped = self.bytes_read = self.reads = self.installs = 0
+        self.read_s = self.wait_s = self.busy_s = self.install_s = 0.0
         self.backoffs, self.backoff_reason = 0, None
         self._window_start = (0, 0, 0)  # (tokens, useful, wasted) at the start of the window
         self.decode_tokens = 0
@@ -77,6 +95,7 @@ class PrefetchQueue:
     def submit(self, layer: int, experts: Sequence[int], scores: Sequence[float]):
         if not self.active:
             return
+        t0 = time.perf_counter()
         cache = self.caches[layer]
         order = np.argsort(-np.asarray(scores), kind="stable")[: self.per_layer]
         with self._cv:
@@ -91,6 +110,7 @@ class PrefetchQueue:
                 if old is None or old.score < scores[n]:
                     self._pending[key] = _Read(layer, e, float(scores[n]), cache.layout.expert_nbytes)
             self._cv.notify_all()
+        self.busy_s += time.perf_counter() - t0
 
     def drop_stale(self, layer: int):
         with self._cv:
@@ -103,6 +123,7 @@ class PrefetchQueue:
     def claim(self, layer: int, experts: Sequence[int], protect: Sequence[int], clock: float) -> np.ndarray:
         """For demand misses of `layer`: wait for those being read and install them; return the experts
         the demand path must still read itself."""
+        t0, waited = time.perf_counter(), 0.0
         wanted = [int(e) for e in experts]
         with self._cv:
             for e in wanted:
@@ -124,10 +145,12 @@ class PrefetchQueue:
         if reads:
             self._install(reads, protect, clock)
             self.late += len(reads)
+        self.busy_s += time.perf_counter() - t0 - waited
         return np.array([e for e in wanted if self.caches[layer].slot_of[e] < 0], dtype=np.int64)
 
     def install_ready(self, protect: Dict[int, Sequence[int]] = None, clock: float = 0.0):
         """Install every finished read (cooperative point: between layers and between tokens)."""
+        t0 = time.perf_counter()
         with self._cv:
             if not self._ready:
                 return
@@ -140,6 +163,7 @@ class PrefetchQueue:
             by_layer.setdefault(r.layer, []).append(r)
         for layer, group in by_layer.items():  # one install (one evaluation) per layer
             self._install(group, (protect or {}).get(layer, ()), clock)
+        self.busy_s += time.perf_counter() - t0
 
     def _install(self, reads: List[_Read], protect: Sequence[int], clock: float):
         """Install reads of one layer, best first, as far as unprotected slots allow."""
@@ -160,7 +184,10 @@ class PrefetchQueue:
             raw = {key: [r.raw[key][0] for r in fresh] for key in fresh[0].raw}
             t0 = time.perf_counter()
             cache.install([r.expert for r in fresh], raw, Origin.PREFETCH, protect=protect, clock=clock - 0.5)
-            cache.stats.install_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            cache.stats.install_s += dt
+            self.install_s += dt
+            self.installs += len(fresh)
             cache.stats.experts_loaded += len(fresh)
         with self._cv:  # the bytes are in their slots now (or not wanted): the buffers may be reused
             self._spare.setdefault(cache.layer, []).extend(r.staging for r in reads)
@@ -170,8 +197,12 @@ class PrefetchQueue:
         return self.per_layer > 0 and self.mode == "on"
 
     def end_token(self, phase: str, seconds: Optional[float] = None):
-        """Between tokens (`seconds`: the wall time of the token that ended): check precision every
-        window, and whether prefetch pays at all with a periodic probe."""
+        """Between tokens (`seconds`: the wall time of the pass that ended, None where unknown): check
+        precision every window, the gain prefetch can make, and whether it pays at all."""
+        stall = sum(c.stats.stall_s for c in self.caches)
+        self._marks.append(_Mark(self.mode if phase == "decode" else phase, seconds, stall, self._totals()[0],
+                                 self.reads, self.read_s, self.busy_s, self.install_s / max(self.installs, 1)))
+        del self._marks[:-64]
         if phase != "decode":
             return
         self.decode_tokens += 1
@@ -179,6 +210,7 @@ class PrefetchQueue:
             self._times.append((self.mode, seconds))
             del self._times[:-64]
         self._check_precision()
+        self._check_gain()
         self._check_cost()
 
     def _check_precision(self):
@@ -199,6 +231,51 @@ class PrefetchQueue:
         elif precision > self.recover_precision and self.per_layer < self.per_layer_max:
             self.per_layer = min(self.per_layer_max, max(1, self.per_layer * 2))
 
+    def _gain(self, tokens: int) -> Optional[dict]:
+        """Over the last `tokens` tokens, per token: the time prefetch saved the demand path (on: its useful
+        prefetches times the mean read and install time) or could have saved (paused: the demand stall),
+        what it cost the generation thread (on: predicting, queueing, installing), and the token time, in ms."""
+        marks = self._marks[-tokens - 1:]
+        if len(marks) < tokens + 1 or any(m[0] != self.mode or m[1] is None for m in marks[1:]):
+            return None
+        first, last = marks[0], marks[-1]
+        if self.mode == "on":
+            reads = last.reads - first.reads  # the mean read time of this stretch, else of all reads
+            per_read = (last.read_s - first.read_s) / reads if reads else last.read_s / max(last.reads, 1)
+            hidden = (last.useful - first.useful) * (per_read + last.per_install_s)
+        else:
+            hidden = last.stall_s - first.stall_s
+        ms = 1e3 / tokens
+        return {"tokens": tokens, "hidden_ms": hidden * ms, "cost_ms": (last.busy_s - first.busy_s) * ms,
+                "token_ms": sum(m.seconds for m in marks[1:]) * ms}
+
+    @property
+    def measuring(self) -> bool:
+        """True while the first tokens of a stretch with prefetch on are being measured: the policy's
+        compute is then timed apart (one more sync per layer)."""
+        return self.mode == "on" and self.decode_tokens - self._mode_since < self.first_check
+
+    def _check_gain(self):
+        """Prefetch gains at most the demand reads it saves. When, over its first tokens, that is less than
+        what it costs the generation thread (plus `min_gain` of a token), as for a small model read from the
+        page cache, it pauses; while paused, a demand stall worth twice that cost brings it back."""
+        n = self.decode_tokens - self._mode_since
+        if self.mode == "on" and n == self.first_check:
+            gain = self._gain(n)
+            if gain is None:
+                return
+            self.gain = gain
+            if gain["hidden_ms"] < gain["cost_ms"] + self.min_gain * gain["token_ms"]:
+                self.backoffs += 1
+                self.backoff_reason = (f"prefetch saves {gain['hidden_ms']:.2f} ms of demand reads per token and costs "
+                                       f"{gain['cost_ms']:.2f} ms of a {gain['token_ms']:.1f} ms token: paused "
+                                       f"until the demand stall grows")
+                self._set_mode("paused", "gain")
+        elif self.mode == "paused" and self._pause_kind == "gain" and n >= self.probe_tokens:
+            stall = self._gain(self.probe_tokens)
+            if stall is not None and stall["hidden_ms"] > max(2 * self.gain["cost_ms"], self.min_gain * stall["token_ms"]):
+                self._set_mode("on")
+
     def _check_cost(self):
         """Every `probe_every` tokens with prefetch on, run `probe_tokens` with it off and compare token
         times (the first two of each stretch skipped: earlier prefetches still land). If off is faster,
@@ -216,14 +293,14 @@ class PrefetchQueue:
                 self.backoffs += 1
                 self.backoff_reason = (f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token with "
                                        f"it, {self.probe['off_ms']:.1f} without; paused for {self.pause_tokens} tokens")
-                self._set_mode("paused")
+                self._set_mode("paused", "cost")
             else:
                 self._set_mode("on")
         elif self.mode == "paused" and n >= self.pause_tokens:
             self._set_mode("on")
 
-    def _set_mode(self, mode: str):
-        self.mode, self._mode_since = mode, self.decode_tokens
+    def _set_mode(self, mode: str, pause_kind: Optional[str] = None):
+        self.mode, self._mode_since, self._pause_kind = mode, self.decode_tokens, pause_kind
 
     # -- reader thread ----------------------------------------------------------------------------
     def _reader(self):
@@ -251,6 +328,7 @@ class PrefetchQueue:
             r.read_s = time.perf_counter() - t0
             with self._cv:
                 self.read_s += r.read_s
+                self.reads += 1
                 del self._reading[key]
                 self._ready[key] = r
                 self._cv.notify_all()
@@ -274,7 +352,7 @@ class PrefetchQueue:
                 "in_flight": queued + installed_unused, "pending": pending, "dropped": self.dropped,
                 "precision": useful / (useful + wasted) if useful + wasted else None,
                 "bytes_read": self.bytes_read, "read_s": self.read_s, "wait_s": self.wait_s,
-                "experts_per_layer": self.per_layer, "mode": self.mode, "cost_probe": self.probe,
+                "experts_per_layer": self.per_layer, "mode": self.mode, "cost_probe": self.probe, "gain": self.gain,
                 "backoffs": self.backoffs, "backoff_reason": self.backoff_reason}
 
     def reset_stats(self):
@@ -282,10 +360,11 @@ class PrefetchQueue:
             c.unused_prefetch[:] = False
         with self._cv:
             self.issued = len(self._reading) + len(self._ready)  # still outstanding: keeps the invariant
-        self.late = self.dropped = self.bytes_read = 0
-        self.read_s = self.wait_s = 0.0
+        self.late = self.dropped = self.bytes_read = self.reads = self.installs = 0
+        self.read_s = self.wait_s = self.busy_s = self.install_s = 0.0
         self.backoffs, self.backoff_reason = 0, None
         self.decode_tokens = 0
         self._window_start = (0, 0, 0)
         self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
+        self._pause_kind, self._marks, self.gain = None, [], None
         self.per_layer = self.per_layer_max

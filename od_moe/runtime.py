@@ -98,7 +98,23 @@ class OffloadRuntime:
             return []  # backed off or paused: predicting would cost without reading anything
         if switch.index % self.segment and switch.index != len(self._switches) - 1:
             return []  # the last layer always predicts: it alone sees the next token coming
-        return self.policy.predict(switch.index, x, switch.last_gate_output, self._switches)
+        t0 = time.perf_counter()
+        predictions = self.policy.predict(switch.index, x, switch.last_gate_output, self._switches)
+        if self.prefetcher is not None:
+            self.prefetcher.busy_s += time.perf_counter() - t0
+        return predictions
+
+    def evaluate(self, indices: mx.array, predictions: list):
+        """Evaluate a layer's routing with the predictions made at it (one sync); while the prefetcher
+        measures what it costs, the predictions' compute is timed apart (a second sync)."""
+        lazy = [a for p in predictions for a in p[1:] if isinstance(a, mx.array)]
+        if lazy and self.prefetcher is not None and self.prefetcher.measuring:
+            mx.eval(indices)
+            t0 = time.perf_counter()
+            mx.eval(lazy)
+            self.prefetcher.busy_s += time.perf_counter() - t0
+        else:
+            mx.eval(indices, lazy)
 
     def defer(self, switch, indices: mx.array, phase: str):
         """Keep a layer's routing (lazy) to account for after the pass is evaluated."""

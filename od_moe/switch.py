@@ -63,8 +63,8 @@ class OffloadedSwitch(nn.Module):
     def _call_load(self, x, indices, phase):
         cache, runtime, prefetcher = self.cache, self.runtime, self.runtime.prefetcher
         predictions = runtime.predict(self, x, phase)
-        mx.eval(indices, [a for p in predictions for a in p[1:] if isinstance(a, mx.array)])
-        ids = np.array(indices).astype(np.int64)  # the one sync point of this layer
+        runtime.evaluate(indices, predictions)  # the one sync point of this layer
+        ids = np.array(indices).astype(np.int64)
         runtime.observe(self.index, ids, phase)
         self._keep_router_output()
         uniq, counts = np.unique(ids, return_counts=True)

@@ -23,13 +23,18 @@ def predictor_dir(tmp_path_factory):
     return folder
 
 
-def _engine(policy, predictor_dir, capacity="25%", prompt=None):
+def _engine(policy, predictor_dir, capacity="25%", prompt=None, self_checks=False):
+    """An engine with prefetch `policy`; without `self_checks` prefetch never pauses itself (on this tiny
+    model it would, after two tokens), so every token exercises it."""
     engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
     trace = None
     if policy == "oracle":
         trace = engine.record_routing(prompt, NEW_TOKENS)
         engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
     engine.configure_prefetch(policy, oracle_trace=trace)
+    queue = engine.runtime.prefetcher
+    if queue is not None and not self_checks:
+        queue.first_check = queue.first_probe = queue.probe_every = 10**9
     return engine
 
 
@@ -69,8 +74,6 @@ def test_prefetch_raises_the_hit_rate_over_on_demand(predictor_dir):
     rates = {}
     for policy in ("none", "next-gate"):
         engine = _engine(policy, predictor_dir, "25%")
-        if engine.runtime.prefetcher is not None:  # on this tiny model the cost probe would pause it
-            engine.runtime.prefetcher.first_probe = engine.runtime.prefetcher.probe_every = 10**9
         engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
         rates[policy] = engine.stats()["total"]["decode"]["hit_rate"]
     assert rates["next-gate"] > rates["none"] + 0.05
@@ -137,7 +140,8 @@ def test_prefetch_backs_off_when_it_does_not_pay(predictor_dir):
     engine = od_moe.load(capacity="25%")
     engine.configure_prefetch("oracle", oracle_trace=wrong)
     engine.runtime.prefetcher.window = 8
-    engine.runtime.prefetcher.first_probe = engine.runtime.prefetcher.probe_every = 10**9  # precision alone
+    queue = engine.runtime.prefetcher
+    queue.first_check = queue.first_probe = queue.probe_every = 10**9  # precision alone
     assert od_moe_tokens(engine, [PROMPTS[0]], NEW_TOKENS)[0]  # still exact and running
     p = engine.stats()["prefetch"]
     assert p["backoffs"] >= 1 and p["experts_per_layer"] < 8 and "precision" in p["backoff_reason"]
@@ -155,8 +159,9 @@ def test_policy_errors_are_clear(predictor_dir):
 
 
 def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
-    engine = _engine("next-gate", predictor_dir, "25%")
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.prefetcher
+    queue.first_check = 10**9  # the token-time probe alone
     queue.first_probe, queue.probe_every, queue.probe_tokens, queue.pause_tokens = 16, 16, 8, 32
     for _ in range(16):
         queue.end_token("decode", 0.010)  # 10 ms per token with prefetch on
@@ -178,6 +183,40 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
         queue.end_token("decode", 0.020)
     assert queue.mode == "on" and queue.backoffs == 1
     assert queue.stats()["cost_probe"]["off_ms"] == pytest.approx(20.0)
+
+
+def _token(queue, seconds, useful=0, read_s=0.0, busy_s=0.0, stall_s=0.0):
+    """One decode token as the prefetch queue sees it: `useful` prefetches used, each read in `read_s`;
+    `busy_s` of prefetch work on the generation thread; `stall_s` of demand reads."""
+    cache = queue.caches[0]
+    cache.stats.prefetch_useful += useful
+    cache.stats.stall_s += stall_s
+    queue.reads += useful
+    queue.read_s += useful * read_s
+    queue.busy_s += busy_s
+    queue.end_token("decode", seconds)
+
+
+def test_prefetch_pauses_when_the_reads_it_saves_cannot_repay_its_cost(predictor_dir):
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.prefetcher
+    queue.end_token("prefill", 0.1)
+    for _ in range(queue.first_check):  # 10 useful prefetches of 0.1 ms reads, 3 ms of work, per token
+        _token(queue, 0.020, useful=10, read_s=1e-4, busy_s=0.003)
+    assert queue.mode == "paused" and not queue.active and queue.backoffs == 1
+    assert "saves 1.00 ms of demand reads per token and costs 3.00 ms" in queue.backoff_reason
+    for _ in range(queue.probe_tokens):  # paused: the demand stall stays small
+        _token(queue, 0.020, stall_s=0.001)
+    assert queue.mode == "paused"
+    for _ in range(queue.probe_tokens):  # reads got slow (the page cache went cold): worth prefetching again
+        _token(queue, 0.030, stall_s=0.008)
+        if queue.active:
+            break
+    assert queue.mode == "on" and queue.active
+    for _ in range(queue.first_check):  # and now it saves 30 ms per token for its 3 ms: it stays on
+        _token(queue, 0.030, useful=10, read_s=3e-3, busy_s=0.003)
+    assert queue.mode == "on" and queue.backoffs == 1
+    assert queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
 
 
 def test_the_reader_thread_ends_with_its_engine():
@@ -220,6 +259,8 @@ def test_next_token_lens_names_the_next_first_layer_experts():
     """At the last layer the logit lens guesses the next token's first-layer experts far better than
     repeating this token's (the bundled predictor's policy; truth from the recorded routing)."""
     engine = od_moe.load(capacity="25%", predictor=od_moe.DEFAULT_PREDICTOR)
+    queue = engine.runtime.prefetcher
+    queue.first_check = queue.first_probe = queue.probe_every = 10**9  # predict at every token
     lens, guesses = engine.runtime.policy.lens, []
     real = lens.predict
     lens.predict = lambda x, k: guesses.append((engine.runtime.forwards, real(x, k))) or guesses[-1][1]

@@ -93,22 +93,29 @@ class PrefetchQueue:
 
     # -- generation thread ------------------------------------------------------------------------
     def submit(self, layer: int, experts: Sequence[int], scores: Sequence[float]):
+        """Candidates for `layer`, best first by score. They supersede earlier ones for the same layer (made
+        from farther back, so less accurate): those not started are withdrawn, and only these are kept from
+        eviction. Backed off, only the first per_layer/per_layer_max share is taken."""
         if not self.active:
             return
         t0 = time.perf_counter()
         cache = self.caches[layer]
-        order = np.argsort(-np.asarray(scores), kind="stable")[: self.per_layer]
+        take = -(-len(experts) * self.per_layer // self.per_layer_max)
+        order = np.argsort(-np.asarray(scores), kind="stable")[:take]
+        chosen = {int(experts[n]): float(scores[n]) for n in order}
         with self._cv:
-            wanted = self._wanted.setdefault(layer, set())
-            for n in order:
-                e = int(experts[n])
-                wanted.add(e)
+            self._wanted[layer] = set(chosen)
+            superseded = [k for k in self._pending if k[0] == layer and k[1] not in chosen]
+            for k in superseded:
+                del self._pending[k]
+            self.dropped += len(superseded)
+            for e, score in chosen.items():
                 key = (layer, e)
                 if cache.slot_of[e] >= 0 or key in self._reading or key in self._ready:
                     continue
                 old = self._pending.get(key)
-                if old is None or old.score < scores[n]:
-                    self._pending[key] = _Read(layer, e, float(scores[n]), cache.layout.expert_nbytes)
+                if old is None or old.score < score:
+                    self._pending[key] = _Read(layer, e, score, cache.layout.expert_nbytes)
             self._cv.notify_all()
         self.busy_s += time.perf_counter() - t0
 

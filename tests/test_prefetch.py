@@ -4,6 +4,7 @@ failures surface clearly and leave the caches consistent, and the prefetch stati
 import shutil
 import threading
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -116,6 +117,40 @@ def test_stale_requests_are_dropped(predictor_dir):
         engine.runtime.store.read = real_read
     engine.generate(PROMPTS[0], max_tokens=8)
     _invariants(engine.stats())
+
+
+def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
+    engine = _engine("next-gate", predictor_dir, "25%")
+    queue = engine.runtime.prefetcher
+    gate = threading.Event()
+    real_read = engine.runtime.store.read
+    engine.runtime.store.read = lambda *a: (gate.wait(10), real_read(*a))[1]  # the disk stalls
+    try:
+        missing = np.flatnonzero(engine.caches[4].slot_of < 0)[:6]
+        queue.submit(4, missing[:4], [0.5, 0.4, 0.3, 0.2])  # from two layers back
+        queue.submit(4, missing[2:], [0.9, 0.8, 0.7, 0.6])  # from the layer before: it knows better
+        with queue._cv:  # the reader holds at most one read (stalled), started before or after the second
+            started = {e for layer, e in queue._reading}
+            pending = {e for layer, e in queue._pending}
+        assert pending == set(missing[2:].tolist()) - started  # the farther guesses not started are withdrawn
+        assert queue._wanted[4] == set(missing[2:].tolist())  # and only the nearer ones are kept at installs
+        assert queue.stats()["dropped"] == len(set(missing[:2].tolist()) - started)
+    finally:
+        gate.set()
+        engine.runtime.store.read = real_read
+    engine.generate(PROMPTS[0], max_tokens=8)
+    _invariants(engine.stats())
+
+
+def test_the_predictor_reads_more_one_layer_ahead_and_fewer_farther(predictor_dir):
+    from od_moe.policies import experts_at_distance
+
+    assert [experts_at_distance(8, d) for d in (1, 2, 3, 4)] == [10, 4, 2, 1]
+    engine = _engine("predictor", predictor_dir, "25%")
+    x = engine.model.model.embed_tokens(mx.array([[5]]))
+    gate = engine.switches[0].last_gate_output = engine.moe_blocks[0].gate(x)
+    made = engine.runtime.policy.predict(0, x, gate, engine.switches)
+    assert [(j, len(np.array(ids))) for j, ids, _ in made] == [(1, 10), (2, 4), (3, 2), (4, 1)]
 
 
 def test_prefetch_read_failure_is_a_clear_error_and_leaves_caches_consistent(predictor_dir, tmp_path):

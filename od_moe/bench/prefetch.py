@@ -97,7 +97,7 @@ def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: i
         t0 = time.perf_counter()
         wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
         say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
-        plan.append(("widened", wide, widened_tokens, capacities if full else (0.25,), ("cold", "warm") if full else ("cold",)))
+        plan.append(("widened", wide, widened_tokens, capacities if full else (0.125, 0.25), ("cold", "warm") if full else ("cold",)))
     for model, path, n_tokens, fractions, temps in plan:
         stock = run_stock(path, PROMPTS, n_tokens)
         say(f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, {1e3 / stock['tok_s']:.1f} ms/token")

@@ -203,6 +203,11 @@ class PrefetchQueue:
     def active(self) -> bool:
         return self.per_layer > 0 and self.mode == "on"
 
+    @property
+    def idle(self) -> bool:
+        """Not predicting and nothing queued, being read or waiting to be installed."""
+        return not self.active and not (self._pending or self._reading or self._ready)
+
     def end_token(self, phase: str, seconds: Optional[float] = None):
         """Between tokens (`seconds`: the wall time of the pass that ended, None where unknown): check
         precision every window, the gain prefetch can make, and whether it pays at all."""

@@ -62,11 +62,13 @@ class OffloadedSwitch(nn.Module):
     # -- exact ---------------------------------------------------------------------------------
     def _call_load(self, x, indices, phase):
         cache, runtime, prefetcher = self.cache, self.runtime, self.runtime.prefetcher
+        if prefetcher is not None and prefetcher.idle:
+            prefetcher = None  # paused with nothing in flight: on-demand loading, at its cost
         predictions = runtime.predict(self, x, phase)
         runtime.evaluate(indices, predictions)  # the one sync point of this layer
         ids = np.array(indices).astype(np.int64)
         runtime.observe(self.index, ids, phase)
-        self._keep_router_output()
+        self._keep_router_output(prefetcher is not None)
         uniq, counts = np.unique(ids, return_counts=True)
         if prefetcher is not None:  # between layers: the cooperative install point
             prefetcher.drop_stale(self.index)
@@ -92,10 +94,12 @@ class OffloadedSwitch(nn.Module):
             for layer, experts, scores in predictions:  # read while this layer computes
                 prefetcher.submit(layer, np.asarray(experts), np.asarray(scores))
 
-    def _keep_router_output(self):
+    def _keep_router_output(self, predicting: bool):
         """The last token's router log-probabilities: the next token's predictor reads them."""
         out = self.last_gate_output
-        if isinstance(out, mx.array) and self.runtime.policy is not None:
+        if not predicting:
+            object.__setattr__(self, "prev_logprobs", None)
+        elif isinstance(out, mx.array) and self.runtime.policy is not None:
             object.__setattr__(self, "prev_logprobs",  # a plain attribute, not a parameter
                                nn.log_softmax(out.reshape(-1, out.shape[-1])[-1].astype(mx.float32)))
 

@@ -315,7 +315,7 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     engine.moe_blocks = [b.block for b in blocks]
     if predictor is not None:
         engine.predictor = _attach_predictor(engine, predictor)
-    runtime._caches, runtime._switches = engine.caches, switches
+    runtime._caches, runtime._switches, runtime.top_k = engine.caches, switches, engine.top_k
     engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
     if snapshot is not None:
         engine.load_snapshot(snapshot)

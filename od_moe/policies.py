@@ -99,21 +99,21 @@ class NextGatePolicy:
 
 def experts_at_distance(k: int, d: int) -> int:
     """How many experts to prefetch for a layer d ahead when tokens use k: k + k/4 one layer ahead, then
-    halving with distance. On the bundled model's held-out traces (predictor top-m per distance, union over
-    sources, layers 4-7) 10/4/2/1 for k=8 recalls 0.911 of the true experts with 10.1 reads per layer, where
-    8/8/8/8 recalls 0.903 with 10.7: the nearest source is the most accurate, farther ones add noise."""
+    halving with distance. On 8,000 of the bundled model's held-out trace tokens (predictor top-m per
+    distance, union over sources, target layers 4-7), 10/4/2/1 for k=8 recalls 0.911 of the true experts
+    with 10.1 reads per layer, where 8/8/8/8 recalls 0.903 with 10.7: the nearest source is the most
+    accurate, farther ones add noise."""
     return k + k // 4 if d == 1 else k >> (d - 1)
 
 
 class PredictorPolicy:
     name = "predictor"
 
-    def __init__(self, predictor, per_layer: int, lens: Optional[NextTokenLens] = None, taper: bool = True):
+    def __init__(self, predictor, per_layer: int, lens: Optional[NextTokenLens] = None):
         self.predictor = predictor
         self.per_layer = per_layer
         self.lens = lens
-        self.counts = [experts_at_distance(per_layer, d) if taper else per_layer
-                       for d in range(1, predictor.config.lookahead + 1)]
+        self.counts = [experts_at_distance(per_layer, d) for d in range(1, predictor.config.lookahead + 1)]
 
     def predict(self, source: int, x: mx.array, gate_output, switches) -> List[tuple]:
         c = self.predictor.config
@@ -162,8 +162,10 @@ class OraclePolicy:
         return out
 
 
-def seed_from_profile(runtime, caches, counts: List[np.ndarray], pin_fraction: float = 0.25):
-    """Load the most used experts of every layer (up to capacity) and pin the hottest `pin_fraction`."""
+def seed_from_profile(runtime, caches, counts: List[np.ndarray], top_k: int, pin_fraction: float = 0.25):
+    """Load the most used experts of every layer (up to capacity) and pin the hottest `pin_fraction`, but
+    never so many that a token's `top_k` experts cannot all be resident (that would split layers into
+    rounds: at 12.5% of a 64-expert top-8 model, 8 slots, nothing is pinned)."""
     from .cache import Origin
 
     for cache, count in zip(caches, counts):
@@ -172,7 +174,7 @@ def seed_from_profile(runtime, caches, counts: List[np.ndarray], pin_fraction: f
         missing = np.sort(order[cache.slot_of[order] < 0])[: cache.room(protect=order)]
         if missing.size:
             runtime.load(cache, missing, Origin.PROFILE, protect=order)
-        hot = order[: int(cache.capacity * pin_fraction)]
+        hot = order[: max(0, min(int(cache.capacity * pin_fraction), cache.capacity - top_k))]
         hot = hot[cache.slot_of[hot] >= 0]
         cache.unpin_all()
         if hot.size and hot.size < cache.capacity:

@@ -2,6 +2,7 @@
 installed by the generation thread between layers and between tokens.
 
 - `submit(layer, experts, scores)`: candidates for a layer ahead; resident or in-flight ones are skipped.
+  They supersede the layer's earlier candidates (made from farther back): those not started are withdrawn.
   Pending requests are ranked by score (predicted probability, discounted by distance).
 - The reader thread only does file I/O (`ExpertStore.read` into its own buffers), one expert at a time,
   best score first, while the bytes read but not yet installed stay under `max_inflight_bytes`.

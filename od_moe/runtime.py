@@ -46,6 +46,7 @@ class OffloadRuntime:
         self.generation_forward = 0
         self._forward_start = None
         self._caches: List[LayerCache] = []
+        self.top_k = 1  # experts per token (set by the engine)
 
     # -- between tokens --------------------------------------------------------------------------
     def begin_forward(self, n_tokens: int, phase: str):
@@ -58,7 +59,7 @@ class OffloadRuntime:
         if self.profile_counts is not None and phase == "decode" and self.phase == "prefill":
             from .policies import seed_from_profile
 
-            seed_from_profile(self, self._caches, self.profile_counts)
+            seed_from_profile(self, self._caches, self.profile_counts, self.top_k)
         self.phase = phase
         self._forward_start = now
         self.clock += 1

@@ -81,13 +81,13 @@ def test_prefetch_raises_the_hit_rate_over_on_demand(predictor_dir):
 
 
 def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(predictor_dir):
-    engine = _engine("profile", predictor_dir, "12.5%")
+    engine = _engine("profile", predictor_dir, "25%")
     engine.generate(PROMPTS[1], max_tokens=NEW_TOKENS)
     pinned = [np.flatnonzero(c.pinned) for c in engine.caches]
     held = [c.expert_in_slot[p].copy() for c, p in zip(engine.caches, pinned)]
     for cache, slots, counts in zip(engine.caches, pinned, engine.runtime.profile_counts):
-        assert len(slots) == 2  # a quarter of 8 slots: the prompt's two most used experts of the layer
-        assert set(cache.expert_in_slot[slots]) == set(np.argsort(-counts, kind="stable")[:2])
+        assert len(slots) == 4  # a quarter of 16 slots: the prompt's four most used experts of the layer
+        assert set(cache.expert_in_slot[slots]) == set(np.argsort(-counts, kind="stable")[:4])
     engine.configure_prefetch("none")  # keep the pins, stop re-seeding
     engine.reset_stats()
     engine.generate(PROMPTS[2], max_tokens=NEW_TOKENS)
@@ -95,6 +95,9 @@ def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(pre
         assert cache.stats.evictions > 0  # many evictions later the pinned experts are still in their slots
         assert np.array_equal(cache.expert_in_slot[slots], experts) and cache.pinned[slots].all()
         _consistent(cache)
+    small = _engine("profile", predictor_dir, "12.5%")  # 8 slots for 8 experts a token: pins would split layers
+    small.generate(PROMPTS[1], max_tokens=NEW_TOKENS)
+    assert not any(c.pinned.any() for c in small.caches)
 
 
 def test_stale_requests_are_dropped(predictor_dir):

@@ -16,10 +16,11 @@ installed by the generation thread between layers and between tokens.
 - Self-protection, reported in `stats()`: every `window` decode tokens the precision of the last window
   is checked; below `min_precision` the number of experts predicted per layer is halved (down to none),
   above `recover_precision` it grows back. After `first_check` tokens (and again whenever it resumes),
-  the read time its useful prefetches saved bounds what it can gain: under `min_gain` of the token time
-  (reads from the page cache of a small model) it pauses until the demand stall grows. And after
-  `first_probe` tokens, then every `probe_every`, prefetch is switched off for `probe_tokens` tokens:
-  if tokens are faster without it, it costs more than it saves and pauses.
+  the demand reads its useful prefetches saved are weighed against what it cost the generation thread:
+  if they do not repay it by `min_gain` of the token time (reads from the page cache of a small model),
+  it pauses until the demand stall grows. And after `first_probe` tokens, then every `probe_every`,
+  prefetch is switched off for `probe_tokens` tokens: if tokens are faster without it, it costs more
+  than it saves and pauses.
 Invariant: issued = useful + wasted + in flight (reading, read, or installed and not used yet).
 Not here: what to predict (`policies.py`) or the demand path (`switch.py`).
 """
@@ -71,10 +72,10 @@ class PrefetchQueue:
         self.probe_tokens, self.pause_tokens = probe_tokens, pause_tokens
         self.cost_margin = cost_margin
         self.first_check, self.min_gain = first_check, min_gain
-        self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
+        self.mode, self._mode_since, self.probe = "on", 0, None
         self._pause_kind = None  # "gain": little to hide, resumes when the stall grows; "cost": probe said so
         self.gain = None  # the last check of what prefetch hides
-        self._marks: List[_Mark] = []  # per pass: (mode, seconds, stall_s, useful, reads, read_s)
+        self._marks: List[_Mark] = []  # the last 64 forward passes
         self._cv = threading.Condition()
         self._pending: Dict[tuple, _Read] = {}
         self._reading: Dict[tuple, _Read] = {}
@@ -219,9 +220,6 @@ class PrefetchQueue:
         if phase != "decode":
             return
         self.decode_tokens += 1
-        if seconds is not None:
-            self._times.append((self.mode, seconds))
-            del self._times[:-64]
         self._check_precision()
         self._check_gain()
         self._check_cost()
@@ -249,7 +247,7 @@ class PrefetchQueue:
         prefetches times the mean read and install time) or could have saved (paused: the demand stall),
         what it cost the generation thread (on: predicting, queueing, installing), and the token time, in ms."""
         marks = self._marks[-tokens - 1:]
-        if len(marks) < tokens + 1 or any(m[0] != self.mode or m[1] is None for m in marks[1:]):
+        if len(marks) < tokens + 1 or any(m.mode != self.mode or m.seconds is None for m in marks[1:]):
             return None
         first, last = marks[0], marks[-1]
         if self.mode == "on":
@@ -298,8 +296,7 @@ class PrefetchQueue:
         if self.mode == "on" and n >= every:
             self._set_mode("probe")
         elif self.mode == "probe" and n >= self.probe_tokens:
-            on = [t for m, t in self._times if m == "on"][-(self.probe_tokens - 2):]
-            off = [t for m, t in self._times if m == "probe"][-(self.probe_tokens - 2):]
+            on, off = (self._token_seconds(mode)[-(self.probe_tokens - 2):] for mode in ("on", "probe"))
             if on and off:
                 self.probe = {"on_ms": 1e3 * float(np.mean(on)), "off_ms": 1e3 * float(np.mean(off))}
             if on and off and np.mean(off) < np.mean(on) * (1 - self.cost_margin):
@@ -311,6 +308,10 @@ class PrefetchQueue:
                 self._set_mode("on")
         elif self.mode == "paused" and n >= self.pause_tokens:
             self._set_mode("on")
+
+    def _token_seconds(self, mode: str) -> List[float]:
+        """Wall times of the recent decode tokens that ran in `mode`."""
+        return [m.seconds for m in self._marks if m.mode == mode and m.seconds is not None]
 
     def _set_mode(self, mode: str, pause_kind: Optional[str] = None):
         self.mode, self._mode_since, self._pause_kind = mode, self.decode_tokens, pause_kind
@@ -378,6 +379,6 @@ class PrefetchQueue:
         self.backoffs, self.backoff_reason = 0, None
         self.decode_tokens = 0
         self._window_start = (0, 0, 0)
-        self.mode, self._mode_since, self._times, self.probe = "on", 0, [], None
+        self.mode, self._mode_since, self.probe = "on", 0, None
         self._pause_kind, self._marks, self.gain = None, [], None
         self.per_layer = self.per_layer_max

@@ -1,6 +1,7 @@
 """Prefetch: exact tokens under every policy, pinned experts stay, stale requests are dropped, read
 failures surface clearly and leave the caches consistent, and the prefetch statistics add up."""
 
+import contextlib
 import shutil
 import threading
 
@@ -100,13 +101,23 @@ def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(pre
     assert not any(c.pinned.any() for c in small.caches)
 
 
+@contextlib.contextmanager
+def _stalled_disk(engine):
+    """Reads block until the block ends: the reader thread starts at most one read and holds it."""
+    gate = threading.Event()
+    real_read = engine.runtime.store.read
+    engine.runtime.store.read = lambda *a: (gate.wait(10), real_read(*a))[1]
+    try:
+        yield
+    finally:
+        gate.set()
+        engine.runtime.store.read = real_read
+
+
 def test_stale_requests_are_dropped(predictor_dir):
     engine = _engine("next-gate", predictor_dir, "25%")
     queue = engine.runtime.prefetcher
-    gate = threading.Event()
-    real_read = engine.runtime.store.read
-    engine.runtime.store.read = lambda *a: (gate.wait(10), real_read(*a))[1]  # the disk stalls
-    try:
+    with _stalled_disk(engine):
         missing = np.flatnonzero(engine.caches[3].slot_of < 0)[:6]
         queue.submit(3, missing, np.linspace(1, 0.5, len(missing)))
         queue.submit(5, missing[:2], [0.9, 0.8])
@@ -115,9 +126,6 @@ def test_stale_requests_are_dropped(predictor_dir):
         s = queue.stats()
         assert s["issued"] <= 1 and s["dropped"] == 6 - s["issued"]  # at most one read started (and stalls)
         assert all(layer != 3 for layer, _ in queue._pending) and s["pending"] == 2
-    finally:
-        gate.set()
-        engine.runtime.store.read = real_read
     engine.generate(PROMPTS[0], max_tokens=8)
     _invariants(engine.stats())
 
@@ -125,10 +133,7 @@ def test_stale_requests_are_dropped(predictor_dir):
 def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
     engine = _engine("next-gate", predictor_dir, "25%")
     queue = engine.runtime.prefetcher
-    gate = threading.Event()
-    real_read = engine.runtime.store.read
-    engine.runtime.store.read = lambda *a: (gate.wait(10), real_read(*a))[1]  # the disk stalls
-    try:
+    with _stalled_disk(engine):
         missing = np.flatnonzero(engine.caches[4].slot_of < 0)[:6]
         queue.submit(4, missing[:4], [0.5, 0.4, 0.3, 0.2])  # from two layers back
         queue.submit(4, missing[2:], [0.9, 0.8, 0.7, 0.6])  # from the layer before: it knows better
@@ -138,9 +143,6 @@ def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
         assert pending == set(missing[2:].tolist()) - started  # the farther guesses not started are withdrawn
         assert queue._wanted[4] == set(missing[2:].tolist())  # and only the nearer ones are kept at installs
         assert queue.stats()["dropped"] == len(set(missing[:2].tolist()) - started)
-    finally:
-        gate.set()
-        engine.runtime.store.read = real_read
     engine.generate(PROMPTS[0], max_tokens=8)
     _invariants(engine.stats())
 

@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens to record (default 16384)")
     train.add_argument("--epochs", type=int, default=3)
     train.add_argument("--rank", type=int, default=80, help="width of the predictor trunk (default 80: under 5%% of the expert bytes here)")
+    train.add_argument("--depth", type=int, default=1, help="trunk layers (default 1; more add residual layers of width --rank)")
     train.add_argument("--batch-size", type=int, default=512)
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--traces", help="folder to record traces into and reuse (default: DIR/traces, removed after)")
@@ -136,7 +137,7 @@ def cmd_train_predictor(args):
 
     report = train_predictor_job(
         model=args.model, data=args.data, text_field=args.text_field, eval_data=args.eval_data, out=args.out,
-        lookahead=args.lookahead, rank=args.rank, max_tokens=args.max_tokens, eval_tokens=args.eval_tokens,
+        lookahead=args.lookahead, rank=args.rank, depth=args.depth, max_tokens=args.max_tokens, eval_tokens=args.eval_tokens,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, capacity=args.capacity,
         memory_budget=args.memory_budget, traces_dir=args.traces, keep_traces=args.keep_traces)
     _print_report(report, args.json)
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         if not 0 <= args.port < 65536:
             parser.error(f"--port must be 0 to 65535, got {args.port}")
     if args.command in ("train-predictor", "eval-predictor"):
-        for name in ("max_tokens", "eval_tokens", "epochs", "rank", "batch_size"):
+        for name in ("max_tokens", "eval_tokens", "epochs", "rank", "depth", "batch_size"):
             _check_positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
         if getattr(args, "lr", 1.0) <= 0:
             parser.error(f"--lr must be positive, got {args.lr}")

@@ -3,9 +3,9 @@
 Inputs at source layer i, for each token: the hidden state entering layer i's MoE block (x_i), layer i's
 router logits, and the "next-gate" logits, the routers of the target layers applied to x_i (the model's
 own router weights, attached at load, not stored here). Per source layer, a trunk `[x_i, logits_i] -> R`
-(SiLU) feeds one head per lookahead (fused into one matmul); each head's output is added to its next-gate
-logits times a learned per-expert scale, so the network starts from next-gate speculation and learns the
-correction. Saved as `predictor.safetensors` plus `config.json`, tied to one model's identity.
+(SiLU, then `depth - 1` residual SiLU layers of width R) feeds one head per lookahead (fused into one
+matmul); each head's output is added to its next-gate logits times a learned per-expert scale, so the
+network starts from next-gate speculation and learns the correction. Saved as `predictor.safetensors` plus `config.json`, tied to one model's identity.
 Not here: training (`od_moe.training.train`) or prefetching.
 """
 
@@ -32,6 +32,7 @@ class PredictorConfig:
     top_k: int
     lookahead: int = 4
     rank: int = 64
+    depth: int = 1  # trunk layers: the first from the inputs, the others residual R -> R
     use_router_logits: bool = True
     use_next_gate: bool = True
     use_prev_token: bool = True
@@ -54,12 +55,16 @@ class ShadowPredictor(nn.Module):
     def __init__(self, config: PredictorConfig):
         super().__init__()
         c = self.config = config
+        if c.depth < 1 or c.rank < 1:
+            raise UserError(f"rank {c.rank} and depth {c.depth} must be at least 1")
         if not 1 <= c.lookahead < c.num_layers:
             raise UserError(f"lookahead {c.lookahead} must be 1 to {c.num_layers - 1}: the model has {c.num_layers} "
                             "MoE layers, and a prediction must land on a layer that exists")
         in_dim = c.hidden_size + (c.num_experts if c.use_router_logits else 0)
         sources = range(c.num_layers - 1)
         self.trunks = [nn.Linear(in_dim, c.rank) for _ in sources]
+        if c.depth > 1:
+            self.deep = [[nn.Linear(c.rank, c.rank) for _ in range(c.depth - 1)] for _ in sources]
         self.heads = [nn.Linear(c.rank, c.num_experts * len(c.targets(i))) for i in sources]
         for head in self.heads:  # start as next-gate speculation (or uniform without it)
             head.weight = mx.zeros_like(head.weight)
@@ -93,6 +98,8 @@ class ShadowPredictor(nn.Module):
         x = x.astype(mx.float32)
         inputs = [x, logits.astype(mx.float32)] if c.use_router_logits else [x]
         h = nn.silu(self.trunks[source](mx.concatenate(inputs, axis=-1)))
+        for layer in self.deep[source] if c.depth > 1 else ():
+            h = h + nn.silu(layer(h))
         out = self.heads[source](h).reshape(x.shape[0], -1, c.num_experts)
         if c.use_next_gate:
             if next_gate is None:
@@ -139,7 +146,7 @@ class ShadowPredictor(nn.Module):
         total = 0
         for i in range(c.num_layers - 1):
             d = len(c.targets(i))
-            total += in_dim * c.rank + c.rank * c.num_experts * d
+            total += in_dim * c.rank + (c.depth - 1) * c.rank * c.rank + c.rank * c.num_experts * d
             if c.use_next_gate:
                 total += c.hidden_size * c.num_experts * d
         return total

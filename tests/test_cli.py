@@ -39,6 +39,7 @@ def test_console_script_runs_on_the_embedded_default():
     (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
     (["serve", "--model", "/no/such/dir"], "does not exist"),
     (["serve", "--predictor", "/no/such/dir"], "not a predictor folder"),
+    (["bench", "--predictor", "/no/such/dir"], "not a predictor folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     try:

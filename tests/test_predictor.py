@@ -126,6 +126,29 @@ def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):
     assert with_predictor.predictor.identity == loaded.identity
 
 
+def test_a_deeper_trunk_trains_and_round_trips(engine, traces, tmp_path):
+    train, heldout = traces
+    routers = router_matrices(engine)
+    config = PredictorConfig(engine.identity, 8, 64, 192, 8, lookahead=4, rank=16, depth=3)
+    predictor = ShadowPredictor(config)
+    predictor.attach_routers(*routers)
+    heads = sum(16 * 64 * len(config.targets(i)) + 64 * len(config.targets(i)) for i in range(7))
+    gate_scales = prev_scales = sum(64 * len(config.targets(i)) for i in range(7))
+    assert predictor.num_params() == 7 * ((192 + 64) * 16 + 16 + 2 * (16 * 16 + 16)) + heads + gate_scales + prev_scales
+    before = np.array(predictor.deep[4][1].weight)
+    history = train_predictor(predictor, train, routers, epochs=2, batch_size=256, lr=3e-3)
+    assert history["train_loss"][1] < history["train_loss"][0]
+    assert not np.allclose(np.array(predictor.deep[4][1].weight), before)  # the residual layers learn too
+    predictor.save(tmp_path / "deep")
+    loaded = load_predictor(tmp_path / "deep", engine.identity)
+    held = heldout.load()
+    x, logits = (mx.array(held[k][:32, 4].astype(np.float32)) for k in ("features", "logits"))
+    loaded.attach_routers(*routers)
+    np.testing.assert_array_equal(np.array(predictor(4, x, logits)), np.array(loaded(4, x, logits)))
+    with pytest.raises(UserError, match="depth 0"):
+        ShadowPredictor(PredictorConfig(engine.identity, 8, 64, 192, 8, depth=0))
+
+
 def test_lookahead_beyond_depth_is_refused(engine):
     config = PredictorConfig(engine.identity, 8, 64, 192, 8, lookahead=8)
     with pytest.raises(UserError, match="must be 1 to 7"):

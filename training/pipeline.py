@@ -58,7 +58,7 @@ def _predictor_section(predictor, engine, history: Optional[dict]) -> dict:
     latency = predictor_latency_ms(predictor, c.hidden_size, c.num_experts)
     model_ms = _model_ms_per_token(engine)
     expert_bytes = _expert_bytes(engine)
-    section = {"params": params, "bytes": nbytes, "expert_bytes": expert_bytes, "size_fraction": nbytes / expert_bytes, "rank": c.rank, "lookahead": c.lookahead,
+    section = {"params": params, "bytes": nbytes, "expert_bytes": expert_bytes, "size_fraction": nbytes / expert_bytes, "rank": c.rank, "depth": c.depth, "lookahead": c.lookahead,
                "macs_per_token": predictor.macs_per_token(), "latency_ms_per_token": latency,
                "model_ms_per_token": model_ms, "latency_fraction": latency / model_ms}
     if history:
@@ -79,7 +79,7 @@ def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict
 
 
 def train_predictor_job(model=None, data=None, text_field="text", eval_data=None, out="od-moe-predictor",
-                        lookahead=4, rank=80, max_tokens=None, eval_tokens=16384, epochs=3, batch_size=512,
+                        lookahead=4, rank=80, depth=1, max_tokens=None, eval_tokens=16384, epochs=3, batch_size=512,
                         lr=2e-3, capacity=None, memory_budget=None, traces_dir=None, keep_traces=False) -> dict:
     """Record, train, evaluate and save; returns the report (also written to `out/report.json`)."""
     from .. import load
@@ -103,7 +103,7 @@ def train_predictor_job(model=None, data=None, text_field="text", eval_data=None
     train = _traces(engine, train_docs, traces_root / "train", max_tokens, "recording train")
     routers = router_matrices(engine)
     config = PredictorConfig(engine.identity, L, engine.num_experts, train.manifest["hidden_size"], engine.top_k,
-                             lookahead=lookahead, rank=rank, data_sha256=train_docs.digest, trained_tokens=train.tokens)
+                             lookahead=lookahead, rank=rank, depth=depth, data_sha256=train_docs.digest, trained_tokens=train.tokens)
     predictor = ShadowPredictor(config)
     predictor.attach_routers(*routers)
     history = train_predictor(predictor, train, routers, epochs=epochs, batch_size=batch_size, lr=lr,

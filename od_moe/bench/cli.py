@@ -18,6 +18,8 @@ def add_arguments(parser):
     parser.add_argument("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "od-moe-bench"),
                         help="where the widened model is written (about 1.4 GB at --widen 128)")
+    parser.add_argument("--predictor", help="a predictor folder trained on the bundled model (train-predictor's --out) for "
+                        "the predictor rows, in place of the bundled one; the widened copy uses it too")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
     parser.add_argument("--full", action="store_true",
                         help="the whole grid: both models x 12.5/25/50%% x cold/warm x load/skip x every policy")
@@ -42,6 +44,7 @@ def run(args):
     else:
         from .prefetch import run_prefetch_grid
 
-        result = run_prefetch_grid(args.full, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer)
+        result = run_prefetch_grid(args.full, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer,
+                                   predictor_dir=args.predictor)
     if args.json:
         print(json.dumps(result, indent=1))

@@ -5,8 +5,9 @@ miss policy and prefetch policy, one run over the same prompts gives the decode 
 and bytes read per decoded token, decode tok/s and its ratio to the fully resident model (stock mlx-lm,
 measured in the same process), prefetch precision and back-offs, and for skip mode the share of tokens
 that equal the exact output. The oracle replays the routing recorded from an exact run of the same
-prompt. The predictor is the bundled one; on the widened copy it is used as is, because widening keeps
-every hidden state and routing decision of the bundled model (`widen.py`). Skip mode is measured with
+prompt. The predictor is the bundled one unless another trained on the bundled model is given; on the
+widened copy it is used as is, because widening keeps every hidden state and routing decision of the
+bundled model (`widen.py`). Skip mode is measured with
 `none` and `profile` only (predictive prefetch needs the per-layer sync of load mode).
 """
 
@@ -26,17 +27,18 @@ from .widen import widen_model
 POLICY_ORDER = ("none", "profile", "next-gate", "predictor", "oracle")
 
 
-def _predictor_for(identity):
-    """The bundled predictor, keyed to `identity` (the bundled model or its widened copy)."""
-    predictor = load_predictor(DEFAULT_PREDICTOR)
+def _predictor_for(identity, folder=None):
+    """The bundled predictor (or the one in `folder`, trained on the bundled model), keyed to `identity`
+    (the bundled model or its widened copy)."""
+    predictor = load_predictor(folder or DEFAULT_PREDICTOR, load().identity)
     predictor.config = dataclasses.replace(predictor.config, model_identity=identity)
     return predictor
 
 
-def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, miss_policy="load"):
+def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, miss_policy="load", predictor_dir=None):
     """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics."""
     settings = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none")
-    predictor = _predictor_for(load(str(path), **settings).identity) if policy == "predictor" else None
+    predictor = _predictor_for(load(str(path), **settings).identity, predictor_dir) if policy == "predictor" else None
     tokens, tps, stats = [], [], []
     for prompt in prompts:
         trace = load(str(path), **settings).record_routing(prompt, max_tokens) if policy == "oracle" else None
@@ -88,8 +90,11 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock):
     }
 
 
-def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: int, workdir: Path, printer=print):
+def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: int, workdir: Path, printer=print,
+                      predictor_dir=None):
     say = printer or (lambda *_: None)
+    if predictor_dir is not None:
+        _predictor_for(None, predictor_dir)  # a bad folder or another model's predictor fails before any run
     rows = []
     capacities = (0.125, 0.25, 0.5)
     plan = [("bundled", DEFAULT_MODEL, max_tokens, capacities, ("cold", "warm") if full else ("warm",))]
@@ -110,7 +115,7 @@ def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: i
                         policies = ("none", "next-gate", "predictor", "oracle")
                     for policy in policies:
                         result = run_policy(path, PROMPTS, n_tokens, policy, capacity=fraction, cold=reads == "cold",
-                                            miss_policy=miss_policy)
+                                            miss_policy=miss_policy, predictor_dir=predictor_dir)
                         row = _row(model, fraction, reads, miss_policy, policy, result, stock)
                         model_rows.append(row)
                         say(_line(row))

@@ -5,7 +5,8 @@ router logits, and the "next-gate" logits, the routers of the target layers appl
 own router weights, attached at load, not stored here). Per source layer, a trunk `[x_i, logits_i] -> R`
 (SiLU, then `depth - 1` residual SiLU layers of width R) feeds one head per lookahead (fused into one
 matmul); each head's output is added to its next-gate logits times a learned per-expert scale, so the
-network starts from next-gate speculation and learns the correction. Saved as `predictor.safetensors` plus `config.json`, tied to one model's identity.
+network starts from next-gate speculation and learns the correction. Saved as `predictor.safetensors`
+plus `config.json`, tied to one model's identity.
 Not here: training (`od_moe.training.train`) or prefetching.
 """
 
@@ -63,8 +64,7 @@ class ShadowPredictor(nn.Module):
         in_dim = c.hidden_size + (c.num_experts if c.use_router_logits else 0)
         sources = range(c.num_layers - 1)
         self.trunks = [nn.Linear(in_dim, c.rank) for _ in sources]
-        if c.depth > 1:
-            self.deep = [[nn.Linear(c.rank, c.rank) for _ in range(c.depth - 1)] for _ in sources]
+        self.deep = [[nn.Linear(c.rank, c.rank) for _ in range(c.depth - 1)] for _ in sources]  # empty at depth 1
         self.heads = [nn.Linear(c.rank, c.num_experts * len(c.targets(i))) for i in sources]
         for head in self.heads:  # start as next-gate speculation (or uniform without it)
             head.weight = mx.zeros_like(head.weight)
@@ -98,7 +98,7 @@ class ShadowPredictor(nn.Module):
         x = x.astype(mx.float32)
         inputs = [x, logits.astype(mx.float32)] if c.use_router_logits else [x]
         h = nn.silu(self.trunks[source](mx.concatenate(inputs, axis=-1)))
-        for layer in self.deep[source] if c.depth > 1 else ():
+        for layer in self.deep[source]:
             h = h + nn.silu(layer(h))
         out = self.heads[source](h).reshape(x.shape[0], -1, c.num_experts)
         if c.use_next_gate:

@@ -12,6 +12,7 @@ bundled model (`widen.py`). Skip mode is measured with
 """
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -27,10 +28,15 @@ from .widen import widen_model
 POLICY_ORDER = ("none", "profile", "next-gate", "predictor", "oracle")
 
 
+@functools.lru_cache(maxsize=1)
+def _bundled_identity() -> str:
+    return load().identity
+
+
 def _predictor_for(identity, folder=None):
     """The bundled predictor (or the one in `folder`, trained on the bundled model), keyed to `identity`
     (the bundled model or its widened copy)."""
-    predictor = load_predictor(folder or DEFAULT_PREDICTOR, load().identity)
+    predictor = load_predictor(folder or DEFAULT_PREDICTOR, _bundled_identity())
     predictor.config = dataclasses.replace(predictor.config, model_identity=identity)
     return predictor
 
@@ -94,7 +100,7 @@ def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: i
                       predictor_dir=None):
     say = printer or (lambda *_: None)
     if predictor_dir is not None:
-        _predictor_for(None, predictor_dir)  # a bad folder or another model's predictor fails before any run
+        load_predictor(predictor_dir, _bundled_identity())  # a bad folder or another model's predictor fails before any run
     rows = []
     capacities = (0.125, 0.25, 0.5)
     plan = [("bundled", DEFAULT_MODEL, max_tokens, capacities, ("cold", "warm") if full else ("warm",))]

@@ -44,11 +44,3 @@ def generate(prompt, model=None, *, capacity=None, memory_budget=None, miss_poli
     """The completion of `prompt` as a string; arguments as `stream_generate`."""
     return "".join(r.text for r in stream_generate(prompt, model, capacity=capacity, memory_budget=memory_budget,
                                                    miss_policy=miss_policy, **kwargs))
-
-# In a source checkout predictor/ and training/ sit beside this folder (installed, they live inside it as
-# od_moe.predictor and od_moe.training): let the same import names find them there.
-import os as _os
-
-_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")) and _os.path.isdir(_os.path.join(_checkout, "training")):
-    __path__.append(_checkout)

@@ -6,13 +6,12 @@ expert ids are remapped to slots. Bookkeeping is numpy on the generation thread:
 - `slot_of[e]`: the slot holding expert e, or -1. The lookup table handed to MLX maps every id to a
   valid slot (non-resident ids to slot 0): `gather_qmm` does no bounds check.
 - per slot: the expert in it, pinned flag, last use, decayed use frequency and who put it there.
-Eviction never touches pinned slots or the experts the running layer needs. Not here: deciding when to
-read (`runtime.py`) and how bytes come off disk (`store.py`).
+Eviction never touches pinned slots or the experts the running layer needs. Methods return what happened
+(slots used, evictions, first uses of prefetched experts) and the runtime books it in the ledger. Not
+here: deciding when to read (`runtime.py`), counting (`stats.py`), how bytes come off disk (`store.py`).
 """
 
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -24,42 +23,10 @@ EVICTION_POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 64.0  # forward passes after which an expert's use count has halved
 
 
-class Origin(IntEnum):
-    """Who put an expert into its slot."""
-
-    EMPTY = 0
-    DEMAND = 1
-    PREFETCH = 2
-    PROFILE = 3
-    SNAPSHOT = 4
-    PRELOAD = 5
-
-
-@dataclass
-class PhaseCounts:
-    lookups: int = 0
-    hits: int = 0
-
-    @property
-    def misses(self) -> int:
-        return self.lookups - self.hits
-
-    def as_dict(self):
-        return {"lookups": self.lookups, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hits / self.lookups if self.lookups else None}
-
-
-@dataclass
-class LayerStats:
-    prefill: PhaseCounts = field(default_factory=PhaseCounts)
-    decode: PhaseCounts = field(default_factory=PhaseCounts)
-    experts_loaded: int = 0
-    bytes_read: int = 0
-    stall_s: float = 0.0  # generation thread waiting for reads
-    install_s: float = 0.0  # copying read bytes into the stacked arrays
-    prefetch_useful: int = 0  # prefetched experts used before eviction
-    prefetch_wasted: int = 0  # prefetched experts evicted unused, or read when already resident
-    evictions: int = 0
+class Installed(NamedTuple):
+    slots: np.ndarray
+    evictions: int
+    unused_prefetches: int  # evicted experts that were prefetched and never used
 
 
 # safetensors dtypes whose bytes are already the in-memory representation of an MLX dtype
@@ -112,9 +79,7 @@ class LayerCache:
         self.pinned = np.zeros(C, dtype=bool)
         self.last_use = np.zeros(C, dtype=np.float64)
         self.frequency = np.zeros(C, dtype=np.float64)
-        self.origin = np.zeros(C, dtype=np.int8)
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
-        self.stats = LayerStats()
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
         self._views = {}  # (proj, part) -> (stacked array, its numpy view)
         self._lookup = None
@@ -125,6 +90,15 @@ class LayerCache:
     def slot_nbytes(self) -> int:
         """Bytes one slot holds in memory (all parts, in their in-memory dtypes)."""
         return sum(int(np.prod(p.shape)) * self.targets[(p.proj, p.name)].size for p in self.layout.parts)
+
+    @property
+    def pinned_count(self) -> int:
+        return int(self.pinned.sum())
+
+    @property
+    def unused_prefetch_count(self) -> int:
+        """Experts installed by prefetch and not used yet."""
+        return int(self.unused_prefetch.sum())
 
     @property
     def resident_count(self) -> int:
@@ -153,23 +127,20 @@ class LayerCache:
         """Slots of `ids` (numpy) as an MLX int32 array; non-resident ids map to slot 0."""
         return mx.array(np.where(self.slot_of[ids] >= 0, self.slot_of[ids], 0).astype(np.int32))
 
-    # -- accounting ----------------------------------------------------------------------------
-    def record_lookups(self, phase: str, lookups: int, hits: int):
-        counts = self.stats.prefill if phase == "prefill" else self.stats.decode
-        counts.lookups += int(lookups)
-        counts.hits += int(hits)
-
-    def touch(self, ids: np.ndarray, uses: np.ndarray, clock: float):
-        """Record that resident experts `ids` were used `uses` times at time `clock`."""
+    # -- use ---------------------------------------------------------------------------------
+    def touch(self, ids: np.ndarray, uses: np.ndarray, clock: float) -> int:
+        """Record that resident experts `ids` were used `uses` times at time `clock`; returns how many of
+        them were prefetched and are used here for the first time."""
         slots = self.slot_of[ids]
         slots, uses = slots[slots >= 0], np.asarray(uses)[slots >= 0]
         if slots.size == 0:
-            return
-        self.stats.prefetch_useful += int(self.unused_prefetch[slots].sum())
+            return 0
+        first_uses = int(self.unused_prefetch[slots].sum())
         self.unused_prefetch[slots] = False
         decay = 0.5 ** ((clock - self.last_use[slots]) / LFU_HALF_LIFE)
         self.frequency[slots] = self.frequency[slots] * decay + uses
         self.last_use[slots] = clock
+        return first_uses
 
     # -- eviction ------------------------------------------------------------------------------
     def _eviction_order(self, clock: float) -> np.ndarray:
@@ -204,10 +175,12 @@ class LayerCache:
         return chosen
 
     # -- installing ----------------------------------------------------------------------------
-    def install(self, ids: Sequence[int], raw: Dict[Tuple[str, str], np.ndarray], origin: Origin,
-                protect: Sequence[int] = (), clock: float = 0.0) -> np.ndarray:
-        """Put experts `ids` into slots; returns the slots used. raw: per part, the bytes read from disk,
-        indexable by row (an array or a list of per-expert arrays), row i = ids[i].
+    def install(self, ids: Sequence[int], raw: Dict[Tuple[str, str], np.ndarray], prefetched: bool = False,
+                protect: Sequence[int] = (), clock: float = 0.0) -> "Installed":
+        """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
+        those were prefetched and never used.
+        raw: per part, the bytes read from disk, indexable by row (an array or a list of per-expert
+        arrays), row i = ids[i]. `prefetched`: they were read ahead of need.
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
         elsewhere with MLX slice updates, evaluated at once. Either way memory stays bounded and the
@@ -221,19 +194,20 @@ class LayerCache:
             self.host_writes = False
             self._write_mlx(slots, raw)
         evicted = self.expert_in_slot[slots]
-        self.stats.prefetch_wasted += int(self.unused_prefetch[slots][evicted >= 0].sum())
+        unused = int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
         self.slot_of[evicted] = -1
-        self.stats.evictions += len(evicted)
         self.slot_of[ids] = slots
         self.expert_in_slot[slots] = ids
         self.pinned[slots] = False
         self.last_use[slots] = clock
         self.frequency[slots] = 0.0
-        self.origin[slots] = int(origin)
-        self.unused_prefetch[slots] = origin == Origin.PREFETCH
+        self.unused_prefetch[slots] = prefetched
+        self._changed()
+        return Installed(slots, len(evicted), unused)
+
+    def _changed(self):
         self._lookup = self._resident = None
-        return slots
 
     def _host_view(self, part) -> Optional[np.ndarray]:
         """The numpy view of a part's stacked array, kept while that array stays the module's."""
@@ -271,6 +245,10 @@ class LayerCache:
             updated.append(stacked)
         mx.eval(updated)
 
+    def forget_prefetches(self):
+        """Count every resident expert as used (statistics restart; the experts stay)."""
+        self.unused_prefetch[:] = False
+
     def pin(self, ids: Sequence[int]):
         """Make resident experts `ids` unevictable. At least one slot must stay evictable."""
         slots = self.slot_of[np.asarray(ids, dtype=np.int64)]
@@ -285,6 +263,32 @@ class LayerCache:
     def unpin_all(self):
         self.pinned[:] = False
 
+    # -- snapshots -----------------------------------------------------------------------------
     def stacked_arrays(self) -> Dict[str, mx.array]:
         """The stacked slot arrays by `proj.part` name (for snapshots)."""
         return {f"{p.proj}.{p.name}": self.projections[p.proj][p.name] for p in self.layout.parts}
+
+    def restore(self, expert_in_slot: np.ndarray, arrays: Optional[Dict[str, mx.array]] = None):
+        """Declare which expert each slot holds (-1: empty), after its bytes were put there: `arrays`
+        (by `proj.part` name, shaped and typed as `stacked_arrays()`) replace the stacked arrays."""
+        for name, array in (arrays or {}).items():
+            proj, part = name.split(".", 1)
+            current = self.projections[proj][part]
+            if array is None or array.shape != current.shape or array.dtype != current.dtype:
+                raise ValueError(f"layer {self.layer} {name}: the cache holds {current.shape} {current.dtype}, not {array}")
+            self.projections[proj][part] = array
+        if arrays:
+            mx.eval(list(self.stacked_arrays().values()))
+        held = np.asarray(expert_in_slot, dtype=np.int64)
+        self.expert_in_slot[:] = held
+        self.slot_of[:] = -1
+        self.slot_of[held[held >= 0]] = np.flatnonzero(held >= 0)
+        self.unused_prefetch[:] = False
+        self.pinned[:] = False
+        self._changed()
+
+    def move(self, permutation: np.ndarray, expert_in_slot: np.ndarray):
+        """Rearrange the slots' bytes (slot s receives those of slot `permutation[s]`), then hold
+        `expert_in_slot` as `restore` does."""
+        index = mx.array(np.asarray(permutation).astype(np.int32))
+        self.restore(expert_in_slot, {name: array[index] for name, array in self.stacked_arrays().items()})

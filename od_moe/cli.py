@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="load: exact, read missing experts before use; skip: approximate, drop them")
     gen.add_argument("--eviction", choices=["lru", "lfu"], default="lru")
     gen.add_argument("--predictor", help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's")
-    gen.add_argument("--prefetch", choices=["none", "profile", "next-gate", "predictor"],
-                     help="what drives prefetching (default: predictor with --predictor, else none)")
+    gen.add_argument("--prefetch", choices=["none", "profile", "next-gate", "predictor", "oracle"],
+                     help="what drives prefetching (default: predictor with --predictor, else none); oracle "
+                     "first generates once to record the true routing, then replays it (an upper bound)")
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
@@ -111,11 +112,15 @@ def cmd_generate(args):
     from . import load
     from .report import format_stats
 
-    engine = load(args.model, capacity=args.capacity, memory_budget=args.memory_budget,
-                  miss_policy=args.miss_policy, eviction=args.eviction, snapshot=args.snapshot,
-                  predictor=_predictor_arg(args.predictor), prefetch=args.prefetch, direct_io=_direct_io(args.direct_io))
-    for response in engine.stream_generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temp,
-                                           top_p=args.top_p, seed=args.seed):
+    options = dict(capacity=args.capacity, memory_budget=args.memory_budget, miss_policy=args.miss_policy,
+                   eviction=args.eviction, direct_io=_direct_io(args.direct_io))
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    oracle = args.prefetch == "oracle"
+    engine = load(args.model, snapshot=args.snapshot, predictor=_predictor_arg(args.predictor),
+                  prefetch="none" if oracle else args.prefetch, **options)
+    if oracle:  # the routing of this very generation, recorded by a scratch engine with the same settings
+        engine.configure_prefetch("oracle", load(args.model, **options).record_routing(args.prompt, **sampling))
+    for response in engine.stream_generate(args.prompt, **sampling):
         print(response.text, end="", flush=True)
     print()
     if args.save_snapshot:

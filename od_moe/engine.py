@@ -1,10 +1,11 @@
 """The engine: load an MoE model with a bounded expert cache and generate with it.
 
 `load()` resolves the model (embedded default, local folder or hub id), loads it with mlx-lm lazily,
-swaps every MoE block's experts for an offloaded switch over a `LayerCache`, and materialises only the
+swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache`, and materialises only the
 non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
-are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. Not here: the CLI, the
-server, reading bytes or cache policy.
+are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. The engine also chooses the
+prefetch policy, reports the ledger (`stats`) and saves snapshots. Not here: the CLI, the server, the
+per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
 import hashlib
@@ -18,13 +19,17 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.sample_utils import make_sampler
 
 from . import backend
-from .cache import EVICTION_POLICIES, LayerCache, Origin
+from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import resolve_capacity
 from .errors import UserError
-from .runtime import MISS_POLICIES, OffloadRuntime, empty_io
+from .governor import PrefetchSettings
+from .policies import OnDemand, make_policy
+from .routing import router_matrices, router_of, tap_router
+from .runtime import MISS_POLICIES, OffloadRuntime
+from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
 from .surgery import MoEBlock, expert_nbytes, find_moe_blocks, top_k_of
-from .switch import GateTap, OffloadedSwitch
+from .switch import OffloadedSwitch
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
 # A shadow predictor for it, made by `od-moe train-predictor` (its report.json is beside it).
@@ -61,23 +66,24 @@ def model_identity(path: Path, store: ExpertStore) -> str:
 class Engine:
     """An MoE model whose experts live in bounded per-layer caches, and its tokenizer."""
 
-    def __init__(self, model, tokenizer, model_path: Path, runtime: OffloadRuntime, switches: List[OffloadedSwitch],
-                 identity: str, top_k: int, non_expert_nbytes: int, predictor=None):
+    def __init__(self, model, tokenizer, model_path: Path, runtime: OffloadRuntime, moe_blocks: list,
+                 identity: str, top_k: int, non_expert_nbytes: int):
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.runtime = runtime
-        self.switches = switches
+        self.moe_blocks = moe_blocks  # the modules that hold each MoE layer's router and switch, in order
         self.identity = identity
         self.top_k = top_k
         self.non_expert_nbytes = non_expert_nbytes
-        self.predictor = predictor
+        self.predictor = None
+        self.policy_name = "none"
         self.load_peak_bytes = 0
-        self.moe_blocks = []  # the modules that hold each MoE layer's router and switch, in layer order
+        self._routers = None
 
     @property
     def caches(self) -> List[LayerCache]:
-        return [s.cache for s in self.switches]
+        return self.runtime.caches
 
     @property
     def capacity(self) -> int:
@@ -90,6 +96,16 @@ class Engine:
     @property
     def miss_policy(self) -> str:
         return self.runtime.miss_policy
+
+    def routers(self) -> tuple:
+        """The model's routers as dense float32 weights (L, E, H) and biases (L, E)."""
+        if self._routers is None:
+            self._routers = router_matrices(self.moe_blocks)
+        return self._routers
+
+    def router(self, layer: int):
+        """The router module of one MoE layer."""
+        return router_of(self.moe_blocks[layer])
 
     # -- generation ------------------------------------------------------------------------------
     def stream_generate(self, prompt: Union[str, List[int]], max_tokens: int = 256, temperature: float = 0.0,
@@ -110,7 +126,7 @@ class Engine:
         if seed is not None:
             mx.random.seed(int(seed))
         sampler = make_sampler(temp=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p))
-        self.runtime.start_generation()
+        self.runtime.start_prompt(prompt)
         try:
             yield from mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens,
                                               sampler=sampler, **kwargs)
@@ -121,131 +137,73 @@ class Engine:
         """The whole completion of `prompt` as a string."""
         return "".join(r.text for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs))
 
+    def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
+        """Generate and return the routing of every forward pass, [{layer: ids (tokens, k)}, ...]: what
+        the oracle policy replays."""
+        self.runtime.start_recording()
+        try:
+            for _ in self.stream_generate(prompt, max_tokens=max_tokens, **kwargs):
+                pass
+        finally:
+            recording = self.runtime.stop_recording()
+        return recording
+
     def close(self):
-        """Stop the prefetch reader thread (the engine can still generate, without prefetch)."""
+        """Stop the prefetch reader thread (the engine can still generate, on demand)."""
         runtime = getattr(self, "runtime", None)
-        if runtime is not None and runtime.prefetcher is not None:
-            runtime.prefetcher.close()
-            runtime.prefetcher, runtime.policy, runtime.policy_name = None, None, "none"
+        if runtime is not None and runtime.reader is not None:
+            runtime.set_policy(OnDemand())
+            self.policy_name = "none"
 
     def __del__(self):
         self.close()
 
     # -- prefetch --------------------------------------------------------------------------------
-    def configure_prefetch(self, policy: str, oracle_trace=None, per_layer: Optional[int] = None,
-                           lookahead: int = 4, segment: int = 1, max_inflight_bytes: int = 32 * 2**20):
-        """Choose what predicts experts ahead (see `policies.py`); "oracle" needs `oracle_trace`, the
-        routing recorded by `record_routing` for the same prompt."""
-        from .policies import POLICIES, NextGatePolicy, NextTokenLens, OraclePolicy, PredictorPolicy
-        from .prefetch import PrefetchQueue
-
-        if policy not in POLICIES:
-            raise UserError(f"unknown prefetch policy {policy!r}: use one of {', '.join(POLICIES)}")
-        if policy != "none" and self.miss_policy == "skip" and policy != "profile":
+    def configure_prefetch(self, policy: str, oracle_trace=None, settings: Optional[PrefetchSettings] = None):
+        """Choose what predicts experts ahead (see `policies.py`): "none", "profile", "next-gate",
+        "predictor" or "oracle" (which needs `oracle_trace`, the routing `record_routing` gave for the same
+        prompt). `settings`: how the reader and the governor run (`PrefetchSettings`)."""
+        if policy in ("next-gate", "predictor", "oracle") and self.miss_policy == "skip":
             raise UserError(f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')")
-        runtime = self.runtime
-        if runtime.prefetcher is not None:
-            runtime.prefetcher.close()
-        runtime.prefetcher, runtime.policy, runtime.policy_name, runtime.profile_counts = None, None, policy, None
-        runtime.segment = segment
-        per_layer = per_layer or self.top_k
-        for block, switch in zip(self.moe_blocks, self.switches):
-            gate = block.get("gate")
-            if policy == "predictor" and gate is not None and not isinstance(gate, GateTap):
-                block.gate = GateTap(gate, switch)
-        if policy == "none" or policy == "profile":
-            return
-        if policy == "predictor":
-            if self.predictor is None:
-                raise UserError("prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
-                                "(train one with `od-moe train-predictor`)")
-            runtime.policy = PredictorPolicy(self.predictor, per_layer, NextTokenLens.of(self.model, self.moe_blocks))
-        elif policy == "next-gate":
-            from .predictor import router_matrices
-
-            runtime.policy = NextGatePolicy(router_matrices(self), per_layer)
-        else:
-            if oracle_trace is None:
-                raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt (record_routing)")
-            runtime.policy = OraclePolicy(oracle_trace, lookahead, len(self.caches))
-        runtime.prefetcher = PrefetchQueue(runtime.store, self.caches, max_inflight_bytes, per_layer)
-        runtime.prefetcher.account = runtime.account
-
-    def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
-        """Generate greedily and return the routing of every forward pass: [{layer: ids (n, k)}, ...]."""
-        self.runtime.recording = []
-        try:
-            for _ in self.stream_generate(prompt, max_tokens=max_tokens, **kwargs):
-                pass
-            self.runtime.settle()
-            return self.runtime.recording
-        finally:
-            self.runtime.recording = None
+        chosen = make_policy(policy, self, oracle_trace)
+        if policy == "predictor":  # it reads the routers' outputs
+            self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
+        predicts = policy in ("next-gate", "predictor", "oracle")
+        self.runtime.set_policy(chosen, (settings or PrefetchSettings()) if predicts else None, self.top_k)
+        self.policy_name = policy
 
     # -- statistics ------------------------------------------------------------------------------
     def reset_stats(self):
-        """Zero the counters (lookups, reads, stall) and the peak memory; the cache stays as it is."""
-        from .cache import LayerStats
-
-        self.runtime.settle()
-        for cache in self.caches:
-            cache.stats = LayerStats()
-        self.runtime.tokens = {"prefill": 0, "decode": 0}
-        self.runtime.forwards = 0
-        self.runtime.io = empty_io()
-        if self.runtime.prefetcher is not None:
-            self.runtime.prefetcher.reset_stats()
+        """Zero the counters (lookups, reads, stall, prefetch) and the peak memory; the cache stays as it is."""
+        self.runtime.reset_counts()
         backend.reset_peak_memory()
 
-    def stats(self) -> dict:
+    def stats(self, settle: bool = True) -> dict:
         """Demand lookups, hits, misses, hit rate (prefill and decode apart), bytes read, stall seconds,
-        resident experts and capacity, per layer and in total, and memory."""
-        self.runtime.settle()
-        layers, totals = [], {}
-        for i, cache in enumerate(self.caches):
-            s = cache.stats
-            lookups = s.prefill.lookups + s.decode.lookups
-            hits = s.prefill.hits + s.decode.hits
-            row = {
-                "layer": i, "module": cache.layout.module_path,
-                "lookups": lookups, "hits": hits, "misses": lookups - hits,
-                "hit_rate": hits / lookups if lookups else None,
-                "prefill": s.prefill.as_dict(), "decode": s.decode.as_dict(),
-                "experts_loaded": s.experts_loaded, "bytes_read": s.bytes_read,
-                "stall_s": s.stall_s, "install_s": s.install_s, "evictions": s.evictions,
-                "resident": cache.resident_count, "pinned": int(cache.pinned.sum()), "capacity": cache.capacity,
-            }
-            layers.append(row)
-            for key in ("lookups", "hits", "misses", "experts_loaded", "bytes_read", "stall_s", "install_s",
-                        "evictions", "resident", "pinned", "capacity"):
-                totals[key] = totals.get(key, 0) + row[key]
-            for phase in ("prefill", "decode"):
-                for key in ("lookups", "hits", "misses"):
-                    totals.setdefault(phase, {}).setdefault(key, 0)
-                    totals[phase][key] += row[phase][key]
-        totals["hit_rate"] = totals["hits"] / totals["lookups"] if totals["lookups"] else None
-        for phase in ("prefill", "decode"):
-            p = totals[phase]
-            p["hit_rate"] = p["hits"] / p["lookups"] if p["lookups"] else None
+        resident experts and capacity, per layer and in total; prefetch; memory. From the live ledger:
+        `settle=False` reads it from any thread without touching MLX (routing not yet accounted for,
+        at most one pass, is left out)."""
+        runtime = self.runtime
+        if settle:
+            runtime.settle()
+        ledger = runtime.ledger.snapshot()
+        layers = layer_rows(ledger, self.caches)
+        prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
+        if runtime.reader is not None:
+            prefetch.update(pending=runtime.reader.counts()["pending"], **runtime.governor.stats())
         cache_bytes = sum(c.slot_nbytes * c.capacity for c in self.caches)
         return {
             "model": str(self.model_path), "model_identity": self.identity,
             "miss_policy": self.miss_policy, "eviction": self.caches[0].eviction,
             "num_experts": self.num_experts, "top_k": self.top_k, "moe_layers": len(self.caches),
             "capacity": self.capacity, "capacity_fraction": self.capacity / self.num_experts,
-            "tokens": dict(self.runtime.tokens), "io": {k: dict(v) for k, v in self.runtime.io.items()},
-            "direct_io": self.runtime.store.direct_io, "forwards": self.runtime.forwards,
-            "layers": layers, "total": totals, "prefetch": self._prefetch_stats(),
+            "tokens": ledger.tokens, "io": io_by_phase(ledger), "direct_io": runtime.store.direct_io,
+            "forwards": ledger.forwards, "layers": layers, "total": totals(layers),
+            "prefetch": dict(prefetch, policy=self.policy_name),
             "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
                        "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes,
                        "load_peak_bytes": self.load_peak_bytes},
         }
-
-    def _prefetch_stats(self) -> dict:
-        q = self.runtime.prefetcher
-        out = q.stats() if q is not None else {"issued": 0, "useful": 0, "late": 0, "wasted": 0, "in_flight": 0,
-                                               "precision": None, "bytes_read": 0, "backoffs": 0}
-        return dict(out, policy=self.runtime.policy_name)
 
     # -- warm start ------------------------------------------------------------------------------
     def save_snapshot(self, path, weights: bool = False):
@@ -307,21 +265,23 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     num_experts = blocks[0].num_experts
     slot_nbytes = total_expert_bytes // (num_experts * len(blocks))
     slots = resolve_capacity(capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert)
-    runtime = OffloadRuntime(store, miss_policy)
-    switches = [_offload_block(b, i, store, runtime, slots, eviction, miss_policy) for i, b in enumerate(blocks)]
+    caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
+    runtime = OffloadRuntime(store, caches, miss_policy)
+    for i, block in enumerate(blocks):
+        setattr(block.block, block.attr, OffloadedSwitch(block.switch, runtime, i))
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
-    engine = Engine(mlx_model, tokenizer, path, runtime, switches, model_identity(path, store),
+    engine = Engine(mlx_model, tokenizer, path, runtime, [b.block for b in blocks], model_identity(path, store),
                     top_k_of(blocks[0].block), non_expert)
-    engine.moe_blocks = [b.block for b in blocks]
+    if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
+        runtime.taps = [tap_router(b.block) for b in blocks]
     if predictor is not None:
         engine.predictor = _attach_predictor(engine, predictor)
-    runtime._caches, runtime._switches, runtime.top_k = engine.caches, switches, engine.top_k
     engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
     if snapshot is not None:
         engine.load_snapshot(snapshot)
     elif slots == num_experts:
         for cache in engine.caches:  # fully resident: read everything once, layer by layer
-            runtime.load(cache, np.arange(num_experts), Origin.PRELOAD)
+            runtime.load(cache, np.arange(num_experts))
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
@@ -329,24 +289,17 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
 
 def _attach_predictor(engine: Engine, predictor):
     """A shadow predictor (a folder or a `ShadowPredictor`) checked against this model, with its routers."""
-    from .predictor import ShadowPredictor, load_predictor, router_matrices
+    from .predictor import ShadowPredictor, load_predictor
 
     if not isinstance(predictor, ShadowPredictor):
         predictor = load_predictor(predictor, engine.identity)
     elif predictor.config.model_identity != engine.identity:
         raise UserError(f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
                         f"this model is {engine.identity}): train one for this model")
-    predictor.attach_routers(*router_matrices(engine))
+    predictor.attach_routers(*engine.routers())
     return predictor
 
 
-def _offload_block(block: MoEBlock, index: int, store: ExpertStore, runtime: OffloadRuntime, slots: int,
-                   eviction: str, miss_policy: str) -> OffloadedSwitch:
+def _cache_for(block: MoEBlock, index: int, store: ExpertStore, slots: int, eviction: str) -> LayerCache:
     layout = store.block_layout(block.path, block.expert_parts(), block.num_experts)
-    cache = LayerCache(index, block.projections, layout, slots, eviction)
-    switch = OffloadedSwitch(block.switch, cache, runtime, index)
-    setattr(block.block, block.attr, switch)
-    gate = block.block.get("gate")
-    if miss_policy == "skip" and gate is not None:
-        block.block.gate = GateTap(gate, switch)
-    return switch
+    return LayerCache(index, block.projections, layout, slots, eviction)

@@ -1,26 +1,56 @@
-"""What to prefetch: the prediction policies compared by `od-moe bench`, and the static profile.
+"""Prefetch policies: small objects with the same three hooks, chosen by name with `make_policy`.
 
-Each policy answers, at a source MoE layer during decode, "which experts will layers ahead need?" as a
-list of (target layer, expert ids, scores). Lazy MLX arrays are returned so the caller evaluates them
-together with the layer's own routing (one sync per layer). Policies:
-- `none`: nothing (on-demand loading with the cache's eviction).
-- `profile`: no per-layer prediction; after the prompt's prefill (router discovery: the routing of the
-  prompt itself) the most used experts of every layer are loaded and the hottest pinned; LRU after that.
-- `next-gate`: the next layer's router applied to the current MoE input (Mixtral-offloading, HOBBIT).
-- `predictor`: the shadow predictor, several layers ahead; at the last MoE layer, `NextTokenLens` names
-  the first MoE layer's experts of the next token (a forward pass cannot see across tokens otherwise).
-- `oracle`: the true routing, from a recorded run of the same prompt (upper bound); its lookahead runs on
-  into the next forward pass.
-Not here: reading or installing (`prefetch.py`).
+Hooks, called by the runtime on the generation thread:
+- `prompt_start(prompt)`: a new prompt (its token ids) is about to be processed.
+- `before_layer(step)`: an MoE layer is about to run (every layer, every pass). Returns predictions,
+  `Prediction(layer ahead, expert ids, scores)`, as lazy MLX arrays where computed, so the runtime
+  evaluates them with the layer's own routing (one sync); only when `step.predict` is set (exact mode,
+  decode, prefetch on) are they wanted.
+- `after_routing(step, ids)`: the layer's routed expert ids (numpy, (tokens, k)) are known.
+Policies:
+- `none`: on-demand loading with the cache's eviction.
+- `profile`: router discovery; the prompt's own routing, counted during prefill, seeds every layer's
+  cache with its most used experts before the first decode pass, and pins the hottest.
+- `next-gate`: the next layer's router on the current MoE input (Mixtral-offloading, HOBBIT).
+- `predictor`: the shadow predictor, several layers ahead; at the last MoE layer `NextTokenLens` names
+  the first layer's experts of the next token.
+- `oracle`: the true routing recorded from a run of the same prompt (`record_routing`); an upper bound.
+Not here: reading, installing (`runtime.py`, `reader.py`) or how much to read (`governor.py`).
 """
 
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+
+from .errors import UserError
+from .routing import next_gate
 
 POLICIES = ("none", "profile", "next-gate", "predictor", "oracle")
 DISTANCE_DISCOUNT = 0.8  # a prediction d layers ahead ranks as its probability times 0.8^(d-1)
+ORACLE_LOOKAHEAD = 4
+PROFILE_PIN_FRACTION = 0.25
+
+
+class Prediction(NamedTuple):
+    layer: int
+    experts: object  # ids (MLX or numpy), best first
+    scores: object
+
+
+@dataclass
+class Step:
+    """One MoE layer of one forward pass, as the policies see it."""
+
+    forward: int  # forward passes since the prompt started (0: its first prefill chunk)
+    layer: int
+    phase: str  # "prefill" or "decode"
+    x: mx.array  # the MoE block's input
+    router: object  # the layer's router output (logits; None where not tapped)
+    predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
+    prefetching: bool  # prefetch is engaged: on, or reads still in flight
 
 
 def _softmax_topk(scores: mx.array, k: int):
@@ -30,71 +60,8 @@ def _softmax_topk(scores: mx.array, k: int):
     return ids, mx.take_along_axis(probs, ids, axis=-1)
 
 
-class NextTokenLens:
-    """The first MoE layer's experts for the next token, guessed at the last MoE layer.
-
-    The first MoE layer's routing is nearly a function of the token itself (its router on the token's
-    embedding alone recalls 0.98 of the true top-8 in 16 guesses on the bundled model's held-out traces),
-    and the last MoE layer's input already points at the next token: read through the model's own final
-    norm and output head (the "logit lens"), its top tokens, each weighted by its probability, vote with
-    the first router's probabilities. Parameter-free; None where the model's parts are not found.
-    """
-
-    def __init__(self, post_norm_last, final_norm, head, embed, post_norm_first, router, tokens: int = 32):
-        self.post_norm_last, self.final_norm, self.head = post_norm_last, final_norm, head
-        self.embed, self.post_norm_first, self.router, self.tokens = embed, post_norm_first, router, tokens
-
-    @classmethod
-    def of(cls, model, moe_blocks) -> Optional["NextTokenLens"]:
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        embed, final_norm = getattr(inner, "embed_tokens", None), getattr(inner, "norm", None)
-        if layers is None or embed is None or final_norm is None or not moe_blocks:
-            return None
-        head = getattr(model, "lm_head", None) or getattr(embed, "as_linear", None)
-
-        def owner(block):
-            return next((l for l in layers if any(c is block for c in l.children().values())), None)
-
-        first, last = owner(moe_blocks[0]), owner(moe_blocks[-1])
-        norms = [getattr(l, "post_attention_layernorm", None) for l in (first, last)]
-        router = moe_blocks[0].get("gate") if hasattr(moe_blocks[0], "get") else None
-        router = getattr(router, "gate", router)  # unwrap od-moe's GateTap
-        if head is None or None in norms or router is None or not isinstance(getattr(norms[1], "weight", None), mx.array):
-            return None
-        return cls(norms[1], final_norm, head, embed, norms[0], router)
-
-    def predict(self, x: mx.array, k: int):
-        """Lazy (ids, probabilities) of the k likeliest first-layer experts for the next token."""
-        x = x.reshape(-1, x.shape[-1])[-1:]
-        h = x / self.post_norm_last.weight  # undo the norm's gain; the final norm rescales anyway
-        logits = self.head(self.final_norm(h)).astype(mx.float32)[0]
-        probs = mx.softmax(logits)
-        top = mx.argpartition(-logits, kth=self.tokens - 1)[: self.tokens]
-        scores = self.router(self.post_norm_first(self.embed(top)))
-        if not isinstance(scores, mx.array):
-            return None
-        votes = probs[top][None] @ mx.softmax(scores.astype(mx.float32), axis=-1)
-        ids = mx.argsort(-votes[0])[:k]
-        return ids, votes[0][ids]
-
-
-class NextGatePolicy:
-    name = "next-gate"
-
-    def __init__(self, routers, per_layer: int):
-        self.weights = mx.array(routers[0])
-        self.biases = mx.array(routers[1])
-        self.per_layer = per_layer
-        self.num_layers = self.weights.shape[0]
-
-    def predict(self, source: int, x: mx.array, gate_output, switches) -> List[tuple]:
-        if source + 1 >= self.num_layers:
-            return []
-        x = x.reshape(-1, x.shape[-1])[-1:].astype(mx.float32)
-        scores = x @ self.weights[source + 1].T + self.biases[source + 1]
-        ids, probs = _softmax_topk(scores, self.per_layer)
-        return [(source + 1, ids[0], probs[0])]
+def _last_row(a: mx.array) -> mx.array:
+    return a.reshape(-1, a.shape[-1])[-1:]
 
 
 def experts_at_distance(k: int, d: int) -> int:
@@ -106,76 +73,202 @@ def experts_at_distance(k: int, d: int) -> int:
     return k + k // 4 if d == 1 else k >> (d - 1)
 
 
-class PredictorPolicy:
+class OnDemand:
+    name = "none"
+
+    def prompt_start(self, prompt):
+        pass
+
+    def before_layer(self, step: Step) -> List[Prediction]:
+        return []
+
+    def after_routing(self, step: Step, ids: np.ndarray):
+        pass
+
+
+class ProfilePolicy(OnDemand):
+    """Router discovery: count the prompt's routing, seed the caches with it after prefill."""
+
+    name = "profile"
+
+    def __init__(self, caches, top_k: int, load: Callable):
+        self.caches, self.top_k, self.load = caches, top_k, load
+        self.counts: Optional[List[np.ndarray]] = None  # the prompt's routing, per layer
+        self.seeded = True
+
+    def prompt_start(self, prompt):
+        self.counts = [np.zeros(c.num_experts, np.int64) for c in self.caches]
+        self.seeded = False
+
+    def after_routing(self, step: Step, ids: np.ndarray):
+        if self.counts is not None and step.phase == "prefill":
+            self.counts[step.layer] += np.bincount(ids.ravel(), minlength=len(self.counts[step.layer]))
+
+    def before_layer(self, step: Step) -> List[Prediction]:
+        if step.layer == 0 and step.phase == "decode" and not self.seeded:
+            self.seed()
+        return []
+
+    def seed(self):
+        """Load the most used experts of every layer (up to capacity) and pin the hottest quarter, but never
+        so many that a token's top-k experts cannot all be resident (that would split layers into rounds:
+        at 12.5% of a 64-expert top-8 model, 8 slots, nothing is pinned)."""
+        for cache, count in zip(self.caches, self.counts):
+            order = np.argsort(-count, kind="stable")
+            order = order[count[order] > 0][: cache.capacity]
+            missing = np.sort(order[cache.slot_of[order] < 0])[: cache.room(protect=order)]
+            if missing.size:
+                self.load(cache, missing, protect=order)
+            hot = order[: max(0, min(int(cache.capacity * PROFILE_PIN_FRACTION), cache.capacity - self.top_k))]
+            hot = hot[cache.slot_of[hot] >= 0]
+            cache.unpin_all()
+            if hot.size and hot.size < cache.capacity:
+                cache.pin(hot)
+        self.seeded = True
+
+
+class NextGatePolicy(OnDemand):
+    name = "next-gate"
+
+    def __init__(self, routers, per_layer: int):
+        self.weights, self.biases = mx.array(routers[0]), mx.array(routers[1])
+        self.per_layer = per_layer
+
+    def before_layer(self, step: Step) -> List[Prediction]:
+        target = step.layer + 1
+        if not step.predict or target >= self.weights.shape[0]:
+            return []
+        scores = next_gate(_last_row(step.x), self.weights[target:target + 1], self.biases[target:target + 1])
+        ids, probs = _softmax_topk(scores[:, 0], self.per_layer)
+        return [Prediction(target, ids[0], probs[0])]
+
+
+class NextTokenLens:
+    """The first MoE layer's experts for the next token, guessed at the last MoE layer.
+
+    The first MoE layer's routing is nearly a function of the token itself (its router on the token's
+    embedding alone recalls 0.98 of the true top-8 in 16 guesses on the bundled model's held-out traces),
+    and the last MoE layer's input already points at the next token: read through the model's own final
+    norm and output head (the "logit lens"), its top tokens, each weighted by its probability, vote with
+    the first router's probabilities. Parameter-free; `of` gives None where the model's parts are not found.
+    """
+
+    def __init__(self, post_norm_last, final_norm, head, embed, post_norm_first, router, tokens: int = 32):
+        self.post_norm_last, self.final_norm, self.head = post_norm_last, final_norm, head
+        self.embed, self.post_norm_first, self.router, self.tokens = embed, post_norm_first, router, tokens
+
+    @classmethod
+    def of(cls, model, moe_blocks, first_router) -> Optional["NextTokenLens"]:
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        embed, final_norm = getattr(inner, "embed_tokens", None), getattr(inner, "norm", None)
+        if layers is None or embed is None or final_norm is None or not moe_blocks:
+            return None
+        head = getattr(model, "lm_head", None) or getattr(embed, "as_linear", None)
+
+        def owner(block):
+            return next((l for l in layers if any(c is block for c in l.children().values())), None)
+
+        norms = [getattr(owner(b), "post_attention_layernorm", None) for b in (moe_blocks[0], moe_blocks[-1])]
+        if head is None or None in norms or first_router is None or not isinstance(getattr(norms[1], "weight", None), mx.array):
+            return None
+        return cls(norms[1], final_norm, head, embed, norms[0], first_router)
+
+    def predict(self, x: mx.array, k: int):
+        """Lazy (ids, probabilities) of the k likeliest first-layer experts for the next token."""
+        h = _last_row(x) / self.post_norm_last.weight  # undo the norm's gain; the final norm rescales anyway
+        logits = self.head(self.final_norm(h)).astype(mx.float32)[0]
+        probs = mx.softmax(logits)
+        top = mx.argpartition(-logits, kth=self.tokens - 1)[: self.tokens]
+        scores = self.router(self.post_norm_first(self.embed(top)))
+        if not isinstance(scores, mx.array):
+            return None
+        votes = probs[top][None] @ mx.softmax(scores.astype(mx.float32), axis=-1)
+        ids = mx.argsort(-votes[0])[:k]
+        return ids, votes[0][ids]
+
+
+class PredictorPolicy(OnDemand):
+    """The shadow predictor; it also keeps each layer's router log-probabilities, which the next token's
+    predictions read (the previous token's routing at the target layers)."""
+
     name = "predictor"
 
     def __init__(self, predictor, per_layer: int, lens: Optional[NextTokenLens] = None):
-        self.predictor = predictor
-        self.per_layer = per_layer
-        self.lens = lens
+        self.predictor, self.per_layer, self.lens = predictor, per_layer, lens
         self.counts = [experts_at_distance(per_layer, d) for d in range(1, predictor.config.lookahead + 1)]
+        self.prev_logprobs: Dict[int, mx.array] = {}
 
-    def predict(self, source: int, x: mx.array, gate_output, switches) -> List[tuple]:
-        c = self.predictor.config
-        if source == c.num_layers - 1 and self.lens is not None:
-            guess = self.lens.predict(x, self.counts[0])
-            return [(0, *guess)] if guess is not None else []
-        targets = c.targets(source) if source < c.num_layers - 1 else []
-        if not targets or not isinstance(gate_output, mx.array):
+    def after_routing(self, step: Step, ids: np.ndarray):
+        if step.prefetching and isinstance(step.router, mx.array):
+            self.prev_logprobs[step.layer] = nn.log_softmax(_last_row(step.router)[0].astype(mx.float32))
+        else:
+            self.prev_logprobs.pop(step.layer, None)
+
+    def before_layer(self, step: Step) -> List[Prediction]:
+        c, source = self.predictor.config, step.layer
+        if not step.predict:
             return []
-        x = x.reshape(-1, x.shape[-1])[-1:]
-        logits = gate_output.reshape(-1, gate_output.shape[-1])[-1:]
+        if source == c.num_layers - 1 and self.lens is not None:
+            guess = self.lens.predict(step.x, self.counts[0])
+            return [Prediction(0, *guess)] if guess is not None else []
+        targets = c.targets(source) if source < c.num_layers - 1 else []
+        if not targets or not isinstance(step.router, mx.array):
+            return []
         prev = None
-        if c.use_prev_token:
-            rows = [switches[j].prev_logprobs for j in targets]
-            if all(r is not None for r in rows):
-                prev = mx.stack(rows, axis=0)[None]
-        scores = self.predictor(source, x, logits, prev=prev)[0]  # (D_i, E)
+        if all(j in self.prev_logprobs for j in targets):
+            prev = mx.stack([self.prev_logprobs[j] for j in targets], axis=0)[None]
+        scores = self.predictor(source, _last_row(step.x), _last_row(step.router), prev=prev)[0]  # (D_i, E)
         ids, probs = _softmax_topk(scores, max(self.counts))
-        discount = mx.array([DISTANCE_DISCOUNT ** n for n in range(len(targets))])[:, None]
-        probs = probs * discount
-        return [(j, ids[n, :self.counts[j - source - 1]], probs[n, :self.counts[j - source - 1]])
-                for n, j in enumerate(targets) if self.counts[j - source - 1]]
-
-
-class OraclePolicy:
-    """Replays the routing recorded from a run of the same prompt: forward f, layer j -> expert ids."""
-
-    name = "oracle"
-
-    def __init__(self, trace: List[Dict[int, np.ndarray]], lookahead: int, num_layers: int):
-        self.trace = trace
-        self.lookahead = lookahead
-        self.num_layers = num_layers
-        self.forward = 0  # set by the runtime at every forward pass of a generation
-
-    def predict(self, source: int, x, gate_output, switches) -> List[tuple]:
+        probs = probs * mx.array([DISTANCE_DISCOUNT**n for n in range(len(targets))])[:, None]
         out = []
-        for d in range(1, self.lookahead + 1):
-            forward, layer = divmod(source + d, self.num_layers)  # past the last layer: the next pass
-            if self.forward + forward >= len(self.trace):
-                break
-            ids = self.trace[self.forward + forward].get(layer)
-            if ids is not None:
-                uniq = np.unique(ids)
-                out.append((layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
+        for n, j in enumerate(targets):
+            m = self.counts[j - source - 1]
+            if m:
+                out.append(Prediction(j, ids[n, :m], probs[n, :m]))
         return out
 
 
-def seed_from_profile(runtime, caches, counts: List[np.ndarray], top_k: int, pin_fraction: float = 0.25):
-    """Load the most used experts of every layer (up to capacity) and pin the hottest `pin_fraction`, but
-    never so many that a token's `top_k` experts cannot all be resident (that would split layers into
-    rounds: at 12.5% of a 64-expert top-8 model, 8 slots, nothing is pinned)."""
-    from .cache import Origin
+class OraclePolicy(OnDemand):
+    """Replays the routing recorded from a run of the same prompt (`record_routing`): forward f, layer j
+    -> expert ids. Its lookahead runs on into the next forward pass."""
 
-    for cache, count in zip(caches, counts):
-        order = np.argsort(-count, kind="stable")
-        order = order[count[order] > 0][: cache.capacity]
-        missing = np.sort(order[cache.slot_of[order] < 0])[: cache.room(protect=order)]
-        if missing.size:
-            runtime.load(cache, missing, Origin.PROFILE, protect=order)
-        hot = order[: max(0, min(int(cache.capacity * pin_fraction), cache.capacity - top_k))]
-        hot = hot[cache.slot_of[hot] >= 0]
-        cache.unpin_all()
-        if hot.size and hot.size < cache.capacity:
-            cache.pin(hot)
+    name = "oracle"
+
+    def __init__(self, trace: List[Dict[int, np.ndarray]], num_layers: int, lookahead: int = ORACLE_LOOKAHEAD):
+        self.trace, self.num_layers, self.lookahead = trace, num_layers, lookahead
+
+    def before_layer(self, step: Step) -> List[Prediction]:
+        out = []
+        for d in range(1, self.lookahead + 1) if step.predict else ():
+            forward, layer = divmod(step.layer + d, self.num_layers)  # past the last layer: the next pass
+            if step.forward + forward >= len(self.trace):
+                break
+            ids = self.trace[step.forward + forward].get(layer)
+            if ids is not None:
+                uniq = np.unique(ids)
+                out.append(Prediction(layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
+        return out
+
+
+def make_policy(name: str, engine, oracle_trace: Optional[Sequence] = None, per_layer: Optional[int] = None):
+    """The policy called `name` for `engine` (see the module docstring); a UserError for a bad choice."""
+    per_layer = per_layer or engine.top_k
+    if name == "none":
+        return OnDemand()
+    if name == "profile":
+        return ProfilePolicy(engine.caches, engine.top_k, engine.runtime.load)
+    if name == "next-gate":
+        return NextGatePolicy(engine.routers(), per_layer)
+    if name == "predictor":
+        if engine.predictor is None:
+            raise UserError("prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
+                            "(train one with `od-moe train-predictor`)")
+        lens = NextTokenLens.of(engine.model, engine.moe_blocks, engine.router(0))
+        return PredictorPolicy(engine.predictor, per_layer, lens)
+    if name == "oracle":
+        if oracle_trace is None:
+            raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt: "
+                            "od_moe.record_routing(prompt, max_tokens, ...) gives it")
+        return OraclePolicy(list(oracle_trace), len(engine.caches))
+    raise UserError(f"unknown prefetch policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -1,22 +1,34 @@
-"""Per-model offload runtime: the clock, reads into the caches, and the work done between tokens.
+"""The offload runtime: what happens at every MoE layer between routing and the expert math.
 
-Every `OffloadedSwitch` of a model shares one runtime. It
-- advances a clock per forward pass (the first MoE layer calls `begin_forward`), which is also the
-  cooperative point "between tokens": deferred bookkeeping of the previous pass runs there;
-- reads experts through the store in staging-buffer chunks and installs them (`load`), timing the read
-  (stall) and the copy (install) separately;
-- keeps lazily recorded routing of passes that needed no sync (skip mode, fully resident layers) and
-  accounts for it later (`settle`); in skip mode the missed experts are loaded then, so later tokens hit.
-Everything here runs on the generation thread. Not here: the forward math (`switch.py`).
+Every `OffloadedSwitch` of a model calls `route(layer, x, indices)` once per forward pass and computes on
+the slots it gets back. One decoded token, top to bottom:
+1. Layer 0 only, between passes: deferred routing is accounted for (`settle`), the governor looks at
+   the token that ended, and finished prefetch reads are installed.
+2. The policy's `before_layer` hook runs (profile seeding happens here) and, when prefetch is on,
+   predicts experts for layers ahead (lazy arrays).
+3. Exact mode: the layer's routing and the predictions are evaluated together (the layer's one sync);
+   `after_routing` hooks run; finished reads are installed; lookups and hits are counted; misses are
+   claimed from the reader if being read ("late"), else read and installed here; the predictions are
+   queued for the reader; the slots go back to the switch (in rounds when they do not all fit).
+   A layer whose experts are all resident, and skip mode, never sync: their routing is accounted for
+   at the next pass (`settle`); skip mode scales missing experts out and loads them then.
+Every count is booked in the ledger (`stats.py`) here, once. Everything here runs on the generation
+thread. Not here: the forward math (`switch.py`), reading ahead (`reader.py`), choosing how much to
+read ahead (`governor.py`) or what (`policies.py`).
 """
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache, Origin
+from .cache import Installed, LayerCache
+from .governor import Governor, PrefetchSettings
+from .policies import OnDemand, Prediction, Step
+from .reader import Read, Reader
+from .routing import routing_weights
+from .stats import Ledger
 from .store import ExpertStore, Staging
 
 MISS_POLICIES = ("load", "skip")
@@ -24,125 +36,227 @@ READ_BATCH = 16  # experts per read round at most...
 STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install copies count against budgets
 
 
+class Route(NamedTuple):
+    """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale; in
+    rounds, which routed experts this round computes (`members`)."""
+
+    slots: mx.array
+    scale: Optional[mx.array] = None
+    members: Optional[mx.array] = None
+
+
 class OffloadRuntime:
-    def __init__(self, store: ExpertStore, miss_policy: str = "load"):
+    def __init__(self, store: ExpertStore, caches: List[LayerCache], miss_policy: str = "load"):
         if miss_policy not in MISS_POLICIES:
             raise ValueError(f"unknown miss policy {miss_policy!r}")
-        self.store = store
-        self.miss_policy = miss_policy
-        self.clock = 0
-        self.tokens = {"prefill": 0, "decode": 0}
-        self.forwards = 0
-        self.phase = "prefill"
-        self.io = empty_io()
-        self._deferred: List[Tuple[object, mx.array, str]] = []
+        self.store, self.caches, self.miss_policy = store, caches, miss_policy
+        self.ledger = Ledger(len(caches))
+        self.taps: List = [None] * len(caches)  # RouterTaps where router outputs are needed
+        self.policy = OnDemand()
+        self.reader: Optional[Reader] = None
+        self.governor: Optional[Governor] = None
+        self.settings: Optional[PrefetchSettings] = None
+        self.clock = 0  # forward passes so far: the time of cache uses
+        self.phase = "prefill"  # of the running pass
+        self._recording: Optional[List[Dict[int, np.ndarray]]] = None
+        self._deferred = []
         self._staging: Dict[tuple, Staging] = {}
-        self.prefetcher = None  # a PrefetchQueue when a prefetch policy is on
-        self.policy = None  # what predicts experts ahead (policies.py); None: on-demand only
-        self.policy_name = "none"
-        self.segment = 1  # predict at every `segment`-th MoE layer
-        self.profile_counts: Optional[List[np.ndarray]] = None  # the prompt's routing (profile policy)
-        self.recording: Optional[List[Dict[int, np.ndarray]]] = None  # routing per forward (oracle traces)
-        self.generation_forward = 0
-        self._forward_start = None
-        self._caches: List[LayerCache] = []
-        self.top_k = 1  # experts per token (set by the engine)
+        self._prompt_passes = 0  # passes since the prompt started
+        self._pass_index = 0
+        self._pass_started: Optional[float] = None
 
-    # -- between tokens --------------------------------------------------------------------------
-    def begin_forward(self, n_tokens: int, phase: str):
-        """Called by the first MoE layer of every forward pass, before it computes."""
+    # -- configuration ---------------------------------------------------------------------------
+    def set_policy(self, policy, settings: Optional[PrefetchSettings] = None, experts_per_layer: int = 0):
+        """Use `policy`; with `settings`, a reader and a governor prefetch what it predicts."""
+        self.close()
+        self.policy, self.settings = policy, settings
+        if settings is not None:
+            self.reader = Reader(self.store, [c.layout for c in self.caches], self.ledger)
+            self.governor = Governor(settings, self.ledger, settings.experts_per_layer or experts_per_layer)
+
+    def close(self):
+        """Stop the reader thread (no prefetch from now on)."""
+        if self.reader is not None:
+            self.reader.close()
+        self.reader = self.governor = None
+
+    def reset_counts(self):
+        """Zero the ledger; reads still in flight count as issued, so the prefetch invariant holds."""
+        self.settle()
+        self.ledger.reset()
+        for cache in self.caches:
+            cache.forget_prefetches()
+        if self.reader is not None:
+            counts = self.reader.counts()
+            self.ledger.reader["issued"] = counts["reading"] + counts["ready"]
+            self.governor.reset()
+
+    def start_prompt(self, prompt):
+        """A new prompt: passes count from zero again (oracle traces are indexed by them)."""
+        self._prompt_passes = 0
+        self._pass_started = None  # the time between two prompts is not a token's
+        self.policy.prompt_start(prompt)
+
+    def start_recording(self):
+        self._recording = []
+
+    def stop_recording(self) -> List[Dict[int, np.ndarray]]:
+        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
+        self.settle()
+        recording, self._recording = self._recording, None
+        return recording
+
+    # -- the per-layer path ----------------------------------------------------------------------
+    def route(self, layer: int, x: mx.array, indices: mx.array) -> Iterator[Route]:
+        """The slots of a layer's routed experts, once they are resident (see the module docstring)."""
+        phase = "prefill" if x.ndim >= 2 and x.shape[-2] > 1 else "decode"
+        cache = self.caches[layer]
+        if layer == 0:
+            self._between_passes()
+            self._pass_index = self._prompt_passes
+        exact = self.miss_policy == "load" and not cache.is_full()
+        if exact and self.settings is not None and self.settings.synchronous:
+            self._drain()
+        prefetching = exact and self.reader is not None and (self.governor.active or self.reader.busy)
+        tap = self.taps[layer]
+        step = Step(self._pass_index, layer, phase, x, tap.output if tap is not None else None,
+                    predict=prefetching and phase == "decode" and self.governor.active, prefetching=prefetching)
+        t0 = time.perf_counter()
+        predictions = self.policy.before_layer(step)
+        if step.predict:
+            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+        if layer == 0:  # after the hook: profile seeding belongs to the time of the pass that ended
+            self._start_pass(int(np.prod(indices.shape[:-1])), phase)
+        if self.miss_policy == "skip":
+            yield self._route_skipping(layer, indices, phase)
+        elif not exact:
+            self._deferred.append((layer, indices, phase))
+            yield Route(cache.lookup_table()[indices])
+        else:
+            yield from self._route_exact(step, indices, predictions)
+
+    def _route_exact(self, step: Step, indices: mx.array, predictions: List[Prediction]) -> Iterator[Route]:
+        layer, cache = step.layer, self.caches[step.layer]
+        self._evaluate(indices, predictions)
+        ids = np.array(indices).astype(np.int64)
+        self._after_routing(step, ids)
+        uniq, counts = np.unique(ids, return_counts=True)
+        if step.prefetching:  # between layers: the cooperative install point
+            self.reader.withdraw(layer)
+            self._install_ready({layer: uniq})
+        resident = cache.slot_of[uniq] >= 0
+        self._count_lookups(step.phase, layer, ids.size, counts[resident].sum())
+        self._touch(cache, uniq[resident], counts[resident])
+        missing = uniq[~resident]
+        if missing.size and step.prefetching:
+            missing = self._claim(layer, missing, uniq, counts)
+        fits = missing.size <= cache.room(protect=uniq)
+        if missing.size and fits:
+            self.load(cache, missing, protect=uniq)
+            self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
+        self._submit(predictions)
+        if fits:
+            yield Route(cache.slots_for(ids))
+        else:
+            yield from self._rounds(cache, ids, uniq, counts)
+
+    def _rounds(self, cache: LayerCache, ids, uniq, counts) -> Iterator[Route]:
+        """More distinct experts than slots: compute in rounds over the experts that fit."""
+        remaining = uniq
+        while remaining.size:
+            resident = remaining[cache.slot_of[remaining] >= 0]
+            missing = remaining[cache.slot_of[remaining] < 0]
+            to_load = missing[: cache.room(protect=resident)]
+            if to_load.size:
+                self.load(cache, to_load, protect=resident)
+            group = np.concatenate([resident, to_load])
+            self._touch(cache, group, counts[np.searchsorted(uniq, group)])
+            yield Route(cache.slots_for(ids), members=mx.array(np.isin(ids, group)))
+            remaining = np.setdiff1d(remaining, group)
+
+    def _route_skipping(self, layer: int, indices: mx.array, phase: str) -> Route:
+        """Skip mode: no sync; missing experts' outputs are zeroed and the others rescaled so the routing
+        weights of the resident experts sum to what all k summed to."""
+        cache = self.caches[layer]
+        self._deferred.append((layer, indices, phase))
+        slots = cache.lookup_table()[indices]
+        if cache.is_full():
+            return Route(slots)
+        present = cache.resident_mask()[indices].astype(mx.float32)
+        tap = self.taps[layer]
+        weights = routing_weights(tap.output if tap is not None else None, indices)
+        kept = (weights * present).sum(axis=-1, keepdims=True)
+        scale = mx.where(kept > 0, weights.sum(axis=-1, keepdims=True) / mx.maximum(kept, 1e-30), 0.0)
+        return Route(slots, scale=present * scale)
+
+    # -- between passes --------------------------------------------------------------------------
+    def _between_passes(self):
         self.settle()
         now = time.perf_counter()
-        if self.prefetcher is not None:  # between tokens: the cooperative install point
-            self.prefetcher.end_token(self.phase, now - self._forward_start if self._forward_start else None)
-            self.prefetcher.install_ready(clock=self.clock)
-        if self.profile_counts is not None and phase == "decode" and self.phase == "prefill":
-            from .policies import seed_from_profile
+        if self.reader is not None:  # between tokens: the cooperative install point
+            self.governor.end_token(self.phase, now - self._pass_started if self._pass_started else None)
+            self._install_ready({})
+        self._pass_started = now
 
-            seed_from_profile(self, self._caches, self.profile_counts, self.top_k)
+    def _start_pass(self, tokens: int, phase: str):
         self.phase = phase
-        self._forward_start = now
         self.clock += 1
-        self.forwards += 1
-        self.tokens[phase] += n_tokens
-        if self.recording is not None:
-            self.recording.append({})
-        if hasattr(self.policy, "forward"):
-            self.policy.forward = self.generation_forward
-        self.generation_forward += 1
-
-    def account(self, nbytes: int, stall_s: float):
-        """Reads and waits of the prefetcher, booked to the phase of the running pass."""
-        io = self.io[self.phase]
-        io["bytes_read"] += nbytes
-        io["stall_s"] += stall_s
-
-    def start_generation(self):
-        """A new prompt: forward passes count from zero again (oracle traces are indexed by them)."""
-        self.generation_forward = 0
-        self._forward_start = None  # the time between two prompts is not a token's
-        if self.policy_name == "profile":
-            self.profile_counts = [np.zeros(c.num_experts, np.int64) for c in self._caches]
-
-    def observe(self, layer: int, ids: np.ndarray, phase: str):
-        """A layer's routing, once known: kept for oracle traces and the prompt profile."""
-        if self.recording is not None and self.recording:
-            self.recording[-1][layer] = ids.reshape(-1, ids.shape[-1])
-        if self.profile_counts is not None and phase == "prefill":
-            self.profile_counts[layer] += np.bincount(ids.ravel(), minlength=len(self.profile_counts[layer]))
-
-    def predict(self, switch, x: mx.array, phase: str) -> list:
-        """Predictions of the prefetch policy at this layer (decode only, every `segment` layers and the last)."""
-        if self.policy is None or phase != "decode" or not hasattr(self.policy, "predict"):
-            return []
-        if self.prefetcher is not None and not self.prefetcher.active:
-            return []  # backed off or paused: predicting would cost without reading anything
-        if switch.index % self.segment and switch.index != len(self._switches) - 1:
-            return []  # the last layer always predicts: it alone sees the next token coming
-        t0 = time.perf_counter()
-        predictions = self.policy.predict(switch.index, x, switch.last_gate_output, self._switches)
-        if self.prefetcher is not None:
-            self.prefetcher.busy_s += time.perf_counter() - t0
-        return predictions
-
-    def evaluate(self, indices: mx.array, predictions: list):
-        """Evaluate a layer's routing with the predictions made at it (one sync); while the prefetcher
-        measures what it costs, the predictions' compute is timed apart (a second sync)."""
-        lazy = [a for p in predictions for a in p[1:] if isinstance(a, mx.array)]
-        if lazy and self.prefetcher is not None and self.prefetcher.measuring:
-            mx.eval(indices)
-            t0 = time.perf_counter()
-            mx.eval(lazy)
-            self.prefetcher.busy_s += time.perf_counter() - t0
-        else:
-            mx.eval(indices, lazy)
-
-    def defer(self, switch, indices: mx.array, phase: str):
-        """Keep a layer's routing (lazy) to account for after the pass is evaluated."""
-        self._deferred.append((switch, indices, phase))
+        self._prompt_passes += 1
+        self.ledger.count_forward(phase, tokens)
+        if self._recording is not None:
+            self._recording.append({})
 
     def settle(self):
-        """Account for deferred routing; in skip mode, load what missed so later tokens hit."""
+        """Account for routing that needed no sync; in skip mode, load what missed so later tokens hit.
+        With synchronous prefetch, also wait for the reads in progress (so counts repeat exactly)."""
+        if self.settings is not None and self.settings.synchronous:
+            self.reader.drain()
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, []
         mx.eval([indices for _, indices, _ in deferred])
-        for switch, indices, phase in deferred:
-            cache = switch.cache
+        for layer, indices, phase in deferred:
+            cache = self.caches[layer]
             ids = np.array(indices).astype(np.int64)
-            self.observe(switch.index, ids, phase)
+            self._after_routing(Step(self._pass_index, layer, phase, None, None, False, False), ids)
             uniq, counts = np.unique(ids, return_counts=True)
             resident = cache.slot_of[uniq] >= 0
-            cache.record_lookups(phase, ids.size, counts[resident].sum())
-            cache.touch(uniq[resident], counts[resident], self.clock)
+            self._count_lookups(phase, layer, ids.size, counts[resident].sum())
+            self._touch(cache, uniq[resident], counts[resident])
             missing = uniq[~resident]
             if missing.size and self.miss_policy == "skip":
                 most_used_first = missing[np.argsort(-counts[~resident], kind="stable")]
                 fit = most_used_first[: cache.room()]
                 if fit.size:
-                    self.load(cache, np.sort(fit), Origin.DEMAND)
+                    self.load(cache, np.sort(fit))
 
-    # -- reads -----------------------------------------------------------------------------------
+    # -- routing known ---------------------------------------------------------------------------
+    def _evaluate(self, indices: mx.array, predictions: List[Prediction]):
+        """Evaluate a layer's routing with the predictions made at it (one sync); while the governor
+        measures what prefetch costs, the predictions' compute is timed apart (a second sync)."""
+        lazy = [a for p in predictions for a in (p.experts, p.scores) if isinstance(a, mx.array)]
+        if lazy and self.governor.measuring:
+            mx.eval(indices)
+            t0 = time.perf_counter()
+            mx.eval(lazy)
+            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+        else:
+            mx.eval(indices, lazy)
+
+    def _after_routing(self, step: Step, ids: np.ndarray):
+        if self._recording:
+            self._recording[-1][step.layer] = ids.reshape(-1, ids.shape[-1])
+        self.policy.after_routing(step, ids)
+
+    def _count_lookups(self, phase: str, layer: int, lookups: int, hits: int):
+        self.ledger.add(phase, layer, lookups=lookups, hits=hits)
+
+    def _touch(self, cache: LayerCache, ids: np.ndarray, uses: np.ndarray):
+        first_uses = cache.touch(ids, uses, self.clock)
+        if first_uses:
+            self.ledger.add(self.phase, cache.layer, prefetch_useful=first_uses)
+
+    # -- reads and installs ----------------------------------------------------------------------
     def _staging_for(self, cache: LayerCache) -> Staging:
         key = tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in cache.layout.parts)
         staging = self._staging.get(key)
@@ -151,30 +265,87 @@ class OffloadRuntime:
             staging = self._staging[key] = Staging(cache.layout, size)
         return staging
 
-    def load(self, cache: LayerCache, ids: Sequence[int], origin: Origin, protect: Sequence[int] = ()):
-        """Read experts `ids` of `cache`'s layer from disk and install them (synchronously)."""
+    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
+        """Read experts `ids` of `cache`'s layer from disk and install them, now, on this thread."""
         ids = np.asarray(ids, dtype=np.int64)
         staging = self._staging_for(cache)
         keep = list(protect) + ids.tolist()
         for start in range(0, len(ids), staging.size):
             chunk = ids[start:start + staging.size]
-            before = self.store.bytes_read
             t0 = time.perf_counter()
             raw = self.store.read(cache.layout, chunk, staging)
             t1 = time.perf_counter()
-            cache.install(chunk, raw, origin, protect=keep, clock=self.clock)
-            t2 = time.perf_counter()
-            stats = cache.stats
-            stats.stall_s += t1 - t0
-            stats.install_s += t2 - t1
-            stats.bytes_read += self.store.bytes_read - before
-            stats.experts_loaded += len(chunk)
-            io = self.io[self.phase]
-            io["bytes_read"] += self.store.bytes_read - before
-            io["stall_s"] += t1 - t0
-            io["install_s"] += t2 - t1
+            self.ledger.add(self.phase, cache.layer, experts_read=len(chunk),
+                            bytes_read=len(chunk) * cache.layout.expert_nbytes, read_s=t1 - t0)
+            installed = cache.install(chunk, raw, protect=keep, clock=self.clock)
+            self._book_install(cache.layer, installed, len(chunk), time.perf_counter() - t1, prefetched=False)
 
+    def _book_install(self, layer: int, installed: Optional[Installed], count: int, seconds: float,
+                      prefetched: bool, refused: int = 0):
+        """Book an install (`installed` None: nothing went in); `refused`: prefetched reads not installable."""
+        evictions, unused = (installed.evictions, installed.unused_prefetches) if installed else (0, 0)
+        if prefetched:
+            self.ledger.add(self.phase, layer, prefetch_installed=count, prefetch_install_s=seconds,
+                            evictions=evictions, prefetch_wasted=unused + refused)
+        else:
+            self.ledger.add(self.phase, layer, installed=count, install_s=seconds, evictions=evictions,
+                            prefetch_wasted=unused)
 
-def empty_io() -> Dict[str, Dict[str, float]]:
-    """Reads by the phase of the pass that caused them (deferred skip-mode loads count to the next pass)."""
-    return {phase: {"bytes_read": 0, "stall_s": 0.0, "install_s": 0.0} for phase in ("prefill", "decode")}
+    def _install_prefetched(self, reads: List[Read], protect: Sequence[int]):
+        """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch
+        never evicts an expert predicted for the same run of its layer."""
+        for r in reads:
+            if r.error is not None:
+                raise r.error
+        layer = reads[0].layer
+        cache = self.caches[layer]
+        protect = list(protect) + self.reader.wanted(layer)
+        self.ledger.add(self.phase, layer, prefetch_taken=len(reads), prefetch_bytes=sum(r.nbytes for r in reads))
+        fresh = [r for r in reads if cache.slot_of[r.expert] < 0][: cache.room(protect=protect)]
+        installed, t0 = None, time.perf_counter()
+        if fresh:  # demand got there first, or no slot may be evicted for the others: they bought nothing
+            raw = {key: [r.raw[key][0] for r in fresh] for key in fresh[0].raw}
+            installed = cache.install([r.expert for r in fresh], raw, prefetched=True, protect=protect,
+                                      clock=self.clock - 0.5)
+        self._book_install(layer, installed, len(fresh), time.perf_counter() - t0, prefetched=True,
+                           refused=len(reads) - len(fresh))
+        self.reader.recycle(reads)
+
+    def _install_ready(self, protect: Dict[int, Sequence[int]]):
+        """Install every finished read, one install (one evaluation) per layer."""
+        by_layer: Dict[int, List[Read]] = {}
+        for r in sorted(self.reader.take_ready(), key=lambda r: -r.score):
+            by_layer.setdefault(r.layer, []).append(r)
+        for layer, reads in by_layer.items():
+            self._install_prefetched(reads, protect.get(layer, ()))
+
+    def _claim(self, layer: int, missing: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Late prefetches: wait for misses being read instead of reading them twice; the rest."""
+        reads, waited = self.reader.claim(layer, missing)
+        if not reads:
+            return missing
+        self.ledger.add(self.phase, layer, wait_s=waited, prefetch_late=len(reads))
+        self._install_prefetched(reads, uniq)
+        cache = self.caches[layer]
+        still = missing[cache.slot_of[missing] < 0]
+        arrived = np.setdiff1d(missing, still)
+        self._touch(cache, arrived, counts[np.searchsorted(uniq, arrived)])
+        return still
+
+    def _submit(self, predictions: List[Prediction]):
+        """Queue the predicted experts that are not resident; the governor says how many per layer."""
+        t0 = time.perf_counter()
+        for layer, experts, scores in predictions:
+            experts, scores = np.asarray(experts), np.asarray(scores)
+            order = np.argsort(-scores, kind="stable")[: self.governor.take(len(experts))]
+            chosen = {int(experts[n]): float(scores[n]) for n in order}
+            slot_of = self.caches[layer].slot_of
+            self.reader.submit(layer, chosen, [e for e in chosen if slot_of[e] < 0])
+        if predictions:
+            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+
+    def _drain(self):
+        """Synchronous prefetch: every read requested so far lands before this layer runs."""
+        while self.reader.drain():
+            self._install_ready({})
+        self._install_ready({})

@@ -13,7 +13,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cache import Origin
 from .errors import UserError
 
 FORMAT = 1
@@ -69,48 +68,27 @@ def load_snapshot(engine, path):
         if len(set(ids.tolist())) != len(ids):
             raise UserError(f"snapshot {path} layer {i} lists an expert twice: delete it and save a new one")
         if packed is not None:
-            _restore_packed(cache, slots, packed, i, path)
+            arrays = {name: packed.get(f"layer{i}.{name}") for name in cache.stacked_arrays()}
+            try:
+                cache.restore(slots, arrays)
+            except ValueError:
+                raise UserError(f"snapshot {path} has no matching weights for layer {i}: save a new snapshot")
         else:
-            # evict what is there, then read the saved experts into the same slots, in slot order
-            cache.expert_in_slot[:] = -1
-            cache.slot_of[:] = -1
-            engine.runtime.load(cache, ids, Origin.SNAPSHOT)
-            order = cache.slot_of[ids]
-            _move_to_slots(cache, ids, order, slots)
-        cache.unpin_all()
+            _read_into_slots(engine, cache, ids, slots)
         if saved.get("pinned"):
             cache.pin(slots[np.asarray(saved["pinned"], dtype=np.int64)])
 
 
-def _restore_packed(cache, slots, packed, layer, path):
-    for name, current in cache.stacked_arrays().items():
-        array = packed.get(f"layer{layer}.{name}")
-        if array is None or array.shape != current.shape or array.dtype != current.dtype:
-            raise UserError(f"snapshot {path} has no matching weights for layer {layer} {name}: save a new snapshot")
-        proj, part = name.split(".", 1)
-        cache.projections[proj][part] = array
-    mx.eval(list(cache.stacked_arrays().values()))
-    cache.expert_in_slot[:] = slots
-    cache.slot_of[:] = -1
-    cache.slot_of[slots[slots >= 0]] = np.flatnonzero(slots >= 0)
-    cache.origin[:] = np.where(slots >= 0, int(Origin.SNAPSHOT), int(Origin.EMPTY))
-    cache._lookup = cache._resident = None
-
-
-def _move_to_slots(cache, ids, current_slots, wanted_slots):
-    """Experts were installed in free slots in order; a fresh cache fills 0..n-1, which is what a saved
-    cache filled the same way has. Other orders are permuted here so slot numbers match the snapshot."""
-    wanted = np.flatnonzero(wanted_slots >= 0)
-    if np.array_equal(current_slots, wanted):
+def _read_into_slots(engine, cache, ids, saved_slots):
+    """Read the saved experts from the model's files into the slots they had. A cleared cache fills
+    slots 0..n-1 in order, which is what a saved cache filled the same way has; other orders are
+    permuted so slot numbers match the snapshot."""
+    cache.restore(np.full(cache.capacity, -1))
+    engine.runtime.load(cache, ids)
+    wanted = np.flatnonzero(saved_slots >= 0)
+    current = cache.slot_of[ids]
+    if np.array_equal(current, wanted):
         return
-    perm = np.arange(cache.capacity)
-    perm[wanted] = current_slots
-    index = mx.array(perm.astype(np.int32))
-    for name, array in cache.stacked_arrays().items():
-        proj, part = name.split(".", 1)
-        cache.projections[proj][part] = array[index]
-    mx.eval(list(cache.stacked_arrays().values()))
-    cache.expert_in_slot[:] = wanted_slots
-    cache.slot_of[:] = -1
-    cache.slot_of[ids] = wanted
-    cache._lookup = cache._resident = None
+    permutation = np.arange(cache.capacity)
+    permutation[wanted] = current
+    cache.move(permutation, saved_slots)

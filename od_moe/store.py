@@ -118,14 +118,6 @@ class Staging:
             for p in layout.parts
         }
 
-    def fits(self, layout: BlockLayout) -> bool:
-        return all(
-            self.buffers.get((p.proj, p.name)) is not None
-            and self.buffers[(p.proj, p.name)].shape[1:] == tuple(p.shape)
-            and self.buffers[(p.proj, p.name)].dtype == RAW_NUMPY_DTYPES[p.dtype]
-            for p in layout.parts
-        )
-
 
 def _read_header(path: Path) -> Tuple[int, dict]:
     with open(path, "rb") as f:
@@ -143,11 +135,8 @@ def _read_header(path: Path) -> Tuple[int, dict]:
 
 
 class ExpertStore:
-    """Index of a model folder's safetensors files and a reader of expert bytes.
-
-    `bytes_read` counts every byte read from disk (thread-safe enough: only incremented by the thread
-    that reads, and read for reporting).
-    """
+    """Index of a model folder's safetensors files and a reader of expert bytes (what was read is
+    counted by the caller, in the ledger)."""
 
     def __init__(self, model_dir):
         self.model_dir = Path(model_dir)
@@ -177,7 +166,6 @@ class ExpertStore:
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
         self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
         self._bounce = threading.local()
-        self.bytes_read = 0
         # Benchmarks set this to make every read cold, as on a machine whose page cache cannot hold the
         # model: the pages just read are dropped again.
         self.drop_after_read = False
@@ -297,7 +285,6 @@ class ExpertStore:
             if got <= 0:
                 raise OSError(f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable")
             done += got
-        self.bytes_read += done
         if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
 
@@ -318,7 +305,6 @@ class ExpertStore:
                 raise OSError(f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is truncated or unreadable")
             view[lo - offset:hi - offset] = bounce[lo - pos:hi - pos]
             pos += span
-        self.bytes_read += len(view)
 
     def drop_page_cache(self):
         """Ask the OS to forget this model's cached file pages, so the next reads are cold."""

@@ -1,8 +1,9 @@
 """The shadow network: from what exists at MoE layer i, scores for every expert of layers i+1 ... i+D.
 
 Inputs at source layer i, for each token: the hidden state entering layer i's MoE block (x_i), layer i's
-router logits, and the "next-gate" logits, the routers of the target layers applied to x_i (the model's
-own router weights, attached at load, not stored here). Per source layer, a trunk `[x_i, logits_i] -> R`
+router logits, the "next-gate" logits, the routers of the target layers applied to x_i (the model's
+own router weights, attached at load, not stored here), and the previous token's router log-probabilities
+at the target layers. Per source layer, a trunk `[x_i, logits_i] -> R`
 (SiLU, then `depth - 1` residual SiLU layers of width R) feeds one head per lookahead (fused into one
 matmul); each head's output is added to its next-gate logits times a learned per-expert scale, so the
 network starts from next-gate speculation and learns the correction. Saved as `predictor.safetensors`
@@ -11,7 +12,7 @@ Not here: training (`od_moe.training.train`) or prefetching.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -20,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import UserError
+from ..routing import next_gate
 
 WEIGHTS_FILE, CONFIG_FILE = "predictor.safetensors", "config.json"
 
@@ -34,10 +36,6 @@ class PredictorConfig:
     lookahead: int = 4
     rank: int = 64
     depth: int = 1  # trunk layers: the first from the inputs, the others residual R -> R
-    use_router_logits: bool = True
-    use_next_gate: bool = True
-    use_prev_token: bool = True
-    prev_feature: str = "logits"  # "routing": the previous token's experts; "logits": its router log-probabilities
     data_sha256: str = ""
     trained_tokens: int = 0
     metrics: dict = field(default_factory=dict)
@@ -61,7 +59,7 @@ class ShadowPredictor(nn.Module):
         if not 1 <= c.lookahead < c.num_layers:
             raise UserError(f"lookahead {c.lookahead} must be 1 to {c.num_layers - 1}: the model has {c.num_layers} "
                             "MoE layers, and a prediction must land on a layer that exists")
-        in_dim = c.hidden_size + (c.num_experts if c.use_router_logits else 0)
+        in_dim = c.hidden_size + c.num_experts
         sources = range(c.num_layers - 1)
         self.trunks = [nn.Linear(in_dim, c.rank) for _ in sources]
         self.deep = [[nn.Linear(c.rank, c.rank) for _ in range(c.depth - 1)] for _ in sources]  # empty at depth 1
@@ -70,8 +68,8 @@ class ShadowPredictor(nn.Module):
             head.weight = mx.zeros_like(head.weight)
             head.bias = mx.zeros_like(head.bias)
         self.gate_scales = [mx.ones((len(c.targets(i)), c.num_experts)) for i in sources]
-        if c.use_prev_token:  # a learned bonus for the experts the previous token used at each target layer
-            self.prev_scales = [mx.zeros((len(c.targets(i)), c.num_experts)) for i in sources]
+        # a learned weight of the previous token's router log-probabilities at each target layer
+        self.prev_scales = [mx.zeros((len(c.targets(i)), c.num_experts)) for i in sources]
         self._routers: Optional[mx.array] = None  # (L, E, H) and (L, E): the model's routers
 
     # -- routers ------------------------------------------------------------------------------------
@@ -85,35 +83,37 @@ class ShadowPredictor(nn.Module):
             raise RuntimeError("attach_routers() first: next-gate logits need the model's router weights")
         w, b = self._routers
         targets = self.config.targets(source)
-        w_t = w[targets[0]: targets[-1] + 1]  # (D_i, E, H)
-        return mx.einsum("nh,deh->nde", x, w_t) + b[targets[0]: targets[-1] + 1]
+        return next_gate(x, w[targets[0]: targets[-1] + 1], b[targets[0]: targets[-1] + 1])
 
     # -- prediction ---------------------------------------------------------------------------------
-    def __call__(self, source: int, x: mx.array, logits: Optional[mx.array] = None,
-                 next_gate: Optional[mx.array] = None, prev: Optional[mx.array] = None) -> mx.array:
+    def __call__(self, source: int, x: mx.array, logits: mx.array, gate_logits: Optional[mx.array] = None,
+                 prev: Optional[mx.array] = None) -> mx.array:
         """Scores (n, D_i, E) for the target layers of `source`, from x (n, H) and the router logits (n, E)
-        of that layer. `next_gate` may be given precomputed (training); otherwise it is computed. `prev`
-        (n, D_i, E) marks the experts the previous token used at the target layers (none: first token)."""
+        of that layer. `gate_logits`, the next-gate logits (n, D_i, E), may be given precomputed
+        (training); otherwise they are computed. `prev` (n, D_i, E): the previous token's router
+        log-probabilities at the target layers (None: a first token)."""
         c = self.config
         x = x.astype(mx.float32)
-        inputs = [x, logits.astype(mx.float32)] if c.use_router_logits else [x]
-        h = nn.silu(self.trunks[source](mx.concatenate(inputs, axis=-1)))
+        h = nn.silu(self.trunks[source](mx.concatenate([x, logits.astype(mx.float32)], axis=-1)))
         for layer in self.deep[source]:
             h = h + nn.silu(layer(h))
         out = self.heads[source](h).reshape(x.shape[0], -1, c.num_experts)
-        if c.use_next_gate:
-            if next_gate is None:
-                next_gate = self.next_gate(source, x)
-            out = out + next_gate * self.gate_scales[source]
-        if c.use_prev_token and prev is not None:
+        gate_logits = self.next_gate(source, x) if gate_logits is None else gate_logits
+        out = out + gate_logits * self.gate_scales[source]
+        if prev is not None:
             out = out + prev.astype(mx.float32) * self.prev_scales[source]
         return out
 
-    def predict_topk(self, source: int, x: mx.array, logits: Optional[mx.array], k: int,
+    def predict_topk(self, source: int, x: mx.array, logits: mx.array, k: int,
                      prev: Optional[mx.array] = None) -> mx.array:
         """The k highest-scored experts per token and target layer: (n, D_i, k), best first."""
         scores = self(source, x, logits, prev=prev)
         return mx.argsort(-scores, axis=-1)[..., :k]
+
+    def retarget(self, model_identity: str):
+        """Tie the predictor to another model whose hidden states and routing are the same as the one it
+        was trained on (the benchmark's widened copy of the bundled model); nothing checks that they are."""
+        self.config = replace(self.config, model_identity=model_identity)
 
     @property
     def identity(self) -> str:
@@ -142,13 +142,12 @@ class ShadowPredictor(nn.Module):
     def macs_per_token(self) -> int:
         """Multiply-adds to predict from every source layer for one token (next-gate logits included)."""
         c = self.config
-        in_dim = c.hidden_size + (c.num_experts if c.use_router_logits else 0)
+        in_dim = c.hidden_size + c.num_experts
         total = 0
         for i in range(c.num_layers - 1):
             d = len(c.targets(i))
             total += in_dim * c.rank + (c.depth - 1) * c.rank * c.rank + c.rank * c.num_experts * d
-            if c.use_next_gate:
-                total += c.hidden_size * c.num_experts * d
+            total += c.hidden_size * c.num_experts * d  # next-gate logits
         return total
 
     # -- persistence --------------------------------------------------------------------------------
@@ -178,23 +177,3 @@ def load_predictor(path, model_identity: Optional[str] = None) -> ShadowPredicto
     predictor.load_weights(str(folder / WEIGHTS_FILE))
     mx.eval(predictor.parameters())
     return predictor
-
-
-def router_matrices(engine) -> tuple:
-    """The model's routers as dense float32 arrays: weights (L, E, H) and biases (L, E)."""
-    weights, biases = [], []
-    for block in engine.moe_blocks:
-        gate = block.get("gate")
-        gate = gate.gate if type(gate).__name__ == "GateTap" else gate  # od-moe's pass-through tap
-        if isinstance(gate, nn.QuantizedLinear):
-            w = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
-                              mode=getattr(gate, "mode", "affine"))
-        elif gate is not None and "weight" in gate:
-            w = gate.weight
-        else:
-            raise UserError(f"{type(block).__name__} has no linear router (`gate.weight`): this model's routing "
-                            "cannot drive the shadow predictor's next-gate features")
-        b = gate.get("bias") if isinstance(gate, nn.Module) else None
-        weights.append(np.array(w.astype(mx.float32)))
-        biases.append(np.array(b.astype(mx.float32)) if b is not None else np.zeros(w.shape[0], np.float32))
-    return np.stack(weights), np.stack(biases)

@@ -14,6 +14,8 @@ from typing import Dict
 import mlx.core as mx
 import numpy as np
 
+from ..routing import next_gate
+
 PROFILE_FRACTIONS = (0.125, 0.25, 0.5)
 
 
@@ -34,26 +36,25 @@ def top(scores: np.ndarray, m: int) -> np.ndarray:
     return np.argpartition(-scores, m - 1, axis=-1)[..., :m]
 
 
-def previous_token_routing(traces: dict, rows: np.ndarray, layers, num_experts: int, kind: str = "routing") -> np.ndarray:
-    """(n, len(layers), E): what the previous token of the same sequence did at `layers`: the experts it
-    used ("routing", multi-hot) or its router's log-probabilities ("logits"); zeros for a first token."""
+def previous_token_logprobs(traces: dict, rows: np.ndarray, layers, num_experts: int) -> np.ndarray:
+    """(n, len(layers), E): the router log-probabilities of the previous token of the same sequence at
+    `layers` (what the running engine feeds the predictor); zeros for a first token."""
     rows = np.asarray(rows)
     prev = np.maximum(rows - 1, 0)
     ok = (rows > 0) & (traces["sequence"][prev] == traces["sequence"][rows])
     out = np.zeros((len(rows), len(layers), num_experts), np.float32)
     for n, j in enumerate(layers):
-        if kind == "logits":
-            lg = traces["logits"][prev, j].astype(np.float32)
-            lg = lg - lg.max(-1, keepdims=True)
-            out[:, n] = (lg - np.log(np.exp(lg).sum(-1, keepdims=True))) * ok[:, None]
-        else:
-            out[:, n] = multi_hot(traces["ids"][prev, j], num_experts) * ok[:, None]
+        lg = traces["logits"][prev, j].astype(np.float32)
+        lg = lg - lg.max(-1, keepdims=True)
+        out[:, n] = (lg - np.log(np.exp(lg).sum(-1, keepdims=True))) * ok[:, None]
     return out
 
 
-def next_gate_logits(features: np.ndarray, routers, source: int, target: int) -> np.ndarray:
+def next_gate_logits(features: np.ndarray, routers, source: int, targets) -> np.ndarray:
+    """(N, len(targets), E): the routers of `targets` applied to the recorded MoE inputs of `source`."""
     weights, biases = routers
-    return features[:, source].astype(np.float32) @ weights[target].T + biases[target]
+    lo, hi = targets[0], targets[-1] + 1
+    return np.array(next_gate(mx.array(features[:, source]), mx.array(weights[lo:hi]), mx.array(biases[lo:hi])))
 
 
 def baselines(traces: dict, routers, lookahead: int) -> dict:
@@ -65,7 +66,7 @@ def baselines(traces: dict, routers, lookahead: int) -> dict:
     for d in range(1, lookahead + 1):
         r1, r2 = [], []
         for i in range(L - d):
-            scores = next_gate_logits(features, routers, i, i + d)
+            scores = next_gate_logits(features, routers, i, [i + d])[:, 0]
             r1.append(recall(top(scores, k), truth[i + d], k))
             r2.append(recall(top(scores, 2 * k), truth[i + d], k))
         next_gate[str(d)] = float(np.mean(r1))
@@ -94,11 +95,11 @@ def predictor_scores(predictor, traces: dict, routers, source: int, batch: int =
     out = []
     for s in range(0, traces["ids"].shape[0], batch):
         x = traces["features"][s:s + batch, source].astype(np.float32)
-        logits = traces["logits"][s:s + batch, source].astype(np.float32) if c.use_router_logits else None
-        ng = np.stack([next_gate_logits(traces["features"][s:s + batch], routers, source, j) for j in targets], 1)
+        logits = traces["logits"][s:s + batch, source].astype(np.float32)
+        ng = next_gate_logits(traces["features"][s:s + batch], routers, source, targets)
         rows = np.arange(s, min(s + batch, traces["ids"].shape[0]))
-        prev = mx.array(previous_token_routing(traces, rows, targets, c.num_experts, c.prev_feature)) if c.use_prev_token else None
-        scores = predictor(source, mx.array(x), None if logits is None else mx.array(logits), mx.array(ng), prev)
+        prev = mx.array(previous_token_logprobs(traces, rows, targets, c.num_experts))
+        scores = predictor(source, mx.array(x), mx.array(logits), mx.array(ng), prev)
         out.append(np.array(scores))
     return np.concatenate(out)
 
@@ -128,8 +129,8 @@ def predictor_latency_ms(predictor, hidden_size: int, num_experts: int, repeats:
     c = predictor.config
     x = mx.random.normal((1, hidden_size))
     logits = mx.random.normal((1, num_experts))
-    prev = [mx.zeros((1, len(c.targets(i)), num_experts)) if c.use_prev_token else None for i in range(c.num_layers - 1)]
-    mx.eval(x, logits, [p for p in prev if p is not None])
+    prev = [mx.zeros((1, len(c.targets(i)), num_experts)) for i in range(c.num_layers - 1)]
+    mx.eval(x, logits, prev)
 
     def once():
         mx.eval([predictor.predict_topk(i, x, logits, 2 * c.top_k, prev[i]) for i in range(c.num_layers - 1)])

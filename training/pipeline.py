@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..errors import UserError
-from ..predictor.model import PredictorConfig, ShadowPredictor, load_predictor, router_matrices
+from ..predictor.model import PredictorConfig, ShadowPredictor, load_predictor
 from .data import Documents, load_documents, split_documents
 from .evaluate import baselines, evaluate_predictor, predictor_latency_ms
 from .record import TraceSet, record_traces
@@ -85,7 +85,7 @@ def train_predictor_job(model=None, data=None, text_field="text", eval_data=None
     from .. import load
 
     engine = load(model, capacity=capacity, memory_budget=memory_budget)
-    L = len(engine.switches)
+    L = len(engine.caches)
     if not isinstance(lookahead, int) or not 1 <= lookahead < L:
         raise UserError(f"lookahead {lookahead} must be 1 to {L - 1}: the model has {L} MoE layers, and a prediction "
                         "must land on a layer that exists")
@@ -101,7 +101,7 @@ def train_predictor_job(model=None, data=None, text_field="text", eval_data=None
     traces_root = Path(traces_dir).expanduser() if traces_dir else out / "traces"
     heldout = _traces(engine, held_docs, traces_root / "heldout", eval_tokens, "recording held-out")
     train = _traces(engine, train_docs, traces_root / "train", max_tokens, "recording train")
-    routers = router_matrices(engine)
+    routers = engine.routers()
     config = PredictorConfig(engine.identity, L, engine.num_experts, train.manifest["hidden_size"], engine.top_k,
                              lookahead=lookahead, rank=rank, depth=depth, data_sha256=train_docs.digest, trained_tokens=train.tokens)
     predictor = ShadowPredictor(config)
@@ -128,7 +128,7 @@ def eval_predictor_job(predictor_dir, data, model=None, text_field="text", max_t
 
     engine = load(model, capacity=capacity, memory_budget=memory_budget)
     predictor = load_predictor(predictor_dir, engine.identity)
-    routers = router_matrices(engine)
+    routers = engine.routers()
     predictor.attach_routers(*routers)
     docs = load_documents(data, text_field)
     with tempfile.TemporaryDirectory(prefix="od-moe-traces-") as tmp:

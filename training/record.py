@@ -22,6 +22,8 @@ from safetensors.numpy import load_file, save_file
 
 from ..errors import UserError
 from ..progress import Progress
+from ..routing import tap_router
+from ..switch import OffloadedSwitch
 from .data import Documents
 
 TRACE_FORMAT = "od-moe-traces/1"
@@ -49,41 +51,29 @@ class _SwitchTap(nn.Module):
         return self.inner(x, indices)
 
 
-class _GateTap(nn.Module):
-    def __init__(self, gate, sink: dict, index: int):
-        super().__init__()
-        self.gate = gate
-        object.__setattr__(self, "_sink", sink)
-        self._index = index
-
-    def __call__(self, x):
-        out = self.gate(x)
-        self._sink[("gate", self._index)] = out
-        return out
-
-
 class _Taps:
-    """Installs the taps on an engine's MoE blocks and removes them again."""
+    """Puts a `_SwitchTap` in front of every MoE block's switch (removed again on exit) and reads the
+    routers' outputs through their `RouterTap`s."""
 
     def __init__(self, engine):
         self.engine, self.sink, self.saved = engine, {}, []
+        self.routers = [tap_router(block) for block in engine.moe_blocks]
 
     def __enter__(self):
         blocks = self.engine.moe_blocks
-        for i, (block, switch) in enumerate(zip(blocks, self.engine.switches)):
-            attr = next(k for k, v in block.children().items() if v is switch)
-            gate = block.get("gate")
-            self.saved.append((block, attr, switch, gate))
+        for i, block in enumerate(blocks):
+            attr, switch = next((k, v) for k, v in block.children().items() if isinstance(v, OffloadedSwitch))
+            self.saved.append((block, attr, switch))
             setattr(block, attr, _SwitchTap(switch, self.sink, i, stop=i == len(blocks) - 1))
-            if gate is not None:
-                block.gate = _GateTap(gate, self.sink, i)
         return self
 
     def __exit__(self, *exc):
-        for block, attr, switch, gate in self.saved:
+        for block, attr, switch in self.saved:
             setattr(block, attr, switch)
-            if gate is not None:
-                block.gate = gate
+
+    def router_output(self, layer: int):
+        tap = self.routers[layer]
+        return tap.output if tap is not None else None
 
 
 def _tokenize(engine, docs: Documents, context: int, max_tokens: Optional[int]) -> List[List[int]]:
@@ -103,9 +93,8 @@ def _tokenize(engine, docs: Documents, context: int, max_tokens: Optional[int]) 
     return sequences
 
 
-def _router_outputs(sink, i, ids_np):
-    """(logits, probs at the routed ids) of layer i; routers that return scores give no logits."""
-    out = sink.get(("gate", i))
+def _router_outputs(out, ids_np):
+    """(logits, probs at the routed ids) from a router's output; routers that return scores give no logits."""
     if isinstance(out, mx.array) and out.shape[-1] > ids_np.shape[-1]:
         logits = np.array(out.astype(mx.float32)).reshape(-1, out.shape[-1])
         z = np.exp(logits - logits.max(axis=-1, keepdims=True))
@@ -128,7 +117,7 @@ def record_traces(engine, docs: Documents, out_dir, max_tokens: Optional[int] = 
     total = sum(len(s) for s in sequences)
     if total == 0:
         raise UserError(f"{docs.source} gives no token sequences of two or more tokens: give more text")
-    L, k = len(engine.switches), engine.top_k
+    L, k = len(engine.caches), engine.top_k
     manifest = {"format": TRACE_FORMAT, "model_identity": engine.identity, "model": str(engine.model_path),
                 "num_layers": L, "num_experts": engine.num_experts, "top_k": k, "hidden_size": None,
                 "context": context, "tokens": 0, "sequences": len(sequences), "shards": [],
@@ -156,8 +145,9 @@ def record_traces(engine, docs: Documents, out_dir, max_tokens: Optional[int] = 
                     engine.model(mx.array(piece)[None], cache=cache)
                 except _StopForward:
                     pass
-                mx.eval([v for v in taps.sink.values() if isinstance(v, mx.array)])
-                rows = _rows(taps.sink, L, k, piece, seq_index)
+                outputs = [taps.router_output(i) for i in range(L)]
+                mx.eval([v for v in list(taps.sink.values()) + outputs if isinstance(v, mx.array)])
+                rows = _rows(taps.sink, outputs, L, piece, seq_index)
                 manifest["hidden_size"] = rows["features"].shape[-1]
                 for key, value in rows.items():
                     buffer.setdefault(key, []).append(value)
@@ -171,12 +161,12 @@ def record_traces(engine, docs: Documents, out_dir, max_tokens: Optional[int] = 
     return manifest
 
 
-def _rows(sink, L, k, piece, seq_index) -> dict:
+def _rows(sink, outputs, L, piece, seq_index) -> dict:
     n = len(piece)
     features, logits, ids, probs = [], [], [], []
     for i in range(L):
         ids_i = np.sort(np.array(sink[("ids", i)]).reshape(n, -1).astype(np.int64), axis=-1)
-        lg, pr = _router_outputs(sink, i, ids_i)
+        lg, pr = _router_outputs(outputs[i], ids_i)
         features.append(np.array(sink[("x", i)].astype(mx.float32)).reshape(n, -1))
         ids.append(ids_i)
         probs.append(pr)

@@ -16,20 +16,20 @@ import mlx.optimizers as optim
 import numpy as np
 
 from ..progress import Progress
-from .evaluate import multi_hot, next_gate_logits, previous_token_routing
+from .evaluate import multi_hot, next_gate_logits, previous_token_logprobs
 
 
 def _layer_batches(shard: dict, config, routers, rows: np.ndarray):
     """Per source layer: (x, logits, next-gate logits, previous token's routing, target distribution)."""
-    feats, logits, ids = shard["features"][rows], shard.get("logits"), shard["ids"][rows]
+    feats, logits, ids = shard["features"][rows], shard["logits"], shard["ids"][rows]
     k = ids.shape[-1]
     out = []
     for i in range(config.num_layers - 1):
         targets = config.targets(i)
         x = feats[:, i].astype(np.float32)
-        lg = logits[rows, i].astype(np.float32) if config.use_router_logits else None
-        ng = np.stack([next_gate_logits(feats, routers, i, j) for j in targets], 1)
-        prev = previous_token_routing(shard, rows, targets, config.num_experts, config.prev_feature) if config.use_prev_token else None
+        lg = logits[rows, i].astype(np.float32)
+        ng = next_gate_logits(feats, routers, i, targets)
+        prev = previous_token_logprobs(shard, rows, targets, config.num_experts)
         y = np.stack([multi_hot(ids[:, j], config.num_experts) for j in targets], 1).astype(np.float32) / k
         out.append(tuple(None if a is None else mx.array(a) for a in (x, lg, ng, prev, y)))
     return out

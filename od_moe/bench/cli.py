@@ -24,6 +24,9 @@ def add_arguments(parser):
     parser.add_argument("--full", action="store_true",
                         help="the whole grid: both models x 12.5/25/50%% x cold/warm x load/skip x every policy")
     parser.add_argument("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="prefetch reads land before they are needed and no timed check pauses prefetch: "
+                        "hit counts, bytes and tokens repeat exactly (for comparing code, not speed)")
 
 
 def run(args):
@@ -45,6 +48,6 @@ def run(args):
         from .prefetch import run_prefetch_grid
 
         result = run_prefetch_grid(args.full, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer,
-                                   predictor_dir=args.predictor)
+                                   predictor_dir=args.predictor, deterministic=args.deterministic)
     if args.json:
         print(json.dumps(result, indent=1))

@@ -5,13 +5,13 @@ miss policy and prefetch policy, one run over the same prompts gives the decode 
 and bytes read per decoded token, decode tok/s and its ratio to the fully resident model (stock mlx-lm,
 measured in the same process), prefetch precision and back-offs, and for skip mode the share of tokens
 that equal the exact output. The oracle replays the routing recorded from an exact run of the same
-prompt. The predictor is the bundled one unless another trained on the bundled model is given; on the
+prompt. `--deterministic` makes every prefetch read land before it is needed and turns the timed
+self-checks off: hit counts, bytes read and tokens are then the same on every run. The predictor is the bundled one unless another trained on the bundled model is given; on the
 widened copy it is used as is, because widening keeps every hidden state and routing decision of the
 bundled model (`widen.py`). Skip mode is measured with
 `none` and `profile` only (predictive prefetch needs the per-layer sync of load mode).
 """
 
-import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -20,12 +20,16 @@ import mlx.core as mx
 
 from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
+from ..governor import PrefetchSettings
 from ..predictor import load_predictor
 from ..report import mib, table
 from .foundation import PROMPTS, run_stock
 from .widen import widen_model
 
 POLICY_ORDER = ("none", "profile", "next-gate", "predictor", "oracle")
+# Reads always land before the layer that needs them runs (an infinitely fast disk) and no timed check
+# pauses prefetch: hit counts, bytes read and tokens are the same on every run and every machine.
+DETERMINISTIC = PrefetchSettings(timed_checks=False, synchronous=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,24 +38,27 @@ def _bundled_identity() -> str:
 
 
 def _predictor_for(identity, folder=None):
-    """The bundled predictor (or the one in `folder`, trained on the bundled model), keyed to `identity`
-    (the bundled model or its widened copy)."""
+    """The bundled predictor (or the one in `folder`, trained on the bundled model), tied to `identity`
+    (the bundled model or its widened copy, whose routing is the bundled model's)."""
     predictor = load_predictor(folder or DEFAULT_PREDICTOR, _bundled_identity())
-    predictor.config = dataclasses.replace(predictor.config, model_identity=identity)
+    predictor.retarget(identity)
     return predictor
 
 
-def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, miss_policy="load", predictor_dir=None):
-    """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics."""
-    settings = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none")
-    predictor = _predictor_for(load(str(path), **settings).identity, predictor_dir) if policy == "predictor" else None
+def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, miss_policy="load", predictor_dir=None,
+               settings: PrefetchSettings = None):
+    """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics.
+    `settings`: how prefetch runs (deterministic runs: `DETERMINISTIC`)."""
+    options = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none")
+    predictor = _predictor_for(load(str(path), **options).identity, predictor_dir) if policy == "predictor" else None
     tokens, tps, stats = [], [], []
     for prompt in prompts:
-        trace = load(str(path), **settings).record_routing(prompt, max_tokens) if policy == "oracle" else None
+        trace = load(str(path), **options).record_routing(prompt, max_tokens) if policy == "oracle" else None
         mx.clear_cache()
         backend.reset_peak_memory()
-        engine = load(str(path), predictor=predictor, **settings)
-        engine.configure_prefetch(policy, oracle_trace=trace)
+        engine = load(str(path), predictor=predictor, **options)
+        engine.configure_prefetch(policy, oracle_trace=trace, settings=settings)
+        expert_bytes = engine.caches[0].layout.expert_nbytes
         store = engine.runtime.store
         store.drop_after_read = cold
         if cold:
@@ -64,7 +71,7 @@ def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, mis
         tps.append(last.generation_tps)
         stats.append(engine.stats())
         engine.close()
-    return {"tokens": tokens, "tok_s": sum(tps) / len(tps), "stats": stats}
+    return {"tokens": tokens, "tok_s": sum(tps) / len(tps), "stats": stats, "expert_bytes": expert_bytes}
 
 
 def _sum(stats, *keys):
@@ -81,24 +88,29 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock):
     stats = result["stats"]
     decode = _sum(stats, "tokens", "decode") or 1
     lookups, hits = _sum(stats, "total", "decode", "lookups"), _sum(stats, "total", "decode", "hits")
+    expert_bytes = result["expert_bytes"]
     useful, wasted = _sum(stats, "prefetch", "useful"), _sum(stats, "prefetch", "wasted")
     same = [sum(a == b for a, b in zip(t, s)) / max(len(s), 1) for t, s in zip(result["tokens"], stock["tokens"])]
     return {
         "model": model, "policy": policy, "capacity": fraction, "reads": reads, "miss_policy": miss_policy,
-        "hit_rate": hits / lookups if lookups else None,
+        "hit_rate": hits / lookups if lookups else None, "decode_lookups": lookups, "decode_hits": hits,
         "stall_ms_per_token": _sum(stats, "io", "decode", "stall_s") * 1e3 / decode,
         "bytes_per_token": _sum(stats, "io", "decode", "bytes_read") / decode,
+        "experts_read_per_token": _sum(stats, "io", "decode", "bytes_read") / expert_bytes / decode,
         "tok_s": result["tok_s"], "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
         "prefetch_precision": useful / (useful + wasted) if useful + wasted else None,
         "prefetch_issued": _sum(stats, "prefetch", "issued"), "prefetch_late": _sum(stats, "prefetch", "late"),
         "prefetch_backoffs": _sum(stats, "prefetch", "backoffs"),
         "token_agreement": sum(same) / len(same), "exact": result["tokens"] == stock["tokens"],
+        "tokens": result["tokens"],
     }
 
 
 def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: int, workdir: Path, printer=print,
-                      predictor_dir=None):
+                      predictor_dir=None, deterministic: bool = False):
+    """The grid; `deterministic`: prefetch with `DETERMINISTIC` settings (its timings then mean little)."""
     say = printer or (lambda *_: None)
+    settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:
         load_predictor(predictor_dir, _bundled_identity())  # a bad folder or another model's predictor fails before any run
     rows = []
@@ -121,7 +133,7 @@ def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: i
                         policies = ("none", "next-gate", "predictor", "oracle")
                     for policy in policies:
                         result = run_policy(path, PROMPTS, n_tokens, policy, capacity=fraction, cold=reads == "cold",
-                                            miss_policy=miss_policy, predictor_dir=predictor_dir)
+                                            miss_policy=miss_policy, predictor_dir=predictor_dir, settings=settings)
                         row = _row(model, fraction, reads, miss_policy, policy, result, stock)
                         model_rows.append(row)
                         say(_line(row))

@@ -1,0 +1,194 @@
+"""The prefetch governor: how many experts to prefetch per layer, and whether prefetch pays at all.
+
+It decides from the ledger, between tokens (`end_token`), with its settings in one dataclass:
+- Precision: every `window` decode tokens the precision of that window is checked; below
+  `MIN_PRECISION` the experts asked per layer are halved (down to none), above `RECOVER_PRECISION`
+  they grow back.
+- Gain (timed): after `first_check` tokens with prefetch on, the demand reads its useful prefetches
+  saved (their mean read and install time) are weighed against what it cost the generation thread
+  (predicting, queueing, installing). If the saving is smaller, with `MIN_GAIN` of the token time as
+  margin (reads from the page cache of a small model), it pauses; while paused, a demand stall worth
+  twice that cost brings it back.
+- Cost probe (timed): after `first_probe` tokens, then every `probe_every`, it switches prefetch off for
+  `probe_tokens` tokens; if tokens are faster without it (by `COST_MARGIN`), it pauses for
+  `pause_tokens`.
+`timed_checks=False` keeps only the precision check (deterministic runs and tests).
+Not here: reading (`reader.py`) or predicting (`policies.py`).
+"""
+
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional
+
+import numpy as np
+
+from .stats import Ledger
+
+MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
+COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it
+MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to stay on
+MARKS_KEPT = 64
+
+
+@dataclass
+class PrefetchSettings:
+    """How prefetch runs (`Engine.configure_prefetch(settings=...)`)."""
+
+    experts_per_layer: Optional[int] = None  # most experts asked per layer ahead; None: the model's top-k
+    window: int = 16  # decode tokens per precision check
+    timed_checks: bool = True  # the gain check and the cost probe (they measure wall time)
+    first_check: int = 2
+    first_probe: int = 48
+    probe_every: int = 48
+    probe_tokens: int = 8
+    pause_tokens: int = 192
+    synchronous: bool = False  # every read lands before the next layer runs: deterministic figures
+
+
+class _Mark(NamedTuple):  # cumulative counts at the end of a forward pass
+    mode: str
+    seconds: Optional[float]
+    stall_s: float
+    useful: float
+    reads: float
+    read_s: float
+    cost_s: float
+    per_install_s: float
+
+
+class Governor:
+    def __init__(self, settings: PrefetchSettings, ledger: Ledger, experts_per_layer: int):
+        self.settings, self.ledger = settings, ledger
+        self.per_layer_max = experts_per_layer
+        self.reset()
+
+    def reset(self):
+        self.per_layer = self.per_layer_max
+        self.mode, self._mode_since, self.probe = "on", 0, None
+        self._pause_kind = None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so
+        self.gain = None  # the last check of what prefetch hides
+        self.backoffs, self.backoff_reason = 0, None
+        self.decode_tokens = 0
+        self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
+        self._marks: List[_Mark] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether to predict and read now."""
+        return self.per_layer > 0 and self.mode == "on"
+
+    @property
+    def measuring(self) -> bool:
+        """True while the first tokens of a stretch with prefetch on are measured: the policy's compute
+        is then timed apart (one more sync per layer)."""
+        s = self.settings
+        return s.timed_checks and self.mode == "on" and self.decode_tokens - self._mode_since < s.first_check
+
+    def take(self, candidates: int) -> int:
+        """How many of a layer's best `candidates` to read (fewer after precision back-offs)."""
+        return -(-candidates * self.per_layer // self.per_layer_max)
+
+    def end_token(self, phase: str, seconds: Optional[float] = None):
+        """Between tokens (`seconds`: wall time of the pass that ended, None where unknown)."""
+        led = self.ledger
+        installs = led.total("prefetch_installed")
+        self._marks.append(_Mark(self.mode if phase == "decode" else phase, seconds,
+                                 led.total("read_s") + led.total("wait_s"), led.total("prefetch_useful"),
+                                 led.reader["completed"], led.reader["reader_s"],
+                                 led.reader["busy_s"] + led.total("prefetch_install_s"),
+                                 led.total("prefetch_install_s") / max(installs, 1)))
+        del self._marks[:-MARKS_KEPT]
+        if phase != "decode":
+            return
+        self.decode_tokens += 1
+        self._check_precision()
+        if self.settings.timed_checks:
+            self._check_gain()
+            self._check_cost()
+
+    def stats(self) -> dict:
+        return {"experts_per_layer": self.per_layer, "mode": self.mode, "cost_probe": self.probe,
+                "gain": self.gain, "backoffs": self.backoffs, "backoff_reason": self.backoff_reason}
+
+    # -- checks -----------------------------------------------------------------------------------
+    def _check_precision(self):
+        tokens0, useful0, wasted0 = self._window_start
+        if self.decode_tokens - tokens0 < self.settings.window:
+            return
+        useful, wasted = self.ledger.total("prefetch_useful"), self.ledger.total("prefetch_wasted")
+        du, dw = useful - useful0, wasted - wasted0
+        self._window_start = (self.decode_tokens, useful, wasted)
+        if du + dw == 0:
+            return
+        precision = du / (du + dw)
+        if precision < MIN_PRECISION and self.per_layer > 0:
+            self.per_layer //= 2
+            self.backoffs += 1
+            self.backoff_reason = (f"precision {precision:.2f} over the last {self.settings.window} tokens is "
+                                   f"below {MIN_PRECISION}: now {self.per_layer} experts per layer")
+        elif precision > RECOVER_PRECISION and self.per_layer < self.per_layer_max:
+            self.per_layer = min(self.per_layer_max, max(1, self.per_layer * 2))
+
+    def _gain(self, tokens: int) -> Optional[dict]:
+        """Over the last `tokens` tokens, per token in ms: the time prefetch saved the demand path (on: its
+        useful prefetches times the mean read and install time) or could have saved (paused: the demand
+        stall), what it cost the generation thread, and the token time."""
+        marks = self._marks[-tokens - 1:]
+        if len(marks) < tokens + 1 or any(m.mode != self.mode or m.seconds is None for m in marks[1:]):
+            return None
+        first, last = marks[0], marks[-1]
+        if self.mode == "on":
+            reads = last.reads - first.reads  # the mean read time of this stretch, else of all reads
+            per_read = (last.read_s - first.read_s) / reads if reads else last.read_s / max(last.reads, 1)
+            hidden = (last.useful - first.useful) * (per_read + last.per_install_s)
+        else:
+            hidden = last.stall_s - first.stall_s
+        ms = 1e3 / tokens
+        return {"tokens": tokens, "hidden_ms": hidden * ms, "cost_ms": (last.cost_s - first.cost_s) * ms,
+                "token_ms": sum(m.seconds for m in marks[1:]) * ms}
+
+    def _check_gain(self):
+        n = self.decode_tokens - self._mode_since
+        if self.mode == "on" and n == self.settings.first_check:
+            gain = self._gain(n)
+            if gain is None:
+                return
+            self.gain = gain
+            if gain["hidden_ms"] < gain["cost_ms"] + MIN_GAIN * gain["token_ms"]:
+                self.backoffs += 1
+                self.backoff_reason = (f"prefetch saves {gain['hidden_ms']:.2f} ms of demand reads per token and "
+                                       f"costs {gain['cost_ms']:.2f} ms of a {gain['token_ms']:.1f} ms token: "
+                                       f"paused until the demand stall grows")
+                self._set_mode("paused", "gain")
+        elif self.mode == "paused" and self._pause_kind == "gain" and n >= self.settings.probe_tokens:
+            stall = self._gain(self.settings.probe_tokens)
+            if stall is not None and stall["hidden_ms"] > max(2 * self.gain["cost_ms"], MIN_GAIN * stall["token_ms"]):
+                self._set_mode("on")
+
+    def _check_cost(self):
+        """Every `probe_every` tokens with prefetch on, run `probe_tokens` with it off and compare token
+        times (the first two of each stretch skipped: earlier prefetches still land)."""
+        s = self.settings
+        n = self.decode_tokens - self._mode_since
+        every = s.first_probe if self.probe is None else s.probe_every  # decide early, then check
+        if self.mode == "on" and n >= every:
+            self._set_mode("probe")
+        elif self.mode == "probe" and n >= s.probe_tokens:
+            on, off = (self._token_seconds(mode)[-(s.probe_tokens - 2):] for mode in ("on", "probe"))
+            if on and off:
+                self.probe = {"on_ms": 1e3 * float(np.mean(on)), "off_ms": 1e3 * float(np.mean(off))}
+            if on and off and np.mean(off) < np.mean(on) * (1 - COST_MARGIN):
+                self.backoffs += 1
+                self.backoff_reason = (f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token "
+                                       f"with it, {self.probe['off_ms']:.1f} without; paused for "
+                                       f"{s.pause_tokens} tokens")
+                self._set_mode("paused", "cost")
+            else:
+                self._set_mode("on")
+        elif self.mode == "paused" and n >= s.pause_tokens:
+            self._set_mode("on")
+
+    def _token_seconds(self, mode: str) -> List[float]:
+        return [m.seconds for m in self._marks if m.mode == mode and m.seconds is not None]
+
+    def _set_mode(self, mode: str, pause_kind: Optional[str] = None):
+        self.mode, self._mode_since, self._pause_kind = mode, self.decode_tokens, pause_kind

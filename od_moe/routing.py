@@ -1,0 +1,87 @@
+"""What od-moe reads from a model's routers: one router tap, the routers as matrices, next-gate logits.
+
+Shared by the prefetch policies, the shadow predictor and trace recording, so each is written once:
+- `RouterTap` wraps an MoE block's `gate` and keeps its last output (logits, or (ids, scores) for
+  routers that pick experts themselves) for whoever reads it during the same forward pass.
+- `router_matrices` gives the routers of all MoE blocks as dense float32 weights (L, E, H) and biases.
+- `next_gate` applies routers of layers ahead to a hidden state: "next-gate" speculation.
+- `routing_weights`: the weight a token gives each of its routed experts, from the tapped output.
+Not here: what is predicted or prefetched (`policies.py`, `predictor/`).
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .errors import UserError
+
+
+class RouterTap(nn.Module):
+    """Passes an MoE block's router through unchanged and keeps its last output in `output`."""
+
+    def __init__(self, gate: nn.Module):
+        super().__init__()
+        self.gate = gate
+        self.output = None  # a plain attribute, not a parameter
+
+    def __call__(self, x):
+        out = self.gate(x)
+        object.__setattr__(self, "output", out)
+        return out
+
+
+def tap_router(block: nn.Module) -> Optional[RouterTap]:
+    """The block's router tap, installed on first use; None for a block without a `gate`."""
+    gate = block.get("gate") if hasattr(block, "get") else None
+    if gate is None or isinstance(gate, RouterTap):
+        return gate
+    block.gate = RouterTap(gate)
+    return block.gate
+
+
+def router_of(block: nn.Module) -> Optional[nn.Module]:
+    """The block's router itself (inside a tap, if one is installed)."""
+    gate = block.get("gate") if hasattr(block, "get") else None
+    return gate.gate if isinstance(gate, RouterTap) else gate
+
+
+def router_matrices(moe_blocks) -> tuple:
+    """The routers of `moe_blocks` as dense float32 arrays: weights (L, E, H) and biases (L, E)."""
+    weights, biases = [], []
+    for block in moe_blocks:
+        gate = router_of(block)
+        if isinstance(gate, nn.QuantizedLinear):
+            w = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
+                              mode=getattr(gate, "mode", "affine"))
+        elif gate is not None and "weight" in gate:
+            w = gate.weight
+        else:
+            raise UserError(f"{type(block).__name__} has no linear router (`gate.weight`): this model's routing "
+                            "cannot drive next-gate speculation or the shadow predictor")
+        b = gate.get("bias") if isinstance(gate, nn.Module) else None
+        weights.append(np.array(w.astype(mx.float32)))
+        biases.append(np.array(b.astype(mx.float32)) if b is not None else np.zeros(w.shape[0], np.float32))
+    return np.stack(weights), np.stack(biases)
+
+
+def next_gate(x: mx.array, weights: mx.array, biases: mx.array) -> mx.array:
+    """Router logits of layers ahead for hidden states x (n, H): weights (D, E, H), biases (D, E) of
+    those layers -> (n, D, E)."""
+    return mx.einsum("nh,deh->nde", x.astype(mx.float32), weights) + biases
+
+
+def routing_weights(router_output, indices: mx.array) -> mx.array:
+    """Unnormalised routing weight of each chosen expert, from a tapped router output.
+
+    Routers that return (indices, scores) give scores directly; plain linear routers give logits,
+    whose softmax is proportional to the weights of softmax-routed families (Qwen, Mixtral, OLMoE).
+    """
+    out = router_output
+    if isinstance(out, (tuple, list)) and len(out) == 2 and out[1].shape == indices.shape:
+        return out[1].astype(mx.float32)
+    if isinstance(out, mx.array) and out.shape[:-1] == indices.shape[:-1]:
+        probs = mx.softmax(out.astype(mx.float32), axis=-1)
+        return mx.take_along_axis(probs, indices, axis=-1)
+    return mx.ones(indices.shape, dtype=mx.float32)

@@ -1,0 +1,173 @@
+"""The ledger: every count od-moe reports, kept in one place and read by everything that reports.
+
+`engine.stats()`, the server's /health and /metrics, `od-moe generate --stats` and the benchmarks all
+read a `Ledger` through `summarize()`. Each counter is incremented at exactly one call site (the
+runtime for the generation thread's work, the reader for its own), so no figure is re-added anywhere.
+The ledger is live: it changes as layers run, and any thread may read a snapshot of it while the
+generation thread writes (numpy copies under the GIL; figures may lag by one layer, never go back).
+
+Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
+- lookups, hits: the routed experts of the layer, and those already resident, when it ran;
+- reads on the generation thread (demand misses, profile seeding, snapshots): experts, bytes, seconds;
+- prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
+  late ones (`wait_s`); installs of both kinds and their seconds; evictions;
+- prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late.
+Per phase: tokens; in all: forward passes. The reader's own counters (`READER_FIELDS`): reads issued,
+completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
+other than installs (`busy_s`: predicting, queueing).
+Not here: what is done with the figures (the governor decides, the report prints).
+"""
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+PHASES = ("prefill", "decode")
+LAYER_FIELDS = (
+    "lookups",
+    "hits",
+    "experts_read",
+    "bytes_read",
+    "read_s",
+    "prefetch_taken",
+    "prefetch_bytes",
+    "wait_s",
+    "installed",
+    "install_s",
+    "prefetch_installed",
+    "prefetch_install_s",
+    "evictions",
+    "prefetch_useful",
+    "prefetch_wasted",
+    "prefetch_late",
+)
+READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
+_FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
+_PHASE = {name: i for i, name in enumerate(PHASES)}
+
+
+class Ledger:
+    """Counts of one engine since the last `reset()`."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.reset()
+
+    def reset(self):
+        self.layers = np.zeros((len(PHASES), self.num_layers, len(LAYER_FIELDS)))
+        self.tokens = dict.fromkeys(PHASES, 0)
+        self.forwards = 0
+        self.reader = dict.fromkeys(READER_FIELDS, 0)
+
+    def add(self, phase: str, layer: int, **counts):
+        """Add `counts` (names from `LAYER_FIELDS`) to one layer in one phase."""
+        row = self.layers[_PHASE[phase], layer]
+        for name, value in counts.items():
+            row[_FIELD[name]] += value
+
+    def count_forward(self, phase: str, tokens: int):
+        self.forwards += 1
+        self.tokens[phase] += tokens
+
+    def total(self, name: str) -> float:
+        """One layer field summed over phases and layers."""
+        return float(self.layers[:, :, _FIELD[name]].sum())
+
+    def snapshot(self) -> "Ledger":
+        """A copy that no longer changes (safe to read from any thread)."""
+        copy = Ledger.__new__(Ledger)
+        copy.num_layers = self.num_layers
+        copy.layers = self.layers.copy()
+        copy.tokens, copy.forwards, copy.reader = dict(self.tokens), self.forwards, dict(self.reader)
+        return copy
+
+    def field(self, name: str) -> np.ndarray:
+        """(phases, layers) values of one field."""
+        return self.layers[:, :, _FIELD[name]]
+
+
+def _rate(hits, lookups) -> Optional[float]:
+    return hits / lookups if lookups else None
+
+
+def _phase_counts(lookups: float, hits: float) -> dict:
+    lookups, hits = int(lookups), int(hits)
+    return {"lookups": lookups, "hits": hits, "misses": lookups - hits, "hit_rate": _rate(hits, lookups)}
+
+
+def _io(led: Ledger, phase_index, layer_index) -> dict:
+    """Reads, stall and install figures of a slice of the ledger (summed over what it selects)."""
+
+    def f(name):
+        return led.field(name)[phase_index, layer_index].sum()
+
+    return {
+        "experts_loaded": int(f("installed") + f("prefetch_installed")),
+        "bytes_read": int(f("bytes_read") + f("prefetch_bytes")),
+        "stall_s": float(f("read_s") + f("wait_s")),
+        "install_s": float(f("install_s") + f("prefetch_install_s")),
+        "evictions": int(f("evictions")),
+    }
+
+
+def layer_rows(led: Ledger, caches) -> List[dict]:
+    """Per MoE layer: demand lookups and hits (in all, and per phase), reads, stall, installs and the
+    cache's state."""
+    rows = []
+    everywhere = slice(None)
+    for i, cache in enumerate(caches):
+        phases = {p: _phase_counts(led.field("lookups")[n, i], led.field("hits")[n, i]) for n, p in enumerate(PHASES)}
+        both = _phase_counts(sum(v["lookups"] for v in phases.values()), sum(v["hits"] for v in phases.values()))
+        rows.append(
+            {
+                "layer": i,
+                "module": cache.layout.module_path,
+                **both,
+                **phases,
+                **_io(led, everywhere, i),
+                "resident": cache.resident_count,
+                "pinned": cache.pinned_count,
+                "capacity": cache.capacity,
+            }
+        )
+    return rows
+
+
+def totals(rows: List[dict]) -> dict:
+    """The per-layer rows added up."""
+    keys = ("lookups", "hits", "misses", "experts_loaded", "bytes_read", "stall_s", "install_s", "evictions")
+    out = {k: sum(r[k] for r in rows) for k in keys + ("resident", "pinned", "capacity")}
+    out["hit_rate"] = _rate(out["hits"], out["lookups"])
+    for phase in PHASES:
+        out[phase] = _phase_counts(sum(r[phase]["lookups"] for r in rows), sum(r[phase]["hits"] for r in rows))
+    return out
+
+
+def io_by_phase(led: Ledger) -> Dict[str, dict]:
+    """Bytes read, stall and install seconds by the phase of the pass that caused them."""
+    everywhere = slice(None)
+    return {
+        p: {k: v for k, v in _io(led, n, everywhere).items() if k in ("bytes_read", "stall_s", "install_s")}
+        for n, p in enumerate(PHASES)
+    }
+
+
+def prefetch_counts(led: Ledger, unused_installed: int) -> dict:
+    """What prefetch did: issued = useful + wasted + in flight (being read, read and not taken, or
+    installed and not used yet)."""
+    useful, wasted = int(led.total("prefetch_useful")), int(led.total("prefetch_wasted"))
+    issued, taken = int(led.reader["issued"]), int(led.total("prefetch_taken"))
+    installed = int(led.total("prefetch_installed"))
+    return {
+        "issued": issued,
+        "useful": useful,
+        "late": int(led.total("prefetch_late")),
+        "wasted": wasted,
+        "in_flight": issued - taken + unused_installed,
+        "dropped": int(led.reader["dropped"]),
+        "installed": installed,
+        "precision": _rate(useful, useful + wasted),
+        "bytes_read": int(led.total("prefetch_bytes")),
+        "read_s": float(led.reader["reader_s"]),
+        "wait_s": float(led.total("wait_s")),
+    }

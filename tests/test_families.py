@@ -16,8 +16,8 @@ def test_quantized_families_match_mlx_lm(tmp_path, config, attr, fraction):
     path = write_mlx_model(tmp_path / config["model_type"], config)
     reference = reference_tokens(path, PROMPTS, 32)
     engine = od_moe.load(str(path), capacity=fraction)
-    assert all(attr in s.cache.layout.module_path for s in engine.switches)
-    assert len(engine.switches) == config["num_hidden_layers"]
+    assert all(attr in c.layout.module_path for c in engine.caches)
+    assert len(engine.caches) == config["num_hidden_layers"]
     assert od_moe_tokens(engine, PROMPTS, 32) == reference
     stats = engine.stats()["total"]
     assert stats["misses"] > 0 and stats["lookups"] == stats["hits"] + stats["misses"]

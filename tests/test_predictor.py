@@ -16,7 +16,7 @@ import od_moe
 from od_moe import backend
 from od_moe.cli import main
 from od_moe.errors import UserError
-from od_moe.predictor import PredictorConfig, ShadowPredictor, load_predictor, router_matrices
+from od_moe.predictor import PredictorConfig, ShadowPredictor, load_predictor
 from od_moe.training.data import Documents, load_documents, split_documents
 from od_moe.training.evaluate import baselines, evaluate_predictor, next_gate_logits
 from od_moe.training.record import TraceSet, record_traces
@@ -47,8 +47,8 @@ def traces(engine, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(engine, traces):
     train, heldout = traces
-    routers = router_matrices(engine)
-    config = PredictorConfig(engine.identity, len(engine.switches), engine.num_experts, train.manifest["hidden_size"],
+    routers = engine.routers()
+    config = PredictorConfig(engine.identity, len(engine.caches), engine.num_experts, train.manifest["hidden_size"],
                              engine.top_k, lookahead=4, rank=32)
     predictor = ShadowPredictor(config)
     predictor.attach_routers(*routers)
@@ -116,7 +116,7 @@ def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):
     logits = mx.array(held["logits"][:64, 2].astype(np.float32))
     np.testing.assert_array_equal(np.array(predictor(2, x, logits)), np.array(loaded(2, x, logits)))
     # computing next-gate logits inside (as at run time) agrees with feeding them in (as in training)
-    ng = np.stack([next_gate_logits(held["features"][:64], routers, 2, j) for j in (3, 4, 5, 6)], 1)
+    ng = next_gate_logits(held["features"][:64], routers, 2, [3, 4, 5, 6])
     np.testing.assert_allclose(np.array(loaded(2, x, logits)), np.array(loaded(2, x, logits, mx.array(ng))), atol=1e-4)
     with pytest.raises(UserError, match="another model"):
         load_predictor(tmp_path / "p", "0123456789abcdef")
@@ -128,7 +128,7 @@ def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):
 
 def test_a_deeper_trunk_trains_and_round_trips(engine, traces, tmp_path):
     train, heldout = traces
-    routers = router_matrices(engine)
+    routers = engine.routers()
     config = PredictorConfig(engine.identity, 8, 64, 192, 8, lookahead=4, rank=16, depth=3)
     predictor = ShadowPredictor(config)
     predictor.attach_routers(*routers)

@@ -12,6 +12,8 @@ import pytest
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 from od_moe.errors import UserError
+from od_moe.governor import PrefetchSettings
+from od_moe.policies import Prediction, Step
 from od_moe.predictor import PredictorConfig, ShadowPredictor
 
 
@@ -25,7 +27,7 @@ def predictor_dir(tmp_path_factory):
     return folder
 
 
-def _engine(policy, predictor_dir, capacity="25%", prompt=None, self_checks=False):
+def _engine(policy, predictor_dir, capacity="25%", prompt=None, self_checks=False, **settings):
     """An engine with prefetch `policy`; without `self_checks` prefetch never pauses itself (on this tiny
     model it would, after two tokens), so every token exercises it."""
     engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
@@ -33,10 +35,7 @@ def _engine(policy, predictor_dir, capacity="25%", prompt=None, self_checks=Fals
     if policy == "oracle":
         trace = engine.record_routing(prompt, NEW_TOKENS)
         engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
-    engine.configure_prefetch(policy, oracle_trace=trace)
-    queue = engine.runtime.prefetcher
-    if queue is not None and not self_checks:
-        queue.first_check = queue.first_probe = queue.probe_every = 10**9
+    engine.configure_prefetch(policy, oracle_trace=trace, settings=PrefetchSettings(timed_checks=self_checks, **settings))
     return engine
 
 
@@ -86,14 +85,14 @@ def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(pre
     engine.generate(PROMPTS[1], max_tokens=NEW_TOKENS)
     pinned = [np.flatnonzero(c.pinned) for c in engine.caches]
     held = [c.expert_in_slot[p].copy() for c, p in zip(engine.caches, pinned)]
-    for cache, slots, counts in zip(engine.caches, pinned, engine.runtime.profile_counts):
+    for cache, slots, counts in zip(engine.caches, pinned, engine.runtime.policy.counts):
         assert len(slots) == 4  # a quarter of 16 slots: the prompt's four most used experts of the layer
         assert set(cache.expert_in_slot[slots]) == set(np.argsort(-counts, kind="stable")[:4])
     engine.configure_prefetch("none")  # keep the pins, stop re-seeding
     engine.reset_stats()
     engine.generate(PROMPTS[2], max_tokens=NEW_TOKENS)
-    for cache, slots, experts in zip(engine.caches, pinned, held):
-        assert cache.stats.evictions > 0  # many evictions later the pinned experts are still in their slots
+    for row, cache, slots, experts in zip(engine.stats()["layers"], engine.caches, pinned, held):
+        assert row["evictions"] > 0  # many evictions later the pinned experts are still in their slots
         assert np.array_equal(cache.expert_in_slot[slots], experts) and cache.pinned[slots].all()
         _consistent(cache)
     small = _engine("profile", predictor_dir, "12.5%")  # 8 slots for 8 experts a token: pins would split layers
@@ -114,35 +113,41 @@ def _stalled_disk(engine):
         engine.runtime.store.read = real_read
 
 
+def _submit(engine, layer, experts, scores):
+    """Queue reads as the runtime does with a layer's predictions."""
+    engine.runtime._submit([Prediction(layer, np.asarray(experts), np.asarray(scores, dtype=np.float32))])
+
+
 def test_stale_requests_are_dropped(predictor_dir):
     engine = _engine("next-gate", predictor_dir, "25%")
-    queue = engine.runtime.prefetcher
+    reader, ledger = engine.runtime.reader, engine.runtime.ledger
     with _stalled_disk(engine):
         missing = np.flatnonzero(engine.caches[3].slot_of < 0)[:6]
-        queue.submit(3, missing, np.linspace(1, 0.5, len(missing)))
-        queue.submit(5, missing[:2], [0.9, 0.8])
-        assert queue.stats()["pending"] + queue.stats()["issued"] == 8
-        queue.drop_stale(3)  # layer 3 ran: its requests not yet started are useless now
-        s = queue.stats()
-        assert s["issued"] <= 1 and s["dropped"] == 6 - s["issued"]  # at most one read started (and stalls)
-        assert all(layer != 3 for layer, _ in queue._pending) and s["pending"] == 2
+        _submit(engine, 3, missing, np.linspace(1, 0.5, len(missing)))
+        _submit(engine, 5, missing[:2], [0.9, 0.8])
+        issued = ledger.reader["issued"]
+        assert reader.counts()["pending"] + issued == 8
+        reader.withdraw(3)  # layer 3 ran: its requests not yet started are useless now
+        issued = ledger.reader["issued"]
+        assert issued <= 1 and ledger.reader["dropped"] == 6 - issued  # at most one read started (and stalls)
+        assert all(layer != 3 for layer, _ in reader._pending) and reader.counts()["pending"] == 2
     engine.generate(PROMPTS[0], max_tokens=8)
     _invariants(engine.stats())
 
 
 def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
     engine = _engine("next-gate", predictor_dir, "25%")
-    queue = engine.runtime.prefetcher
+    reader = engine.runtime.reader
     with _stalled_disk(engine):
         missing = np.flatnonzero(engine.caches[4].slot_of < 0)[:6]
-        queue.submit(4, missing[:4], [0.5, 0.4, 0.3, 0.2])  # from two layers back
-        queue.submit(4, missing[2:], [0.9, 0.8, 0.7, 0.6])  # from the layer before: it knows better
-        with queue._cv:  # the reader holds at most one read (stalled), started before or after the second
-            started = {e for layer, e in queue._reading}
-            pending = {e for layer, e in queue._pending}
+        _submit(engine, 4, missing[:4], [0.5, 0.4, 0.3, 0.2])  # from two layers back
+        _submit(engine, 4, missing[2:], [0.9, 0.8, 0.7, 0.6])  # from the layer before: it knows better
+        with reader._cv:  # the reader holds at most one read (stalled), started before or after the second
+            started = {e for layer, e in reader._reading}
+            pending = {e for layer, e in reader._pending}
         assert pending == set(missing[2:].tolist()) - started  # the farther guesses not started are withdrawn
-        assert queue._wanted[4] == set(missing[2:].tolist())  # and only the nearer ones are kept at installs
-        assert queue.stats()["dropped"] == len(set(missing[:2].tolist()) - started)
+        assert reader.wanted(4) == sorted(missing[2:].tolist())  # and only the nearer ones are kept at installs
+        assert engine.runtime.ledger.reader["dropped"] == len(set(missing[:2].tolist()) - started)
     engine.generate(PROMPTS[0], max_tokens=8)
     _invariants(engine.stats())
 
@@ -153,9 +158,10 @@ def test_the_predictor_reads_more_one_layer_ahead_and_fewer_farther(predictor_di
     assert [experts_at_distance(8, d) for d in (1, 2, 3, 4)] == [10, 4, 2, 1]
     engine = _engine("predictor", predictor_dir, "25%")
     x = engine.model.model.embed_tokens(mx.array([[5]]))
-    gate = engine.switches[0].last_gate_output = engine.moe_blocks[0].gate(x)
-    made = engine.runtime.policy.predict(0, x, gate, engine.switches)
+    step = Step(1, 0, "decode", x, engine.router(0)(x), predict=True, prefetching=True)
+    made = engine.runtime.policy.before_layer(step)
     assert [(j, len(np.array(ids))) for j, ids, _ in made] == [(1, 10), (2, 4), (3, 2), (4, 1)]
+    assert engine.runtime.policy.before_layer(Step(1, 0, "decode", x, None, predict=False, prefetching=True)) == []
 
 
 def test_prefetch_read_failure_is_a_clear_error_and_leaves_caches_consistent(predictor_dir, tmp_path):
@@ -178,10 +184,7 @@ def test_prefetch_backs_off_when_it_does_not_pay(predictor_dir):
     # an oracle replaying another prompt's routing predicts wrongly: precision falls, prefetch backs off
     wrong = od_moe.load(capacity="25%").record_routing(PROMPTS[1], NEW_TOKENS)
     engine = od_moe.load(capacity="25%")
-    engine.configure_prefetch("oracle", oracle_trace=wrong)
-    engine.runtime.prefetcher.window = 8
-    queue = engine.runtime.prefetcher
-    queue.first_check = queue.first_probe = queue.probe_every = 10**9  # precision alone
+    engine.configure_prefetch("oracle", oracle_trace=wrong, settings=PrefetchSettings(window=8, timed_checks=False))
     assert od_moe_tokens(engine, [PROMPTS[0]], NEW_TOKENS)[0]  # still exact and running
     p = engine.stats()["prefetch"]
     assert p["backoffs"] >= 1 and p["experts_per_layer"] < 8 and "precision" in p["backoff_reason"]
@@ -199,10 +202,9 @@ def test_policy_errors_are_clear(predictor_dir):
 
 
 def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
-    queue = engine.runtime.prefetcher
-    queue.first_check = 10**9  # the token-time probe alone
-    queue.first_probe, queue.probe_every, queue.probe_tokens, queue.pause_tokens = 16, 16, 8, 32
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, first_check=10**9,  # the probe alone
+                     first_probe=16, probe_every=16, probe_tokens=8, pause_tokens=32)
+    queue = engine.runtime.governor
     for _ in range(16):
         queue.end_token("decode", 0.010)  # 10 ms per token with prefetch on
     assert queue.mode == "probe" and not queue.active
@@ -210,9 +212,7 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
         queue.end_token("decode", 0.006)  # faster without it
     assert queue.mode == "paused" and queue.backoffs == 1
     assert "costs more than it saves" in queue.backoff_reason
-    missing = np.flatnonzero(engine.caches[2].slot_of < 0)[:3]
-    queue.submit(2, missing, [0.9, 0.8, 0.7])
-    assert queue.stats()["pending"] == 0  # paused: nothing is queued
+    assert not queue.active  # paused: the runtime asks the policy for no predictions
     for _ in range(32):
         queue.end_token("decode", 0.006)
     assert queue.mode == "on" and queue.active
@@ -228,32 +228,32 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
 def _token(queue, seconds, useful=0, read_s=0.0, busy_s=0.0, stall_s=0.0):
     """One decode token as the prefetch queue sees it: `useful` prefetches used, each read in `read_s`;
     `busy_s` of prefetch work on the generation thread; `stall_s` of demand reads."""
-    cache = queue.caches[0]
-    cache.stats.prefetch_useful += useful
-    cache.stats.stall_s += stall_s
-    queue.reads += useful
-    queue.read_s += useful * read_s
-    queue.busy_s += busy_s
+    ledger = queue.ledger
+    ledger.add("decode", 0, prefetch_useful=useful, read_s=stall_s)
+    ledger.reader["completed"] += useful
+    ledger.reader["reader_s"] += useful * read_s
+    ledger.reader["busy_s"] += busy_s
     queue.end_token("decode", seconds)
 
 
 def test_prefetch_pauses_when_the_reads_it_saves_cannot_repay_its_cost(predictor_dir):
     engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
-    queue = engine.runtime.prefetcher
+    queue = engine.runtime.governor
+    engine.reset_stats()
     queue.end_token("prefill", 0.1)
-    for _ in range(queue.first_check):  # 10 useful prefetches of 0.1 ms reads, 3 ms of work, per token
+    for _ in range(queue.settings.first_check):  # 10 useful prefetches of 0.1 ms reads, 3 ms of work, per token
         _token(queue, 0.020, useful=10, read_s=1e-4, busy_s=0.003)
     assert queue.mode == "paused" and not queue.active and queue.backoffs == 1
     assert "saves 1.00 ms of demand reads per token and costs 3.00 ms" in queue.backoff_reason
-    for _ in range(queue.probe_tokens):  # paused: the demand stall stays small
+    for _ in range(queue.settings.probe_tokens):  # paused: the demand stall stays small
         _token(queue, 0.020, stall_s=0.001)
     assert queue.mode == "paused"
-    for _ in range(queue.probe_tokens):  # reads got slow (the page cache went cold): worth prefetching again
+    for _ in range(queue.settings.probe_tokens):  # reads got slow (the page cache went cold): worth it again
         _token(queue, 0.030, stall_s=0.008)
         if queue.active:
             break
     assert queue.mode == "on" and queue.active
-    for _ in range(queue.first_check):  # and now it saves 30 ms per token for its 3 ms: it stays on
+    for _ in range(queue.settings.first_check):  # and now it saves 30 ms per token for its 3 ms: it stays on
         _token(queue, 0.030, useful=10, read_s=3e-3, busy_s=0.003)
     assert queue.mode == "on" and queue.backoffs == 1
     assert queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
@@ -281,15 +281,14 @@ def test_the_reader_thread_ends_with_its_engine():
 
 def test_a_prefetch_never_evicts_an_expert_predicted_for_the_same_layer(predictor_dir):
     engine = _engine("next-gate", predictor_dir, 16)
-    queue, cache = engine.runtime.prefetcher, engine.caches[3]
-    engine.runtime.load(cache, np.arange(16), od_moe.cache.Origin.PROFILE)
+    runtime, cache = engine.runtime, engine.caches[3]
+    runtime.load(cache, np.arange(16))
     cache.touch(np.arange(16), np.ones(16), clock=1.0 + np.arange(16))  # expert 0 is the least recently used
-    queue.submit(3, np.array([0, 20]), np.array([0.9, 0.8]))  # 0 is resident and predicted: only 20 is read
-    for _ in range(200):
-        if queue.stats()["issued"] == 1 and not queue._reading:
-            break
-        threading.Event().wait(0.01)
-    queue.install_ready(clock=20.0)
+    runtime.clock = 20
+    _submit(engine, 3, [0, 20], [0.9, 0.8])  # 0 is resident and predicted: only 20 is read
+    runtime.reader.drain()
+    assert runtime.ledger.reader["issued"] == 1
+    runtime._install_ready({})
     assert cache.slot_of[20] >= 0 and cache.slot_of[0] >= 0  # LRU alone would have evicted 0 for 20
     assert cache.slot_of[1] < 0  # the next least recently used went instead
     _consistent(cache)
@@ -299,14 +298,11 @@ def test_next_token_lens_names_the_next_first_layer_experts():
     """At the last layer the logit lens guesses the next token's first-layer experts far better than
     repeating this token's (the bundled predictor's policy; truth from the recorded routing)."""
     engine = od_moe.load(capacity="25%", predictor=od_moe.DEFAULT_PREDICTOR)
-    queue = engine.runtime.prefetcher
-    queue.first_check = queue.first_probe = queue.probe_every = 10**9  # predict at every token
+    engine.configure_prefetch("predictor", settings=PrefetchSettings(timed_checks=False))  # predict at every token
     lens, guesses = engine.runtime.policy.lens, []
     real = lens.predict
-    lens.predict = lambda x, k: guesses.append((engine.runtime.forwards, real(x, k))) or guesses[-1][1]
-    engine.runtime.recording = []
-    engine.generate(PROMPTS[1], max_tokens=48)
-    routing = engine.runtime.recording
+    lens.predict = lambda x, k: guesses.append((engine.runtime.ledger.forwards, real(x, k))) or guesses[-1][1]
+    routing = engine.record_routing(PROMPTS[1], max_tokens=48)
     lens_recall, repeat_recall = [], []
     for forward, (ids, _) in guesses:
         if forward < len(routing):  # forwards count from 1: routing[forward] is the next pass

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import od_moe
-from od_moe.cache import Origin
 from od_moe.capacity import parse_capacity, parse_size, resolve_capacity
 from od_moe.errors import UserError
 from od_moe.store import ExpertStore, Staging
@@ -28,7 +27,6 @@ def test_store_reads_exactly_the_expert_rows():
         if part.dtype == "BF16":
             got = got.view(mx.bfloat16)
         assert mx.array_equal(got, expected)
-    assert store.bytes_read == len(ids) * layout.expert_nbytes
 
 
 @pytest.mark.parametrize("dtype", ["auto", "model"])
@@ -40,7 +38,7 @@ def test_both_install_paths_put_the_checkpoint_rows_in_the_slots(dtype):
         engine = od_moe.load(capacity=8, dtype=dtype)
         cache = engine.caches[4]
         cache.host_writes = host
-        slots = cache.install(ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4)), Origin.DEMAND)
+        slots = cache.install(ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4))).slots
         assert cache.host_writes == host  # the CPU backend takes the numpy path whenever asked
         for part in cache.layout.parts:
             stacked = cache.projections[part.proj][part.name]
@@ -71,7 +69,7 @@ def test_read_failure_leaves_the_cache_consistent():
     try:
         missing = np.flatnonzero(cache.slot_of < 0)[:2]
         with pytest.raises(OSError, match="short read"):
-            engine.runtime.load(cache, missing, Origin.DEMAND)
+            engine.runtime.load(cache, missing)
     finally:
         os.preadv = real
     assert np.array_equal(cache.slot_of, before[0]) and np.array_equal(cache.expert_in_slot, before[1])
@@ -100,9 +98,9 @@ def test_pinned_experts_are_never_evicted():
         cache.pin(chosen)
         pins.append(chosen)
     engine.generate("class A:\n    pass\n" * 4, max_tokens=48)
-    for cache, chosen in zip(engine.caches, pins):
+    for row, cache, chosen in zip(engine.stats()["layers"], engine.caches, pins):
         assert np.all(cache.slot_of[chosen] >= 0) and np.all(cache.pinned[cache.slot_of[chosen]])
-        assert cache.stats.evictions > 0
+        assert row["evictions"] > 0
     with pytest.raises(ValueError, match="leaves none"):
         engine.caches[0].pin(engine.caches[0].resident_ids())
 
@@ -110,11 +108,11 @@ def test_pinned_experts_are_never_evicted():
 def test_lru_evicts_the_least_recently_used():
     engine = od_moe.load(capacity=10)
     cache = engine.caches[0]
-    engine.runtime.load(cache, np.arange(10), Origin.PROFILE)
+    engine.runtime.load(cache, np.arange(10))
     cache.touch(np.arange(10), np.ones(10), clock=5.0)
     cache.touch(np.array([3]), np.ones(1), clock=1.0)  # 3 is now the stalest
     cache.touch(np.array([7]), np.ones(1), clock=2.0)
-    engine.runtime.load(cache, np.array([20, 21]), Origin.DEMAND)
+    engine.runtime.load(cache, np.array([20, 21]))
     assert cache.slot_of[3] < 0 and cache.slot_of[7] < 0 and cache.slot_of[20] >= 0 and cache.slot_of[21] >= 0
 
 
@@ -160,7 +158,6 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
     for ids in ([0], [63], [5, 6, 7, 40, 62], list(range(16))):  # unaligned starts, runs, the file's tail
         a, b = buffered.read(layout, ids, Staging(layout, 16)), direct.read(layout, ids, Staging(layout, 16))
         assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert direct.bytes_read == buffered.bytes_read
     engine = od_moe.load(capacity="25%", direct_io=True)
     assert engine.stats()["direct_io"] and od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
     assert not od_moe.load(capacity="25%").stats()["direct_io"]  # "auto": the bundled model fits in memory

@@ -120,6 +120,30 @@ def test_health_agrees_with_engine_stats(server):
     assert status == 200 and re.search(r"^od_moe_expert_cache_hit_rate [0-9.]+$", text, re.M)
 
 
+def test_health_is_live_during_a_generation(server):
+    """/health reads the engine's ledger as it changes: polled while a stream is read, the decode tokens
+    and lookups grow token by token, never backwards, and stay within one pass of each other."""
+    base, engine, _ = server
+    stats = engine.stats()
+    per_token = stats["moe_layers"] * stats["top_k"]
+    body = {"prompt": "import os\n", "max_tokens": 48, "temperature": 0, "stream": True}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    seen = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                _, health = call(base, "/health")
+                c = health["expert_cache_stats"]
+                seen.append((health["requests"]["active"], c["tokens"]["decode"], c["decode_lookups"]))
+    during = [s for s in seen if s[0] == 1]
+    assert len(during) >= 10
+    assert all(b[1] >= a[1] and b[2] >= a[2] for a, b in zip(during, during[1:]))  # never backwards
+    assert len({s[1] for s in during}) >= 5  # moved while the request ran
+    first = during[0]  # lookups of a layer are counted as it runs: at most one pass behind the tokens
+    assert all(abs((t - first[1]) * per_token - (n - first[2])) <= per_token for _, t, n in during)
+
+
 def test_eight_concurrent_clients_all_get_complete_answers(server):
     base, _, _ = server
     prompts = [f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(8)]

@@ -189,10 +189,10 @@ def create_app(engine=None, *, worker: Optional[GenerationWorker] = None, model_
 
 
 def health_body(worker: GenerationWorker, name: str, started: float) -> dict:
-    """The /health document: the statistics `Engine.stats()` gave after the last request."""
-    stats = worker.stats or {}
-    total = stats.get("total", {})
-    prefetch = stats.get("prefetch") or {"issued": 0, "useful": 0, "late": 0, "wasted": 0, "precision": None}
+    """The /health document, from the engine's live ledger: it moves token by token during a generation."""
+    stats = worker.engine.stats(settle=False)
+    total = stats["total"]
+    prefetch = stats["prefetch"]
     with worker.lock:
         requests = dict(worker.counters, active=worker.active, queued=worker.queued(),
                         prompt_tokens=worker.prompt_tokens, cached_prompt_tokens=worker.cached_tokens,
@@ -204,7 +204,7 @@ def health_body(worker: GenerationWorker, name: str, started: float) -> dict:
         "expert_cache_stats": {
             "cache_hits": total.get("hits", 0), "cache_misses": total.get("misses", 0),
             "hit_rate": total.get("hit_rate"),
-            "decode_hit_rate": total.get("decode", {}).get("hit_rate"),
+            "decode_hit_rate": total["decode"]["hit_rate"], "decode_lookups": total["decode"]["lookups"],
             "prefill_hit_rate": total.get("prefill", {}).get("hit_rate"),
             "working_set_experts": total.get("resident", 0), "pinned_experts": total.get("pinned", 0),
             "capacity": stats.get("capacity"), "capacity_fraction": stats.get("capacity_fraction"),

@@ -80,7 +80,6 @@ class GenerationWorker:
         self.counters = {"total": 0, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.active = 0
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
-        self.stats: Optional[dict] = None
         self._loader = loader
         self.thread = threading.Thread(target=self._run, name="od-moe-generation", daemon=True)
         self.thread.start()
@@ -104,7 +103,6 @@ class GenerationWorker:
         try:
             if self.engine is None:
                 self.engine = self._loader()
-            self.stats = self.engine.stats()
         except BaseException as e:  # reported by serve(), which then exits
             self.load_error = e
             self.ready.set()
@@ -126,7 +124,6 @@ class GenerationWorker:
                                                                      kind="invalid_request_error" if isinstance(e, UserError) else "server_error")
                 job.events.put(("error", error))
             finally:
-                self.stats = self.engine.stats()
                 with self.lock:
                     self.active = 0
 

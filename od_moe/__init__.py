@@ -10,7 +10,7 @@ A bounded cache of experts stays resident per MoE layer; the rest are read from 
     od_moe.generate("import os", max_tokens=16)  # one-liner on the embedded default
 """
 
-from typing import Generator
+from collections.abc import Generator
 
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load
 from .errors import UserError
@@ -30,17 +30,24 @@ def _engine_for(model, load_kwargs) -> Engine:
     return _engines[key]
 
 
-def stream_generate(prompt, model=None, *, capacity=None, memory_budget=None, miss_policy="load",
-                    **kwargs) -> Generator:
+def stream_generate(
+    prompt, model=None, *, capacity=None, memory_budget=None, miss_policy="load", **kwargs
+) -> Generator:
     """Stream a completion of `prompt`; `model` is an `Engine`, a model path, or None (embedded default).
 
     Engines loaded here are kept for the next call with the same arguments.
     """
-    engine = _engine_for(model, {"capacity": capacity, "memory_budget": memory_budget, "miss_policy": miss_policy})
+    engine = _engine_for(
+        model, {"capacity": capacity, "memory_budget": memory_budget, "miss_policy": miss_policy}
+    )
     return engine.stream_generate(prompt, **kwargs)
 
 
 def generate(prompt, model=None, *, capacity=None, memory_budget=None, miss_policy="load", **kwargs) -> str:
     """The completion of `prompt` as a string; arguments as `stream_generate`."""
-    return "".join(r.text for r in stream_generate(prompt, model, capacity=capacity, memory_budget=memory_budget,
-                                                   miss_policy=miss_policy, **kwargs))
+    return "".join(
+        r.text
+        for r in stream_generate(
+            prompt, model, capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, **kwargs
+        )
+    )

@@ -13,7 +13,6 @@ Nothing else in od-moe asks which backend it is on.
 
 import os
 import sys
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +25,7 @@ def is_cpu_backend() -> bool:
     return mx.default_device().type == mx.cpu
 
 
-def compute_dtype(requested: str = "auto") -> Optional[mx.Dtype]:
+def compute_dtype(requested: str = "auto") -> mx.Dtype | None:
     """The floating dtype weights are cast to, or None to keep the checkpoint's.
 
     requested: "auto" (float32 on the CPU backend, the checkpoint's dtype elsewhere), "model" (never
@@ -47,14 +46,14 @@ def compute_dtype(requested: str = "auto") -> Optional[mx.Dtype]:
     return dtype
 
 
-def cast_floating(array: mx.array, dtype: Optional[mx.Dtype]) -> mx.array:
+def cast_floating(array: mx.array, dtype: mx.Dtype | None) -> mx.array:
     """Cast a floating array to `dtype` (None: unchanged); integer (packed) arrays are left alone."""
     if dtype is None or not mx.issubdtype(array.dtype, mx.floating) or array.dtype == dtype:
         return array
     return array.astype(dtype)
 
 
-def host_view(array: mx.array) -> Optional[np.ndarray]:
+def host_view(array: mx.array) -> np.ndarray | None:
     """A writable numpy view of an evaluated, row-contiguous array's memory, as unsigned integers of the
     same item size (so bfloat16 works too), or None where the memory cannot be written from the host.
 
@@ -72,7 +71,11 @@ def host_view(array: mx.array) -> Optional[np.ndarray]:
         view = np.array(raw, copy=False)
     except (TypeError, ValueError, RuntimeError):
         return None
-    return view if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(array.shape) else None
+    return (
+        view
+        if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(array.shape)
+        else None
+    )
 
 
 def available_memory_bytes() -> int:

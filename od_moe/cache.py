@@ -11,7 +11,8 @@ Eviction never touches pinned slots or the experts the running layer needs. Meth
 here: deciding when to read (`runtime.py`), counting (`stats.py`), how bytes come off disk (`store.py`).
 """
 
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -30,8 +31,19 @@ class Installed(NamedTuple):
 
 
 # safetensors dtypes whose bytes are already the in-memory representation of an MLX dtype
-SAME_BYTES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "I32": mx.int32,
-              "U16": mx.uint16, "I16": mx.int16, "U8": mx.uint8, "I8": mx.int8, "U64": mx.uint64, "I64": mx.int64}
+SAME_BYTES = {
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+}
 
 
 def _host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
@@ -55,8 +67,14 @@ def _raw_to_mx(raw: np.ndarray, disk_dtype: str, target: mx.Dtype) -> mx.array:
 class LayerCache:
     """The resident experts of one MoE layer."""
 
-    def __init__(self, layer: int, projections: Dict[str, object], layout: BlockLayout, capacity: int,
-                 eviction: str = "lru"):
+    def __init__(
+        self,
+        layer: int,
+        projections: dict[str, object],
+        layout: BlockLayout,
+        capacity: int,
+        eviction: str = "lru",
+    ):
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}")
         self.layer = layer
@@ -70,7 +88,9 @@ class LayerCache:
             module = projections[part.proj]
             original = module[part.name]
             if tuple(original.shape[1:]) != tuple(part.shape):
-                raise ValueError(f"{layout.module_path}.{part.proj}.{part.name}: model expects {original.shape[1:]}, file has {part.shape}")
+                raise ValueError(
+                    f"{layout.module_path}.{part.proj}.{part.name}: model expects {original.shape[1:]}, file has {part.shape}"
+                )
             self.targets[(part.proj, part.name)] = original.dtype
             module[part.name] = mx.zeros((C, *part.shape), dtype=original.dtype)
         mx.eval([projections[p.proj][p.name] for p in layout.parts])
@@ -171,12 +191,20 @@ class LayerCache:
         order = [s for s in self._eviction_order(clock) if not blocked[s] and self.expert_in_slot[s] >= 0]
         chosen = np.concatenate([free, np.array(order[: n - len(free)], dtype=np.int64)])
         if len(chosen) < n:
-            raise RuntimeError(f"layer {self.layer}: no room for {n} experts (capacity {self.capacity}, pinned {int(self.pinned.sum())})")
+            raise RuntimeError(
+                f"layer {self.layer}: no room for {n} experts (capacity {self.capacity}, pinned {int(self.pinned.sum())})"
+            )
         return chosen
 
     # -- installing ----------------------------------------------------------------------------
-    def install(self, ids: Sequence[int], raw: Dict[Tuple[str, str], np.ndarray], prefetched: bool = False,
-                protect: Sequence[int] = (), clock: float = 0.0) -> "Installed":
+    def install(
+        self,
+        ids: Sequence[int],
+        raw: dict[tuple[str, str], np.ndarray],
+        prefetched: bool = False,
+        protect: Sequence[int] = (),
+        clock: float = 0.0,
+    ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
         raw: per part, the bytes read from disk, indexable by row (an array or a list of per-expert
@@ -188,7 +216,9 @@ class LayerCache:
         """
         ids = np.asarray(ids, dtype=np.int64)
         if np.any(self.slot_of[ids] >= 0):
-            raise ValueError(f"layer {self.layer}: experts {ids[self.slot_of[ids] >= 0].tolist()} are already resident")
+            raise ValueError(
+                f"layer {self.layer}: experts {ids[self.slot_of[ids] >= 0].tolist()} are already resident"
+            )
         slots = self.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=clock)
         if not (self.host_writes and self._write_host(slots, raw)):
             self.host_writes = False
@@ -209,7 +239,7 @@ class LayerCache:
     def _changed(self):
         self._lookup = self._resident = None
 
-    def _host_view(self, part) -> Optional[np.ndarray]:
+    def _host_view(self, part) -> np.ndarray | None:
         """The numpy view of a part's stacked array, kept while that array stays the module's."""
         array = self.projections[part.proj][part.name]
         kept = self._views.get((part.proj, part.name))
@@ -239,7 +269,9 @@ class LayerCache:
         for part in self.layout.parts:
             key = (part.proj, part.name)
             stacked = self.projections[part.proj][part.name]
-            rows = _raw_to_mx(np.stack([raw[key][j] for j in range(len(slots))]), part.dtype, self.targets[key])
+            rows = _raw_to_mx(
+                np.stack([raw[key][j] for j in range(len(slots))]), part.dtype, self.targets[key]
+            )
             for j, slot in enumerate(slots.tolist()):
                 stacked[slot] = rows[j]  # a slice update: in place, ~10x faster than a scatter here
             updated.append(stacked)
@@ -257,25 +289,29 @@ class LayerCache:
         pinned = self.pinned.copy()
         pinned[slots] = True
         if pinned.sum() >= self.capacity:
-            raise ValueError(f"layer {self.layer}: pinning {int(pinned.sum())} of {self.capacity} slots leaves none for misses")
+            raise ValueError(
+                f"layer {self.layer}: pinning {int(pinned.sum())} of {self.capacity} slots leaves none for misses"
+            )
         self.pinned = pinned
 
     def unpin_all(self):
         self.pinned[:] = False
 
     # -- snapshots -----------------------------------------------------------------------------
-    def stacked_arrays(self) -> Dict[str, mx.array]:
+    def stacked_arrays(self) -> dict[str, mx.array]:
         """The stacked slot arrays by `proj.part` name (for snapshots)."""
         return {f"{p.proj}.{p.name}": self.projections[p.proj][p.name] for p in self.layout.parts}
 
-    def restore(self, expert_in_slot: np.ndarray, arrays: Optional[Dict[str, mx.array]] = None):
+    def restore(self, expert_in_slot: np.ndarray, arrays: dict[str, mx.array] | None = None):
         """Declare which expert each slot holds (-1: empty), after its bytes were put there: `arrays`
         (by `proj.part` name, shaped and typed as `stacked_arrays()`) replace the stacked arrays."""
         for name, array in (arrays or {}).items():
             proj, part = name.split(".", 1)
             current = self.projections[proj][part]
             if array is None or array.shape != current.shape or array.dtype != current.dtype:
-                raise ValueError(f"layer {self.layer} {name}: the cache holds {current.shape} {current.dtype}, not {array}")
+                raise ValueError(
+                    f"layer {self.layer} {name}: the cache holds {current.shape} {current.dtype}, not {array}"
+                )
             self.projections[proj][part] = array
         if arrays:
             mx.eval(list(self.stacked_arrays().values()))

@@ -6,7 +6,6 @@ engine: non-expert weights, C slots in every MoE layer, and a reserve for the KV
 """
 
 import re
-from typing import Union
 
 from .backend import available_memory_bytes
 from .errors import UserError
@@ -14,11 +13,25 @@ from .errors import UserError
 BUDGET_RESERVE = 0.10  # of the budget, kept for KV cache, activations and staging buffers
 AUTO_BUDGET_FRACTION = 0.70  # of available memory, when neither capacity nor budget is given
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
-def parse_size(text: Union[str, int, float]) -> int:
+def parse_size(text: str | int | float) -> int:
     """'8GB', '512MiB', '1.5g', 1234 -> bytes."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = int(text)
@@ -33,7 +46,7 @@ def parse_size(text: Union[str, int, float]) -> int:
     return value
 
 
-def parse_capacity(text: Union[str, int, float, None]) -> Union[int, float, None]:
+def parse_capacity(text: str | int | float | None) -> int | float | None:
     """'16' -> 16 experts; '0.25' or '25%' -> a fraction of each layer's experts; None stays None."""
     if text is None or isinstance(text, (int, float)) and not isinstance(text, bool):
         return text
@@ -43,11 +56,14 @@ def parse_capacity(text: Union[str, int, float, None]) -> Union[int, float, None
             return float(s[:-1]) / 100
         return int(s) if re.fullmatch(r"[0-9]+", s) else float(s)
     except ValueError:
-        raise UserError(f"cannot read capacity {text!r}: give a count of experts (16), a fraction (0.25) or a percentage (25%)")
+        raise UserError(
+            f"cannot read capacity {text!r}: give a count of experts (16), a fraction (0.25) or a percentage (25%)"
+        )
 
 
-def resolve_capacity(capacity, memory_budget, num_experts: int, moe_layers: int, slot_nbytes: int,
-                     non_expert_nbytes: int) -> int:
+def resolve_capacity(
+    capacity, memory_budget, num_experts: int, moe_layers: int, slot_nbytes: int, non_expert_nbytes: int
+) -> int:
     """Slots per MoE layer.
 
     capacity: int count (1..E), float fraction in (0, 1], or None; memory_budget: bytes, a size string,
@@ -63,10 +79,14 @@ def resolve_capacity(capacity, memory_budget, num_experts: int, moe_layers: int,
             if 0 < capacity <= 1:
                 return max(1, round(capacity * num_experts))
             if not capacity.is_integer():
-                raise UserError(f"capacity must be a count of experts or a fraction in (0, 1], got {capacity}")
+                raise UserError(
+                    f"capacity must be a count of experts or a fraction in (0, 1], got {capacity}"
+                )
         count = int(capacity)
         if not 1 <= count <= num_experts:
-            raise UserError(f"capacity must be between 1 and {num_experts} experts per layer (or a fraction in (0, 1]), got {count}")
+            raise UserError(
+                f"capacity must be between 1 and {num_experts} experts per layer (or a fraction in (0, 1]), got {count}"
+            )
         return count
     if memory_budget is None or memory_budget == "auto":
         budget = int(available_memory_bytes() * AUTO_BUDGET_FRACTION)
@@ -76,6 +96,8 @@ def resolve_capacity(capacity, memory_budget, num_experts: int, moe_layers: int,
     slots = int(usable // (slot_nbytes * moe_layers)) if usable > 0 else 0
     if slots < 1:
         need = (non_expert_nbytes + slot_nbytes * moe_layers) / (1 - BUDGET_RESERVE)
-        raise UserError(f"memory budget {budget} bytes is too small for this model: it needs at least {int(need)} bytes "
-                        f"(non-expert weights {non_expert_nbytes} + one {slot_nbytes}-byte expert in each of {moe_layers} layers + reserve)")
+        raise UserError(
+            f"memory budget {budget} bytes is too small for this model: it needs at least {int(need)} bytes "
+            f"(non-expert weights {non_expert_nbytes} + one {slot_nbytes}-byte expert in each of {moe_layers} layers + reserve)"
+        )
     return min(slots, num_experts)

@@ -11,13 +11,21 @@ from .errors import UserError
 
 def _capacity_arg(parser: argparse.ArgumentParser):
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--capacity", help="experts resident per MoE layer: a count (16), a fraction (0.25) or 25%%")
-    group.add_argument("--memory-budget", help="memory for the whole engine, e.g. 8GB or 512MiB (default: 70%% of available)")
+    group.add_argument(
+        "--capacity", help="experts resident per MoE layer: a count (16), a fraction (0.25) or 25%%"
+    )
+    group.add_argument(
+        "--memory-budget", help="memory for the whole engine, e.g. 8GB or 512MiB (default: 70%% of available)"
+    )
 
 
 def _direct_io_arg(parser: argparse.ArgumentParser):
-    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
-                        help="read experts past the OS page cache (default auto: when the model is larger than memory)")
+    parser.add_argument(
+        "--direct-io",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="read experts past the OS page cache (default auto: when the model is larger than memory)",
+    )
 
 
 def _direct_io(value: str):
@@ -25,7 +33,9 @@ def _direct_io(value: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="od-moe", description="Run Mixture-of-Experts models larger than memory.")
+    parser = argparse.ArgumentParser(
+        prog="od-moe", description="Run Mixture-of-Experts models larger than memory."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
@@ -34,13 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=256)
     _capacity_arg(gen)
     _direct_io_arg(gen)
-    gen.add_argument("--miss-policy", choices=["load", "skip"], default="load",
-                     help="load: exact, read missing experts before use; skip: approximate, drop them")
+    gen.add_argument(
+        "--miss-policy",
+        choices=["load", "skip"],
+        default="load",
+        help="load: exact, read missing experts before use; skip: approximate, drop them",
+    )
     gen.add_argument("--eviction", choices=["lru", "lfu"], default="lru")
-    gen.add_argument("--predictor", help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's")
-    gen.add_argument("--prefetch", choices=["none", "profile", "next-gate", "predictor", "oracle"],
-                     help="what drives prefetching (default: predictor with --predictor, else none); oracle "
-                     "first generates once to record the true routing, then replays it (an upper bound)")
+    gen.add_argument(
+        "--predictor",
+        help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's",
+    )
+    gen.add_argument(
+        "--prefetch",
+        choices=["none", "profile", "next-gate", "predictor", "oracle"],
+        help="what drives prefetching (default: predictor with --predictor, else none); oracle "
+        "first generates once to record the true routing, then replays it (an upper bound)",
+    )
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
@@ -50,46 +70,97 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve OpenAI-compatible completions and chat over HTTP, with /health")
     srv.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
-    srv.add_argument("--predictor", help="a shadow predictor folder written by train-predictor ('bundled': the embedded model's)")
-    srv.add_argument("--prefetch", choices=["none", "profile", "next-gate", "predictor"],
-                     help="what drives prefetching (default: predictor with --predictor, else none)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; anything else is your choice to expose it)")
+    srv.add_argument(
+        "--predictor",
+        help="a shadow predictor folder written by train-predictor ('bundled': the embedded model's)",
+    )
+    srv.add_argument(
+        "--prefetch",
+        choices=["none", "profile", "next-gate", "predictor"],
+        help="what drives prefetching (default: predictor with --predictor, else none)",
+    )
+    srv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback; anything else is your choice to expose it)",
+    )
     srv.add_argument("--port", type=int, default=8080)
     _capacity_arg(srv)
     _direct_io_arg(srv)
     srv.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may generate")
-    srv.add_argument("--max-input-tokens", type=int, default=16384, help="the longest prompt accepted, in tokens")
+    srv.add_argument(
+        "--max-input-tokens", type=int, default=16384, help="the longest prompt accepted, in tokens"
+    )
 
     bench = sub.add_parser("bench", help="measure speed, memory, hit rate and reads against stock mlx-lm")
     from .bench.cli import add_arguments
 
     add_arguments(bench)
 
-    train = sub.add_parser("train-predictor", help="record routing traces, train the shadow predictor, report its accuracy")
+    train = sub.add_parser(
+        "train-predictor", help="record routing traces, train the shadow predictor, report its accuracy"
+    )
     train.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
-    train.add_argument("--data", help="text/JSON lines/parquet file, a folder of them, or a hub dataset (default: bundled Python source)")
-    train.add_argument("--text-field", default="text", help="the column holding the text in JSON/parquet/CSV data")
-    train.add_argument("--eval-data", help="held-out text to report on (default: 10%% of --data's documents, held out)")
-    train.add_argument("--out", default="od-moe-predictor", help="folder for the predictor and report.json (default: ./od-moe-predictor)")
-    train.add_argument("--lookahead", type=int, default=4, help="predict the experts of this many layers ahead")
-    train.add_argument("--max-tokens", type=int, default=200_000, help="training tokens to record (default 200000)")
-    train.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens to record (default 16384)")
+    train.add_argument(
+        "--data",
+        help="text/JSON lines/parquet file, a folder of them, or a hub dataset (default: bundled Python source)",
+    )
+    train.add_argument(
+        "--text-field", default="text", help="the column holding the text in JSON/parquet/CSV data"
+    )
+    train.add_argument(
+        "--eval-data", help="held-out text to report on (default: 10%% of --data's documents, held out)"
+    )
+    train.add_argument(
+        "--out",
+        default="od-moe-predictor",
+        help="folder for the predictor and report.json (default: ./od-moe-predictor)",
+    )
+    train.add_argument(
+        "--lookahead", type=int, default=4, help="predict the experts of this many layers ahead"
+    )
+    train.add_argument(
+        "--max-tokens", type=int, default=200_000, help="training tokens to record (default 200000)"
+    )
+    train.add_argument(
+        "--eval-tokens", type=int, default=16384, help="held-out tokens to record (default 16384)"
+    )
     train.add_argument("--epochs", type=int, default=3)
-    train.add_argument("--rank", type=int, default=80, help="width of the predictor trunk (default 80: under 5%% of the expert bytes here)")
-    train.add_argument("--depth", type=int, default=1, help="trunk layers (default 1; more add residual layers of width --rank)")
+    train.add_argument(
+        "--rank",
+        type=int,
+        default=80,
+        help="width of the predictor trunk (default 80: under 5%% of the expert bytes here)",
+    )
+    train.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="trunk layers (default 1; more add residual layers of width --rank)",
+    )
     train.add_argument("--batch-size", type=int, default=512)
     train.add_argument("--lr", type=float, default=2e-3)
-    train.add_argument("--traces", help="folder to record traces into and reuse (default: DIR/traces, removed after)")
+    train.add_argument(
+        "--traces", help="folder to record traces into and reuse (default: DIR/traces, removed after)"
+    )
     train.add_argument("--keep-traces", action="store_true", help="keep OUT/traces after training")
     train.add_argument("--json", action="store_true", help="print report.json instead of the tables")
     _capacity_arg(train)
 
     ev = sub.add_parser("eval-predictor", help="report a predictor's accuracy and the baselines on any text")
     ev.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
-    ev.add_argument("--predictor", required=True, help="folder written by train-predictor ('bundled': the embedded model's)")
-    ev.add_argument("--data", required=True, help="text/JSON lines/parquet file, a folder of them, or a hub dataset")
+    ev.add_argument(
+        "--predictor",
+        required=True,
+        help="folder written by train-predictor ('bundled': the embedded model's)",
+    )
+    ev.add_argument(
+        "--data", required=True, help="text/JSON lines/parquet file, a folder of them, or a hub dataset"
+    )
     ev.add_argument("--text-field", default="text")
-    ev.add_argument("--max-tokens", type=int, default=16384, help="tokens to record and evaluate (default 16384)")
+    ev.add_argument(
+        "--max-tokens", type=int, default=16384, help="tokens to record and evaluate (default 16384)"
+    )
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     _capacity_arg(ev)
     return parser
@@ -112,14 +183,26 @@ def cmd_generate(args):
     from . import load
     from .report import format_stats
 
-    options = dict(capacity=args.capacity, memory_budget=args.memory_budget, miss_policy=args.miss_policy,
-                   eviction=args.eviction, direct_io=_direct_io(args.direct_io))
+    options = dict(
+        capacity=args.capacity,
+        memory_budget=args.memory_budget,
+        miss_policy=args.miss_policy,
+        eviction=args.eviction,
+        direct_io=_direct_io(args.direct_io),
+    )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     oracle = args.prefetch == "oracle"
-    engine = load(args.model, snapshot=args.snapshot, predictor=_predictor_arg(args.predictor),
-                  prefetch="none" if oracle else args.prefetch, **options)
+    engine = load(
+        args.model,
+        snapshot=args.snapshot,
+        predictor=_predictor_arg(args.predictor),
+        prefetch="none" if oracle else args.prefetch,
+        **options,
+    )
     if oracle:  # the routing of this very generation, recorded by a scratch engine with the same settings
-        engine.configure_prefetch("oracle", load(args.model, **options).record_routing(args.prompt, **sampling))
+        engine.configure_prefetch(
+            "oracle", load(args.model, **options).record_routing(args.prompt, **sampling)
+        )
     for response in engine.stream_generate(args.prompt, **sampling):
         print(response.text, end="", flush=True)
     print()
@@ -141,10 +224,24 @@ def cmd_train_predictor(args):
     from .training.pipeline import train_predictor_job
 
     report = train_predictor_job(
-        model=args.model, data=args.data, text_field=args.text_field, eval_data=args.eval_data, out=args.out,
-        lookahead=args.lookahead, rank=args.rank, depth=args.depth, max_tokens=args.max_tokens, eval_tokens=args.eval_tokens,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, capacity=args.capacity,
-        memory_budget=args.memory_budget, traces_dir=args.traces, keep_traces=args.keep_traces)
+        model=args.model,
+        data=args.data,
+        text_field=args.text_field,
+        eval_data=args.eval_data,
+        out=args.out,
+        lookahead=args.lookahead,
+        rank=args.rank,
+        depth=args.depth,
+        max_tokens=args.max_tokens,
+        eval_tokens=args.eval_tokens,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        capacity=args.capacity,
+        memory_budget=args.memory_budget,
+        traces_dir=args.traces,
+        keep_traces=args.keep_traces,
+    )
     _print_report(report, args.json)
     if not args.json:
         print(f"\npredictor and report.json written to {args.out}")
@@ -153,17 +250,34 @@ def cmd_train_predictor(args):
 def cmd_eval_predictor(args):
     from .training.pipeline import eval_predictor_job
 
-    report = eval_predictor_job(_predictor_arg(args.predictor), args.data, model=args.model, text_field=args.text_field,
-                                max_tokens=args.max_tokens, capacity=args.capacity, memory_budget=args.memory_budget)
+    report = eval_predictor_job(
+        _predictor_arg(args.predictor),
+        args.data,
+        model=args.model,
+        text_field=args.text_field,
+        max_tokens=args.max_tokens,
+        capacity=args.capacity,
+        memory_budget=args.memory_budget,
+    )
     _print_report(report, args.json)
 
 
 def cmd_serve(args):
     from .server import serve
 
-    serve(args.model, predictor=_predictor_arg(args.predictor), prefetch=args.prefetch, host=args.host, port=args.port, capacity=args.capacity,
-          memory_budget=args.memory_budget, max_tokens=args.max_tokens, max_input_tokens=args.max_input_tokens,
-          direct_io=_direct_io(args.direct_io), log=lambda line: print(line, file=sys.stderr, flush=True))
+    serve(
+        args.model,
+        predictor=_predictor_arg(args.predictor),
+        prefetch=args.prefetch,
+        host=args.host,
+        port=args.port,
+        capacity=args.capacity,
+        memory_budget=args.memory_budget,
+        max_tokens=args.max_tokens,
+        max_input_tokens=args.max_input_tokens,
+        direct_io=_direct_io(args.direct_io),
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
 
 
 def main(argv=None) -> int:

@@ -9,8 +9,8 @@ per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
 import hashlib
+from collections.abc import Generator
 from pathlib import Path
-from typing import Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx_lm
@@ -36,7 +36,7 @@ DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
 DEFAULT_PREDICTOR = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit-predictor"
 
 
-def resolve_model_path(model: Optional[str]) -> Path:
+def resolve_model_path(model: str | None) -> Path:
     """A local model folder for `model`: None is the embedded default; a missing path that looks like
     a hub id ("org/name") is fetched the way mlx-lm fetches it (needs network)."""
     if model is None:
@@ -44,7 +44,9 @@ def resolve_model_path(model: Optional[str]) -> Path:
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise UserError(f"{path} is not a model folder (it has no config.json): point --model at an MLX or Hugging Face model folder")
+            raise UserError(
+                f"{path} is not a model folder (it has no config.json): point --model at an MLX or Hugging Face model folder"
+            )
         return path
     if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
         try:
@@ -52,8 +54,12 @@ def resolve_model_path(model: Optional[str]) -> Path:
 
             return Path(_download(str(model)))
         except Exception as e:
-            raise UserError(f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({type(e).__name__}): check the name and your network")
-    raise UserError(f"model folder {model} does not exist: give the path of an MLX or Hugging Face model folder")
+            raise UserError(
+                f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({type(e).__name__}): check the name and your network"
+            )
+    raise UserError(
+        f"model folder {model} does not exist: give the path of an MLX or Hugging Face model folder"
+    )
 
 
 def model_identity(path: Path, store: ExpertStore) -> str:
@@ -66,8 +72,17 @@ def model_identity(path: Path, store: ExpertStore) -> str:
 class Engine:
     """An MoE model whose experts live in bounded per-layer caches, and its tokenizer."""
 
-    def __init__(self, model, tokenizer, model_path: Path, runtime: OffloadRuntime, moe_blocks: list,
-                 identity: str, top_k: int, non_expert_nbytes: int):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_path: Path,
+        runtime: OffloadRuntime,
+        moe_blocks: list,
+        identity: str,
+        top_k: int,
+        non_expert_nbytes: int,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -82,7 +97,7 @@ class Engine:
         self._routers = None
 
     @property
-    def caches(self) -> List[LayerCache]:
+    def caches(self) -> list[LayerCache]:
         return self.runtime.caches
 
     @property
@@ -108,9 +123,17 @@ class Engine:
         return router_of(self.moe_blocks[layer])
 
     # -- generation ------------------------------------------------------------------------------
-    def stream_generate(self, prompt: Union[str, List[int]], max_tokens: int = 256, temperature: float = 0.0,
-                        top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
-                        **kwargs) -> Generator[GenerationResponse, None, None]:
+    def stream_generate(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        **kwargs,
+    ) -> Generator[GenerationResponse, None, None]:
         """Yield mlx-lm `GenerationResponse`s for `prompt` (text or token ids).
 
         kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`).
@@ -125,17 +148,25 @@ class Engine:
             raise UserError("prompt is empty: give some text to continue")
         if seed is not None:
             mx.random.seed(int(seed))
-        sampler = make_sampler(temp=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p))
+        sampler = make_sampler(
+            temp=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p)
+        )
         self.runtime.start_prompt(prompt)
         try:
-            yield from mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens,
-                                              sampler=sampler, **kwargs)
+            yield from mlx_lm.stream_generate(
+                self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
+            )
         finally:
             self.runtime.settle()
 
-    def generate(self, prompt: Union[str, List[int]], max_tokens: int = 256, temperature: float = 0.0, **kwargs) -> str:
+    def generate(
+        self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, **kwargs
+    ) -> str:
         """The whole completion of `prompt` as a string."""
-        return "".join(r.text for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs))
+        return "".join(
+            r.text
+            for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs)
+        )
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
         """Generate and return the routing of every forward pass, [{layer: ids (tokens, k)}, ...]: what
@@ -159,12 +190,14 @@ class Engine:
         self.close()
 
     # -- prefetch --------------------------------------------------------------------------------
-    def configure_prefetch(self, policy: str, oracle_trace=None, settings: Optional[PrefetchSettings] = None):
+    def configure_prefetch(self, policy: str, oracle_trace=None, settings: PrefetchSettings | None = None):
         """Choose what predicts experts ahead (see `policies.py`): "none", "profile", "next-gate",
         "predictor" or "oracle" (which needs `oracle_trace`, the routing `record_routing` gave for the same
         prompt). `settings`: how the reader and the governor run (`PrefetchSettings`)."""
         if policy in ("next-gate", "predictor", "oracle") and self.miss_policy == "skip":
-            raise UserError(f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')")
+            raise UserError(
+                f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
+            )
         chosen = make_policy(policy, self, oracle_trace)
         if policy == "predictor":  # it reads the routers' outputs
             self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
@@ -193,16 +226,29 @@ class Engine:
             prefetch.update(pending=runtime.reader.counts()["pending"], **runtime.governor.stats())
         cache_bytes = sum(c.slot_nbytes * c.capacity for c in self.caches)
         return {
-            "model": str(self.model_path), "model_identity": self.identity,
-            "miss_policy": self.miss_policy, "eviction": self.caches[0].eviction,
-            "num_experts": self.num_experts, "top_k": self.top_k, "moe_layers": len(self.caches),
-            "capacity": self.capacity, "capacity_fraction": self.capacity / self.num_experts,
-            "tokens": ledger.tokens, "io": io_by_phase(ledger), "direct_io": runtime.store.direct_io,
-            "forwards": ledger.forwards, "layers": layers, "total": totals(layers),
+            "model": str(self.model_path),
+            "model_identity": self.identity,
+            "miss_policy": self.miss_policy,
+            "eviction": self.caches[0].eviction,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "moe_layers": len(self.caches),
+            "capacity": self.capacity,
+            "capacity_fraction": self.capacity / self.num_experts,
+            "tokens": ledger.tokens,
+            "io": io_by_phase(ledger),
+            "direct_io": runtime.store.direct_io,
+            "forwards": ledger.forwards,
+            "layers": layers,
+            "total": totals(layers),
             "prefetch": dict(prefetch, policy=self.policy_name),
-            "memory": {"peak_bytes": backend.peak_memory_bytes(), "active_bytes": backend.active_memory_bytes(),
-                       "expert_cache_bytes": cache_bytes, "non_expert_bytes": self.non_expert_nbytes,
-                       "load_peak_bytes": self.load_peak_bytes},
+            "memory": {
+                "peak_bytes": backend.peak_memory_bytes(),
+                "active_bytes": backend.active_memory_bytes(),
+                "expert_cache_bytes": cache_bytes,
+                "non_expert_bytes": self.non_expert_nbytes,
+                "load_peak_bytes": self.load_peak_bytes,
+            },
         }
 
     # -- warm start ------------------------------------------------------------------------------
@@ -219,9 +265,19 @@ class Engine:
         load_snapshot(self, path)
 
 
-def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, predictor=None,
-         miss_policy: str = "load", eviction: str = "lru", snapshot=None, dtype: str = "auto",
-         prefetch: Optional[str] = None, direct_io: Union[bool, str] = "auto") -> Engine:
+def load(
+    model: str | None = None,
+    *,
+    capacity=None,
+    memory_budget=None,
+    predictor=None,
+    miss_policy: str = "load",
+    eviction: str = "lru",
+    snapshot=None,
+    dtype: str = "auto",
+    prefetch: str | None = None,
+    direct_io: bool | str = "auto",
+) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
     model: a local folder (MLX or Hugging Face layout), a hub id where there is network, or None for the
@@ -257,7 +313,9 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
         mlx_model.set_dtype(target_dtype)
     blocks = find_moe_blocks(mlx_model)
     if not blocks:
-        raise UserError(f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps MoE models; use mlx-lm directly")
+        raise UserError(
+            f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps MoE models; use mlx-lm directly"
+        )
     total_expert_bytes = expert_nbytes(blocks)
     from mlx.utils import tree_flatten
 
@@ -270,8 +328,16 @@ def load(model: Optional[str] = None, *, capacity=None, memory_budget=None, pred
     for i, block in enumerate(blocks):
         setattr(block.block, block.attr, OffloadedSwitch(block.switch, runtime, i))
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
-    engine = Engine(mlx_model, tokenizer, path, runtime, [b.block for b in blocks], model_identity(path, store),
-                    top_k_of(blocks[0].block), non_expert)
+    engine = Engine(
+        mlx_model,
+        tokenizer,
+        path,
+        runtime,
+        [b.block for b in blocks],
+        model_identity(path, store),
+        top_k_of(blocks[0].block),
+        non_expert,
+    )
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
         runtime.taps = [tap_router(b.block) for b in blocks]
     if predictor is not None:
@@ -294,8 +360,10 @@ def _attach_predictor(engine: Engine, predictor):
     if not isinstance(predictor, ShadowPredictor):
         predictor = load_predictor(predictor, engine.identity)
     elif predictor.config.model_identity != engine.identity:
-        raise UserError(f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
-                        f"this model is {engine.identity}): train one for this model")
+        raise UserError(
+            f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
+            f"this model is {engine.identity}): train one for this model"
+        )
     predictor.attach_routers(*engine.routers())
     return predictor
 

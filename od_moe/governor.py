@@ -17,7 +17,7 @@ Not here: reading (`reader.py`) or predicting (`policies.py`).
 """
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,7 +33,7 @@ MARKS_KEPT = 64
 class PrefetchSettings:
     """How prefetch runs (`Engine.configure_prefetch(settings=...)`)."""
 
-    experts_per_layer: Optional[int] = None  # most experts asked per layer ahead; None: the model's top-k
+    experts_per_layer: int | None = None  # most experts asked per layer ahead; None: the model's top-k
     window: int = 16  # decode tokens per precision check
     timed_checks: bool = True  # the gain check and the cost probe (they measure wall time)
     first_check: int = 2
@@ -46,7 +46,7 @@ class PrefetchSettings:
 
 class _Mark(NamedTuple):  # cumulative counts at the end of a forward pass
     mode: str
-    seconds: Optional[float]
+    seconds: float | None
     stall_s: float
     useful: float
     reads: float
@@ -64,12 +64,14 @@ class Governor:
     def reset(self):
         self.per_layer = self.per_layer_max
         self.mode, self._mode_since, self.probe = "on", 0, None
-        self._pause_kind = None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so
+        self._pause_kind = (
+            None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so
+        )
         self.gain = None  # the last check of what prefetch hides
         self.backoffs, self.backoff_reason = 0, None
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
-        self._marks: List[_Mark] = []
+        self._marks: list[_Mark] = []
 
     @property
     def active(self) -> bool:
@@ -87,15 +89,22 @@ class Governor:
         """How many of a layer's best `candidates` to read (fewer after precision back-offs)."""
         return -(-candidates * self.per_layer // self.per_layer_max)
 
-    def end_token(self, phase: str, seconds: Optional[float] = None):
+    def end_token(self, phase: str, seconds: float | None = None):
         """Between tokens (`seconds`: wall time of the pass that ended, None where unknown)."""
         led = self.ledger
         installs = led.total("prefetch_installed")
-        self._marks.append(_Mark(self.mode if phase == "decode" else phase, seconds,
-                                 led.total("read_s") + led.total("wait_s"), led.total("prefetch_useful"),
-                                 led.reader["completed"], led.reader["reader_s"],
-                                 led.reader["busy_s"] + led.total("prefetch_install_s"),
-                                 led.total("prefetch_install_s") / max(installs, 1)))
+        self._marks.append(
+            _Mark(
+                self.mode if phase == "decode" else phase,
+                seconds,
+                led.total("read_s") + led.total("wait_s"),
+                led.total("prefetch_useful"),
+                led.reader["completed"],
+                led.reader["reader_s"],
+                led.reader["busy_s"] + led.total("prefetch_install_s"),
+                led.total("prefetch_install_s") / max(installs, 1),
+            )
+        )
         del self._marks[:-MARKS_KEPT]
         if phase != "decode":
             return
@@ -106,8 +115,14 @@ class Governor:
             self._check_cost()
 
     def stats(self) -> dict:
-        return {"experts_per_layer": self.per_layer, "mode": self.mode, "cost_probe": self.probe,
-                "gain": self.gain, "backoffs": self.backoffs, "backoff_reason": self.backoff_reason}
+        return {
+            "experts_per_layer": self.per_layer,
+            "mode": self.mode,
+            "cost_probe": self.probe,
+            "gain": self.gain,
+            "backoffs": self.backoffs,
+            "backoff_reason": self.backoff_reason,
+        }
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_precision(self):
@@ -123,16 +138,18 @@ class Governor:
         if precision < MIN_PRECISION and self.per_layer > 0:
             self.per_layer //= 2
             self.backoffs += 1
-            self.backoff_reason = (f"precision {precision:.2f} over the last {self.settings.window} tokens is "
-                                   f"below {MIN_PRECISION}: now {self.per_layer} experts per layer")
+            self.backoff_reason = (
+                f"precision {precision:.2f} over the last {self.settings.window} tokens is "
+                f"below {MIN_PRECISION}: now {self.per_layer} experts per layer"
+            )
         elif precision > RECOVER_PRECISION and self.per_layer < self.per_layer_max:
             self.per_layer = min(self.per_layer_max, max(1, self.per_layer * 2))
 
-    def _gain(self, tokens: int) -> Optional[dict]:
+    def _gain(self, tokens: int) -> dict | None:
         """Over the last `tokens` tokens, per token in ms: the time prefetch saved the demand path (on: its
         useful prefetches times the mean read and install time) or could have saved (paused: the demand
         stall), what it cost the generation thread, and the token time."""
-        marks = self._marks[-tokens - 1:]
+        marks = self._marks[-tokens - 1 :]
         if len(marks) < tokens + 1 or any(m.mode != self.mode or m.seconds is None for m in marks[1:]):
             return None
         first, last = marks[0], marks[-1]
@@ -143,8 +160,12 @@ class Governor:
         else:
             hidden = last.stall_s - first.stall_s
         ms = 1e3 / tokens
-        return {"tokens": tokens, "hidden_ms": hidden * ms, "cost_ms": (last.cost_s - first.cost_s) * ms,
-                "token_ms": sum(m.seconds for m in marks[1:]) * ms}
+        return {
+            "tokens": tokens,
+            "hidden_ms": hidden * ms,
+            "cost_ms": (last.cost_s - first.cost_s) * ms,
+            "token_ms": sum(m.seconds for m in marks[1:]) * ms,
+        }
 
     def _check_gain(self):
         n = self.decode_tokens - self._mode_since
@@ -155,13 +176,17 @@ class Governor:
             self.gain = gain
             if gain["hidden_ms"] < gain["cost_ms"] + MIN_GAIN * gain["token_ms"]:
                 self.backoffs += 1
-                self.backoff_reason = (f"prefetch saves {gain['hidden_ms']:.2f} ms of demand reads per token and "
-                                       f"costs {gain['cost_ms']:.2f} ms of a {gain['token_ms']:.1f} ms token: "
-                                       f"paused until the demand stall grows")
+                self.backoff_reason = (
+                    f"prefetch saves {gain['hidden_ms']:.2f} ms of demand reads per token and "
+                    f"costs {gain['cost_ms']:.2f} ms of a {gain['token_ms']:.1f} ms token: "
+                    f"paused until the demand stall grows"
+                )
                 self._set_mode("paused", "gain")
         elif self.mode == "paused" and self._pause_kind == "gain" and n >= self.settings.probe_tokens:
             stall = self._gain(self.settings.probe_tokens)
-            if stall is not None and stall["hidden_ms"] > max(2 * self.gain["cost_ms"], MIN_GAIN * stall["token_ms"]):
+            if stall is not None and stall["hidden_ms"] > max(
+                2 * self.gain["cost_ms"], MIN_GAIN * stall["token_ms"]
+            ):
                 self._set_mode("on")
 
     def _check_cost(self):
@@ -173,22 +198,24 @@ class Governor:
         if self.mode == "on" and n >= every:
             self._set_mode("probe")
         elif self.mode == "probe" and n >= s.probe_tokens:
-            on, off = (self._token_seconds(mode)[-(s.probe_tokens - 2):] for mode in ("on", "probe"))
+            on, off = (self._token_seconds(mode)[-(s.probe_tokens - 2) :] for mode in ("on", "probe"))
             if on and off:
                 self.probe = {"on_ms": 1e3 * float(np.mean(on)), "off_ms": 1e3 * float(np.mean(off))}
             if on and off and np.mean(off) < np.mean(on) * (1 - COST_MARGIN):
                 self.backoffs += 1
-                self.backoff_reason = (f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token "
-                                       f"with it, {self.probe['off_ms']:.1f} without; paused for "
-                                       f"{s.pause_tokens} tokens")
+                self.backoff_reason = (
+                    f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token "
+                    f"with it, {self.probe['off_ms']:.1f} without; paused for "
+                    f"{s.pause_tokens} tokens"
+                )
                 self._set_mode("paused", "cost")
             else:
                 self._set_mode("on")
         elif self.mode == "paused" and n >= s.pause_tokens:
             self._set_mode("on")
 
-    def _token_seconds(self, mode: str) -> List[float]:
+    def _token_seconds(self, mode: str) -> list[float]:
         return [m.seconds for m in self._marks if m.mode == mode and m.seconds is not None]
 
-    def _set_mode(self, mode: str, pause_kind: Optional[str] = None):
+    def _set_mode(self, mode: str, pause_kind: str | None = None):
         self.mode, self._mode_since, self._pause_kind = mode, self.decode_tokens, pause_kind

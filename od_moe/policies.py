@@ -18,8 +18,9 @@ Policies:
 Not here: reading, installing (`runtime.py`, `reader.py`) or how much to read (`governor.py`).
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,7 +80,7 @@ class OnDemand:
     def prompt_start(self, prompt):
         pass
 
-    def before_layer(self, step: Step) -> List[Prediction]:
+    def before_layer(self, step: Step) -> list[Prediction]:
         return []
 
     def after_routing(self, step: Step, ids: np.ndarray):
@@ -93,7 +94,7 @@ class ProfilePolicy(OnDemand):
 
     def __init__(self, caches, top_k: int, load: Callable):
         self.caches, self.top_k, self.load = caches, top_k, load
-        self.counts: Optional[List[np.ndarray]] = None  # the prompt's routing, per layer
+        self.counts: list[np.ndarray] | None = None  # the prompt's routing, per layer
         self.seeded = True
 
     def prompt_start(self, prompt):
@@ -104,7 +105,7 @@ class ProfilePolicy(OnDemand):
         if self.counts is not None and step.phase == "prefill":
             self.counts[step.layer] += np.bincount(ids.ravel(), minlength=len(self.counts[step.layer]))
 
-    def before_layer(self, step: Step) -> List[Prediction]:
+    def before_layer(self, step: Step) -> list[Prediction]:
         if step.layer == 0 and step.phase == "decode" and not self.seeded:
             self.seed()
         return []
@@ -119,7 +120,9 @@ class ProfilePolicy(OnDemand):
             missing = np.sort(order[cache.slot_of[order] < 0])[: cache.room(protect=order)]
             if missing.size:
                 self.load(cache, missing, protect=order)
-            hot = order[: max(0, min(int(cache.capacity * PROFILE_PIN_FRACTION), cache.capacity - self.top_k))]
+            hot = order[
+                : max(0, min(int(cache.capacity * PROFILE_PIN_FRACTION), cache.capacity - self.top_k))
+            ]
             hot = hot[cache.slot_of[hot] >= 0]
             cache.unpin_all()
             if hot.size and hot.size < cache.capacity:
@@ -134,11 +137,13 @@ class NextGatePolicy(OnDemand):
         self.weights, self.biases = mx.array(routers[0]), mx.array(routers[1])
         self.per_layer = per_layer
 
-    def before_layer(self, step: Step) -> List[Prediction]:
+    def before_layer(self, step: Step) -> list[Prediction]:
         target = step.layer + 1
         if not step.predict or target >= self.weights.shape[0]:
             return []
-        scores = next_gate(_last_row(step.x), self.weights[target:target + 1], self.biases[target:target + 1])
+        scores = next_gate(
+            _last_row(step.x), self.weights[target : target + 1], self.biases[target : target + 1]
+        )
         ids, probs = _softmax_topk(scores[:, 0], self.per_layer)
         return [Prediction(target, ids[0], probs[0])]
 
@@ -170,7 +175,12 @@ class NextTokenLens:
             return next((l for l in layers if any(c is block for c in l.children().values())), None)
 
         norms = [getattr(owner(b), "post_attention_layernorm", None) for b in (moe_blocks[0], moe_blocks[-1])]
-        if head is None or None in norms or first_router is None or not isinstance(getattr(norms[1], "weight", None), mx.array):
+        if (
+            head is None
+            or None in norms
+            or first_router is None
+            or not isinstance(getattr(norms[1], "weight", None), mx.array)
+        ):
             return None
         return cls(norms[1], final_norm, head, embed, norms[0], first_router)
 
@@ -194,10 +204,10 @@ class PredictorPolicy(OnDemand):
 
     name = "predictor"
 
-    def __init__(self, predictor, per_layer: int, lens: Optional[NextTokenLens] = None):
+    def __init__(self, predictor, per_layer: int, lens: NextTokenLens | None = None):
         self.predictor, self.per_layer, self.lens = predictor, per_layer, lens
         self.counts = [experts_at_distance(per_layer, d) for d in range(1, predictor.config.lookahead + 1)]
-        self.prev_logprobs: Dict[int, mx.array] = {}
+        self.prev_logprobs: dict[int, mx.array] = {}
 
     def after_routing(self, step: Step, ids: np.ndarray):
         if step.prefetching and isinstance(step.router, mx.array):
@@ -205,7 +215,7 @@ class PredictorPolicy(OnDemand):
         else:
             self.prev_logprobs.pop(step.layer, None)
 
-    def before_layer(self, step: Step) -> List[Prediction]:
+    def before_layer(self, step: Step) -> list[Prediction]:
         c, source = self.predictor.config, step.layer
         if not step.predict:
             return []
@@ -235,10 +245,12 @@ class OraclePolicy(OnDemand):
 
     name = "oracle"
 
-    def __init__(self, trace: List[Dict[int, np.ndarray]], num_layers: int, lookahead: int = ORACLE_LOOKAHEAD):
+    def __init__(
+        self, trace: list[dict[int, np.ndarray]], num_layers: int, lookahead: int = ORACLE_LOOKAHEAD
+    ):
         self.trace, self.num_layers, self.lookahead = trace, num_layers, lookahead
 
-    def before_layer(self, step: Step) -> List[Prediction]:
+    def before_layer(self, step: Step) -> list[Prediction]:
         out = []
         for d in range(1, self.lookahead + 1) if step.predict else ():
             forward, layer = divmod(step.layer + d, self.num_layers)  # past the last layer: the next pass
@@ -251,7 +263,7 @@ class OraclePolicy(OnDemand):
         return out
 
 
-def make_policy(name: str, engine, oracle_trace: Optional[Sequence] = None, per_layer: Optional[int] = None):
+def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_layer: int | None = None):
     """The policy called `name` for `engine` (see the module docstring); a UserError for a bad choice."""
     per_layer = per_layer or engine.top_k
     if name == "none":
@@ -262,13 +274,17 @@ def make_policy(name: str, engine, oracle_trace: Optional[Sequence] = None, per_
         return NextGatePolicy(engine.routers(), per_layer)
     if name == "predictor":
         if engine.predictor is None:
-            raise UserError("prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
-                            "(train one with `od-moe train-predictor`)")
+            raise UserError(
+                "prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
+                "(train one with `od-moe train-predictor`)"
+            )
         lens = NextTokenLens.of(engine.model, engine.moe_blocks, engine.router(0))
         return PredictorPolicy(engine.predictor, per_layer, lens)
     if name == "oracle":
         if oracle_trace is None:
-            raise UserError("prefetch policy 'oracle' needs the routing recorded from the same prompt: "
-                            "od_moe.record_routing(prompt, max_tokens, ...) gives it")
+            raise UserError(
+                "prefetch policy 'oracle' needs the routing recorded from the same prompt: "
+                "od_moe.record_routing(prompt, max_tokens, ...) gives it"
+            )
         return OraclePolicy(list(oracle_trace), len(engine.caches))
     raise UserError(f"unknown prefetch policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -39,8 +39,11 @@ class Progress:
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         bar = "#" * int(frac * 24)
-        self.stream.write(f"{prefix}{self.label} [{bar:<24}] {self.done:,}/{self.total:,} {self.unit} "
-                          f"{rate:,.0f}/s eta {eta:,.0f}s {self.extra}".rstrip() + " ")
+        self.stream.write(
+            f"{prefix}{self.label} [{bar:<24}] {self.done:,}/{self.total:,} {self.unit} "
+            f"{rate:,.0f}/s eta {eta:,.0f}s {self.extra}".rstrip()
+            + " "
+        )
 
     def __enter__(self):
         return self

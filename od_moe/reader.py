@@ -18,8 +18,8 @@ Not here: installing (`runtime.py`), what to predict (`policies.py`) or how much
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from .stats import Ledger
 from .store import BlockLayout, ExpertStore, Staging
@@ -33,29 +33,34 @@ class Read:
     expert: int
     score: float
     nbytes: int
-    raw: Optional[dict] = None
-    staging: Optional[Staging] = None
-    error: Optional[BaseException] = None
+    raw: dict | None = None
+    staging: Staging | None = None
+    error: BaseException | None = None
 
 
 class Reader:
-    def __init__(self, store: ExpertStore, layouts: List[BlockLayout], ledger: Ledger,
-                 max_inflight_bytes: int = MAX_INFLIGHT_BYTES):
+    def __init__(
+        self,
+        store: ExpertStore,
+        layouts: list[BlockLayout],
+        ledger: Ledger,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ):
         self.store, self.layouts, self.ledger = store, layouts, ledger
         self.max_inflight_bytes = max(max_inflight_bytes, max(l.expert_nbytes for l in layouts))
         self._cv = threading.Condition()
-        self._pending: Dict[Tuple[int, int], Read] = {}
-        self._reading: Dict[Tuple[int, int], Read] = {}
-        self._ready: Dict[Tuple[int, int], Read] = {}
+        self._pending: dict[tuple[int, int], Read] = {}
+        self._reading: dict[tuple[int, int], Read] = {}
+        self._ready: dict[tuple[int, int], Read] = {}
         self._inflight_bytes = 0
-        self._wanted: Dict[int, set] = {}
-        self._spare: Dict[int, List[Staging]] = {}  # staging buffers of taken reads, by layer
+        self._wanted: dict[int, set] = {}
+        self._spare: dict[int, list[Staging]] = {}  # staging buffers of taken reads, by layer
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="od-moe-prefetch", daemon=True)
         self._thread.start()
 
     # -- generation thread ------------------------------------------------------------------------
-    def submit(self, layer: int, wanted: Dict[int, float], fetch: Sequence[int]):
+    def submit(self, layer: int, wanted: dict[int, float], fetch: Sequence[int]):
         """Request `fetch` (a subset of `wanted`) for `layer`, superseding the layer's earlier requests."""
         with self._cv:
             self._wanted[layer] = set(wanted)
@@ -81,19 +86,23 @@ class Reader:
                 del self._pending[k]
             self.ledger.reader["dropped"] += len(stale)
 
-    def wanted(self, layer: int) -> List[int]:
+    def wanted(self, layer: int) -> list[int]:
         """The experts last predicted for the layer's next run (kept from eviction by prefetch installs)."""
         with self._cv:
             return sorted(self._wanted.get(layer, ()))
 
-    def claim(self, layer: int, experts: Sequence[int]) -> Tuple[List[Read], float]:
+    def claim(self, layer: int, experts: Sequence[int]) -> tuple[list[Read], float]:
         """For demand misses of `layer`: withdraw pending requests for `experts`, wait for those being
         read; returns their finished reads (and those already finished) and the seconds waited."""
         waited = 0.0
         with self._cv:
             for e in experts:
                 self._pending.pop((layer, int(e)), None)
-            keys = [(layer, int(e)) for e in experts if (layer, int(e)) in self._reading or (layer, int(e)) in self._ready]
+            keys = [
+                (layer, int(e))
+                for e in experts
+                if (layer, int(e)) in self._reading or (layer, int(e)) in self._ready
+            ]
             if not keys:
                 return [], 0.0
             start = time.perf_counter()
@@ -105,7 +114,7 @@ class Reader:
             self._cv.notify_all()
         return reads, waited
 
-    def take_ready(self) -> List[Read]:
+    def take_ready(self) -> list[Read]:
         """Every finished read (the caller installs or discards them, then `recycle`s them)."""
         with self._cv:
             reads = list(self._ready.values())
@@ -114,7 +123,7 @@ class Reader:
             self._cv.notify_all()
         return reads
 
-    def recycle(self, reads: List[Read]):
+    def recycle(self, reads: list[Read]):
         """The reads' bytes are in their slots (or not wanted): their buffers may be reused."""
         with self._cv:
             for r in reads:
@@ -146,7 +155,9 @@ class Reader:
     def _run(self):
         while True:
             with self._cv:
-                while not self._stop and not (self._pending and self._inflight_bytes < self.max_inflight_bytes):
+                while not self._stop and not (
+                    self._pending and self._inflight_bytes < self.max_inflight_bytes
+                ):
                     self._cv.wait()
                 if self._stop:
                     return

@@ -9,8 +9,6 @@ Shared by the prefetch policies, the shadow predictor and trace recording, so ea
 Not here: what is predicted or prefetched (`policies.py`, `predictor/`).
 """
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -32,7 +30,7 @@ class RouterTap(nn.Module):
         return out
 
 
-def tap_router(block: nn.Module) -> Optional[RouterTap]:
+def tap_router(block: nn.Module) -> RouterTap | None:
     """The block's router tap, installed on first use; None for a block without a `gate`."""
     gate = block.get("gate") if hasattr(block, "get") else None
     if gate is None or isinstance(gate, RouterTap):
@@ -41,7 +39,7 @@ def tap_router(block: nn.Module) -> Optional[RouterTap]:
     return block.gate
 
 
-def router_of(block: nn.Module) -> Optional[nn.Module]:
+def router_of(block: nn.Module) -> nn.Module | None:
     """The block's router itself (inside a tap, if one is installed)."""
     gate = block.get("gate") if hasattr(block, "get") else None
     return gate.gate if isinstance(gate, RouterTap) else gate
@@ -53,13 +51,21 @@ def router_matrices(moe_blocks) -> tuple:
     for block in moe_blocks:
         gate = router_of(block)
         if isinstance(gate, nn.QuantizedLinear):
-            w = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
-                              mode=getattr(gate, "mode", "affine"))
+            w = mx.dequantize(
+                gate.weight,
+                gate.scales,
+                gate.get("biases"),
+                gate.group_size,
+                gate.bits,
+                mode=getattr(gate, "mode", "affine"),
+            )
         elif gate is not None and "weight" in gate:
             w = gate.weight
         else:
-            raise UserError(f"{type(block).__name__} has no linear router (`gate.weight`): this model's routing "
-                            "cannot drive next-gate speculation or the shadow predictor")
+            raise UserError(
+                f"{type(block).__name__} has no linear router (`gate.weight`): this model's routing "
+                "cannot drive next-gate speculation or the shadow predictor"
+            )
         b = gate.get("bias") if isinstance(gate, nn.Module) else None
         weights.append(np.array(w.astype(mx.float32)))
         biases.append(np.array(b.astype(mx.float32)) if b is not None else np.zeros(w.shape[0], np.float32))

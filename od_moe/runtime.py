@@ -18,7 +18,8 @@ read ahead (`governor.py`) or what (`policies.py`).
 """
 
 import time
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -41,32 +42,32 @@ class Route(NamedTuple):
     rounds, which routed experts this round computes (`members`)."""
 
     slots: mx.array
-    scale: Optional[mx.array] = None
-    members: Optional[mx.array] = None
+    scale: mx.array | None = None
+    members: mx.array | None = None
 
 
 class OffloadRuntime:
-    def __init__(self, store: ExpertStore, caches: List[LayerCache], miss_policy: str = "load"):
+    def __init__(self, store: ExpertStore, caches: list[LayerCache], miss_policy: str = "load"):
         if miss_policy not in MISS_POLICIES:
             raise ValueError(f"unknown miss policy {miss_policy!r}")
         self.store, self.caches, self.miss_policy = store, caches, miss_policy
         self.ledger = Ledger(len(caches))
-        self.taps: List = [None] * len(caches)  # RouterTaps where router outputs are needed
+        self.taps: list = [None] * len(caches)  # RouterTaps where router outputs are needed
         self.policy = OnDemand()
-        self.reader: Optional[Reader] = None
-        self.governor: Optional[Governor] = None
-        self.settings: Optional[PrefetchSettings] = None
+        self.reader: Reader | None = None
+        self.governor: Governor | None = None
+        self.settings: PrefetchSettings | None = None
         self.clock = 0  # forward passes so far: the time of cache uses
         self.phase = "prefill"  # of the running pass
-        self._recording: Optional[List[Dict[int, np.ndarray]]] = None
+        self._recording: list[dict[int, np.ndarray]] | None = None
         self._deferred = []
-        self._staging: Dict[tuple, Staging] = {}
+        self._staging: dict[tuple, Staging] = {}
         self._prompt_passes = 0  # passes since the prompt started
         self._pass_index = 0
-        self._pass_started: Optional[float] = None
+        self._pass_started: float | None = None
 
     # -- configuration ---------------------------------------------------------------------------
-    def set_policy(self, policy, settings: Optional[PrefetchSettings] = None, experts_per_layer: int = 0):
+    def set_policy(self, policy, settings: PrefetchSettings | None = None, experts_per_layer: int = 0):
         """Use `policy`; with `settings`, a reader and a governor prefetch what it predicts."""
         self.close()
         self.policy, self.settings = policy, settings
@@ -100,7 +101,7 @@ class OffloadRuntime:
     def start_recording(self):
         self._recording = []
 
-    def stop_recording(self) -> List[Dict[int, np.ndarray]]:
+    def stop_recording(self) -> list[dict[int, np.ndarray]]:
         """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
         self.settle()
         recording, self._recording = self._recording, None
@@ -119,8 +120,15 @@ class OffloadRuntime:
             self._drain()
         prefetching = exact and self.reader is not None and (self.governor.active or self.reader.busy)
         tap = self.taps[layer]
-        step = Step(self._pass_index, layer, phase, x, tap.output if tap is not None else None,
-                    predict=prefetching and phase == "decode" and self.governor.active, prefetching=prefetching)
+        step = Step(
+            self._pass_index,
+            layer,
+            phase,
+            x,
+            tap.output if tap is not None else None,
+            predict=prefetching and phase == "decode" and self.governor.active,
+            prefetching=prefetching,
+        )
         t0 = time.perf_counter()
         predictions = self.policy.before_layer(step)
         if step.predict:
@@ -135,7 +143,7 @@ class OffloadRuntime:
         else:
             yield from self._route_exact(step, indices, predictions)
 
-    def _route_exact(self, step: Step, indices: mx.array, predictions: List[Prediction]) -> Iterator[Route]:
+    def _route_exact(self, step: Step, indices: mx.array, predictions: list[Prediction]) -> Iterator[Route]:
         layer, cache = step.layer, self.caches[step.layer]
         self._evaluate(indices, predictions)
         ids = np.array(indices).astype(np.int64)
@@ -231,7 +239,7 @@ class OffloadRuntime:
                     self.load(cache, np.sort(fit))
 
     # -- routing known ---------------------------------------------------------------------------
-    def _evaluate(self, indices: mx.array, predictions: List[Prediction]):
+    def _evaluate(self, indices: mx.array, predictions: list[Prediction]):
         """Evaluate a layer's routing with the predictions made at it (one sync); while the governor
         measures what prefetch costs, the predictions' compute is timed apart (a second sync)."""
         lazy = [a for p in predictions for a in (p.experts, p.scores) if isinstance(a, mx.array)]
@@ -271,27 +279,51 @@ class OffloadRuntime:
         staging = self._staging_for(cache)
         keep = list(protect) + ids.tolist()
         for start in range(0, len(ids), staging.size):
-            chunk = ids[start:start + staging.size]
+            chunk = ids[start : start + staging.size]
             t0 = time.perf_counter()
             raw = self.store.read(cache.layout, chunk, staging)
             t1 = time.perf_counter()
-            self.ledger.add(self.phase, cache.layer, experts_read=len(chunk),
-                            bytes_read=len(chunk) * cache.layout.expert_nbytes, read_s=t1 - t0)
+            self.ledger.add(
+                self.phase,
+                cache.layer,
+                experts_read=len(chunk),
+                bytes_read=len(chunk) * cache.layout.expert_nbytes,
+                read_s=t1 - t0,
+            )
             installed = cache.install(chunk, raw, protect=keep, clock=self.clock)
             self._book_install(cache.layer, installed, len(chunk), time.perf_counter() - t1, prefetched=False)
 
-    def _book_install(self, layer: int, installed: Optional[Installed], count: int, seconds: float,
-                      prefetched: bool, refused: int = 0):
+    def _book_install(
+        self,
+        layer: int,
+        installed: Installed | None,
+        count: int,
+        seconds: float,
+        prefetched: bool,
+        refused: int = 0,
+    ):
         """Book an install (`installed` None: nothing went in); `refused`: prefetched reads not installable."""
         evictions, unused = (installed.evictions, installed.unused_prefetches) if installed else (0, 0)
         if prefetched:
-            self.ledger.add(self.phase, layer, prefetch_installed=count, prefetch_install_s=seconds,
-                            evictions=evictions, prefetch_wasted=unused + refused)
+            self.ledger.add(
+                self.phase,
+                layer,
+                prefetch_installed=count,
+                prefetch_install_s=seconds,
+                evictions=evictions,
+                prefetch_wasted=unused + refused,
+            )
         else:
-            self.ledger.add(self.phase, layer, installed=count, install_s=seconds, evictions=evictions,
-                            prefetch_wasted=unused)
+            self.ledger.add(
+                self.phase,
+                layer,
+                installed=count,
+                install_s=seconds,
+                evictions=evictions,
+                prefetch_wasted=unused,
+            )
 
-    def _install_prefetched(self, reads: List[Read], protect: Sequence[int]):
+    def _install_prefetched(self, reads: list[Read], protect: Sequence[int]):
         """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch
         never evicts an expert predicted for the same run of its layer."""
         for r in reads:
@@ -300,20 +332,29 @@ class OffloadRuntime:
         layer = reads[0].layer
         cache = self.caches[layer]
         protect = list(protect) + self.reader.wanted(layer)
-        self.ledger.add(self.phase, layer, prefetch_taken=len(reads), prefetch_bytes=sum(r.nbytes for r in reads))
+        self.ledger.add(
+            self.phase, layer, prefetch_taken=len(reads), prefetch_bytes=sum(r.nbytes for r in reads)
+        )
         fresh = [r for r in reads if cache.slot_of[r.expert] < 0][: cache.room(protect=protect)]
         installed, t0 = None, time.perf_counter()
         if fresh:  # demand got there first, or no slot may be evicted for the others: they bought nothing
             raw = {key: [r.raw[key][0] for r in fresh] for key in fresh[0].raw}
-            installed = cache.install([r.expert for r in fresh], raw, prefetched=True, protect=protect,
-                                      clock=self.clock - 0.5)
-        self._book_install(layer, installed, len(fresh), time.perf_counter() - t0, prefetched=True,
-                           refused=len(reads) - len(fresh))
+            installed = cache.install(
+                [r.expert for r in fresh], raw, prefetched=True, protect=protect, clock=self.clock - 0.5
+            )
+        self._book_install(
+            layer,
+            installed,
+            len(fresh),
+            time.perf_counter() - t0,
+            prefetched=True,
+            refused=len(reads) - len(fresh),
+        )
         self.reader.recycle(reads)
 
-    def _install_ready(self, protect: Dict[int, Sequence[int]]):
+    def _install_ready(self, protect: dict[int, Sequence[int]]):
         """Install every finished read, one install (one evaluation) per layer."""
-        by_layer: Dict[int, List[Read]] = {}
+        by_layer: dict[int, list[Read]] = {}
         for r in sorted(self.reader.take_ready(), key=lambda r: -r.score):
             by_layer.setdefault(r.layer, []).append(r)
         for layer, reads in by_layer.items():
@@ -332,7 +373,7 @@ class OffloadRuntime:
         self._touch(cache, arrived, counts[np.searchsorted(uniq, arrived)])
         return still
 
-    def _submit(self, predictions: List[Prediction]):
+    def _submit(self, predictions: list[Prediction]):
         """Queue the predicted experts that are not resident; the governor says how many per layer."""
         t0 = time.perf_counter()
         for layer, experts, scores in predictions:

@@ -21,9 +21,15 @@ FORMAT = 1
 def snapshot_key(engine) -> dict:
     predictor = getattr(engine.predictor, "identity", None) if engine.predictor is not None else None
     dtypes = sorted({str(t) for c in engine.caches for t in c.targets.values()})
-    return {"format": FORMAT, "model": engine.identity, "capacity": engine.capacity,
-            "num_experts": engine.num_experts, "moe_layers": len(engine.caches), "dtypes": dtypes,
-            "predictor": predictor}
+    return {
+        "format": FORMAT,
+        "model": engine.identity,
+        "capacity": engine.capacity,
+        "num_experts": engine.num_experts,
+        "moe_layers": len(engine.caches),
+        "dtypes": dtypes,
+        "predictor": predictor,
+    }
 
 
 def save_snapshot(engine, path, weights: bool = False):
@@ -32,11 +38,18 @@ def save_snapshot(engine, path, weights: bool = False):
     path.mkdir(parents=True, exist_ok=True)
     body = {
         "key": snapshot_key(engine),
-        "layers": [{"slots": c.expert_in_slot.tolist(), "pinned": np.flatnonzero(c.pinned).tolist()} for c in engine.caches],
+        "layers": [
+            {"slots": c.expert_in_slot.tolist(), "pinned": np.flatnonzero(c.pinned).tolist()}
+            for c in engine.caches
+        ],
         "weights": bool(weights),
     }
     if weights:
-        arrays = {f"layer{i}.{name}": a for i, c in enumerate(engine.caches) for name, a in c.stacked_arrays().items()}
+        arrays = {
+            f"layer{i}.{name}": a
+            for i, c in enumerate(engine.caches)
+            for name, a in c.stacked_arrays().items()
+        }
         mx.save_safetensors(str(path / "experts.safetensors"), arrays)
     tmp = path / "snapshot.json.tmp"
     tmp.write_text(json.dumps(body))
@@ -47,7 +60,9 @@ def load_snapshot(engine, path):
     path = Path(path)
     meta_file = path / "snapshot.json"
     if not meta_file.is_file():
-        raise UserError(f"{path} is not an od-moe snapshot (no snapshot.json): save one with Engine.save_snapshot")
+        raise UserError(
+            f"{path} is not an od-moe snapshot (no snapshot.json): save one with Engine.save_snapshot"
+        )
     try:
         body = json.loads(meta_file.read_text())
         key, layers = body["key"], body["layers"]
@@ -55,10 +70,16 @@ def load_snapshot(engine, path):
         raise UserError(f"{meta_file} is unreadable: delete the snapshot and save a new one")
     expected = snapshot_key(engine)
     if key != expected:
-        diff = ", ".join(f"{k}: snapshot {key.get(k)!r} vs engine {v!r}" for k, v in expected.items() if key.get(k) != v)
-        raise UserError(f"snapshot {path} was saved for another configuration ({diff}): save a new snapshot for this one")
+        diff = ", ".join(
+            f"{k}: snapshot {key.get(k)!r} vs engine {v!r}" for k, v in expected.items() if key.get(k) != v
+        )
+        raise UserError(
+            f"snapshot {path} was saved for another configuration ({diff}): save a new snapshot for this one"
+        )
     if len(layers) != len(engine.caches):
-        raise UserError(f"snapshot {path} has {len(layers)} layers, the model {len(engine.caches)}: save a new snapshot")
+        raise UserError(
+            f"snapshot {path} has {len(layers)} layers, the model {len(engine.caches)}: save a new snapshot"
+        )
     packed = mx.load(str(path / "experts.safetensors")) if body.get("weights") else None
     for i, (cache, saved) in enumerate(zip(engine.caches, layers)):
         slots = np.asarray(saved["slots"], dtype=np.int64)

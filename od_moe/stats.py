@@ -18,8 +18,6 @@ other than installs (`busy_s`: predicting, queueing).
 Not here: what is done with the figures (the governor decides, the report prints).
 """
 
-from typing import Dict, List, Optional
-
 import numpy as np
 
 PHASES = ("prefill", "decode")
@@ -86,7 +84,7 @@ class Ledger:
         return self.layers[:, :, _FIELD[name]]
 
 
-def _rate(hits, lookups) -> Optional[float]:
+def _rate(hits, lookups) -> float | None:
     return hits / lookups if lookups else None
 
 
@@ -110,14 +108,19 @@ def _io(led: Ledger, phase_index, layer_index) -> dict:
     }
 
 
-def layer_rows(led: Ledger, caches) -> List[dict]:
+def layer_rows(led: Ledger, caches) -> list[dict]:
     """Per MoE layer: demand lookups and hits (in all, and per phase), reads, stall, installs and the
     cache's state."""
     rows = []
     everywhere = slice(None)
     for i, cache in enumerate(caches):
-        phases = {p: _phase_counts(led.field("lookups")[n, i], led.field("hits")[n, i]) for n, p in enumerate(PHASES)}
-        both = _phase_counts(sum(v["lookups"] for v in phases.values()), sum(v["hits"] for v in phases.values()))
+        phases = {
+            p: _phase_counts(led.field("lookups")[n, i], led.field("hits")[n, i])
+            for n, p in enumerate(PHASES)
+        }
+        both = _phase_counts(
+            sum(v["lookups"] for v in phases.values()), sum(v["hits"] for v in phases.values())
+        )
         rows.append(
             {
                 "layer": i,
@@ -133,17 +136,19 @@ def layer_rows(led: Ledger, caches) -> List[dict]:
     return rows
 
 
-def totals(rows: List[dict]) -> dict:
+def totals(rows: list[dict]) -> dict:
     """The per-layer rows added up."""
     keys = ("lookups", "hits", "misses", "experts_loaded", "bytes_read", "stall_s", "install_s", "evictions")
     out = {k: sum(r[k] for r in rows) for k in keys + ("resident", "pinned", "capacity")}
     out["hit_rate"] = _rate(out["hits"], out["lookups"])
     for phase in PHASES:
-        out[phase] = _phase_counts(sum(r[phase]["lookups"] for r in rows), sum(r[phase]["hits"] for r in rows))
+        out[phase] = _phase_counts(
+            sum(r[phase]["lookups"] for r in rows), sum(r[phase]["hits"] for r in rows)
+        )
     return out
 
 
-def io_by_phase(led: Ledger) -> Dict[str, dict]:
+def io_by_phase(led: Ledger) -> dict[str, dict]:
     """Bytes read, stall and install seconds by the phase of the pass that caused them."""
     everywhere = slice(None)
     return {

@@ -18,10 +18,10 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -29,9 +29,19 @@ from .errors import UserError
 
 # safetensors dtype -> numpy dtype holding the raw bytes (bfloat16 is read as uint16 and viewed later)
 RAW_NUMPY_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 # Names a projection of mlx-lm's SwitchGLU / SwitchMLP has in per-expert Hugging Face checkpoints.
@@ -74,7 +84,7 @@ class TensorEntry:
     offset: int  # absolute byte offset in the file
     nbytes: int
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
 
 
 @dataclass
@@ -84,7 +94,7 @@ class ExpertPart:
     proj: str
     name: str
     dtype: str  # safetensors dtype of the bytes on disk
-    shape: Tuple[int, ...]  # one expert's shape
+    shape: tuple[int, ...]  # one expert's shape
     files: np.ndarray  # (E,) file index of each expert's slice
     offsets: np.ndarray  # (E,) absolute byte offset of each expert's slice
 
@@ -99,7 +109,7 @@ class BlockLayout:
 
     module_path: str
     num_experts: int
-    parts: List[ExpertPart]
+    parts: list[ExpertPart]
     layout: str  # "mlx" or "hf"
 
     @cached_property
@@ -119,11 +129,13 @@ class Staging:
         }
 
 
-def _read_header(path: Path) -> Tuple[int, dict]:
+def _read_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise UserError(f"{path} is not a safetensors file (too short): re-download or re-convert the model")
+            raise UserError(
+                f"{path} is not a safetensors file (too short): re-download or re-convert the model"
+            )
         (n,) = struct.unpack("<Q", raw)
         header = f.read(n)
     if len(header) != n:
@@ -146,9 +158,11 @@ class ExpertStore:
         else:
             names = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
         if not names:
-            raise UserError(f"no .safetensors files in {self.model_dir}: point --model at an MLX or Hugging Face model folder")
+            raise UserError(
+                f"no .safetensors files in {self.model_dir}: point --model at an MLX or Hugging Face model folder"
+            )
         self.files = [self.model_dir / n for n in names]
-        self.tensors: Dict[str, TensorEntry] = {}
+        self.tensors: dict[str, TensorEntry] = {}
         digest = hashlib.sha256()
         for i, path in enumerate(self.files):
             data_start, header = _read_header(path)
@@ -160,8 +174,12 @@ class ExpertStore:
                     continue
                 start, end = meta["data_offsets"]
                 if data_start + end > size:
-                    raise UserError(f"{path} is truncated ({size} bytes, tensor {key} ends at {data_start + end}): re-download the model")
-                self.tensors[key] = TensorEntry(i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"]))
+                    raise UserError(
+                        f"{path} is truncated ({size} bytes, tensor {key} ends at {data_start + end}): re-download the model"
+                    )
+                self.tensors[key] = TensorEntry(
+                    i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"])
+                )
         self.weights_digest = digest.hexdigest()
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
         self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
@@ -208,17 +226,27 @@ class ExpertStore:
         except Exception:
             pass
 
-    def block_layout(self, module_path: str, parts: Dict[str, Sequence[str]], num_experts: int) -> BlockLayout:
+    def block_layout(
+        self, module_path: str, parts: dict[str, Sequence[str]], num_experts: int
+    ) -> BlockLayout:
         """Locate the experts of the switch module at `module_path` (e.g. `model.layers.3.mlp.switch_mlp`).
 
         parts: projection name -> names of its per-expert arrays, as the loaded module has them
         (e.g. {"gate_proj": ["weight", "scales", "biases"], ...}).
         """
-        found = [self._stacked_part(module_path, proj, name, num_experts) for proj, names in parts.items() for name in names]
+        found = [
+            self._stacked_part(module_path, proj, name, num_experts)
+            for proj, names in parts.items()
+            for name in names
+        ]
         if all(found):
             return BlockLayout(module_path, num_experts, found, "mlx")
         parent = module_path.rsplit(".", 1)[0]
-        found = [self._per_expert_part(parent, proj, name, num_experts) for proj, names in parts.items() for name in names]
+        found = [
+            self._per_expert_part(parent, proj, name, num_experts)
+            for proj, names in parts.items()
+            for name in names
+        ]
         if all(found):
             return BlockLayout(module_path, num_experts, found, "hf")
         raise UserError(
@@ -231,22 +259,37 @@ class ExpertStore:
         if entry is None or not entry.shape or entry.shape[0] != num_experts:
             return None
         row = entry.nbytes // num_experts
-        return ExpertPart(proj, name, entry.dtype, entry.shape[1:], np.full(num_experts, entry.file, np.int64),
-                          entry.offset + row * np.arange(num_experts, dtype=np.int64))
+        return ExpertPart(
+            proj,
+            name,
+            entry.dtype,
+            entry.shape[1:],
+            np.full(num_experts, entry.file, np.int64),
+            entry.offset + row * np.arange(num_experts, dtype=np.int64),
+        )
 
     def _per_expert_part(self, parent, proj, name, num_experts):
         hf_name = HF_PART_NAMES.get(name)
         if hf_name is None:
             return None
         for candidate in HF_PROJECTION_NAMES.get(proj, (proj,)):
-            entries = [self.tensors.get(f"{parent}.experts.{e}.{candidate}.{hf_name}") for e in range(num_experts)]
+            entries = [
+                self.tensors.get(f"{parent}.experts.{e}.{candidate}.{hf_name}") for e in range(num_experts)
+            ]
             if all(entries) and len({(x.dtype, x.shape) for x in entries}) == 1:
-                return ExpertPart(proj, name, entries[0].dtype, entries[0].shape,
-                                  np.array([x.file for x in entries], np.int64),
-                                  np.array([x.offset for x in entries], np.int64))
+                return ExpertPart(
+                    proj,
+                    name,
+                    entries[0].dtype,
+                    entries[0].shape,
+                    np.array([x.file for x in entries], np.int64),
+                    np.array([x.offset for x in entries], np.int64),
+                )
         return None
 
-    def read(self, layout: BlockLayout, ids: Sequence[int], staging: Staging) -> Dict[Tuple[str, str], np.ndarray]:
+    def read(
+        self, layout: BlockLayout, ids: Sequence[int], staging: Staging
+    ) -> dict[tuple[str, str], np.ndarray]:
         """Read the experts `ids` (at most `staging.size`) into `staging`; returns views, row i = ids[i].
 
         Consecutive experts that lie back to back in a file are read with one `preadv`.
@@ -283,7 +326,9 @@ class ExpertStore:
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
-                raise OSError(f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable")
+                raise OSError(
+                    f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable"
+                )
             done += got
         if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
@@ -294,7 +339,7 @@ class ExpertStore:
         if bounce is None:
             raw = np.empty(BOUNCE_BYTES + DIRECT_ALIGN, dtype=np.uint8)
             start = -raw.ctypes.data % DIRECT_ALIGN
-            bounce = self._bounce.buffer = memoryview(raw[start:start + BOUNCE_BYTES])
+            bounce = self._bounce.buffer = memoryview(raw[start : start + BOUNCE_BYTES])
         end = offset + len(view)
         pos = offset - offset % DIRECT_ALIGN
         while pos < end:
@@ -302,8 +347,10 @@ class ExpertStore:
             got = os.preadv(fd, [bounce[:span]], pos)
             lo, hi = max(offset, pos), min(end, pos + max(got, 0))
             if got <= 0 or (got < span and hi < end):
-                raise OSError(f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is truncated or unreadable")
-            view[lo - offset:hi - offset] = bounce[lo - pos:hi - pos]
+                raise OSError(
+                    f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is truncated or unreadable"
+                )
+            view[lo - offset : hi - offset] = bounce[lo - pos : hi - pos]
             pos += span
 
     def drop_page_cache(self):

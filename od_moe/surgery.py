@@ -7,7 +7,6 @@ Routers, shared experts, attention and norms are left alone. Not here: cache pol
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,14 +24,14 @@ class MoEBlock:
     switch: nn.Module  # mlx-lm's SwitchGLU / SwitchMLP
 
     @property
-    def projections(self) -> Dict[str, nn.Module]:
+    def projections(self) -> dict[str, nn.Module]:
         return {k: v for k, v in self.switch.children().items() if isinstance(v, PROJECTION_TYPES)}
 
     @property
     def num_experts(self) -> int:
         return next(iter(self.projections.values()))["weight"].shape[0]
 
-    def expert_parts(self) -> Dict[str, List[str]]:
+    def expert_parts(self) -> dict[str, list[str]]:
         """Per projection, the names of its arrays that hold one row per expert."""
         E = self.num_experts
         return {
@@ -41,11 +40,11 @@ class MoEBlock:
         }
 
 
-def _natural_key(path: str) -> Tuple:
+def _natural_key(path: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path))
 
 
-def find_moe_blocks(model: nn.Module) -> List[MoEBlock]:
+def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """Every MoE block of `model`, in layer order."""
     blocks = []
     for path, module in model.named_modules():
@@ -66,7 +65,12 @@ def top_k_of(block: nn.Module) -> int:
     return value if isinstance(value, int) else 0
 
 
-def expert_nbytes(blocks: List[MoEBlock]) -> int:
+def expert_nbytes(blocks: list[MoEBlock]) -> int:
     """Bytes the experts of all blocks take in memory, in their in-memory dtypes (not evaluated)."""
-    return sum(proj[name].nbytes for b in blocks for pname, names in b.expert_parts().items()
-               for proj in [b.projections[pname]] for name in names)
+    return sum(
+        proj[name].nbytes
+        for b in blocks
+        for pname, names in b.expert_parts().items()
+        for proj in [b.projections[pname]]
+        for name in names
+    )

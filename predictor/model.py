@@ -14,7 +14,6 @@ Not here: training (`od_moe.training.train`) or prefetching.
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,7 +44,7 @@ class PredictorConfig:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
-    def targets(self, source: int) -> List[int]:
+    def targets(self, source: int) -> list[int]:
         """The target layers a prediction made at `source` covers."""
         return list(range(source + 1, min(source + self.lookahead, self.num_layers - 1) + 1))
 
@@ -57,12 +56,16 @@ class ShadowPredictor(nn.Module):
         if c.depth < 1 or c.rank < 1:
             raise UserError(f"rank {c.rank} and depth {c.depth} must be at least 1")
         if not 1 <= c.lookahead < c.num_layers:
-            raise UserError(f"lookahead {c.lookahead} must be 1 to {c.num_layers - 1}: the model has {c.num_layers} "
-                            "MoE layers, and a prediction must land on a layer that exists")
+            raise UserError(
+                f"lookahead {c.lookahead} must be 1 to {c.num_layers - 1}: the model has {c.num_layers} "
+                "MoE layers, and a prediction must land on a layer that exists"
+            )
         in_dim = c.hidden_size + c.num_experts
         sources = range(c.num_layers - 1)
         self.trunks = [nn.Linear(in_dim, c.rank) for _ in sources]
-        self.deep = [[nn.Linear(c.rank, c.rank) for _ in range(c.depth - 1)] for _ in sources]  # empty at depth 1
+        self.deep = [
+            [nn.Linear(c.rank, c.rank) for _ in range(c.depth - 1)] for _ in sources
+        ]  # empty at depth 1
         self.heads = [nn.Linear(c.rank, c.num_experts * len(c.targets(i))) for i in sources]
         for head in self.heads:  # start as next-gate speculation (or uniform without it)
             head.weight = mx.zeros_like(head.weight)
@@ -70,7 +73,7 @@ class ShadowPredictor(nn.Module):
         self.gate_scales = [mx.ones((len(c.targets(i)), c.num_experts)) for i in sources]
         # a learned weight of the previous token's router log-probabilities at each target layer
         self.prev_scales = [mx.zeros((len(c.targets(i)), c.num_experts)) for i in sources]
-        self._routers: Optional[mx.array] = None  # (L, E, H) and (L, E): the model's routers
+        self._routers: mx.array | None = None  # (L, E, H) and (L, E): the model's routers
 
     # -- routers ------------------------------------------------------------------------------------
     def attach_routers(self, weights: np.ndarray, biases: np.ndarray):
@@ -83,11 +86,17 @@ class ShadowPredictor(nn.Module):
             raise RuntimeError("attach_routers() first: next-gate logits need the model's router weights")
         w, b = self._routers
         targets = self.config.targets(source)
-        return next_gate(x, w[targets[0]: targets[-1] + 1], b[targets[0]: targets[-1] + 1])
+        return next_gate(x, w[targets[0] : targets[-1] + 1], b[targets[0] : targets[-1] + 1])
 
     # -- prediction ---------------------------------------------------------------------------------
-    def __call__(self, source: int, x: mx.array, logits: mx.array, gate_logits: Optional[mx.array] = None,
-                 prev: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self,
+        source: int,
+        x: mx.array,
+        logits: mx.array,
+        gate_logits: mx.array | None = None,
+        prev: mx.array | None = None,
+    ) -> mx.array:
         """Scores (n, D_i, E) for the target layers of `source`, from x (n, H) and the router logits (n, E)
         of that layer. `gate_logits`, the next-gate logits (n, D_i, E), may be given precomputed
         (training); otherwise they are computed. `prev` (n, D_i, E): the previous token's router
@@ -104,8 +113,9 @@ class ShadowPredictor(nn.Module):
             out = out + prev.astype(mx.float32) * self.prev_scales[source]
         return out
 
-    def predict_topk(self, source: int, x: mx.array, logits: mx.array, k: int,
-                     prev: Optional[mx.array] = None) -> mx.array:
+    def predict_topk(
+        self, source: int, x: mx.array, logits: mx.array, k: int, prev: mx.array | None = None
+    ) -> mx.array:
         """The k highest-scored experts per token and target layer: (n, D_i, k), best first."""
         scores = self(source, x, logits, prev=prev)
         return mx.argsort(-scores, axis=-1)[..., :k]
@@ -160,19 +170,23 @@ class ShadowPredictor(nn.Module):
         (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1))
 
 
-def load_predictor(path, model_identity: Optional[str] = None) -> ShadowPredictor:
+def load_predictor(path, model_identity: str | None = None) -> ShadowPredictor:
     """A saved predictor; a UserError if the folder is not one or it was trained for another model."""
     folder = Path(path).expanduser()
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise UserError(f"{folder} is not a predictor folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}): "
-                        f"train one with `od-moe train-predictor --out {folder}`")
+        raise UserError(
+            f"{folder} is not a predictor folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}): "
+            f"train one with `od-moe train-predictor --out {folder}`"
+        )
     try:
         config = PredictorConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise UserError(f"{folder / CONFIG_FILE} is not a valid predictor config: {e}")
     if model_identity is not None and config.model_identity != model_identity:
-        raise UserError(f"predictor {folder} was trained for another model (identity {config.model_identity}, "
-                        f"this model is {model_identity}): train one for this model with `od-moe train-predictor --model ...`")
+        raise UserError(
+            f"predictor {folder} was trained for another model (identity {config.model_identity}, "
+            f"this model is {model_identity}): train one for this model with `od-moe train-predictor --model ...`"
+        )
     predictor = ShadowPredictor(config)
     predictor.load_weights(str(folder / WEIGHTS_FILE))
     mx.eval(predictor.parameters())

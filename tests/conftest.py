@@ -1,4 +1,3 @@
-import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
@@ -16,7 +15,9 @@ def reference_tokens(path, prompts, max_tokens, dtype="auto"):
     target = backend.compute_dtype(dtype)
     if target is not None:
         model.set_dtype(target)
-    return [[r.token for r in mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens)] for p in prompts]
+    return [
+        [r.token for r in mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens)] for p in prompts
+    ]
 
 
 def od_moe_tokens(engine, prompts, max_tokens):

@@ -15,12 +15,16 @@ def test_load_mode_matches_mlx_lm(bundled_reference, fraction):
     stats = engine.stats()
     total = stats["total"]
     tokens = stats["tokens"]["prefill"] + stats["tokens"]["decode"]
-    assert total["lookups"] == tokens * stats["moe_layers"] * stats["top_k"] == total["hits"] + total["misses"]
+    assert (
+        total["lookups"] == tokens * stats["moe_layers"] * stats["top_k"] == total["hits"] + total["misses"]
+    )
     assert tokens >= sum(len(t) for t in bundled_reference)
     assert sum(l["lookups"] for l in stats["layers"]) == total["lookups"]
     assert all(l["resident"] <= l["capacity"] == engine.capacity for l in stats["layers"])
     if fraction < 1:
-        assert total["misses"] > 0 and total["bytes_read"] > 0 and total["experts_loaded"] >= total["evictions"]
+        assert (
+            total["misses"] > 0 and total["bytes_read"] > 0 and total["experts_loaded"] >= total["evictions"]
+        )
         assert total["bytes_read"] == total["experts_loaded"] * engine.caches[0].layout.expert_nbytes
     else:
         assert total["misses"] == 0 and total["bytes_read"] == 0  # preloaded at start, not counted here

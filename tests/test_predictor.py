@@ -48,8 +48,15 @@ def traces(engine, tmp_path_factory):
 def trained(engine, traces):
     train, heldout = traces
     routers = engine.routers()
-    config = PredictorConfig(engine.identity, len(engine.caches), engine.num_experts, train.manifest["hidden_size"],
-                             engine.top_k, lookahead=4, rank=32)
+    config = PredictorConfig(
+        engine.identity,
+        len(engine.caches),
+        engine.num_experts,
+        train.manifest["hidden_size"],
+        engine.top_k,
+        lookahead=4,
+        rank=32,
+    )
     predictor = ShadowPredictor(config)
     predictor.attach_routers(*routers)
     held = heldout.load()
@@ -70,15 +77,18 @@ def test_recorded_ids_equal_the_models_own_router(traces):
         def spy(x, indices, inner=inner, i=i):
             seen.setdefault(i, []).append((x, indices))
             return inner(x, indices)
+
         layer.mlp.switch_mlp = spy
     tokens, sequence = heldout["tokens"], heldout["sequence"]
     for s in np.unique(sequence):
         seq = tokens[sequence == s].tolist()
         cache = make_prompt_cache(model)
         for c in range(0, len(seq), 128):
-            mx.eval(model(mx.array(seq[c:c + 128])[None], cache=cache))
+            mx.eval(model(mx.array(seq[c : c + 128])[None], cache=cache))
     for i in range(len(model.model.layers)):
-        ids = np.sort(np.concatenate([np.array(ind).reshape(-1, ind.shape[-1]) for _, ind in seen[i]]), axis=-1)
+        ids = np.sort(
+            np.concatenate([np.array(ind).reshape(-1, ind.shape[-1]) for _, ind in seen[i]]), axis=-1
+        )
         x = np.concatenate([np.array(xx.astype(mx.float32)).reshape(-1, xx.shape[-1]) for xx, _ in seen[i]])
         np.testing.assert_array_equal(heldout["ids"][:, i], ids)
         np.testing.assert_allclose(heldout["features"][:, i].astype(np.float32), x, rtol=2e-3, atol=2e-3)
@@ -117,12 +127,16 @@ def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):
     np.testing.assert_array_equal(np.array(predictor(2, x, logits)), np.array(loaded(2, x, logits)))
     # computing next-gate logits inside (as at run time) agrees with feeding them in (as in training)
     ng = next_gate_logits(held["features"][:64], routers, 2, [3, 4, 5, 6])
-    np.testing.assert_allclose(np.array(loaded(2, x, logits)), np.array(loaded(2, x, logits, mx.array(ng))), atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(loaded(2, x, logits)), np.array(loaded(2, x, logits, mx.array(ng))), atol=1e-4
+    )
     with pytest.raises(UserError, match="another model"):
         load_predictor(tmp_path / "p", "0123456789abcdef")
     # the engine takes it by folder, checked against the model, with the model's routers attached
     with_predictor = od_moe.load(capacity=8, predictor=tmp_path / "p")
-    np.testing.assert_array_equal(np.array(with_predictor.predictor(2, x, logits)), np.array(loaded(2, x, logits)))
+    np.testing.assert_array_equal(
+        np.array(with_predictor.predictor(2, x, logits)), np.array(loaded(2, x, logits))
+    )
     assert with_predictor.predictor.identity == loaded.identity
 
 
@@ -134,7 +148,10 @@ def test_a_deeper_trunk_trains_and_round_trips(engine, traces, tmp_path):
     predictor.attach_routers(*routers)
     heads = sum(16 * 64 * len(config.targets(i)) + 64 * len(config.targets(i)) for i in range(7))
     gate_scales = prev_scales = sum(64 * len(config.targets(i)) for i in range(7))
-    assert predictor.num_params() == 7 * ((192 + 64) * 16 + 16 + 2 * (16 * 16 + 16)) + heads + gate_scales + prev_scales
+    assert (
+        predictor.num_params()
+        == 7 * ((192 + 64) * 16 + 16 + 2 * (16 * 16 + 16)) + heads + gate_scales + prev_scales
+    )
     before = np.array(predictor.deep[4][1].weight)
     history = train_predictor(predictor, train, routers, epochs=2, batch_size=256, lr=3e-3)
     assert history["train_loss"][1] < history["train_loss"][0]
@@ -174,8 +191,23 @@ def test_documents_split_by_document_and_sources(tmp_path):
 
 def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     out = tmp_path / "pred"
-    argv = ["train-predictor", "--data", str(STDLIB / "json"), "--eval-data", str(STDLIB / "textwrap.py"),
-            "--out", str(out), "--max-tokens", "1024", "--eval-tokens", "512", "--epochs", "1", "--rank", "16"]
+    argv = [
+        "train-predictor",
+        "--data",
+        str(STDLIB / "json"),
+        "--eval-data",
+        str(STDLIB / "textwrap.py"),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "1024",
+        "--eval-tokens",
+        "512",
+        "--epochs",
+        "1",
+        "--rank",
+        "16",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "recall@8" in printed and "next-gate" in printed
@@ -191,8 +223,21 @@ def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     assert isinstance(report["predictor"]["params"], int) and report["predictor"]["latency_ms_per_token"] > 0
     assert not (out / "traces").exists()  # removed unless kept
     # eval-predictor gives the same report shape for the saved predictor, on other text
-    assert main(["eval-predictor", "--predictor", str(out), "--data", str(STDLIB / "textwrap.py"),
-                 "--max-tokens", "256", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval-predictor",
+                "--predictor",
+                str(out),
+                "--data",
+                str(STDLIB / "textwrap.py"),
+                "--max-tokens",
+                "256",
+                "--json",
+            ]
+        )
+        == 0
+    )
     again = json.loads(capsys.readouterr().out)
     assert again["tokens"] == 256 and set(again["lookahead"]) == {"1", "2", "3", "4"}
 
@@ -203,16 +248,19 @@ def _fake_predictor(tmp_path, identity):
     return str(tmp_path / "other")
 
 
-@pytest.mark.parametrize("case,message", [
-    ("missing-data", "does not exist"),
-    ("empty-data", "no text found"),
-    ("one-document", "single document"),
-    ("lookahead-8", "must be 1 to 7"),
-    ("lookahead-0", "must be 1 to 7"),
-    ("wrong-field", "no column"),
-    ("other-model", "another model"),
-    ("not-a-predictor", "not a predictor folder"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing-data", "does not exist"),
+        ("empty-data", "no text found"),
+        ("one-document", "single document"),
+        ("lookahead-8", "must be 1 to 7"),
+        ("lookahead-0", "must be 1 to 7"),
+        ("wrong-field", "no column"),
+        ("other-model", "another model"),
+        ("not-a-predictor", "not a predictor folder"),
+    ],
+)
 def test_bad_predictor_input_is_one_line_and_exit_2(tmp_path, capsys, case, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "one.txt").write_text("x = 1\n" * 50)
@@ -225,9 +273,20 @@ def test_bad_predictor_input_is_one_line_and_exit_2(tmp_path, capsys, case, mess
         "lookahead-8": ["train-predictor", "--lookahead", "8", "--out", out],
         "lookahead-0": ["train-predictor", "--lookahead", "0", "--out", out],
         "wrong-field": ["train-predictor", "--data", str(tmp_path / "rows.jsonl"), "--out", out],
-        "other-model": ["eval-predictor", "--predictor", _fake_predictor(tmp_path, "0123456789abcdef"),
-                        "--data", str(tmp_path / "one.txt")],
-        "not-a-predictor": ["eval-predictor", "--predictor", str(tmp_path), "--data", str(tmp_path / "one.txt")],
+        "other-model": [
+            "eval-predictor",
+            "--predictor",
+            _fake_predictor(tmp_path, "0123456789abcdef"),
+            "--data",
+            str(tmp_path / "one.txt"),
+        ],
+        "not-a-predictor": [
+            "eval-predictor",
+            "--predictor",
+            str(tmp_path),
+            "--data",
+            str(tmp_path / "one.txt"),
+        ],
     }[case]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -35,7 +35,9 @@ def _engine(policy, predictor_dir, capacity="25%", prompt=None, self_checks=Fals
     if policy == "oracle":
         trace = engine.record_routing(prompt, NEW_TOKENS)
         engine = od_moe.load(capacity=capacity, predictor=predictor_dir, prefetch="none")
-    engine.configure_prefetch(policy, oracle_trace=trace, settings=PrefetchSettings(timed_checks=self_checks, **settings))
+    engine.configure_prefetch(
+        policy, oracle_trace=trace, settings=PrefetchSettings(timed_checks=self_checks, **settings)
+    )
     return engine
 
 
@@ -95,7 +97,9 @@ def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(pre
         assert row["evictions"] > 0  # many evictions later the pinned experts are still in their slots
         assert np.array_equal(cache.expert_in_slot[slots], experts) and cache.pinned[slots].all()
         _consistent(cache)
-    small = _engine("profile", predictor_dir, "12.5%")  # 8 slots for 8 experts a token: pins would split layers
+    small = _engine(
+        "profile", predictor_dir, "12.5%"
+    )  # 8 slots for 8 experts a token: pins would split layers
     small.generate(PROMPTS[1], max_tokens=NEW_TOKENS)
     assert not any(c.pinned.any() for c in small.caches)
 
@@ -146,7 +150,9 @@ def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
             started = {e for layer, e in reader._reading}
             pending = {e for layer, e in reader._pending}
         assert pending == set(missing[2:].tolist()) - started  # the farther guesses not started are withdrawn
-        assert reader.wanted(4) == sorted(missing[2:].tolist())  # and only the nearer ones are kept at installs
+        assert reader.wanted(4) == sorted(
+            missing[2:].tolist()
+        )  # and only the nearer ones are kept at installs
         assert engine.runtime.ledger.reader["dropped"] == len(set(missing[:2].tolist()) - started)
     engine.generate(PROMPTS[0], max_tokens=8)
     _invariants(engine.stats())
@@ -161,7 +167,10 @@ def test_the_predictor_reads_more_one_layer_ahead_and_fewer_farther(predictor_di
     step = Step(1, 0, "decode", x, engine.router(0)(x), predict=True, prefetching=True)
     made = engine.runtime.policy.before_layer(step)
     assert [(j, len(np.array(ids))) for j, ids, _ in made] == [(1, 10), (2, 4), (3, 2), (4, 1)]
-    assert engine.runtime.policy.before_layer(Step(1, 0, "decode", x, None, predict=False, prefetching=True)) == []
+    assert (
+        engine.runtime.policy.before_layer(Step(1, 0, "decode", x, None, predict=False, prefetching=True))
+        == []
+    )
 
 
 def test_prefetch_read_failure_is_a_clear_error_and_leaves_caches_consistent(predictor_dir, tmp_path):
@@ -184,7 +193,9 @@ def test_prefetch_backs_off_when_it_does_not_pay(predictor_dir):
     # an oracle replaying another prompt's routing predicts wrongly: precision falls, prefetch backs off
     wrong = od_moe.load(capacity="25%").record_routing(PROMPTS[1], NEW_TOKENS)
     engine = od_moe.load(capacity="25%")
-    engine.configure_prefetch("oracle", oracle_trace=wrong, settings=PrefetchSettings(window=8, timed_checks=False))
+    engine.configure_prefetch(
+        "oracle", oracle_trace=wrong, settings=PrefetchSettings(window=8, timed_checks=False)
+    )
     assert od_moe_tokens(engine, [PROMPTS[0]], NEW_TOKENS)[0]  # still exact and running
     p = engine.stats()["prefetch"]
     assert p["backoffs"] >= 1 and p["experts_per_layer"] < 8 and "precision" in p["backoff_reason"]
@@ -202,8 +213,17 @@ def test_policy_errors_are_clear(predictor_dir):
 
 
 def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, first_check=10**9,  # the probe alone
-                     first_probe=16, probe_every=16, probe_tokens=8, pause_tokens=32)
+    engine = _engine(
+        "next-gate",
+        predictor_dir,
+        "25%",
+        self_checks=True,
+        first_check=10**9,  # the probe alone
+        first_probe=16,
+        probe_every=16,
+        probe_tokens=8,
+        pause_tokens=32,
+    )
     queue = engine.runtime.governor
     for _ in range(16):
         queue.end_token("decode", 0.010)  # 10 ms per token with prefetch on
@@ -241,7 +261,9 @@ def test_prefetch_pauses_when_the_reads_it_saves_cannot_repay_its_cost(predictor
     queue = engine.runtime.governor
     engine.reset_stats()
     queue.end_token("prefill", 0.1)
-    for _ in range(queue.settings.first_check):  # 10 useful prefetches of 0.1 ms reads, 3 ms of work, per token
+    for _ in range(
+        queue.settings.first_check
+    ):  # 10 useful prefetches of 0.1 ms reads, 3 ms of work, per token
         _token(queue, 0.020, useful=10, read_s=1e-4, busy_s=0.003)
     assert queue.mode == "paused" and not queue.active and queue.backoffs == 1
     assert "saves 1.00 ms of demand reads per token and costs 3.00 ms" in queue.backoff_reason
@@ -298,7 +320,9 @@ def test_next_token_lens_names_the_next_first_layer_experts():
     """At the last layer the logit lens guesses the next token's first-layer experts far better than
     repeating this token's (the bundled predictor's policy; truth from the recorded routing)."""
     engine = od_moe.load(capacity="25%", predictor=od_moe.DEFAULT_PREDICTOR)
-    engine.configure_prefetch("predictor", settings=PrefetchSettings(timed_checks=False))  # predict at every token
+    engine.configure_prefetch(
+        "predictor", settings=PrefetchSettings(timed_checks=False)
+    )  # predict at every token
     lens, guesses = engine.runtime.policy.lens, []
     real = lens.predict
     lens.predict = lambda x, k: guesses.append((engine.runtime.ledger.forwards, real(x, k))) or guesses[-1][1]
@@ -310,4 +334,7 @@ def test_next_token_lens_names_the_next_first_layer_experts():
             lens_recall.append(len(truth & set(np.array(ids).tolist())) / len(truth))
             repeat_recall.append(len(truth & set(routing[forward - 1][0][-1].tolist())) / len(truth))
     assert len(lens_recall) >= 40
-    assert np.mean(lens_recall) > 0.55 and np.mean(lens_recall) > np.mean(repeat_recall) + 0.2, (np.mean(lens_recall), np.mean(repeat_recall))
+    assert np.mean(lens_recall) > 0.55 and np.mean(lens_recall) > np.mean(repeat_recall) + 0.2, (
+        np.mean(lens_recall),
+        np.mean(repeat_recall),
+    )

@@ -38,7 +38,9 @@ def test_both_install_paths_put_the_checkpoint_rows_in_the_slots(dtype):
         engine = od_moe.load(capacity=8, dtype=dtype)
         cache = engine.caches[4]
         cache.host_writes = host
-        slots = cache.install(ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4))).slots
+        slots = cache.install(
+            ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4))
+        ).slots
         assert cache.host_writes == host  # the CPU backend takes the numpy path whenever asked
         for part in cache.layout.parts:
             stacked = cache.projections[part.proj][part.name]
@@ -64,6 +66,7 @@ def test_read_failure_leaves_the_cache_consistent():
     before = (cache.slot_of.copy(), cache.expert_in_slot.copy())
     store = engine.runtime.store
     import os
+
     real = os.preadv
     os.preadv = lambda *a: 0  # the disk returns nothing
     try:
@@ -159,7 +162,10 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
         a, b = buffered.read(layout, ids, Staging(layout, 16)), direct.read(layout, ids, Staging(layout, 16))
         assert all(np.array_equal(a[k], b[k]) for k in a)
     engine = od_moe.load(capacity="25%", direct_io=True)
-    assert engine.stats()["direct_io"] and od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    assert (
+        engine.stats()["direct_io"]
+        and od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    )
     assert not od_moe.load(capacity="25%").stats()["direct_io"]  # "auto": the bundled model fits in memory
     with pytest.raises(UserError, match="direct_io"):
         od_moe.load(capacity=8, direct_io="yes")

@@ -13,16 +13,47 @@ import od_moe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-MIXTRAL = {"model_type": "mixtral", "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 128,
-           "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 16,
-           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False}
-QWEN2_MOE = {"model_type": "qwen2_moe", "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 128,
-             "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 16,
-             "num_experts_per_tok": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128,
-             "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False}
-LLAMA = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
-         "tie_word_embeddings": False}
+MIXTRAL = {
+    "model_type": "mixtral",
+    "vocab_size": 8192,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+}
+QWEN2_MOE = {
+    "model_type": "qwen2_moe",
+    "vocab_size": 8192,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+}
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 8192,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 
 
 def _build(config, seed):
@@ -46,8 +77,12 @@ def write_mlx_model(path, config, quantize=True, seed=0) -> Path:
     model = _build(config, seed)
     config = dict(config)
     if quantize:
-        nn.quantize(model, group_size=64, bits=4,
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0)
+        nn.quantize(
+            model,
+            group_size=64,
+            bits=4,
+            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0,
+        )
         config["quantization"] = {"group_size": 64, "bits": 4, "mode": "affine"}
     save_model(path, model)
     return _finish(path, config)

@@ -16,14 +16,27 @@ from pathlib import Path
 BUNDLED_TEXT = Path(__file__).parent / "data" / "python_source.jsonl.gz"
 
 # Whole packages whose files are mostly data tables or tests, not representative source.
-_SKIP_PARTS = {"test", "tests", "idle_test", "encodings", "pydoc_data", "site-packages", "lib2to3", "turtledemo",
-               "__pycache__", "ensurepip", "config-3.11-x86_64-linux-gnu"}
+_SKIP_PARTS = {
+    "test",
+    "tests",
+    "idle_test",
+    "encodings",
+    "pydoc_data",
+    "site-packages",
+    "lib2to3",
+    "turtledemo",
+    "__pycache__",
+    "ensurepip",
+    "config-3.11-x86_64-linux-gnu",
+}
 _MAX_FILE_BYTES = 24_000  # long modules are cut (at a line end) so that many files are represented
 
 
 def _documents(stdlib: Path):
     # A fixed pseudo-random order (by path digest) so that the cut keeps modules from the whole library.
-    for path in sorted(stdlib.rglob("*.py"), key=lambda p: hashlib.sha1(str(p.relative_to(stdlib)).encode()).digest()):
+    for path in sorted(
+        stdlib.rglob("*.py"), key=lambda p: hashlib.sha1(str(p.relative_to(stdlib)).encode()).digest()
+    ):
         rel = path.relative_to(stdlib)
         if _SKIP_PARTS & set(rel.parts[:-1]) or rel.name.startswith("_"):
             continue

@@ -9,7 +9,6 @@ the model (`record.py`).
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 from ..errors import UserError
 from .bundled import BUNDLED_TEXT
@@ -19,9 +18,9 @@ _STRUCTURED = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv":
 
 @dataclass
 class Documents:
-    texts: List[str]
+    texts: list[str]
     source: str
-    text_field: Optional[str] = None
+    text_field: str | None = None
     digest: str = field(default="")
 
     def __post_init__(self):
@@ -32,8 +31,13 @@ class Documents:
             self.digest = h.hexdigest()[:16]
 
     def describe(self) -> dict:
-        return {"source": self.source, "text_field": self.text_field, "documents": len(self.texts),
-                "characters": sum(len(t) for t in self.texts), "sha256": self.digest}
+        return {
+            "source": self.source,
+            "text_field": self.text_field,
+            "documents": len(self.texts),
+            "characters": sum(len(t) for t in self.texts),
+            "sha256": self.digest,
+        }
 
 
 def _builder_for(path: Path) -> str:
@@ -53,7 +57,7 @@ def _is_text(path: Path) -> bool:
     return b"\0" not in head
 
 
-def _load_files(files: List[Path], builder: str, text_field: str) -> List[str]:
+def _load_files(files: list[Path], builder: str, text_field: str) -> list[str]:
     import datasets
 
     datasets.disable_progress_bars()
@@ -66,14 +70,18 @@ def _load_files(files: List[Path], builder: str, text_field: str) -> List[str]:
             ds = datasets.load_dataset(builder, data_files=names, split="train")
             column = text_field
     except Exception as e:  # datasets raises many types for unreadable files
-        raise UserError(f"cannot read {', '.join(names[:3])} as {builder}: {type(e).__name__}: {str(e)[:200]}")
+        raise UserError(
+            f"cannot read {', '.join(names[:3])} as {builder}: {type(e).__name__}: {str(e)[:200]}"
+        )
     if column not in ds.column_names:
-        raise UserError(f"{names[0]} has no column {column!r} (columns: {', '.join(ds.column_names)}): "
-                        f"pass --text-field with the column that holds the text")
+        raise UserError(
+            f"{names[0]} has no column {column!r} (columns: {', '.join(ds.column_names)}): "
+            f"pass --text-field with the column that holds the text"
+        )
     return [t for t in ds[column] if isinstance(t, str) and t.strip()]
 
 
-def load_documents(data: Optional[str] = None, text_field: str = "text") -> Documents:
+def load_documents(data: str | None = None, text_field: str = "text") -> Documents:
     """The documents of a source (see the module docstring); a UserError if there are none."""
     if data is None:
         return Documents(_load_files([BUNDLED_TEXT], "json", "text"), "bundled:python_source", "text")
@@ -81,7 +89,11 @@ def load_documents(data: Optional[str] = None, text_field: str = "text") -> Docu
     if path.is_file():
         texts = _load_files([path], _builder_for(path), text_field)
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+        )
         groups = {}
         for f in files:
             builder = _builder_for(f)
@@ -91,13 +103,15 @@ def load_documents(data: Optional[str] = None, text_field: str = "text") -> Docu
     elif str(data).count("/") <= 1 and not str(data).startswith((".", "/", "~")):
         texts = _load_hub(str(data), text_field)
     else:
-        raise UserError(f"data {data} does not exist: give a text, JSON lines or parquet file, a folder, or a hub dataset name")
+        raise UserError(
+            f"data {data} does not exist: give a text, JSON lines or parquet file, a folder, or a hub dataset name"
+        )
     if not texts:
         raise UserError(f"no text found in {data}: the source is empty (or its --text-field column is)")
     return Documents(texts, str(path if path.exists() else data), text_field)
 
 
-def _load_text_groups(groups: dict, text_field: str) -> List[str]:
+def _load_text_groups(groups: dict, text_field: str) -> list[str]:
     """A folder's documents: text files whole; structured files one by one, skipping those without the
     text column (a folder may hold configs beside its data), unless none has it."""
     texts, skipped = [], []
@@ -115,26 +129,35 @@ def _load_text_groups(groups: dict, text_field: str) -> List[str]:
     return texts
 
 
-def _load_hub(name: str, text_field: str) -> List[str]:
+def _load_hub(name: str, text_field: str) -> list[str]:
     import datasets
 
     try:
         ds = datasets.load_dataset(name, split="train")
     except Exception as e:
-        raise UserError(f"{name!r} is not a local path and could not be loaded from the Hugging Face hub "
-                        f"({type(e).__name__}): check the name and your network")
+        raise UserError(
+            f"{name!r} is not a local path and could not be loaded from the Hugging Face hub "
+            f"({type(e).__name__}): check the name and your network"
+        )
     if text_field not in ds.column_names:
-        raise UserError(f"dataset {name} has no column {text_field!r} (columns: {', '.join(ds.column_names)}): pass --text-field")
+        raise UserError(
+            f"dataset {name} has no column {text_field!r} (columns: {', '.join(ds.column_names)}): pass --text-field"
+        )
     return [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
 
 
-def split_documents(docs: Documents, heldout_fraction: float = 0.1) -> Tuple[Documents, Documents]:
+def split_documents(docs: Documents, heldout_fraction: float = 0.1) -> tuple[Documents, Documents]:
     """(train, held-out), split by document on a digest of its text, so the split is stable and no
     document contributes to both. At least one document is held out when there are two or more."""
-    scored = sorted(range(len(docs.texts)), key=lambda i: hashlib.sha256(docs.texts[i].encode("utf-8", "replace")).digest())
+    scored = sorted(
+        range(len(docs.texts)),
+        key=lambda i: hashlib.sha256(docs.texts[i].encode("utf-8", "replace")).digest(),
+    )
     n_held = max(1, round(len(scored) * heldout_fraction)) if len(scored) >= 2 else 0
     held = set(scored[:n_held])
     train = [t for i, t in enumerate(docs.texts) if i not in held]
     heldout = [t for i, t in enumerate(docs.texts) if i in held]
-    return (Documents(train, docs.source + "#train", docs.text_field),
-            Documents(heldout, docs.source + "#heldout", docs.text_field))
+    return (
+        Documents(train, docs.source + "#train", docs.text_field),
+        Documents(heldout, docs.source + "#heldout", docs.text_field),
+    )

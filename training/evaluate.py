@@ -9,7 +9,6 @@ the tokens, hit rate on the second half). Not here: training, or the report's pr
 """
 
 import time
-from typing import Dict
 
 import mlx.core as mx
 import numpy as np
@@ -54,7 +53,9 @@ def next_gate_logits(features: np.ndarray, routers, source: int, targets) -> np.
     """(N, len(targets), E): the routers of `targets` applied to the recorded MoE inputs of `source`."""
     weights, biases = routers
     lo, hi = targets[0], targets[-1] + 1
-    return np.array(next_gate(mx.array(features[:, source]), mx.array(weights[lo:hi]), mx.array(biases[lo:hi])))
+    return np.array(
+        next_gate(mx.array(features[:, source]), mx.array(weights[lo:hi]), mx.array(biases[lo:hi]))
+    )
 
 
 def baselines(traces: dict, routers, lookahead: int) -> dict:
@@ -84,8 +85,12 @@ def baselines(traces: dict, routers, lookahead: int) -> dict:
             resident[np.argsort(-counts, kind="stable")[:C]] = True
             hits.append(resident[ids[half:, i]].mean())
         profile[str(frac)] = float(np.mean(hits))
-    return {"next_gate": next_gate, "next_gate_recall_at_2k": next_gate_2k,
-            "prev_token": float(np.mean(np.concatenate(prev))), "static_profile": profile}
+    return {
+        "next_gate": next_gate,
+        "next_gate_recall_at_2k": next_gate_2k,
+        "prev_token": float(np.mean(np.concatenate(prev))),
+        "static_profile": profile,
+    }
 
 
 def predictor_scores(predictor, traces: dict, routers, source: int, batch: int = 4096) -> np.ndarray:
@@ -94,9 +99,9 @@ def predictor_scores(predictor, traces: dict, routers, source: int, batch: int =
     targets = c.targets(source)
     out = []
     for s in range(0, traces["ids"].shape[0], batch):
-        x = traces["features"][s:s + batch, source].astype(np.float32)
-        logits = traces["logits"][s:s + batch, source].astype(np.float32)
-        ng = next_gate_logits(traces["features"][s:s + batch], routers, source, targets)
+        x = traces["features"][s : s + batch, source].astype(np.float32)
+        logits = traces["logits"][s : s + batch, source].astype(np.float32)
+        ng = next_gate_logits(traces["features"][s : s + batch], routers, source, targets)
         rows = np.arange(s, min(s + batch, traces["ids"].shape[0]))
         prev = mx.array(previous_token_logprobs(traces, rows, targets, c.num_experts))
         scores = predictor(source, mx.array(x), mx.array(logits), mx.array(ng), prev)
@@ -119,9 +124,16 @@ def evaluate_predictor(predictor, traces: dict, routers) -> dict:
             best2k = np.take_along_axis(order, np.argsort(-np.take_along_axis(s, order, -1), -1), -1)
             per[j - i]["k"].append(recall(best2k[:, :k], truth[j], k).mean())
             per[j - i]["2k"].append(recall(best2k, truth[j], k).mean())
-    return {str(d): {"recall_at_k": float(np.mean(v["k"])), "recall_at_2k": float(np.mean(v["2k"])),
-                     "per_layer": [float(x) for x in v["k"]], "per_layer_at_2k": [float(x) for x in v["2k"]]}
-            for d, v in per.items() if v["k"]}
+    return {
+        str(d): {
+            "recall_at_k": float(np.mean(v["k"])),
+            "recall_at_2k": float(np.mean(v["2k"])),
+            "per_layer": [float(x) for x in v["k"]],
+            "per_layer_at_2k": [float(x) for x in v["2k"]],
+        }
+        for d, v in per.items()
+        if v["k"]
+    }
 
 
 def predictor_latency_ms(predictor, hidden_size: int, num_experts: int, repeats: int = 50) -> float:

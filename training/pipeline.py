@@ -11,7 +11,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
@@ -23,12 +22,15 @@ from .record import TraceSet, record_traces
 from .train import train_predictor
 
 
-def _traces(engine, docs: Documents, folder: Path, max_tokens: Optional[int], label: str) -> TraceSet:
+def _traces(engine, docs: Documents, folder: Path, max_tokens: int | None, label: str) -> TraceSet:
     manifest = folder / "manifest.json"
     if manifest.is_file():
         old = json.loads(manifest.read_text())
-        if (old.get("model_identity") == engine.identity and old.get("data", {}).get("sha256") == docs.digest
-                and old.get("max_tokens") == max_tokens):
+        if (
+            old.get("model_identity") == engine.identity
+            and old.get("data", {}).get("sha256") == docs.digest
+            and old.get("max_tokens") == max_tokens
+        ):
             return TraceSet(folder)
         shutil.rmtree(folder)
     record_traces(engine, docs, folder, max_tokens=max_tokens, label=label)
@@ -51,69 +53,132 @@ def _expert_bytes(engine) -> int:
     return sum(c.layout.expert_nbytes * c.num_experts for c in engine.caches)
 
 
-def _predictor_section(predictor, engine, history: Optional[dict]) -> dict:
+def _predictor_section(predictor, engine, history: dict | None) -> dict:
     c = predictor.config
     params = predictor.num_params()
     nbytes = predictor.nbytes()
     latency = predictor_latency_ms(predictor, c.hidden_size, c.num_experts)
     model_ms = _model_ms_per_token(engine)
     expert_bytes = _expert_bytes(engine)
-    section = {"params": params, "bytes": nbytes, "expert_bytes": expert_bytes, "size_fraction": nbytes / expert_bytes, "rank": c.rank, "depth": c.depth, "lookahead": c.lookahead,
-               "macs_per_token": predictor.macs_per_token(), "latency_ms_per_token": latency,
-               "model_ms_per_token": model_ms, "latency_fraction": latency / model_ms}
+    section = {
+        "params": params,
+        "bytes": nbytes,
+        "expert_bytes": expert_bytes,
+        "size_fraction": nbytes / expert_bytes,
+        "rank": c.rank,
+        "depth": c.depth,
+        "lookahead": c.lookahead,
+        "macs_per_token": predictor.macs_per_token(),
+        "latency_ms_per_token": latency,
+        "model_ms_per_token": model_ms,
+        "latency_fraction": latency / model_ms,
+    }
     if history:
-        section.update({"training_s": history["seconds"], "epochs": len(history["train_loss"]),
-                        "steps": history["steps"], "train_loss": history["train_loss"],
-                        "heldout_loss": history["heldout_loss"], "trained_tokens": c.trained_tokens})
+        section.update(
+            {
+                "training_s": history["seconds"],
+                "epochs": len(history["train_loss"]),
+                "steps": history["steps"],
+                "train_loss": history["train_loss"],
+                "heldout_loss": history["heldout_loss"],
+                "trained_tokens": c.trained_tokens,
+            }
+        )
     return section
 
 
 def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict:
     traces = heldout.load()
     k = engine.top_k
-    return {"model": str(engine.model_path), "model_identity": engine.identity, "k": k,
-            "tokens": int(len(traces["tokens"])), "data": heldout.manifest["data"],
-            "lookahead": evaluate_predictor(predictor, traces, routers),
-            "baselines": baselines(traces, routers, predictor.config.lookahead),
-            "predictor": _predictor_section(predictor, engine, history)}
+    return {
+        "model": str(engine.model_path),
+        "model_identity": engine.identity,
+        "k": k,
+        "tokens": int(len(traces["tokens"])),
+        "data": heldout.manifest["data"],
+        "lookahead": evaluate_predictor(predictor, traces, routers),
+        "baselines": baselines(traces, routers, predictor.config.lookahead),
+        "predictor": _predictor_section(predictor, engine, history),
+    }
 
 
-def train_predictor_job(model=None, data=None, text_field="text", eval_data=None, out="od-moe-predictor",
-                        lookahead=4, rank=80, depth=1, max_tokens=None, eval_tokens=16384, epochs=3, batch_size=512,
-                        lr=2e-3, capacity=None, memory_budget=None, traces_dir=None, keep_traces=False) -> dict:
+def train_predictor_job(
+    model=None,
+    data=None,
+    text_field="text",
+    eval_data=None,
+    out="od-moe-predictor",
+    lookahead=4,
+    rank=80,
+    depth=1,
+    max_tokens=None,
+    eval_tokens=16384,
+    epochs=3,
+    batch_size=512,
+    lr=2e-3,
+    capacity=None,
+    memory_budget=None,
+    traces_dir=None,
+    keep_traces=False,
+) -> dict:
     """Record, train, evaluate and save; returns the report (also written to `out/report.json`)."""
     from .. import load
 
     engine = load(model, capacity=capacity, memory_budget=memory_budget)
     L = len(engine.caches)
     if not isinstance(lookahead, int) or not 1 <= lookahead < L:
-        raise UserError(f"lookahead {lookahead} must be 1 to {L - 1}: the model has {L} MoE layers, and a prediction "
-                        "must land on a layer that exists")
+        raise UserError(
+            f"lookahead {lookahead} must be 1 to {L - 1}: the model has {L} MoE layers, and a prediction "
+            "must land on a layer that exists"
+        )
     docs = load_documents(data, text_field)
     if eval_data is not None:
         train_docs, held_docs = docs, load_documents(eval_data, text_field)
     else:
         train_docs, held_docs = split_documents(docs)
         if not held_docs.texts:
-            raise UserError(f"{docs.source} has a single document, so none can be held out: give more documents or --eval-data")
+            raise UserError(
+                f"{docs.source} has a single document, so none can be held out: give more documents or --eval-data"
+            )
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     traces_root = Path(traces_dir).expanduser() if traces_dir else out / "traces"
     heldout = _traces(engine, held_docs, traces_root / "heldout", eval_tokens, "recording held-out")
     train = _traces(engine, train_docs, traces_root / "train", max_tokens, "recording train")
     routers = engine.routers()
-    config = PredictorConfig(engine.identity, L, engine.num_experts, train.manifest["hidden_size"], engine.top_k,
-                             lookahead=lookahead, rank=rank, depth=depth, data_sha256=train_docs.digest, trained_tokens=train.tokens)
+    config = PredictorConfig(
+        engine.identity,
+        L,
+        engine.num_experts,
+        train.manifest["hidden_size"],
+        engine.top_k,
+        lookahead=lookahead,
+        rank=rank,
+        depth=depth,
+        data_sha256=train_docs.digest,
+        trained_tokens=train.tokens,
+    )
     predictor = ShadowPredictor(config)
     predictor.attach_routers(*routers)
-    history = train_predictor(predictor, train, routers, epochs=epochs, batch_size=batch_size, lr=lr,
-                              heldout=heldout.load(max_tokens=4096))
-    predictor.set_dtype(mx.float16)  # stored and run in float16 (inputs stay float32): what is reported is what ships
+    history = train_predictor(
+        predictor,
+        train,
+        routers,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        heldout=heldout.load(max_tokens=4096),
+    )
+    predictor.set_dtype(
+        mx.float16
+    )  # stored and run in float16 (inputs stay float32): what is reported is what ships
     report = _report(engine, predictor, heldout, routers, history)
     report["train_data"] = train.manifest["data"]
     report["train_tokens"] = train.tokens
-    config.metrics = {d: {"recall_at_k": v["recall_at_k"], "recall_at_2k": v["recall_at_2k"]}
-                      for d, v in report["lookahead"].items()}
+    config.metrics = {
+        d: {"recall_at_k": v["recall_at_k"], "recall_at_2k": v["recall_at_2k"]}
+        for d, v in report["lookahead"].items()
+    }
     predictor.save(out)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     if not keep_traces and traces_dir is None:
@@ -121,8 +186,9 @@ def train_predictor_job(model=None, data=None, text_field="text", eval_data=None
     return report
 
 
-def eval_predictor_job(predictor_dir, data, model=None, text_field="text", max_tokens=16384, capacity=None,
-                       memory_budget=None) -> dict:
+def eval_predictor_job(
+    predictor_dir, data, model=None, text_field="text", max_tokens=16384, capacity=None, memory_budget=None
+) -> dict:
     """Evaluate a saved predictor (and the baselines) on the text of `data`."""
     from .. import load
 

@@ -11,8 +11,8 @@ input: the final experts, norm and LM head are never computed. Not here: trainin
 """
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,13 +76,13 @@ class _Taps:
         return tap.output if tap is not None else None
 
 
-def _tokenize(engine, docs: Documents, context: int, max_tokens: Optional[int]) -> List[List[int]]:
+def _tokenize(engine, docs: Documents, context: int, max_tokens: int | None) -> list[list[int]]:
     """Documents as token sequences of at most `context` tokens, `max_tokens` in all."""
     sequences, total = [], 0
     for text in docs.texts:
         ids = engine.tokenizer.encode(text)
         for s in range(0, len(ids), context):
-            seq = ids[s:s + context]
+            seq = ids[s : s + context]
             if max_tokens is not None:
                 seq = seq[: max_tokens - total]
             if len(seq) >= 2:
@@ -108,8 +108,16 @@ def _router_outputs(out, ids_np):
     return None, np.zeros(ids_np.shape, np.float32)
 
 
-def record_traces(engine, docs: Documents, out_dir, max_tokens: Optional[int] = None, context: int = 512,
-                  chunk: int = 128, shard_tokens: int = 8192, label: str = "recording") -> dict:
+def record_traces(
+    engine,
+    docs: Documents,
+    out_dir,
+    max_tokens: int | None = None,
+    context: int = 512,
+    chunk: int = 128,
+    shard_tokens: int = 8192,
+    label: str = "recording",
+) -> dict:
     """Run `engine` over `docs` and write trace shards and `manifest.json` to `out_dir`; the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,10 +126,20 @@ def record_traces(engine, docs: Documents, out_dir, max_tokens: Optional[int] = 
     if total == 0:
         raise UserError(f"{docs.source} gives no token sequences of two or more tokens: give more text")
     L, k = len(engine.caches), engine.top_k
-    manifest = {"format": TRACE_FORMAT, "model_identity": engine.identity, "model": str(engine.model_path),
-                "num_layers": L, "num_experts": engine.num_experts, "top_k": k, "hidden_size": None,
-                "context": context, "tokens": 0, "sequences": len(sequences), "shards": [],
-                "data": docs.describe()}
+    manifest = {
+        "format": TRACE_FORMAT,
+        "model_identity": engine.identity,
+        "model": str(engine.model_path),
+        "num_layers": L,
+        "num_experts": engine.num_experts,
+        "top_k": k,
+        "hidden_size": None,
+        "context": context,
+        "tokens": 0,
+        "sequences": len(sequences),
+        "shards": [],
+        "data": docs.describe(),
+    }
     buffer: dict = {}
     buffered = 0
 
@@ -139,7 +157,7 @@ def record_traces(engine, docs: Documents, out_dir, max_tokens: Optional[int] = 
         for seq_index, seq in enumerate(sequences):
             cache = make_prompt_cache(engine.model)
             for s in range(0, len(seq), chunk):
-                piece = seq[s:s + chunk]
+                piece = seq[s : s + chunk]
                 taps.sink.clear()
                 try:
                     engine.model(mx.array(piece)[None], cache=cache)
@@ -172,9 +190,13 @@ def _rows(sink, outputs, L, piece, seq_index) -> dict:
         probs.append(pr)
         if lg is not None:
             logits.append(lg)
-    rows = {"features": np.stack(features, 1).astype(np.float16), "ids": np.stack(ids, 1).astype(np.int32),
-            "probs": np.stack(probs, 1).astype(np.float16), "tokens": np.array(piece, np.int32),
-            "sequence": np.full(n, seq_index, np.int32)}
+    rows = {
+        "features": np.stack(features, 1).astype(np.float16),
+        "ids": np.stack(ids, 1).astype(np.int32),
+        "probs": np.stack(probs, 1).astype(np.float16),
+        "tokens": np.array(piece, np.int32),
+        "sequence": np.full(n, seq_index, np.int32),
+    }
     if len(logits) == L:
         rows["logits"] = np.stack(logits, 1).astype(np.float16)
     return rows
@@ -203,7 +225,7 @@ class TraceSet:
     def shard(self, index: int) -> dict:
         return load_file(str(self.path / self.manifest["shards"][index]["file"]))
 
-    def load(self, keys=None, max_tokens: Optional[int] = None) -> dict:
+    def load(self, keys=None, max_tokens: int | None = None) -> dict:
         """The shards concatenated (for evaluation sets that fit in memory)."""
         parts: dict = {}
         n = 0

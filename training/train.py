@@ -8,7 +8,7 @@ to them. AdamW with a warm-up and a cosine decay. Not here: recording or evaluat
 """
 
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,17 +43,31 @@ def loss_fn(predictor, batches) -> mx.array:
     return total
 
 
-def train_predictor(predictor, train_set, routers, epochs: int = 4, batch_size: int = 512, lr: float = 2e-3,
-                    weight_decay: float = 1e-4, seed: int = 0, heldout: Optional[dict] = None,
-                    on_epoch: Optional[Callable[[int, dict], None]] = None) -> Dict:
+def train_predictor(
+    predictor,
+    train_set,
+    routers,
+    epochs: int = 4,
+    batch_size: int = 512,
+    lr: float = 2e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+    heldout: dict | None = None,
+    on_epoch: Callable[[int, dict], None] | None = None,
+) -> dict:
     """Train in place on a `TraceSet`; returns the history (train and held-out loss per epoch, seconds)."""
     rng = np.random.default_rng(seed)
     mx.random.seed(seed)
     steps_per_epoch = sum(-(-s["tokens"] // batch_size) for s in train_set.manifest["shards"])
     total_steps = max(1, steps_per_epoch * epochs)
     warmup = min(100, total_steps // 10 + 1)
-    schedule = optim.join_schedules([optim.linear_schedule(lr / 20, lr, warmup),
-                                     optim.cosine_decay(lr, max(1, total_steps - warmup), lr / 20)], [warmup])
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(lr / 20, lr, warmup),
+            optim.cosine_decay(lr, max(1, total_steps - warmup), lr / 20),
+        ],
+        [warmup],
+    )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
     value_and_grad = nn.value_and_grad(predictor, loss_fn)
     history = {"train_loss": [], "heldout_loss": [], "seconds": 0.0, "steps": 0}
@@ -67,7 +81,9 @@ def train_predictor(predictor, train_set, routers, epochs: int = 4, batch_size: 
                 shard = train_set.shard(int(shard_index))
                 rows = rng.permutation(len(shard["tokens"]))
                 for s in range(0, len(rows), batch_size):
-                    batches = _layer_batches(shard, predictor.config, routers, np.sort(rows[s:s + batch_size]))
+                    batches = _layer_batches(
+                        shard, predictor.config, routers, np.sort(rows[s : s + batch_size])
+                    )
                     loss, grads = value_and_grad(predictor, batches)
                     optimizer.update(predictor, grads)
                     mx.eval(predictor.parameters(), optimizer.state, loss)
@@ -76,13 +92,18 @@ def train_predictor(predictor, train_set, routers, epochs: int = 4, batch_size: 
                     bar.update(1, f"epoch {epoch + 1}/{epochs} loss {np.mean(losses[-50:]):.3f}")
             history["train_loss"].append(float(np.mean(losses)))
             if heldout_batches is not None:
-                history["heldout_loss"].append(float(np.mean([loss_fn(predictor, b).item() for b in heldout_batches])))
+                history["heldout_loss"].append(
+                    float(np.mean([loss_fn(predictor, b).item() for b in heldout_batches]))
+                )
             if on_epoch:
                 on_epoch(epoch, history)
     history["seconds"] = time.perf_counter() - start
     return history
 
 
-def _heldout_batches(traces: dict, config, routers, batch_size: int = 2048) -> List:
+def _heldout_batches(traces: dict, config, routers, batch_size: int = 2048) -> list:
     n = len(traces["tokens"])
-    return [_layer_batches(traces, config, routers, np.arange(s, min(n, s + batch_size))) for s in range(0, n, batch_size)]
+    return [
+        _layer_batches(traces, config, routers, np.arange(s, min(n, s + batch_size)))
+        for s in range(0, n, batch_size)
+    ]

@@ -78,14 +78,21 @@ def _row(model, capacity_fraction, result, stock, budget=None):
     io = stats["io"]["decode"]
     peak = max(stats["memory"]["peak_bytes"], result["load_peak_bytes"])
     return {
-        "model": model, "capacity": capacity_fraction, "slots": stats["capacity"],
-        "miss_policy": stats["miss_policy"], "eviction": stats["eviction"], "reads": "cold" if budget is not None else "warm",
-        "hit_rate": stats["total"]["decode"]["hit_rate"], "prefill_hit_rate": stats["total"]["prefill"]["hit_rate"],
+        "model": model,
+        "capacity": capacity_fraction,
+        "slots": stats["capacity"],
+        "miss_policy": stats["miss_policy"],
+        "eviction": stats["eviction"],
+        "reads": "cold" if budget is not None else "warm",
+        "hit_rate": stats["total"]["decode"]["hit_rate"],
+        "prefill_hit_rate": stats["total"]["prefill"]["hit_rate"],
         "bytes_per_token": io["bytes_read"] / decode_tokens,
         "stall_ms_per_token": io["stall_s"] * 1e3 / decode_tokens,
         "install_ms_per_token": io["install_s"] * 1e3 / decode_tokens,
-        "tok_s": result["tok_s"], "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
-        "peak_bytes": peak, "budget_bytes": budget,
+        "tok_s": result["tok_s"],
+        "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
+        "peak_bytes": peak,
+        "budget_bytes": budget,
         "exact": result["tokens"] == stock["tokens"],
     }
 
@@ -95,17 +102,51 @@ def run_foundation(capacities, max_tokens, widen, widened_tokens, workdir: Path,
     rows = []
     say(f"od-moe bench on {platform.machine()} {mx.default_device()}, {len(PROMPTS)} prompts")
     stock = run_stock(DEFAULT_MODEL, PROMPTS, max_tokens)
-    rows.append({"model": "bundled", "capacity": 1.0, "policy": "stock mlx-lm", "tok_s": stock["tok_s"],
-                 "tok_s_ratio_resident": 1.0, "peak_bytes": stock["peak_bytes"], "exact": True})
+    rows.append(
+        {
+            "model": "bundled",
+            "capacity": 1.0,
+            "policy": "stock mlx-lm",
+            "tok_s": stock["tok_s"],
+            "tok_s_ratio_resident": 1.0,
+            "peak_bytes": stock["peak_bytes"],
+            "exact": True,
+        }
+    )
     for fraction in capacities:
         for eviction in ("lru", "lfu") if fraction < 1 else ("lru",):
             result = run_od_moe(DEFAULT_MODEL, PROMPTS, max_tokens, capacity=fraction, eviction=eviction)
             rows.append(_row("bundled", fraction, result, stock))
-    say(table(["capacity", "eviction", "exact", "decode hit", "decode tok/s", "x stock", "KiB read/tok", "stall ms/tok", "peak MiB"],
-              [[r.get("policy") or f"{r['capacity']:.1%}", r.get("eviction"), r["exact"], r.get("hit_rate"), r["tok_s"], r["tok_s_ratio_resident"],
-                None if "bytes_per_token" not in r else r["bytes_per_token"] / 1024, r.get("stall_ms_per_token"),
-                mib(r["peak_bytes"])] for r in rows],
-              title=f"\nBundled model, {max_tokens} greedy tokens per prompt, load (exact) mode"))
+    say(
+        table(
+            [
+                "capacity",
+                "eviction",
+                "exact",
+                "decode hit",
+                "decode tok/s",
+                "x stock",
+                "KiB read/tok",
+                "stall ms/tok",
+                "peak MiB",
+            ],
+            [
+                [
+                    r.get("policy") or f"{r['capacity']:.1%}",
+                    r.get("eviction"),
+                    r["exact"],
+                    r.get("hit_rate"),
+                    r["tok_s"],
+                    r["tok_s_ratio_resident"],
+                    None if "bytes_per_token" not in r else r["bytes_per_token"] / 1024,
+                    r.get("stall_ms_per_token"),
+                    mib(r["peak_bytes"]),
+                ]
+                for r in rows
+            ],
+            title=f"\nBundled model, {max_tokens} greedy tokens per prompt, load (exact) mode",
+        )
+    )
     if widen:
         t0 = time.perf_counter()
         wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
@@ -120,9 +161,18 @@ def _run_widened(path, factor, capacities, max_tokens, say):
     slot, layers, non_expert = probe.caches[0].slot_nbytes, len(probe.caches), probe.non_expert_nbytes
     expert_disk = probe.caches[0].layout.expert_nbytes
     del probe
-    rows = [{"model": "widened", "capacity": 1.0, "policy": "stock mlx-lm", "tok_s": stock["tok_s"],
-             "tok_s_ratio_resident": 1.0, "peak_bytes": stock["peak_bytes"], "exact": True,
-             "compute_ms_per_token": 1e3 / stock["tok_s"]}]
+    rows = [
+        {
+            "model": "widened",
+            "capacity": 1.0,
+            "policy": "stock mlx-lm",
+            "tok_s": stock["tok_s"],
+            "tok_s_ratio_resident": 1.0,
+            "peak_bytes": stock["peak_bytes"],
+            "exact": True,
+            "compute_ms_per_token": 1e3 / stock["tok_s"],
+        }
+    ]
     for fraction in capacities:
         if fraction >= 1:
             continue
@@ -130,14 +180,42 @@ def _run_widened(path, factor, capacities, max_tokens, say):
         budget = int((non_expert + slots * slot * layers) / 0.9) + 1
         result = run_od_moe(path, PROMPTS, max_tokens, cold=True, memory_budget=budget)
         rows.append(_row("widened", fraction, result, stock, budget=budget))
-    say(table(["capacity", "exact", "decode hit", "MiB read/tok", "stall ms/tok", "install ms/tok", "tok/s",
-               "x resident", "peak MiB", "budget MiB", "peak/budget"],
-              [[r.get("policy") or f"{r['capacity']:.1%}", r["exact"], r.get("hit_rate"),
-                None if "bytes_per_token" not in r else mib(r["bytes_per_token"]), r.get("stall_ms_per_token"),
-                r.get("install_ms_per_token"), r["tok_s"], r["tok_s_ratio_resident"], mib(r["peak_bytes"]),
-                None if not r.get("budget_bytes") else mib(r["budget_bytes"]),
-                None if not r.get("budget_bytes") else r["peak_bytes"] / r["budget_bytes"]] for r in rows],
-              title=(f"Widened model (experts x{factor}: {expert_disk / 2**20:.2f} MiB each on disk), {max_tokens} tokens "
-                     f"per prompt, cold reads, memory budget sized per capacity; stock compute "
-                     f"{1e3 / stock['tok_s']:.0f} ms/token")))
+    say(
+        table(
+            [
+                "capacity",
+                "exact",
+                "decode hit",
+                "MiB read/tok",
+                "stall ms/tok",
+                "install ms/tok",
+                "tok/s",
+                "x resident",
+                "peak MiB",
+                "budget MiB",
+                "peak/budget",
+            ],
+            [
+                [
+                    r.get("policy") or f"{r['capacity']:.1%}",
+                    r["exact"],
+                    r.get("hit_rate"),
+                    None if "bytes_per_token" not in r else mib(r["bytes_per_token"]),
+                    r.get("stall_ms_per_token"),
+                    r.get("install_ms_per_token"),
+                    r["tok_s"],
+                    r["tok_s_ratio_resident"],
+                    mib(r["peak_bytes"]),
+                    None if not r.get("budget_bytes") else mib(r["budget_bytes"]),
+                    None if not r.get("budget_bytes") else r["peak_bytes"] / r["budget_bytes"],
+                ]
+                for r in rows
+            ],
+            title=(
+                f"Widened model (experts x{factor}: {expert_disk / 2**20:.2f} MiB each on disk), {max_tokens} tokens "
+                f"per prompt, cold reads, memory budget sized per capacity; stock compute "
+                f"{1e3 / stock['tok_s']:.0f} ms/token"
+            ),
+        )
+    )
     return rows

@@ -22,7 +22,7 @@ from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
 from ..governor import PrefetchSettings
 from ..predictor import load_predictor
-from ..report import mib, table
+from ..report import table
 from .foundation import PROMPTS, run_stock
 from .widen import widen_model
 
@@ -45,12 +45,23 @@ def _predictor_for(identity, folder=None):
     return predictor
 
 
-def run_policy(path, prompts, max_tokens, policy, capacity=None, cold=False, miss_policy="load", predictor_dir=None,
-               settings: PrefetchSettings = None):
+def run_policy(
+    path,
+    prompts,
+    max_tokens,
+    policy,
+    capacity=None,
+    cold=False,
+    miss_policy="load",
+    predictor_dir=None,
+    settings: PrefetchSettings = None,
+):
     """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics.
     `settings`: how prefetch runs (deterministic runs: `DETERMINISTIC`)."""
     options = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none")
-    predictor = _predictor_for(load(str(path), **options).identity, predictor_dir) if policy == "predictor" else None
+    predictor = (
+        _predictor_for(load(str(path), **options).identity, predictor_dir) if policy == "predictor" else None
+    )
     tokens, tps, stats = [], [], []
     for prompt in prompts:
         trace = load(str(path), **options).record_routing(prompt, max_tokens) if policy == "oracle" else None
@@ -90,29 +101,50 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock):
     lookups, hits = _sum(stats, "total", "decode", "lookups"), _sum(stats, "total", "decode", "hits")
     expert_bytes = result["expert_bytes"]
     useful, wasted = _sum(stats, "prefetch", "useful"), _sum(stats, "prefetch", "wasted")
-    same = [sum(a == b for a, b in zip(t, s)) / max(len(s), 1) for t, s in zip(result["tokens"], stock["tokens"])]
+    same = [
+        sum(a == b for a, b in zip(t, s)) / max(len(s), 1) for t, s in zip(result["tokens"], stock["tokens"])
+    ]
     return {
-        "model": model, "policy": policy, "capacity": fraction, "reads": reads, "miss_policy": miss_policy,
-        "hit_rate": hits / lookups if lookups else None, "decode_lookups": lookups, "decode_hits": hits,
+        "model": model,
+        "policy": policy,
+        "capacity": fraction,
+        "reads": reads,
+        "miss_policy": miss_policy,
+        "hit_rate": hits / lookups if lookups else None,
+        "decode_lookups": lookups,
+        "decode_hits": hits,
         "stall_ms_per_token": _sum(stats, "io", "decode", "stall_s") * 1e3 / decode,
         "bytes_per_token": _sum(stats, "io", "decode", "bytes_read") / decode,
         "experts_read_per_token": _sum(stats, "io", "decode", "bytes_read") / expert_bytes / decode,
-        "tok_s": result["tok_s"], "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
+        "tok_s": result["tok_s"],
+        "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
         "prefetch_precision": useful / (useful + wasted) if useful + wasted else None,
-        "prefetch_issued": _sum(stats, "prefetch", "issued"), "prefetch_late": _sum(stats, "prefetch", "late"),
+        "prefetch_issued": _sum(stats, "prefetch", "issued"),
+        "prefetch_late": _sum(stats, "prefetch", "late"),
         "prefetch_backoffs": _sum(stats, "prefetch", "backoffs"),
-        "token_agreement": sum(same) / len(same), "exact": result["tokens"] == stock["tokens"],
+        "token_agreement": sum(same) / len(same),
+        "exact": result["tokens"] == stock["tokens"],
         "tokens": result["tokens"],
     }
 
 
-def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: int, workdir: Path, printer=print,
-                      predictor_dir=None, deterministic: bool = False):
+def run_prefetch_grid(
+    full: bool,
+    max_tokens: int,
+    widen: int,
+    widened_tokens: int,
+    workdir: Path,
+    printer=print,
+    predictor_dir=None,
+    deterministic: bool = False,
+):
     """The grid; `deterministic`: prefetch with `DETERMINISTIC` settings (its timings then mean little)."""
     say = printer or (lambda *_: None)
     settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:
-        load_predictor(predictor_dir, _bundled_identity())  # a bad folder or another model's predictor fails before any run
+        load_predictor(
+            predictor_dir, _bundled_identity()
+        )  # a bad folder or another model's predictor fails before any run
     rows = []
     capacities = (0.125, 0.25, 0.5)
     plan = [("bundled", DEFAULT_MODEL, max_tokens, capacities, ("cold", "warm") if full else ("warm",))]
@@ -120,10 +152,20 @@ def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: i
         t0 = time.perf_counter()
         wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
         say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
-        plan.append(("widened", wide, widened_tokens, capacities if full else (0.125, 0.25), ("cold", "warm") if full else ("cold",)))
+        plan.append(
+            (
+                "widened",
+                wide,
+                widened_tokens,
+                capacities if full else (0.125, 0.25),
+                ("cold", "warm") if full else ("cold",),
+            )
+        )
     for model, path, n_tokens, fractions, temps in plan:
         stock = run_stock(path, PROMPTS, n_tokens)
-        say(f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, {1e3 / stock['tok_s']:.1f} ms/token")
+        say(
+            f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, {1e3 / stock['tok_s']:.1f} ms/token"
+        )
         model_rows = []
         for fraction in fractions:
             for reads in temps:
@@ -132,24 +174,73 @@ def run_prefetch_grid(full: bool, max_tokens: int, widen: int, widened_tokens: i
                     if not full and model == "widened":
                         policies = ("none", "next-gate", "predictor", "oracle")
                     for policy in policies:
-                        result = run_policy(path, PROMPTS, n_tokens, policy, capacity=fraction, cold=reads == "cold",
-                                            miss_policy=miss_policy, predictor_dir=predictor_dir, settings=settings)
+                        result = run_policy(
+                            path,
+                            PROMPTS,
+                            n_tokens,
+                            policy,
+                            capacity=fraction,
+                            cold=reads == "cold",
+                            miss_policy=miss_policy,
+                            predictor_dir=predictor_dir,
+                            settings=settings,
+                        )
                         row = _row(model, fraction, reads, miss_policy, policy, result, stock)
                         model_rows.append(row)
                         say(_line(row))
         rows += model_rows
-        say(table(["capacity", "reads", "miss", "policy", "decode hit", "stall ms/tok", "KiB read/tok", "tok/s",
-                   "x resident", "precision", "late", "backoffs", "same tokens"],
-                  [[f"{r['capacity']:.1%}", r["reads"], r["miss_policy"], r["policy"], r["hit_rate"],
-                    r["stall_ms_per_token"], r["bytes_per_token"] / 1024, r["tok_s"], r["tok_s_ratio_resident"],
-                    r["prefetch_precision"], r["prefetch_late"], r["prefetch_backoffs"], r["token_agreement"]]
-                   for r in model_rows],
-                  title=f"\n{model} model, {len(PROMPTS)} prompts x {n_tokens} greedy tokens, decode figures"))
-        rows.append({"model": model, "policy": "stock mlx-lm", "capacity": 1.0, "tok_s": stock["tok_s"],
-                     "tok_s_ratio_resident": 1.0})
+        say(
+            table(
+                [
+                    "capacity",
+                    "reads",
+                    "miss",
+                    "policy",
+                    "decode hit",
+                    "stall ms/tok",
+                    "KiB read/tok",
+                    "tok/s",
+                    "x resident",
+                    "precision",
+                    "late",
+                    "backoffs",
+                    "same tokens",
+                ],
+                [
+                    [
+                        f"{r['capacity']:.1%}",
+                        r["reads"],
+                        r["miss_policy"],
+                        r["policy"],
+                        r["hit_rate"],
+                        r["stall_ms_per_token"],
+                        r["bytes_per_token"] / 1024,
+                        r["tok_s"],
+                        r["tok_s_ratio_resident"],
+                        r["prefetch_precision"],
+                        r["prefetch_late"],
+                        r["prefetch_backoffs"],
+                        r["token_agreement"],
+                    ]
+                    for r in model_rows
+                ],
+                title=f"\n{model} model, {len(PROMPTS)} prompts x {n_tokens} greedy tokens, decode figures",
+            )
+        )
+        rows.append(
+            {
+                "model": model,
+                "policy": "stock mlx-lm",
+                "capacity": 1.0,
+                "tok_s": stock["tok_s"],
+                "tok_s_ratio_resident": 1.0,
+            }
+        )
     return {"rows": rows}
 
 
 def _line(r) -> str:
-    return (f"  {r['model']} {r['capacity']:.1%} {r['reads']} {r['miss_policy']} {r['policy']}: hit {r['hit_rate']:.3f} "
-            f"x resident {r['tok_s_ratio_resident']:.3f}")
+    return (
+        f"  {r['model']} {r['capacity']:.1%} {r['reads']} {r['miss_policy']} {r['policy']}: hit {r['hit_rate']:.3f} "
+        f"x resident {r['tok_s_ratio_resident']:.3f}"
+    )

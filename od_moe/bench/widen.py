@@ -34,10 +34,15 @@ def widen_model(source, dest, factor: int) -> Path:
     config = json.loads((source / "config.json").read_text())
     quant = config.get("quantization") or {}
     if factor < 1 or quant.get("mode", "affine") != "affine" or "moe_intermediate_size" not in config:
-        raise ValueError("widening needs an affine-quantized MLX checkpoint with moe_intermediate_size and a factor >= 1")
+        raise ValueError(
+            "widening needs an affine-quantized MLX checkpoint with moe_intermediate_size and a factor >= 1"
+        )
     store = ExpertStore(source)
     done = dest / "config.json"
-    if done.exists() and json.loads(done.read_text()).get("od_moe_widened") == {"source": store.weights_digest, "factor": factor}:
+    if done.exists() and json.loads(done.read_text()).get("od_moe_widened") == {
+        "source": store.weights_digest,
+        "factor": factor,
+    }:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     names = sorted(store.tensors)
@@ -60,14 +65,22 @@ def widen_model(source, dest, factor: int) -> Path:
         out.write(blob)
         for name in names:
             entry = store.tensors[name]
-            raw = np.fromfile(store.files[entry.file], dtype=RAW_NUMPY_DTYPES[entry.dtype],
-                              count=int(np.prod(entry.shape)), offset=entry.offset).reshape(entry.shape)
+            raw = np.fromfile(
+                store.files[entry.file],
+                dtype=RAW_NUMPY_DTYPES[entry.dtype],
+                count=int(np.prod(entry.shape)),
+                offset=entry.offset,
+            ).reshape(entry.shape)
             array = _widened(name, raw, factor) if any(p in name for p in EXPERT_PROJECTIONS) else raw
             assert list(array.shape) == shapes[name]
             out.write(np.ascontiguousarray(array).tobytes())
     store.close()
-    (dest / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": offset}, "weight_map": {n: "model.safetensors" for n in names}}, indent=1))
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": offset}, "weight_map": {n: "model.safetensors" for n in names}},
+            indent=1,
+        )
+    )
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (source / extra).exists():
             shutil.copy(source / extra, dest / extra)

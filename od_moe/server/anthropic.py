@@ -18,8 +18,9 @@ def error_body(e: ApiError) -> dict:
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-                                         for b in content):
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content
+    ):
         return "".join(b["text"] for b in content)
     raise ApiError(400, f"{where} must be a string or a list of text blocks (only text is supported)", where)
 
@@ -42,7 +43,9 @@ def parse_request(body: dict, max_tokens_cap: int):
         chat.append({"role": "system", "content": _text(body["system"], "system")})
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages")
+            raise ApiError(
+                400, f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages"
+            )
         chat.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
     return parse_messages({"messages": chat}), params
 
@@ -61,9 +64,19 @@ def message(job, model: str, timeout_s: float) -> dict:
         else:
             _, finish, usage, matched = event
     reason, seq = _stop(finish, matched)
-    return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": "".join(parts)}], "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}}
+    return {
+        "id": "msg_" + uuid.uuid4().hex[:24],
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": "".join(parts)}],
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": {
+            "input_tokens": usage.get("prompt_tokens", 0),
+            "output_tokens": usage.get("completion_tokens", 0),
+        },
+    }
 
 
 def stream(job, model: str, input_tokens: int, timeout_s: float):
@@ -71,14 +84,27 @@ def stream(job, model: str, input_tokens: int, timeout_s: float):
         return f"event: {name}\ndata: {json.dumps(dict(data, type=name))}\n\n"
 
     try:
-        yield sse("message_start", {"message": {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message",
-                                                "role": "assistant", "model": model, "content": [],
-                                                "stop_reason": None, "stop_sequence": None,
-                                                "usage": {"input_tokens": input_tokens, "output_tokens": 0}}})
+        yield sse(
+            "message_start",
+            {
+                "message": {
+                    "id": "msg_" + uuid.uuid4().hex[:24],
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+                }
+            },
+        )
         yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         for event in job.stream(timeout_s):
             if event[0] == "text":
-                yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event[1]}})
+                yield sse(
+                    "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event[1]}}
+                )
             elif event[0] == "error":
                 yield sse("error", {"error": error_body(event[1])["error"]})
                 return
@@ -86,8 +112,13 @@ def stream(job, model: str, input_tokens: int, timeout_s: float):
                 _, finish, usage, matched = event
                 reason, seq = _stop(finish, matched)
                 yield sse("content_block_stop", {"index": 0})
-                yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                            "usage": {"output_tokens": usage.get("completion_tokens", 0)}})
+                yield sse(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": {"output_tokens": usage.get("completion_tokens", 0)},
+                    },
+                )
                 yield sse("message_stop", {})
     finally:
         job.cancelled.set()

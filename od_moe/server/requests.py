@@ -5,14 +5,19 @@ tokenizing prompts (the app does it, because it needs the tokenizer) or generati
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -26,8 +31,8 @@ class GenerationParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: Optional[int] = None
-    stop: List[str] = field(default_factory=list)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
 
@@ -36,8 +41,14 @@ def _number(body, name, default, low, high, integer=False, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (integer and not isinstance(value, int))
+    ):
+        raise ApiError(
+            400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name
+        )
     if value < low or value > high or (low_open and value == low):
         bounds = f"{'>' if low_open else '>='} {low} and <= {high}"
         raise ApiError(400, f"'{name}' must be {bounds}, got {value!r}", name)
@@ -55,7 +66,9 @@ def parse_params(body: dict, max_tokens_cap: int, default_max_tokens: int) -> Ge
     elif value < 1:
         raise ApiError(400, f"'{name}' must be at least 1, got {value}", name)
     elif value > max_tokens_cap:
-        raise ApiError(400, f"'{name}' {value} is above this server's limit of {max_tokens_cap} (--max-tokens)", name)
+        raise ApiError(
+            400, f"'{name}' {value} is above this server's limit of {max_tokens_cap} (--max-tokens)", name
+        )
     else:
         max_tokens = value
     n = body.get("n", 1)
@@ -84,7 +97,11 @@ def parse_params(body: dict, max_tokens_cap: int, default_max_tokens: int) -> Ge
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
         top_k=int(_number(body, "top_k", 0, 0, 1_000_000, integer=True)),
-        seed=seed, stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)))
+        seed=seed,
+        stop=stop,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
 
 
 def parse_prompt(body: dict):
@@ -96,14 +113,18 @@ def parse_prompt(body: dict):
         if not prompt:
             raise ApiError(400, "'prompt' is empty", "prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
         return prompt
     if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt")
     raise ApiError(400, "'prompt' must be a non-empty string (or one list of token ids)", "prompt")
 
 
-def parse_messages(body: dict) -> List[dict]:
+def parse_messages(body: dict) -> list[dict]:
     """The messages of a chat request, as {role, content} with text content."""
     messages = body.get("messages")
     if messages is None:
@@ -113,10 +134,15 @@ def parse_messages(body: dict) -> List[dict]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] must be an object with a role ({', '.join(ROLES)})", "messages")
+            raise ApiError(
+                400, f"messages[{i}] must be an object with a role ({', '.join(ROLES)})", "messages"
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
                 raise ApiError(400, f"messages[{i}].content parts must be text parts", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):

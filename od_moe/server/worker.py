@@ -11,8 +11,8 @@ failed or cancelled request drops it, so it is never reused wrongly. Not here: H
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
 
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -22,7 +22,7 @@ from .requests import ApiError, GenerationParams
 
 @dataclass
 class Job:
-    prompt: List[int]
+    prompt: list[int]
     params: GenerationParams
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -46,7 +46,7 @@ class PromptCache:
     def __init__(self):
         self.cache, self.tokens = None, []
 
-    def take(self, model, prompt: List[int]):
+    def take(self, model, prompt: list[int]):
         """(cache, tokens still to prefill, tokens reused) for `prompt`."""
         n = 0
         if self.cache is not None:
@@ -62,7 +62,7 @@ class PromptCache:
         cache, self.cache, self.tokens = self.cache, None, []  # held by the running request only
         return cache, prompt[n:], n
 
-    def keep(self, cache, tokens: List[int]):
+    def keep(self, cache, tokens: list[int]):
         offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
         if offset is None or offset > len(tokens):
             return
@@ -70,12 +70,12 @@ class PromptCache:
 
 
 class GenerationWorker:
-    def __init__(self, engine=None, loader: Optional[Callable] = None):
+    def __init__(self, engine=None, loader: Callable | None = None):
         self.engine = engine
-        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.prompt_cache = PromptCache()
         self.ready = threading.Event()
-        self.load_error: Optional[BaseException] = None
+        self.load_error: BaseException | None = None
         self.lock = threading.Lock()
         self.counters = {"total": 0, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.active = 0
@@ -85,7 +85,7 @@ class GenerationWorker:
         self.thread.start()
 
     # -- called from request threads ---------------------------------------------------------------
-    def submit(self, prompt: List[int], params: GenerationParams) -> Job:
+    def submit(self, prompt: list[int], params: GenerationParams) -> Job:
         job = Job(prompt, params)
         with self.lock:
             self.counters["total"] += 1
@@ -120,8 +120,15 @@ class GenerationWorker:
             except Exception as e:
                 self.prompt_cache = PromptCache()
                 self._count("failed")
-                error = e if isinstance(e, ApiError) else ApiError(400 if isinstance(e, UserError) else 500, str(e),
-                                                                     kind="invalid_request_error" if isinstance(e, UserError) else "server_error")
+                error = (
+                    e
+                    if isinstance(e, ApiError)
+                    else ApiError(
+                        400 if isinstance(e, UserError) else 500,
+                        str(e),
+                        kind="invalid_request_error" if isinstance(e, UserError) else "server_error",
+                    )
+                )
                 job.events.put(("error", error))
             finally:
                 with self.lock:
@@ -137,8 +144,15 @@ class GenerationWorker:
         stops, hold = p.stop, max((len(s) for s in p.stop), default=1) - 1
         text, sent, tokens, finish, matched = "", 0, [], "length", None
         start = time.perf_counter()
-        for response in engine.stream_generate(rest, max_tokens=p.max_tokens, temperature=p.temperature,
-                                               top_p=p.top_p, top_k=p.top_k, seed=p.seed, prompt_cache=cache):
+        for response in engine.stream_generate(
+            rest,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            prompt_cache=cache,
+        ):
             if job.cancelled.is_set():
                 return "cancelled"  # the cache is dropped: it is not kept below
             tokens.append(response.token)
@@ -157,10 +171,13 @@ class GenerationWorker:
         if len(text) > sent:
             job.events.put(("text", text[sent:]))
         self.prompt_cache.keep(cache, list(job.prompt) + tokens)
-        usage = {"prompt_tokens": len(job.prompt), "completion_tokens": len(tokens),
-                 "total_tokens": len(job.prompt) + len(tokens),
-                 "prompt_tokens_details": {"cached_tokens": reused},
-                 "generation_s": time.perf_counter() - start}
+        usage = {
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(job.prompt) + len(tokens),
+            "prompt_tokens_details": {"cached_tokens": reused},
+            "generation_s": time.perf_counter() - start,
+        }
         with self.lock:
             self.prompt_tokens += len(job.prompt)
             self.cached_tokens += reused

@@ -89,7 +89,8 @@ class LayerCache:
             original = module[part.name]
             if tuple(original.shape[1:]) != tuple(part.shape):
                 raise ValueError(
-                    f"{layout.module_path}.{part.proj}.{part.name}: model expects {original.shape[1:]}, file has {part.shape}"
+                    f"{layout.module_path}.{part.proj}.{part.name}: model expects {original.shape[1:]}, "
+                    f"file has {part.shape}"
                 )
             self.targets[(part.proj, part.name)] = original.dtype
             module[part.name] = mx.zeros((C, *part.shape), dtype=original.dtype)
@@ -192,7 +193,8 @@ class LayerCache:
         chosen = np.concatenate([free, np.array(order[: n - len(free)], dtype=np.int64)])
         if len(chosen) < n:
             raise RuntimeError(
-                f"layer {self.layer}: no room for {n} experts (capacity {self.capacity}, pinned {int(self.pinned.sum())})"
+                f"layer {self.layer}: no room for {n} experts (capacity {self.capacity}, pinned "
+                f"{int(self.pinned.sum())})"
             )
         return chosen
 
@@ -290,7 +292,8 @@ class LayerCache:
         pinned[slots] = True
         if pinned.sum() >= self.capacity:
             raise ValueError(
-                f"layer {self.layer}: pinning {int(pinned.sum())} of {self.capacity} slots leaves none for misses"
+                f"layer {self.layer}: pinning {int(pinned.sum())} of {self.capacity} slots leaves none for "
+                "misses"
             )
         self.pinned = pinned
 

@@ -57,7 +57,8 @@ def parse_capacity(text: str | int | float | None) -> int | float | None:
         return int(s) if re.fullmatch(r"[0-9]+", s) else float(s)
     except ValueError:
         raise UserError(
-            f"cannot read capacity {text!r}: give a count of experts (16), a fraction (0.25) or a percentage (25%)"
+            f"cannot read capacity {text!r}: give a count of experts (16), a fraction (0.25) or a "
+            "percentage (25%)"
         )
 
 
@@ -85,7 +86,8 @@ def resolve_capacity(
         count = int(capacity)
         if not 1 <= count <= num_experts:
             raise UserError(
-                f"capacity must be between 1 and {num_experts} experts per layer (or a fraction in (0, 1]), got {count}"
+                f"capacity must be between 1 and {num_experts} experts per layer (or a fraction in (0, 1]), "
+                f"got {count}"
             )
         return count
     if memory_budget is None or memory_budget == "auto":
@@ -98,6 +100,7 @@ def resolve_capacity(
         need = (non_expert_nbytes + slot_nbytes * moe_layers) / (1 - BUDGET_RESERVE)
         raise UserError(
             f"memory budget {budget} bytes is too small for this model: it needs at least {int(need)} bytes "
-            f"(non-expert weights {non_expert_nbytes} + one {slot_nbytes}-byte expert in each of {moe_layers} layers + reserve)"
+            f"(non-expert weights {non_expert_nbytes} + one {slot_nbytes}-byte expert in each of "
+            f"{moe_layers} layers + reserve)"
         )
     return min(slots, num_experts)

@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
     train.add_argument(
         "--data",
-        help="text/JSON lines/parquet file, a folder of them, or a hub dataset (default: bundled Python source)",
+        help=(
+            "text/JSON lines/parquet file, a folder of them, or a hub dataset (default: bundled Python "
+            "source)"
+        ),
     )
     train.add_argument(
         "--text-field", default="text", help="the column holding the text in JSON/parquet/CSV data"

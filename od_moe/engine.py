@@ -45,7 +45,8 @@ def resolve_model_path(model: str | None) -> Path:
     if path.exists():
         if not (path / "config.json").is_file():
             raise UserError(
-                f"{path} is not a model folder (it has no config.json): point --model at an MLX or Hugging Face model folder"
+                f"{path} is not a model folder (it has no config.json): point --model at an MLX or Hugging "
+                "Face model folder"
             )
         return path
     if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
@@ -55,7 +56,8 @@ def resolve_model_path(model: str | None) -> Path:
             return Path(_download(str(model)))
         except Exception as e:
             raise UserError(
-                f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({type(e).__name__}): check the name and your network"
+                f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub "
+                f"({type(e).__name__}): check the name and your network"
             )
     raise UserError(
         f"model folder {model} does not exist: give the path of an MLX or Hugging Face model folder"
@@ -207,7 +209,7 @@ class Engine:
 
     # -- statistics ------------------------------------------------------------------------------
     def reset_stats(self):
-        """Zero the counters (lookups, reads, stall, prefetch) and the peak memory; the cache stays as it is."""
+        """Zero the counters (lookups, reads, stall, prefetch) and the peak memory; the cache stays."""
         self.runtime.reset_counts()
         backend.reset_peak_memory()
 
@@ -314,7 +316,8 @@ def load(
     blocks = find_moe_blocks(mlx_model)
     if not blocks:
         raise UserError(
-            f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps MoE models; use mlx-lm directly"
+            f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps "
+            "MoE models; use mlx-lm directly"
         )
     total_expert_bytes = expert_nbytes(blocks)
     from mlx.utils import tree_flatten

@@ -67,7 +67,8 @@ def format_stats(stats: dict, response=None) -> str:
     head = (
         f"capacity {stats['capacity']}/{stats['num_experts']} experts per layer "
         f"({stats['capacity_fraction']:.1%}), miss policy {stats['miss_policy']}, "
-        f"eviction {stats['eviction']}, tokens prefill {stats['tokens']['prefill']} decode {stats['tokens']['decode']}"
+        f"eviction {stats['eviction']}, tokens prefill {stats['tokens']['prefill']} decode "
+        f"{stats['tokens']['decode']}"
     )
     out = [
         head,
@@ -75,7 +76,8 @@ def format_stats(stats: dict, response=None) -> str:
     ]
     mem = stats["memory"]
     out.append(
-        f"peak memory {mib(mem['peak_bytes']):.1f} MiB (expert cache {mib(mem['expert_cache_bytes']):.1f} MiB, "
+        f"peak memory {mib(mem['peak_bytes']):.1f} MiB (expert cache {mib(mem['expert_cache_bytes']):.1f} "
+        "MiB, "
         f"non-expert weights {mib(mem['non_expert_bytes']):.1f} MiB)"
     )
     if response is not None:

@@ -302,7 +302,7 @@ class OffloadRuntime:
         prefetched: bool,
         refused: int = 0,
     ):
-        """Book an install (`installed` None: nothing went in); `refused`: prefetched reads not installable."""
+        """Book an install (`installed` None: nothing went in); `refused`: prefetches not installable."""
         evictions, unused = (installed.evictions, installed.unused_prefetches) if installed else (0, 0)
         if prefetched:
             self.ledger.add(

@@ -8,8 +8,8 @@ and scales/biases when quantized) the file, offset and length of each expert's s
 Reads go straight from the file into caller-owned numpy staging buffers; a whole stacked tensor is never
 loaded. With direct I/O on (`use_direct_io`) reads bypass the OS page cache, as they must when the model
 is larger than memory: Linux `O_DIRECT` (aligned spans through a per-thread bounce buffer; the device
-copies, not the CPU) or macOS `F_NOCACHE`. This module does file I/O only (no MLX), so a reader thread may call it. Not here: what to read
-and where it goes (see `cache.py`).
+copies, not the CPU) or macOS `F_NOCACHE`. This module does file I/O only (no MLX), so a reader thread
+may call it. Not here: what to read, where it goes (`cache.py`) or counting it (`stats.py`).
 """
 
 import hashlib
@@ -159,7 +159,8 @@ class ExpertStore:
             names = sorted(p.name for p in self.model_dir.glob("*.safetensors"))
         if not names:
             raise UserError(
-                f"no .safetensors files in {self.model_dir}: point --model at an MLX or Hugging Face model folder"
+                f"no .safetensors files in {self.model_dir}: point --model at an MLX or Hugging Face model "
+                "folder"
             )
         self.files = [self.model_dir / n for n in names]
         self.tensors: dict[str, TensorEntry] = {}
@@ -175,7 +176,8 @@ class ExpertStore:
                 start, end = meta["data_offsets"]
                 if data_start + end > size:
                     raise UserError(
-                        f"{path} is truncated ({size} bytes, tensor {key} ends at {data_start + end}): re-download the model"
+                        f"{path} is truncated ({size} bytes, tensor {key} ends at {data_start + end}): "
+                        "re-download the model"
                     )
                 self.tensors[key] = TensorEntry(
                     i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"])
@@ -251,7 +253,8 @@ class ExpertStore:
             return BlockLayout(module_path, num_experts, found, "hf")
         raise UserError(
             f"cannot find the expert weights of {module_path} in {self.model_dir}: expected stacked tensors "
-            f"'{module_path}.<proj>.weight' (MLX layout) or '{parent}.experts.<e>.<proj>.weight' (Hugging Face layout)"
+            f"'{module_path}.<proj>.weight' (MLX layout) or '{parent}.experts.<e>.<proj>.weight' (Hugging "
+            "Face layout)"
         )
 
     def _stacked_part(self, module_path, proj, name, num_experts):
@@ -327,7 +330,8 @@ class ExpertStore:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
                 raise OSError(
-                    f"short read from {self.files[file_index]} at byte {offset + done}: the file is truncated or unreadable"
+                    f"short read from {self.files[file_index]} at byte {offset + done}: the file is "
+                    "truncated or unreadable"
                 )
             done += got
         if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
@@ -348,7 +352,8 @@ class ExpertStore:
             lo, hi = max(offset, pos), min(end, pos + max(got, 0))
             if got <= 0 or (got < span and hi < end):
                 raise OSError(
-                    f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is truncated or unreadable"
+                    f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is "
+                    "truncated or unreadable"
                 )
             view[lo - offset : hi - offset] = bounce[lo - pos : hi - pos]
             pos += span

@@ -185,7 +185,8 @@ def load_predictor(path, model_identity: str | None = None) -> ShadowPredictor:
     if model_identity is not None and config.model_identity != model_identity:
         raise UserError(
             f"predictor {folder} was trained for another model (identity {config.model_identity}, "
-            f"this model is {model_identity}): train one for this model with `od-moe train-predictor --model ...`"
+            f"this model is {model_identity}): train one for this model with `od-moe train-predictor "
+            "--model ...`"
         )
     predictor = ShadowPredictor(config)
     predictor.load_weights(str(folder / WEIGHTS_FILE))

@@ -1,4 +1,4 @@
-"""`od-moe serve`: a real HTTP server on a loopback port, queried with urllib and the official openai client."""
+"""`od-moe serve`: a real HTTP server on a loopback port, queried with urllib and the openai client."""
 
 import json
 import re

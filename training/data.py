@@ -104,7 +104,8 @@ def load_documents(data: str | None = None, text_field: str = "text") -> Documen
         texts = _load_hub(str(data), text_field)
     else:
         raise UserError(
-            f"data {data} does not exist: give a text, JSON lines or parquet file, a folder, or a hub dataset name"
+            f"data {data} does not exist: give a text, JSON lines or parquet file, a folder, or a hub "
+            "dataset name"
         )
     if not texts:
         raise UserError(f"no text found in {data}: the source is empty (or its --text-field column is)")
@@ -141,7 +142,8 @@ def _load_hub(name: str, text_field: str) -> list[str]:
         )
     if text_field not in ds.column_names:
         raise UserError(
-            f"dataset {name} has no column {text_field!r} (columns: {', '.join(ds.column_names)}): pass --text-field"
+            f"dataset {name} has no column {text_field!r} (columns: {', '.join(ds.column_names)}): pass "
+            "--text-field"
         )
     return [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
 

@@ -138,7 +138,8 @@ def train_predictor_job(
         train_docs, held_docs = split_documents(docs)
         if not held_docs.texts:
             raise UserError(
-                f"{docs.source} has a single document, so none can be held out: give more documents or --eval-data"
+                f"{docs.source} has a single document, so none can be held out: give more documents or "
+                "--eval-data"
             )
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)

@@ -212,7 +212,8 @@ def _run_widened(path, factor, capacities, max_tokens, say):
                 for r in rows
             ],
             title=(
-                f"Widened model (experts x{factor}: {expert_disk / 2**20:.2f} MiB each on disk), {max_tokens} tokens "
+                f"Widened model (experts x{factor}: {expert_disk / 2**20:.2f} MiB each on disk), "
+                f"{max_tokens} tokens "
                 f"per prompt, cold reads, memory budget sized per capacity; stock compute "
                 f"{1e3 / stock['tok_s']:.0f} ms/token"
             ),

@@ -6,10 +6,11 @@ and bytes read per decoded token, decode tok/s and its ratio to the fully reside
 measured in the same process), prefetch precision and back-offs, and for skip mode the share of tokens
 that equal the exact output. The oracle replays the routing recorded from an exact run of the same
 prompt. `--deterministic` makes every prefetch read land before it is needed and turns the timed
-self-checks off: hit counts, bytes read and tokens are then the same on every run. The predictor is the bundled one unless another trained on the bundled model is given; on the
-widened copy it is used as is, because widening keeps every hidden state and routing decision of the
-bundled model (`widen.py`). Skip mode is measured with
-`none` and `profile` only (predictive prefetch needs the per-layer sync of load mode).
+self-checks off: hit counts, bytes read and tokens are then the same on every run. The predictor is the
+bundled one unless another trained on the bundled model is given; on the widened copy it is used as is,
+because widening keeps every hidden state and routing decision of the bundled model (`widen.py`). Skip
+mode is measured with `none` and `profile` only (predictive prefetch needs the per-layer sync of load
+mode).
 """
 
 import functools
@@ -164,7 +165,8 @@ def run_prefetch_grid(
     for model, path, n_tokens, fractions, temps in plan:
         stock = run_stock(path, PROMPTS, n_tokens)
         say(
-            f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, {1e3 / stock['tok_s']:.1f} ms/token"
+            f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, "
+            f"{1e3 / stock['tok_s']:.1f} ms/token"
         )
         model_rows = []
         for fraction in fractions:
@@ -241,6 +243,7 @@ def run_prefetch_grid(
 
 def _line(r) -> str:
     return (
-        f"  {r['model']} {r['capacity']:.1%} {r['reads']} {r['miss_policy']} {r['policy']}: hit {r['hit_rate']:.3f} "
+        f"  {r['model']} {r['capacity']:.1%} {r['reads']} {r['miss_policy']} {r['policy']}: hit "
+        f"{r['hit_rate']:.3f} "
         f"x resident {r['tok_s_ratio_resident']:.3f}"
     )

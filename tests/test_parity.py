@@ -1,6 +1,5 @@
 """Exact mode generates stock mlx-lm's tokens on the bundled trained model, at every capacity."""
 
-import numpy as np
 import pytest
 
 import od_moe
@@ -43,14 +42,15 @@ def test_checkpoint_dtype_matches_unmodified_mlx_lm():
 
 
 def test_skip_mode_runs_and_counts_misses(bundled_reference):
+    """Skip mode is approximate, and deterministic: the figures a correct engine gives on this CPU backend
+    (mlx 0.32) are pinned, so a change in what it drops or loads shows."""
     engine = od_moe.load(capacity=0.25, miss_policy="skip")
     out = od_moe_tokens(engine, PROMPTS, NEW_TOKENS)
     stats = engine.stats()["total"]
-    assert stats["misses"] > 0 and stats["lookups"] == stats["hits"] + stats["misses"]
-    assert stats["experts_loaded"] > 0  # misses were queued and loaded for later tokens
+    assert (stats["lookups"], stats["hits"], stats["experts_loaded"]) == (14080, 8078, 5182)
     assert [len(t) for t in out] == [len(t) for t in bundled_reference]
-    agreement = np.mean([a == b for x, y in zip(out, bundled_reference) for a, b in zip(x, y)])
-    assert 0.0 < agreement <= 1.0
+    same = sum(a == b for x, y in zip(out, bundled_reference) for a, b in zip(x, y))
+    assert same == 10  # of 192 tokens: dropping experts changes the text early on
 
 
 def test_skip_mode_with_every_expert_resident_is_exact(bundled_reference):

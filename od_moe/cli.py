@@ -174,6 +174,11 @@ def _check_positive(parser, name, value):
         parser.error(f"{name} must be a positive integer, got {value}")
 
 
+def _pick(args, *names) -> dict:
+    """The parsed arguments `names` as keyword arguments."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _predictor_arg(value):
     if value == "bundled":
         from .engine import DEFAULT_PREDICTOR
@@ -187,10 +192,7 @@ def cmd_generate(args):
     from .report import format_stats
 
     options = dict(
-        capacity=args.capacity,
-        memory_budget=args.memory_budget,
-        miss_policy=args.miss_policy,
-        eviction=args.eviction,
+        _pick(args, "capacity", "memory_budget", "miss_policy", "eviction"),
         direct_io=_direct_io(args.direct_io),
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
@@ -226,25 +228,25 @@ def _print_report(report: dict, as_json: bool):
 def cmd_train_predictor(args):
     from .training.pipeline import train_predictor_job
 
-    report = train_predictor_job(
-        model=args.model,
-        data=args.data,
-        text_field=args.text_field,
-        eval_data=args.eval_data,
-        out=args.out,
-        lookahead=args.lookahead,
-        rank=args.rank,
-        depth=args.depth,
-        max_tokens=args.max_tokens,
-        eval_tokens=args.eval_tokens,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        capacity=args.capacity,
-        memory_budget=args.memory_budget,
-        traces_dir=args.traces,
-        keep_traces=args.keep_traces,
+    names = (
+        "model",
+        "data",
+        "text_field",
+        "eval_data",
+        "out",
+        "lookahead",
+        "rank",
+        "depth",
+        "max_tokens",
+        "eval_tokens",
+        "epochs",
+        "batch_size",
+        "lr",
+        "capacity",
+        "memory_budget",
+        "keep_traces",
     )
+    report = train_predictor_job(traces_dir=args.traces, **_pick(args, *names))
     _print_report(report, args.json)
     if not args.json:
         print(f"\npredictor and report.json written to {args.out}")
@@ -253,33 +255,29 @@ def cmd_train_predictor(args):
 def cmd_eval_predictor(args):
     from .training.pipeline import eval_predictor_job
 
-    report = eval_predictor_job(
-        _predictor_arg(args.predictor),
-        args.data,
-        model=args.model,
-        text_field=args.text_field,
-        max_tokens=args.max_tokens,
-        capacity=args.capacity,
-        memory_budget=args.memory_budget,
-    )
+    names = ("model", "text_field", "max_tokens", "capacity", "memory_budget")
+    report = eval_predictor_job(_predictor_arg(args.predictor), args.data, **_pick(args, *names))
     _print_report(report, args.json)
 
 
 def cmd_serve(args):
     from .server import serve
 
+    names = (
+        "model",
+        "prefetch",
+        "host",
+        "port",
+        "capacity",
+        "memory_budget",
+        "max_tokens",
+        "max_input_tokens",
+    )
     serve(
-        args.model,
         predictor=_predictor_arg(args.predictor),
-        prefetch=args.prefetch,
-        host=args.host,
-        port=args.port,
-        capacity=args.capacity,
-        memory_budget=args.memory_budget,
-        max_tokens=args.max_tokens,
-        max_input_tokens=args.max_input_tokens,
         direct_io=_direct_io(args.direct_io),
         log=lambda line: print(line, file=sys.stderr, flush=True),
+        **_pick(args, *names),
     )
 
 

@@ -137,8 +137,7 @@ class Governor:
         precision = du / (du + dw)
         if precision < MIN_PRECISION and self.per_layer > 0:
             self.per_layer //= 2
-            self.backoffs += 1
-            self.backoff_reason = (
+            self._back_off(
                 f"precision {precision:.2f} over the last {self.settings.window} tokens is "
                 f"below {MIN_PRECISION}: now {self.per_layer} experts per layer"
             )
@@ -175,13 +174,12 @@ class Governor:
                 return
             self.gain = gain
             if gain["hidden_ms"] < gain["cost_ms"] + MIN_GAIN * gain["token_ms"]:
-                self.backoffs += 1
-                self.backoff_reason = (
+                self._back_off(
                     f"prefetch saves {gain['hidden_ms']:.2f} ms of demand reads per token and "
                     f"costs {gain['cost_ms']:.2f} ms of a {gain['token_ms']:.1f} ms token: "
-                    f"paused until the demand stall grows"
+                    f"paused until the demand stall grows",
+                    pause="gain",
                 )
-                self._set_mode("paused", "gain")
         elif self.mode == "paused" and self._pause_kind == "gain" and n >= self.settings.probe_tokens:
             stall = self._gain(self.settings.probe_tokens)
             if stall is not None and stall["hidden_ms"] > max(
@@ -202,17 +200,22 @@ class Governor:
             if on and off:
                 self.probe = {"on_ms": 1e3 * float(np.mean(on)), "off_ms": 1e3 * float(np.mean(off))}
             if on and off and np.mean(off) < np.mean(on) * (1 - COST_MARGIN):
-                self.backoffs += 1
-                self.backoff_reason = (
+                self._back_off(
                     f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token "
-                    f"with it, {self.probe['off_ms']:.1f} without; paused for "
-                    f"{s.pause_tokens} tokens"
+                    f"with it, {self.probe['off_ms']:.1f} without; paused for {s.pause_tokens} tokens",
+                    pause="cost",
                 )
-                self._set_mode("paused", "cost")
             else:
                 self._set_mode("on")
         elif self.mode == "paused" and n >= s.pause_tokens:
             self._set_mode("on")
+
+    def _back_off(self, reason: str, pause: str | None = None):
+        """Count a back-off; with `pause` ("gain" or "cost"), pause prefetch for that reason."""
+        self.backoffs += 1
+        self.backoff_reason = reason
+        if pause:
+            self._set_mode("paused", pause)
 
     def _token_seconds(self, mode: str) -> list[float]:
         return [m.seconds for m in self._marks if m.mode == mode and m.seconds is not None]

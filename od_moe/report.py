@@ -37,33 +37,20 @@ def mib(n: int) -> float:
 
 def format_stats(stats: dict, response=None) -> str:
     """The short table `od-moe generate --stats` prints."""
-    rows = []
-    for layer in stats["layers"]:
-        rows.append(
-            [
-                layer["layer"],
-                layer["lookups"],
-                layer["hits"],
-                layer["misses"],
-                layer["hit_rate"],
-                layer["decode"]["hit_rate"],
-                mib(layer["bytes_read"]),
-                layer["stall_s"] * 1e3,
-            ]
-        )
-    t = stats["total"]
-    rows.append(
-        [
-            "all",
-            t["lookups"],
-            t["hits"],
-            t["misses"],
-            t["hit_rate"],
-            t["decode"]["hit_rate"],
-            mib(t["bytes_read"]),
-            t["stall_s"] * 1e3,
+
+    def row(label, d):
+        return [
+            label,
+            d["lookups"],
+            d["hits"],
+            d["misses"],
+            d["hit_rate"],
+            d["decode"]["hit_rate"],
+            mib(d["bytes_read"]),
+            d["stall_s"] * 1e3,
         ]
-    )
+
+    rows = [row(layer["layer"], layer) for layer in stats["layers"]] + [row("all", stats["total"])]
     head = (
         f"capacity {stats['capacity']}/{stats['num_experts']} experts per layer "
         f"({stats['capacity_fraction']:.1%}), miss policy {stats['miss_policy']}, "

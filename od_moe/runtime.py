@@ -304,24 +304,9 @@ class OffloadRuntime:
     ):
         """Book an install (`installed` None: nothing went in); `refused`: prefetches not installable."""
         evictions, unused = (installed.evictions, installed.unused_prefetches) if installed else (0, 0)
-        if prefetched:
-            self.ledger.add(
-                self.phase,
-                layer,
-                prefetch_installed=count,
-                prefetch_install_s=seconds,
-                evictions=evictions,
-                prefetch_wasted=unused + refused,
-            )
-        else:
-            self.ledger.add(
-                self.phase,
-                layer,
-                installed=count,
-                install_s=seconds,
-                evictions=evictions,
-                prefetch_wasted=unused,
-            )
+        kind = "prefetch_" if prefetched else ""
+        counts = {f"{kind}installed": count, f"{kind}install_s": seconds}
+        self.ledger.add(self.phase, layer, evictions=evictions, prefetch_wasted=unused + refused, **counts)
 
     def _install_prefetched(self, reads: list[Read], protect: Sequence[int]):
         """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch

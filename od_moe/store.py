@@ -236,21 +236,12 @@ class ExpertStore:
         parts: projection name -> names of its per-expert arrays, as the loaded module has them
         (e.g. {"gate_proj": ["weight", "scales", "biases"], ...}).
         """
-        found = [
-            self._stacked_part(module_path, proj, name, num_experts)
-            for proj, names in parts.items()
-            for name in names
-        ]
-        if all(found):
-            return BlockLayout(module_path, num_experts, found, "mlx")
         parent = module_path.rsplit(".", 1)[0]
-        found = [
-            self._per_expert_part(parent, proj, name, num_experts)
-            for proj, names in parts.items()
-            for name in names
-        ]
-        if all(found):
-            return BlockLayout(module_path, num_experts, found, "hf")
+        finders = (("mlx", self._stacked_part, module_path), ("hf", self._per_expert_part, parent))
+        for kind, find, prefix in finders:
+            found = [find(prefix, proj, name, num_experts) for proj, names in parts.items() for name in names]
+            if all(found):
+                return BlockLayout(module_path, num_experts, found, kind)
         raise UserError(
             f"cannot find the expert weights of {module_path} in {self.model_dir}: expected stacked tensors "
             f"'{module_path}.<proj>.weight' (MLX layout) or '{parent}.experts.<e>.<proj>.weight' (Hugging "

@@ -10,48 +10,35 @@ from ..errors import UserError
 
 
 def add_arguments(parser):
-    parser.add_argument(
-        "--capacities",
-        default="1,0.5,0.25,0.125",
-        help="with --foundation: comma-separated fractions of experts resident (default 1,0.5,0.25,0.125)",
+    add = parser.add_argument
+    add(
+        "--full",
+        action="store_true",
+        help="the whole grid: both models x 12.5/25/50%% x cold/warm x load/skip",
     )
-    parser.add_argument(
-        "--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model"
+    add("--json", action="store_true", help="print the rows as JSON instead of tables")
+    add("--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model")
+    add(
+        "--widen", type=int, default=128, help="widening of the I/O-bound copy of the bundled model (0: none)"
     )
-    parser.add_argument(
-        "--widen",
-        type=int,
-        default=128,
-        help="widening factor of the I/O-bound copy of the bundled model (0: skip it)",
-    )
-    parser.add_argument(
-        "--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model"
-    )
-    parser.add_argument(
+    add("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
+    add(
         "--workdir",
         default=str(Path(tempfile.gettempdir()) / "od-moe-bench"),
         help="where the widened model is written (about 1.4 GB at --widen 128)",
     )
-    parser.add_argument(
+    add(
         "--predictor",
-        help="a predictor folder trained on the bundled model (train-predictor's --out) for "
-        "the predictor rows, in place of the bundled one; the widened copy uses it too",
+        help="a predictor trained on the bundled model for the predictor rows (default: bundled)",
     )
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
-    parser.add_argument(
-        "--full",
-        action="store_true",
-        help="the whole grid: both models x 12.5/25/50%% x cold/warm x load/skip x every policy",
-    )
-    parser.add_argument(
-        "--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)"
-    )
-    parser.add_argument(
+    add(
         "--deterministic",
         action="store_true",
-        help="prefetch reads land before they are needed and no timed check pauses prefetch: "
-        "hit counts, bytes and tokens repeat exactly (for comparing code, not speed)",
+        help="prefetch reads land before they are needed and no timed check pauses prefetch: hit counts, "
+        "bytes and tokens repeat exactly (for comparing code, not speed)",
     )
+    add("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
+    add("--capacities", default="1,0.5,0.25,0.125", help="with --foundation: fractions of experts resident")
 
 
 def run(args):

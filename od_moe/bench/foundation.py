@@ -51,6 +51,19 @@ def run_stock(path, prompts, max_tokens):
     return {"tokens": tokens, "tok_s": sum(tps) / len(tps), "peak_bytes": peak}
 
 
+def _stock_row(model: str, stock: dict, **extra) -> dict:
+    return {
+        "model": model,
+        "capacity": 1.0,
+        "policy": "stock mlx-lm",
+        "tok_s": stock["tok_s"],
+        "tok_s_ratio_resident": 1.0,
+        "peak_bytes": stock["peak_bytes"],
+        "exact": True,
+        **extra,
+    }
+
+
 def run_od_moe(path, prompts, max_tokens, cold=False, **load_kwargs):
     """od-moe on the same prompts: tokens, decode tok/s, and the engine's statistics."""
     mx.clear_cache()
@@ -102,17 +115,7 @@ def run_foundation(capacities, max_tokens, widen, widened_tokens, workdir: Path,
     rows = []
     say(f"od-moe bench on {platform.machine()} {mx.default_device()}, {len(PROMPTS)} prompts")
     stock = run_stock(DEFAULT_MODEL, PROMPTS, max_tokens)
-    rows.append(
-        {
-            "model": "bundled",
-            "capacity": 1.0,
-            "policy": "stock mlx-lm",
-            "tok_s": stock["tok_s"],
-            "tok_s_ratio_resident": 1.0,
-            "peak_bytes": stock["peak_bytes"],
-            "exact": True,
-        }
-    )
+    rows.append(_stock_row("bundled", stock))
     for fraction in capacities:
         for eviction in ("lru", "lfu") if fraction < 1 else ("lru",):
             result = run_od_moe(DEFAULT_MODEL, PROMPTS, max_tokens, capacity=fraction, eviction=eviction)
@@ -161,18 +164,7 @@ def _run_widened(path, factor, capacities, max_tokens, say):
     slot, layers, non_expert = probe.caches[0].slot_nbytes, len(probe.caches), probe.non_expert_nbytes
     expert_disk = probe.caches[0].layout.expert_nbytes
     del probe
-    rows = [
-        {
-            "model": "widened",
-            "capacity": 1.0,
-            "policy": "stock mlx-lm",
-            "tok_s": stock["tok_s"],
-            "tok_s_ratio_resident": 1.0,
-            "peak_bytes": stock["peak_bytes"],
-            "exact": True,
-            "compute_ms_per_token": 1e3 / stock["tok_s"],
-        }
-    ]
+    rows = [_stock_row("widened", stock, compute_ms_per_token=1e3 / stock["tok_s"])]
     for fraction in capacities:
         if fraction >= 1:
             continue

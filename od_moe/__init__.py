@@ -14,8 +14,18 @@ from collections.abc import Generator
 
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load
 from .errors import UserError
+from .governor import PrefetchSettings
 
-__all__ = ["load", "generate", "stream_generate", "Engine", "UserError", "DEFAULT_MODEL", "DEFAULT_PREDICTOR"]
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "Engine",
+    "PrefetchSettings",
+    "UserError",
+    "DEFAULT_MODEL",
+    "DEFAULT_PREDICTOR",
+]
 __version__ = "0.1.0"
 
 _engines = {}

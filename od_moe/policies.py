@@ -284,7 +284,7 @@ def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_lay
         if oracle_trace is None:
             raise UserError(
                 "prefetch policy 'oracle' needs the routing recorded from the same prompt: "
-                "od_moe.record_routing(prompt, max_tokens, ...) gives it"
+                "engine.record_routing(prompt, max_tokens) on an engine with the same settings gives it"
             )
         return OraclePolicy(list(oracle_trace), len(engine.caches))
     raise UserError(f"unknown prefetch policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -103,8 +103,7 @@ class LayerCache:
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
         self._views = {}  # (proj, part) -> (stacked array, its numpy view)
-        self._lookup = None
-        self._resident = None
+        self._changed()
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -130,7 +129,16 @@ class LayerCache:
 
     def is_full(self) -> bool:
         """Every expert of the layer is resident: no lookup can miss."""
-        return self.resident_count == self.num_experts
+        if self._full is None:
+            self._full = self.resident_count == self.num_experts
+        return self._full
+
+    def routed_slots(self, indices: mx.array) -> mx.array:
+        """Slots of routed expert ids (lazy). When every expert sits in the slot of its own id (a cache
+        filled in order, as a fully resident one is) the ids are the slots: no operation at all."""
+        if self._identity is None:
+            self._identity = bool(np.array_equal(self.slot_of, np.arange(self.num_experts)))
+        return indices if self._identity else self.lookup_table()[indices]
 
     def lookup_table(self) -> mx.array:
         """(E,) int32 slot of every expert id; total: non-resident ids map to slot 0."""
@@ -239,7 +247,7 @@ class LayerCache:
         return Installed(slots, len(evicted), unused)
 
     def _changed(self):
-        self._lookup = self._resident = None
+        self._lookup = self._resident = self._full = self._identity = None
 
     def _host_view(self, part) -> np.ndarray | None:
         """The numpy view of a part's stacked array, kept while that array stays the module's."""

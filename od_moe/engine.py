@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.sample_utils import make_sampler
 
-from . import backend
+from . import backend, governor
 from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import resolve_capacity
 from .errors import UserError
@@ -224,7 +224,9 @@ class Engine:
         ledger = runtime.ledger.snapshot()
         layers = layer_rows(ledger, self.caches)
         prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
-        if runtime.reader is not None:
+        if runtime.reader is None:
+            prefetch.update(pending=0, **governor.OFF)
+        else:
             prefetch.update(pending=runtime.reader.counts()["pending"], **runtime.governor.stats())
         cache_bytes = sum(c.slot_nbytes * c.capacity for c in self.caches)
         return {

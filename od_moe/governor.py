@@ -44,6 +44,17 @@ class PrefetchSettings:
     synchronous: bool = False  # every read lands before the next layer runs: deterministic figures
 
 
+# what the governor reports when prefetch is off (no policy reads ahead)
+OFF = {
+    "experts_per_layer": 0,
+    "mode": "off",
+    "cost_probe": None,
+    "gain": None,
+    "backoffs": 0,
+    "backoff_reason": None,
+}
+
+
 class _Mark(NamedTuple):  # cumulative counts at the end of a forward pass
     mode: str
     seconds: float | None

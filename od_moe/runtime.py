@@ -115,6 +115,12 @@ class OffloadRuntime:
         if layer == 0:
             self._between_passes()
             self._pass_index = self._prompt_passes
+        if cache.is_full() and self._nobody_watches():  # nothing can miss: count, and compute at once
+            if layer == 0:
+                self._start_pass(int(np.prod(indices.shape[:-1])), phase)
+            self._count_lookups(phase, layer, indices.size, indices.size)
+            yield Route(cache.routed_slots(indices))
+            return
         exact = self.miss_policy == "load" and not cache.is_full()
         if exact and self.settings is not None and self.settings.synchronous:
             self._drain()
@@ -139,7 +145,7 @@ class OffloadRuntime:
             yield self._route_skipping(layer, indices, phase)
         elif not exact:
             self._deferred.append((layer, indices, phase))
-            yield Route(cache.lookup_table()[indices])
+            yield Route(cache.routed_slots(indices))
         else:
             yield from self._route_exact(step, indices, predictions)
 
@@ -187,7 +193,7 @@ class OffloadRuntime:
         weights of the resident experts sum to what all k summed to."""
         cache = self.caches[layer]
         self._deferred.append((layer, indices, phase))
-        slots = cache.lookup_table()[indices]
+        slots = cache.routed_slots(indices)
         if cache.is_full():
             return Route(slots)
         present = cache.resident_mask()[indices].astype(mx.float32)
@@ -196,6 +202,10 @@ class OffloadRuntime:
         kept = (weights * present).sum(axis=-1, keepdims=True)
         scale = mx.where(kept > 0, weights.sum(axis=-1, keepdims=True) / mx.maximum(kept, 1e-30), 0.0)
         return Route(slots, scale=present * scale)
+
+    def _nobody_watches(self) -> bool:
+        """No policy hook and no recording needs the routing (so a full cache need not know it)."""
+        return self._recording is None and type(self.policy) is OnDemand
 
     # -- between passes --------------------------------------------------------------------------
     def _between_passes(self):

@@ -10,8 +10,10 @@ the slots it gets back. One decoded token, top to bottom:
    `after_routing` hooks run; finished reads are installed; lookups and hits are counted; misses are
    claimed from the reader if being read ("late"), else read and installed here; the predictions are
    queued for the reader; the slots go back to the switch (in rounds when they do not all fit).
-   A layer whose experts are all resident, and skip mode, never sync: their routing is accounted for
-   at the next pass (`settle`); skip mode scales missing experts out and loads them then.
+   A layer whose experts are all resident only counts its lookups (its ids are its slots when the cache
+   holds experts in id order) unless a hook or a recording needs the routing; such layers and skip
+   mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
+   missing experts out and loads them then.
 Every count is booked in the ledger (`stats.py`) here, once. Everything here runs on the generation
 thread. Not here: the forward math (`switch.py`), reading ahead (`reader.py`), choosing how much to
 read ahead (`governor.py`) or what (`policies.py`).

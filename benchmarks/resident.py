@@ -1,7 +1,7 @@
 """Fully resident overhead: stock mlx-lm against od-moe at 100% capacity on the embedded model, in one
 process, alternating rounds (machines are noisy: the ratio is the figure). Greedy tokens must agree.
 
-    python benchmarks/resident.py [--dtype auto|model] [--rounds 4] [--tokens 64]
+    python benchmarks/resident.py [--model PATH] [--dtype auto|model] [--rounds 4] [--tokens 64]
 """
 
 import argparse
@@ -15,34 +15,46 @@ from od_moe.bench.foundation import PROMPTS
 from od_moe.report import table
 
 
-def _round(model, tokenizer, max_tokens):
-    """Mean decode tok/s over the prompts, and the tokens."""
-    runs = [list(stream_generate(model, tokenizer, p, max_tokens=max_tokens)) for p in PROMPTS]
-    return sum(r[-1].generation_tps for r in runs) / len(runs), [[x.token for x in r] for r in runs]
+def _decode_tps(model, tokenizer, prompt, max_tokens):
+    """Decode tok/s of one greedy generation, and its tokens."""
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    return out[-1].generation_tps, [r.token for r in out]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", default=str(od_moe.DEFAULT_MODEL), help="an MLX model folder (default: embedded)"
+    )
     parser.add_argument(
         "--dtype", default="auto", help="auto (float32 on the CPU) or model (the checkpoint's)"
     )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    stock, tokenizer = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
+    stock, tokenizer = mlx_lm_load(args.model)
     dtype = backend.compute_dtype(args.dtype)
     if dtype is not None:
         stock.set_dtype(dtype)
-    engine = od_moe.load(capacity=1.0, dtype=args.dtype)
+    engine = od_moe.load(args.model, capacity=1.0, dtype=args.dtype)
     for model in (stock, engine.model):  # warm-up: kernels, caches
-        _round(model, tokenizer, 8)
+        _decode_tps(model, tokenizer, PROMPTS[0], 8)
     rows = []
-    for n in range(args.rounds):
-        (a, ta), (b, tb) = _round(stock, tokenizer, args.tokens), _round(engine.model, tokenizer, args.tokens)
-        rows.append([n + 1, a, b, b / a, ta == tb])
+    for n in range(args.rounds):  # alternate prompt by prompt: drifts of the machine hit both alike
+        pairs = [
+            (
+                _decode_tps(stock, tokenizer, p, args.tokens),
+                _decode_tps(engine.model, tokenizer, p, args.tokens),
+            )
+            for p in PROMPTS
+        ]
+        a, b = (sum(pair[i][0] for pair in pairs) / len(pairs) for i in (0, 1))
+        rows.append([n + 1, a, b, b / a, all(x[1] == y[1] for x, y in pairs)])
+    ratios = sorted(r[3] for r in rows)
     mean = [sum(r[i] for r in rows) / len(rows) for i in (1, 2)]
-    rows.append(["all", mean[0], mean[1], mean[1] / mean[0], all(r[4] for r in rows)])
-    title = f"dtype {args.dtype}, {len(PROMPTS)} prompts x {args.tokens} greedy tokens, decode tok/s"
+    rows.append(["mean", mean[0], mean[1], mean[1] / mean[0], all(r[4] for r in rows)])
+    rows.append(["median ratio", None, None, ratios[len(ratios) // 2], None])
+    title = f"{args.model}, dtype {args.dtype}, {len(PROMPTS)} prompts x {args.tokens} tokens: decode tok/s"
     print(table(["round", "stock mlx-lm", "od-moe 100%", "ratio", "same tokens"], rows, title=title))
 
 

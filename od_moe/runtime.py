@@ -119,7 +119,7 @@ class OffloadRuntime:
             self._pass_index = self._prompt_passes
         if cache.is_full() and self._nobody_watches():  # nothing can miss: count, and compute at once
             if layer == 0:
-                self._start_pass(int(np.prod(indices.shape[:-1])), phase)
+                self._start_pass(indices.size // indices.shape[-1], phase)
             self._count_lookups(phase, layer, indices.size, indices.size)
             yield Route(cache.routed_slots(indices))
             return
@@ -269,7 +269,7 @@ class OffloadRuntime:
         self.policy.after_routing(step, ids)
 
     def _count_lookups(self, phase: str, layer: int, lookups: int, hits: int):
-        self.ledger.add(phase, layer, lookups=lookups, hits=hits)
+        self.ledger.count_lookups(phase, layer, lookups, hits)
 
     def _touch(self, cache: LayerCache, ids: np.ndarray, uses: np.ndarray):
         first_uses = cache.touch(ids, uses, self.clock)

@@ -42,6 +42,7 @@ LAYER_FIELDS = (
 READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 _PHASE = {name: i for i, name in enumerate(PHASES)}
+_LOOKUPS, _HITS = _FIELD["lookups"], _FIELD["hits"]
 
 
 class Ledger:
@@ -62,6 +63,12 @@ class Ledger:
         row = self.layers[_PHASE[phase], layer]
         for name, value in counts.items():
             row[_FIELD[name]] += value
+
+    def count_lookups(self, phase: str, layer: int, lookups: int, hits: int):
+        """`add(phase, layer, lookups=..., hits=...)`, without the keyword loop: it runs at every layer."""
+        row = self.layers[_PHASE[phase], layer]
+        row[_LOOKUPS] += lookups
+        row[_HITS] += hits
 
     def count_forward(self, phase: str, tokens: int):
         self.forwards += 1

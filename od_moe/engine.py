@@ -23,7 +23,8 @@ from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import resolve_capacity
 from .errors import UserError
 from .governor import PrefetchSettings
-from .policies import OnDemand, make_policy
+from .policies import make_policy
+from .reader import READ_THREADS
 from .routing import router_matrices, router_of, tap_router
 from .runtime import MISS_POLICIES, OffloadRuntime
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
@@ -182,10 +183,10 @@ class Engine:
         return recording
 
     def close(self):
-        """Stop the prefetch reader thread (the engine can still generate, on demand)."""
+        """Stop prefetch and the reader threads (the engine can still generate: demand reads restart them)."""
         runtime = getattr(self, "runtime", None)
-        if runtime is not None and runtime.reader is not None:
-            runtime.set_policy(OnDemand())
+        if runtime is not None:
+            runtime.close()
             self.policy_name = "none"
 
     def __del__(self):
@@ -224,7 +225,7 @@ class Engine:
         ledger = runtime.ledger.snapshot()
         layers = layer_rows(ledger, self.caches)
         prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
-        if runtime.reader is None:
+        if runtime.governor is None:
             prefetch.update(pending=0, **governor.OFF)
         else:
             prefetch.update(pending=runtime.reader.counts()["pending"], **runtime.governor.stats())
@@ -281,6 +282,7 @@ def load(
     dtype: str = "auto",
     prefetch: str | None = None,
     direct_io: bool | str = "auto",
+    read_threads: int = READ_THREADS,
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -296,6 +298,7 @@ def load(
     direct_io: read experts past the OS page cache (Linux O_DIRECT, macOS F_NOCACHE): True, False, or
         "auto" (on when the model's files are larger than the memory available, where caching their
         pages would only push out the expert cache).
+    read_threads: expert reads in flight at once (demand and prefetch); SSDs read faster with a few.
     """
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
@@ -329,7 +332,9 @@ def load(
     slot_nbytes = total_expert_bytes // (num_experts * len(blocks))
     slots = resolve_capacity(capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert)
     caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
-    runtime = OffloadRuntime(store, caches, miss_policy)
+    if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
+        raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
+    runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
     for i, block in enumerate(blocks):
         setattr(block.block, block.attr, OffloadedSwitch(block.switch, runtime, i))
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk

@@ -1,21 +1,24 @@
-"""The prefetch reader: a queue of expert reads and the background thread that does them.
+"""The reader: a queue of expert reads and the background threads that do them, for demand and prefetch.
 
-- `submit(layer, wanted, fetch)`: the experts predicted for a layer ahead (`wanted`, with scores) and
-  those of them to read (`fetch`: not resident). They supersede the layer's earlier requests (made from
-  farther back, so less accurate): those not started are withdrawn, and only `wanted` is kept from
-  eviction when reads are installed (`wanted(layer)`).
-- The thread does file I/O only (`ExpertStore.read` into its own staging buffers), one expert at a
-  time, best score first, while the bytes read and not yet taken stay under `max_inflight_bytes`.
-- `withdraw(layer)`: the layer is running; requests for it never started are useless now.
-- `claim(layer, experts)`: at a demand miss, a read in progress is waited for ("late") instead of
-  read twice; a pending one is withdrawn so the demand path reads it. Returns the finished reads.
-- `take_ready()`: every finished read, for the generation thread to install.
+- `fetch(layer, experts)`: demand. The experts are read now, in parallel by all threads and before
+  any prefetch; those already being read (prefetches, "late") are waited for, not read twice. Returns
+  the finished reads for the generation thread to install.
+- `submit(layer, wanted, fetch)`: prefetch. The experts predicted for a layer ahead (`wanted`, with
+  scores) and those of them to read (`fetch`: not resident). They supersede the layer's earlier
+  requests (made from farther back, so less accurate): those not started are withdrawn, and only
+  `wanted` is kept from eviction when reads are installed (`wanted(layer)`).
+- The threads do file I/O only (`ExpertStore.read` into staging buffers from a bounded pool), one
+  expert at a time, demand first, then best score, while the prefetched bytes read and not yet taken stay
+  under `max_inflight_bytes`. Several threads keep several reads in flight: SSDs need queue depth.
+- `withdraw(layer)`: the layer is running; prefetch requests for it never started are useless now.
+- `take_ready()`: every finished prefetch, for the generation thread to install.
 - `drain()`: wait until nothing is being read (with `synchronous` prefetch: reads then always arrive
   before the next layer runs, as on an infinitely fast disk; deterministic, for comparisons).
-Counts go to the ledger's reader fields (issued, completed, reader seconds, dropped).
+Prefetch counts go to the ledger's reader fields (issued, completed, reader seconds, dropped).
 Not here: installing (`runtime.py`), what to predict (`policies.py`) or how much (`governor.py`).
 """
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from .stats import Ledger
 from .store import BlockLayout, ExpertStore, Staging
 
-MAX_INFLIGHT_BYTES = 32 * 2**20  # read and not yet installed: bounds the staging memory of prefetch
+MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory
+READ_THREADS = 4  # reads in flight at once: NVMe and cloud disks read several times faster at depth 4
+DEMAND = math.inf  # the score of a demand read: before any prefetch
 
 
 @dataclass
@@ -37,6 +42,14 @@ class Read:
     staging: Staging | None = None
     error: BaseException | None = None
 
+    @property
+    def demand(self) -> bool:
+        return self.score == DEMAND
+
+
+def _shape_key(layout: BlockLayout) -> tuple:
+    return tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in layout.parts)
+
 
 class Reader:
     def __init__(
@@ -44,27 +57,69 @@ class Reader:
         store: ExpertStore,
         layouts: list[BlockLayout],
         ledger: Ledger,
+        threads: int = READ_THREADS,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     ):
         self.store, self.layouts, self.ledger = store, layouts, ledger
-        self.max_inflight_bytes = max(max_inflight_bytes, max(l.expert_nbytes for l in layouts))
+        self.max_inflight_bytes = max(max_inflight_bytes, max(layout.expert_nbytes for layout in layouts))
         self._cv = threading.Condition()
         self._pending: dict[tuple[int, int], Read] = {}
         self._reading: dict[tuple[int, int], Read] = {}
         self._ready: dict[tuple[int, int], Read] = {}
-        self._inflight_bytes = 0
+        self._inflight_bytes = 0  # prefetched bytes being read or read and not taken
         self._wanted: dict[int, set] = {}
-        self._spare: dict[int, list[Staging]] = {}  # staging buffers of taken reads, by layer
+        self._spare: dict[tuple, list[Staging]] = {}  # staging buffers of taken reads, by expert shape
+        self._keep_spare = (
+            max(self.max_inflight_bytes // min(l.expert_nbytes for l in layouts), threads) + threads
+        )
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="od-moe-prefetch", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name="od-moe-reader", daemon=True) for _ in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    # -- generation thread ------------------------------------------------------------------------
+    # -- generation thread: demand ------------------------------------------------------------------
+    def fetch(self, layer: int, experts: Sequence[int], read: bool = True) -> tuple[list[Read], list[Read]]:
+        """Read `experts` of `layer` now (all threads, before any prefetch) and wait for them. Returns the
+        demand reads, and the prefetches of them that were already being read or were read ("late"). With
+        `read=False` only the late ones are waited for; pending prefetches of the others are withdrawn."""
+        keys = [(layer, int(e)) for e in experts]
+        with self._cv:
+            for key in keys:
+                if key in self._reading or key in self._ready:
+                    continue
+                if read:
+                    self._pending[key] = Read(layer, key[1], DEMAND, self.layouts[layer].expert_nbytes)
+                else:
+                    self._pending.pop(key, None)
+            self._cv.notify_all()
+            while any(k in self._pending or k in self._reading for k in keys):
+                self._cv.wait()
+            reads = [self._ready.pop(k) for k in keys if k in self._ready]
+            self._inflight_bytes -= sum(r.nbytes for r in reads if not r.demand)
+            self._cv.notify_all()
+        return [r for r in reads if r.demand], [r for r in reads if not r.demand]
+
+    def cancel_prefetches(self):
+        """Forget every prefetch: pending ones are dropped, those being read finish and are discarded."""
+        with self._cv:
+            stale = [k for k, r in self._pending.items() if not r.demand]
+            for k in stale:
+                del self._pending[k]
+            self._wanted.clear()
+            while self._reading:
+                self._cv.wait()
+        self.recycle(self.take_ready())
+
+    # -- generation thread: prefetch ----------------------------------------------------------------
     def submit(self, layer: int, wanted: dict[int, float], fetch: Sequence[int]):
         """Request `fetch` (a subset of `wanted`) for `layer`, superseding the layer's earlier requests."""
         with self._cv:
             self._wanted[layer] = set(wanted)
-            superseded = [k for k in self._pending if k[0] == layer and k[1] not in wanted]
+            superseded = [
+                k for k, r in self._pending.items() if k[0] == layer and k[1] not in wanted and not r.demand
+            ]
             for k in superseded:
                 del self._pending[k]
             self.ledger.reader["dropped"] += len(superseded)
@@ -78,10 +133,10 @@ class Reader:
             self._cv.notify_all()
 
     def withdraw(self, layer: int):
-        """The layer is running: forget its predictions and its requests not started."""
+        """The layer is running: forget its predictions and its prefetch requests not started."""
         with self._cv:
             self._wanted.pop(layer, None)
-            stale = [k for k in self._pending if k[0] == layer]
+            stale = [k for k, r in self._pending.items() if k[0] == layer and not r.demand]
             for k in stale:
                 del self._pending[k]
             self.ledger.reader["dropped"] += len(stale)
@@ -91,31 +146,8 @@ class Reader:
         with self._cv:
             return sorted(self._wanted.get(layer, ()))
 
-    def claim(self, layer: int, experts: Sequence[int]) -> tuple[list[Read], float]:
-        """For demand misses of `layer`: withdraw pending requests for `experts`, wait for those being
-        read; returns their finished reads (and those already finished) and the seconds waited."""
-        waited = 0.0
-        with self._cv:
-            for e in experts:
-                self._pending.pop((layer, int(e)), None)
-            keys = [
-                (layer, int(e))
-                for e in experts
-                if (layer, int(e)) in self._reading or (layer, int(e)) in self._ready
-            ]
-            if not keys:
-                return [], 0.0
-            start = time.perf_counter()
-            while any(k in self._reading for k in keys):
-                self._cv.wait()
-            waited = time.perf_counter() - start
-            reads = [self._ready.pop(k) for k in keys]
-            self._inflight_bytes -= sum(r.nbytes for r in reads)
-            self._cv.notify_all()
-        return reads, waited
-
     def take_ready(self) -> list[Read]:
-        """Every finished read (the caller installs or discards them, then `recycle`s them)."""
+        """Every finished prefetch (the caller installs or discards them, then `recycle`s them)."""
         with self._cv:
             reads = list(self._ready.values())
             self._ready.clear()
@@ -127,7 +159,9 @@ class Reader:
         """The reads' bytes are in their slots (or not wanted): their buffers may be reused."""
         with self._cv:
             for r in reads:
-                self._spare.setdefault(r.layer, []).append(r.staging)
+                spare = self._spare.setdefault(_shape_key(self.layouts[r.layer]), [])
+                if len(spare) < self._keep_spare:
+                    spare.append(r.staging)
 
     def drain(self) -> bool:
         """Wait until no read is in progress and none can start; True if requests are still pending
@@ -151,22 +185,32 @@ class Reader:
             self._stop = True
             self._cv.notify_all()
 
-    # -- reader thread ----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._stop
+
+    # -- reader threads -----------------------------------------------------------------------------
+    def _next(self) -> tuple[tuple[int, int], Read] | None:
+        """The best request that may start now (demand first; prefetch within the bound on bytes)."""
+        if not self._pending:
+            return None
+        key, r = max(self._pending.items(), key=lambda kv: kv[1].score)
+        return (key, r) if r.demand or self._inflight_bytes < self.max_inflight_bytes else None
+
     def _run(self):
         while True:
             with self._cv:
-                while not self._stop and not (
-                    self._pending and self._inflight_bytes < self.max_inflight_bytes
-                ):
+                while not self._stop and (job := self._next()) is None:
                     self._cv.wait()
                 if self._stop:
                     return
-                key, r = max(self._pending.items(), key=lambda kv: kv[1].score)
+                key, r = job
                 del self._pending[key]
                 self._reading[key] = r
-                self._inflight_bytes += r.nbytes
-                self.ledger.reader["issued"] += 1
-                spare = self._spare.get(r.layer)
+                if not r.demand:
+                    self._inflight_bytes += r.nbytes
+                    self.ledger.reader["issued"] += 1
+                spare = self._spare.get(_shape_key(self.layouts[r.layer]))
                 r.staging = spare.pop() if spare else Staging(self.layouts[r.layer], 1)
             t0 = time.perf_counter()
             try:
@@ -174,8 +218,9 @@ class Reader:
             except BaseException as e:  # raised on the generation thread when taken
                 r.error = e
             with self._cv:
-                self.ledger.reader["reader_s"] += time.perf_counter() - t0
-                self.ledger.reader["completed"] += 1
+                if not r.demand:
+                    self.ledger.reader["reader_s"] += time.perf_counter() - t0
+                    self.ledger.reader["completed"] += 1
                 del self._reading[key]
                 self._ready[key] = r
                 self._cv.notify_all()

@@ -29,10 +29,10 @@ import numpy as np
 from .cache import Installed, LayerCache
 from .governor import Governor, PrefetchSettings
 from .policies import OnDemand, Prediction, Step
-from .reader import Read, Reader
+from .reader import READ_THREADS, Read, Reader
 from .routing import routing_weights
 from .stats import Ledger
-from .store import ExpertStore, Staging
+from .store import ExpertStore
 
 MISS_POLICIES = ("load", "skip")
 READ_BATCH = 16  # experts per read round at most...
@@ -49,39 +49,51 @@ class Route(NamedTuple):
 
 
 class OffloadRuntime:
-    def __init__(self, store: ExpertStore, caches: list[LayerCache], miss_policy: str = "load"):
+    def __init__(
+        self,
+        store: ExpertStore,
+        caches: list[LayerCache],
+        miss_policy: str = "load",
+        read_threads: int = READ_THREADS,
+    ):
         if miss_policy not in MISS_POLICIES:
             raise ValueError(f"unknown miss policy {miss_policy!r}")
         self.store, self.caches, self.miss_policy = store, caches, miss_policy
+        self.read_threads = read_threads
         self.ledger = Ledger(len(caches))
         self.taps: list = [None] * len(caches)  # RouterTaps where router outputs are needed
         self.policy = OnDemand()
-        self.reader: Reader | None = None
+        self._reader: Reader | None = None
         self.governor: Governor | None = None
         self.settings: PrefetchSettings | None = None
         self.clock = 0  # forward passes so far: the time of cache uses
         self.phase = "prefill"  # of the running pass
         self._recording: list[dict[int, np.ndarray]] | None = None
         self._deferred = []
-        self._staging: dict[tuple, Staging] = {}
         self._prompt_passes = 0  # passes since the prompt started
         self._pass_index = 0
         self._pass_started: float | None = None
 
     # -- configuration ---------------------------------------------------------------------------
     def set_policy(self, policy, settings: PrefetchSettings | None = None, experts_per_layer: int = 0):
-        """Use `policy`; with `settings`, a reader and a governor prefetch what it predicts."""
-        self.close()
-        self.policy, self.settings = policy, settings
+        """Use `policy`; with `settings`, a governor has the reader prefetch what it predicts."""
+        self.reader.cancel_prefetches()
+        self.policy, self.settings, self.governor = policy, settings, None
         if settings is not None:
-            self.reader = Reader(self.store, [c.layout for c in self.caches], self.ledger)
             self.governor = Governor(settings, self.ledger, settings.experts_per_layer or experts_per_layer)
 
+    @property
+    def reader(self) -> Reader:
+        """The reader threads (started again if `close` stopped them)."""
+        if self._reader is None or self._reader.closed:
+            self._reader = Reader(self.store, [c.layout for c in self.caches], self.ledger, self.read_threads)
+        return self._reader
+
     def close(self):
-        """Stop the reader thread (no prefetch from now on)."""
-        if self.reader is not None:
-            self.reader.close()
-        self.reader = self.governor = None
+        """Stop prefetching and the reader threads (demand reads start them again)."""
+        if self._reader is not None:
+            self._reader.close()
+        self.policy, self.settings, self.governor = OnDemand(), None, None
 
     def reset_counts(self):
         """Zero the ledger; reads still in flight count as issued, so the prefetch invariant holds."""
@@ -89,7 +101,7 @@ class OffloadRuntime:
         self.ledger.reset()
         for cache in self.caches:
             cache.forget_prefetches()
-        if self.reader is not None:
+        if self.governor is not None:
             counts = self.reader.counts()
             self.ledger.reader["issued"] = counts["reading"] + counts["ready"]
             self.governor.reset()
@@ -126,7 +138,7 @@ class OffloadRuntime:
         exact = self.miss_policy == "load" and not cache.is_full()
         if exact and self.settings is not None and self.settings.synchronous:
             self._drain()
-        prefetching = exact and self.reader is not None and (self.governor.active or self.reader.busy)
+        prefetching = exact and self.governor is not None and (self.governor.active or self.reader.busy)
         tap = self.taps[layer]
         step = Step(
             self._pass_index,
@@ -213,7 +225,7 @@ class OffloadRuntime:
     def _between_passes(self):
         self.settle()
         now = time.perf_counter()
-        if self.reader is not None:  # between tokens: the cooperative install point
+        if self.governor is not None:  # between tokens: the cooperative install point
             self.governor.end_token(self.phase, now - self._pass_started if self._pass_started else None)
             self._install_ready({})
         self._pass_started = now
@@ -277,33 +289,41 @@ class OffloadRuntime:
             self.ledger.add(self.phase, cache.layer, prefetch_useful=first_uses)
 
     # -- reads and installs ----------------------------------------------------------------------
-    def _staging_for(self, cache: LayerCache) -> Staging:
-        key = tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in cache.layout.parts)
-        staging = self._staging.get(key)
-        if staging is None:
-            size = max(1, min(READ_BATCH, STAGING_BYTES // cache.layout.expert_nbytes))
-            staging = self._staging[key] = Staging(cache.layout, size)
-        return staging
-
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
-        """Read experts `ids` of `cache`'s layer from disk and install them, now, on this thread."""
+        """Read experts `ids` of `cache`'s layer (in parallel, by the reader's threads) and install them,
+        now; prefetches of them already in flight are waited for, not read twice."""
         ids = np.asarray(ids, dtype=np.int64)
-        staging = self._staging_for(cache)
+        layout = cache.layout
+        chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // layout.expert_nbytes))
         keep = list(protect) + ids.tolist()
-        for start in range(0, len(ids), staging.size):
-            chunk = ids[start : start + staging.size]
+        for start in range(0, len(ids), chunk):
             t0 = time.perf_counter()
-            raw = self.store.read(cache.layout, chunk, staging)
+            reads, late = self.reader.fetch(cache.layer, ids[start : start + chunk])
             t1 = time.perf_counter()
+            if late:
+                self.ledger.add(
+                    self.phase, cache.layer, wait_s=0.0 if reads else t1 - t0, prefetch_late=len(late)
+                )
+                self._install_prefetched(late, keep)
+            if not reads:
+                continue
             self.ledger.add(
                 self.phase,
                 cache.layer,
-                experts_read=len(chunk),
-                bytes_read=len(chunk) * cache.layout.expert_nbytes,
+                experts_read=len(reads),
+                bytes_read=len(reads) * layout.expert_nbytes,
                 read_s=t1 - t0,
             )
-            installed = cache.install(chunk, raw, protect=keep, clock=self.clock)
-            self._book_install(cache.layer, installed, len(chunk), time.perf_counter() - t1, prefetched=False)
+            try:
+                _raise_read_errors(reads)
+                raw = {key: [r.raw[key][0] for r in reads] for key in reads[0].raw}
+                installed = cache.install([r.expert for r in reads], raw, protect=keep, clock=self.clock)
+            finally:
+                self.reader.recycle(reads)
+            self._book_install(cache.layer, installed, len(reads), time.perf_counter() - t1, prefetched=False)
+        refused = ids[cache.slot_of[ids] < 0]  # late prefetches that found no slot: read them as demand
+        if refused.size:
+            self.load(cache, refused, protect)
 
     def _book_install(
         self,
@@ -323,9 +343,7 @@ class OffloadRuntime:
     def _install_prefetched(self, reads: list[Read], protect: Sequence[int]):
         """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch
         never evicts an expert predicted for the same run of its layer."""
-        for r in reads:
-            if r.error is not None:
-                raise r.error
+        _raise_read_errors(reads)
         layer = reads[0].layer
         cache = self.caches[layer]
         protect = list(protect) + self.reader.wanted(layer)
@@ -352,18 +370,21 @@ class OffloadRuntime:
     def _install_ready(self, protect: dict[int, Sequence[int]]):
         """Install every finished read, one install (one evaluation) per layer."""
         by_layer: dict[int, list[Read]] = {}
-        for r in sorted(self.reader.take_ready(), key=lambda r: -r.score):
+        for r in sorted(
+            self.reader.take_ready(), key=lambda r: (-r.score, r.layer, r.expert)
+        ):  # threads finish in any order
             by_layer.setdefault(r.layer, []).append(r)
         for layer, reads in by_layer.items():
             self._install_prefetched(reads, protect.get(layer, ()))
 
     def _claim(self, layer: int, missing: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Late prefetches: wait for misses being read instead of reading them twice; the rest."""
-        reads, waited = self.reader.claim(layer, missing)
-        if not reads:
+        t0 = time.perf_counter()
+        _, late = self.reader.fetch(layer, missing, read=False)
+        if not late:
             return missing
-        self.ledger.add(self.phase, layer, wait_s=waited, prefetch_late=len(reads))
-        self._install_prefetched(reads, uniq)
+        self.ledger.add(self.phase, layer, wait_s=time.perf_counter() - t0, prefetch_late=len(late))
+        self._install_prefetched(late, uniq)
         cache = self.caches[layer]
         still = missing[cache.slot_of[missing] < 0]
         arrived = np.setdiff1d(missing, still)
@@ -387,3 +408,9 @@ class OffloadRuntime:
         while self.reader.drain():
             self._install_ready({})
         self._install_ready({})
+
+
+def _raise_read_errors(reads: list[Read]):
+    for r in reads:
+        if r.error is not None:
+            raise r.error

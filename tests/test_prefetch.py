@@ -15,6 +15,7 @@ from od_moe.errors import UserError
 from od_moe.governor import PrefetchSettings
 from od_moe.policies import Prediction, Step
 from od_moe.predictor import PredictorConfig, ShadowPredictor
+from od_moe.reader import READ_THREADS
 
 
 @pytest.fixture(scope="module")
@@ -286,13 +287,13 @@ def test_the_reader_thread_ends_with_its_engine():
     import time
 
     def readers():
-        return sum(t.name == "od-moe-prefetch" for t in threading.enumerate())
+        return sum(t.name == "od-moe-reader" for t in threading.enumerate())
 
     gc.collect()
     before = readers()
     engine = od_moe.load(capacity=16, prefetch="next-gate")
     engine.generate(PROMPTS[0], max_tokens=8)
-    assert readers() == before + 1
+    assert readers() == before + READ_THREADS
     del engine
     gc.collect()
     deadline = time.time() + 5

@@ -24,7 +24,7 @@ from .capacity import resolve_capacity
 from .errors import UserError
 from .governor import PrefetchSettings
 from .policies import make_policy
-from .reader import READ_THREADS
+from .reader import read_threads_for
 from .routing import router_matrices, router_of, tap_router
 from .runtime import MISS_POLICIES, OffloadRuntime
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
@@ -282,7 +282,7 @@ def load(
     dtype: str = "auto",
     prefetch: str | None = None,
     direct_io: bool | str = "auto",
-    read_threads: int = READ_THREADS,
+    read_threads: int | None = None,
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -298,7 +298,8 @@ def load(
     direct_io: read experts past the OS page cache (Linux O_DIRECT, macOS F_NOCACHE): True, False, or
         "auto" (on when the model's files are larger than the memory available, where caching their
         pages would only push out the expert cache).
-    read_threads: expert reads in flight at once (demand and prefetch); SSDs read faster with a few.
+    read_threads: expert reads in flight at once (demand and prefetch); None: 4 for experts of 1 MiB or
+        more (SSDs read faster with a few in flight), 1 for smaller ones.
     """
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
@@ -332,6 +333,8 @@ def load(
     slot_nbytes = total_expert_bytes // (num_experts * len(blocks))
     slots = resolve_capacity(capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert)
     caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
+    if read_threads is None:
+        read_threads = read_threads_for(max(c.layout.expert_nbytes for c in caches))
     if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
         raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
     runtime = OffloadRuntime(store, caches, miss_policy, read_threads)

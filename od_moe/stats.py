@@ -156,12 +156,10 @@ def totals(rows: list[dict]) -> dict:
 
 
 def io_by_phase(led: Ledger) -> dict[str, dict]:
-    """Bytes read, stall and install seconds by the phase of the pass that caused them."""
+    """Bytes read, experts installed, stall and install seconds by the phase of the pass that caused them."""
     everywhere = slice(None)
-    return {
-        p: {k: v for k, v in _io(led, n, everywhere).items() if k in ("bytes_read", "stall_s", "install_s")}
-        for n, p in enumerate(PHASES)
-    }
+    keys = ("bytes_read", "experts_loaded", "stall_s", "install_s")
+    return {p: {k: v for k, v in _io(led, n, everywhere).items() if k in keys} for n, p in enumerate(PHASES)}
 
 
 def prefetch_counts(led: Ledger, unused_installed: int) -> dict:

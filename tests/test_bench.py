@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from od_moe.cli import main
 
 
@@ -24,5 +26,13 @@ def test_the_deterministic_grid_is_exact_and_repeats(capsys):
         "prefetch_precision",
     )
     assert [[r.get(k) for k in keys] for r in first] == [[r.get(k) for k in keys] for r in second]
+    stock = next(r for r in first if r["policy"] == "stock mlx-lm")
+    for r in runs:  # the roofline is never below the resident step, and names the bound that sets it
+        assert r["roofline_ms_per_token"] >= 1e3 / stock["tok_s"] and r["roofline_bound"] in (
+            "compute",
+            "read",
+            "install",
+        )
+        assert r["tok_s_ratio_roofline"] == pytest.approx(r["roofline_ms_per_token"] * r["tok_s"] / 1e3)
     oracle = [r for r in runs if r["policy"] == "oracle"]
     assert all(r["prefetch_precision"] == 1.0 for r in oracle)  # the true routing, read ahead: always used

@@ -25,6 +25,7 @@ from ..governor import PrefetchSettings
 from ..predictor import load_predictor
 from ..report import table
 from .foundation import PROMPTS, run_stock
+from .roofline import install_bandwidth, read_bandwidth, roofline_ms
 from .widen import widen_model
 
 POLICY_ORDER = ("none", "profile", "next-gate", "predictor", "oracle")
@@ -71,6 +72,7 @@ def run_policy(
         engine = load(str(path), predictor=predictor, **options)
         engine.configure_prefetch(policy, oracle_trace=trace, settings=settings)
         expert_bytes = engine.caches[0].layout.expert_nbytes
+        slot_bytes = engine.caches[0].slot_nbytes
         store = engine.runtime.store
         store.drop_after_read = cold
         if cold:
@@ -83,7 +85,13 @@ def run_policy(
         tps.append(last.generation_tps)
         stats.append(engine.stats())
         engine.close()
-    return {"tokens": tokens, "tok_s": sum(tps) / len(tps), "stats": stats, "expert_bytes": expert_bytes}
+    return {
+        "tokens": tokens,
+        "tok_s": sum(tps) / len(tps),
+        "stats": stats,
+        "expert_bytes": expert_bytes,
+        "slot_bytes": slot_bytes,
+    }
 
 
 def _sum(stats, *keys):
@@ -96,7 +104,8 @@ def _sum(stats, *keys):
     return total
 
 
-def _row(model, fraction, reads, miss_policy, policy, result, stock):
+def _row(model, fraction, reads, miss_policy, policy, result, stock, machine):
+    """One row; `machine`: the read bandwidth (for these reads) and install bandwidth measured here."""
     stats = result["stats"]
     decode = _sum(stats, "tokens", "decode") or 1
     lookups, hits = _sum(stats, "total", "decode", "lookups"), _sum(stats, "total", "decode", "hits")
@@ -126,6 +135,20 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock):
         "token_agreement": sum(same) / len(same),
         "exact": result["tokens"] == stock["tokens"],
         "tokens": result["tokens"],
+        **_roofline(stats, decode, result, stock, machine),
+    }
+
+
+def _roofline(stats, decode, result, stock, machine) -> dict:
+    read_bytes = _sum(stats, "io", "decode", "bytes_read") / decode
+    install_bytes = _sum(stats, "io", "decode", "experts_loaded") * result["slot_bytes"] / decode
+    floor_ms, bound = roofline_ms(
+        1e3 / stock["tok_s"], read_bytes, machine["read_bw"], install_bytes, machine["install_bw"]
+    )
+    return {
+        "roofline_ms_per_token": floor_ms,
+        "roofline_bound": bound,
+        "tok_s_ratio_roofline": floor_ms / (1e3 / result["tok_s"]),
     }
 
 
@@ -168,6 +191,7 @@ def run_prefetch_grid(
             f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, "
             f"{1e3 / stock['tok_s']:.1f} ms/token"
         )
+        machine = _machine(path, temps, say)
         model_rows = []
         for fraction in fractions:
             for reads in temps:
@@ -187,7 +211,11 @@ def run_prefetch_grid(
                             predictor_dir=predictor_dir,
                             settings=settings,
                         )
-                        row = _row(model, fraction, reads, miss_policy, policy, result, stock)
+                        bandwidths = {
+                            "read_bw": machine["read"][reads]["bytes_per_s"],
+                            "install_bw": machine["install_bw"],
+                        }
+                        row = _row(model, fraction, reads, miss_policy, policy, result, stock, bandwidths)
                         model_rows.append(row)
                         say(_line(row))
         rows += model_rows
@@ -207,6 +235,9 @@ def run_prefetch_grid(
                     "late",
                     "backoffs",
                     "same tokens",
+                    "roofline ms",
+                    "bound",
+                    "x roofline",
                 ],
                 [
                     [
@@ -223,6 +254,9 @@ def run_prefetch_grid(
                         r["prefetch_late"],
                         r["prefetch_backoffs"],
                         r["token_agreement"],
+                        r["roofline_ms_per_token"],
+                        r["roofline_bound"],
+                        r["tok_s_ratio_roofline"],
                     ]
                     for r in model_rows
                 ],
@@ -239,6 +273,17 @@ def run_prefetch_grid(
             }
         )
     return {"rows": rows}
+
+
+def _machine(path, temps, say) -> dict:
+    """This machine's read bandwidth (per read temperature, best depth) and install bandwidth."""
+    read = {temp: read_bandwidth(path, cold=temp == "cold") for temp in temps}
+    machine = {"read": read, "install_bw": install_bandwidth(path)}
+    for temp, bw in read.items():
+        depths = ", ".join(f"{d}: {b / 1e9:.2f}" for d, b in bw["by_depth"].items())
+        say(f"  {temp} reads by the engine's reader, GB/s at depth {depths}")
+    say(f"  installs: {machine['install_bw'] / 1e9:.2f} GB/s")
+    return machine
 
 
 def _line(r) -> str:

@@ -1,0 +1,87 @@
+"""The machine's roofline for a benchmark row, from bandwidths the bench measures itself on this machine.
+
+A decode step cannot beat max(resident step time, bytes read per token / read bandwidth, bytes installed
+per token / install bandwidth) (../shared/DESIGN.md). Measured here:
+- read bandwidth: the engine's own reader (`reader.Reader`, demand reads of whole experts) at queue
+  depths 1, 2, 4 and 8, cold (page cache dropped, direct I/O) or warm (from the page cache); the best
+  depth counts;
+- install bandwidth: the backend's install path (`LayerCache.install`: numpy writes into host memory on
+  the CPU and Metal, MLX slice updates on CUDA), from bytes already in memory.
+A row's `x roofline` is the roofline step time over its measured step time (1.0: at the machine's limit).
+Not here: running the rows (`prefetch.py`).
+"""
+
+import time
+
+import numpy as np
+
+from .. import load
+from ..reader import Reader
+from ..stats import Ledger
+from ..store import ExpertStore, Staging
+
+DEPTHS = (1, 2, 4, 8)
+
+
+def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0) -> dict:
+    """Bytes per second of whole-expert reads by the engine's reader at each depth; and the best."""
+    store = ExpertStore(path)
+    engine = load(str(path), capacity=1, prefetch="none")  # layouts only: one slot per layer
+    layouts = [c.layout for c in engine.caches]
+    engine.close()
+    if cold:
+        store.use_direct_io(True)
+        store.drop_after_read = True
+    rng = np.random.default_rng(seed)
+    by_depth = {}
+    for depth in DEPTHS:
+        reader = Reader(store, layouts, Ledger(len(layouts)), threads=depth)
+        nbytes, seconds = 0, 0.0
+        for _ in range(max(1, experts_per_depth // depth)):
+            layer = int(rng.integers(len(layouts)))
+            ids = rng.choice(layouts[layer].num_experts, size=depth, replace=False)
+            if cold:
+                store.drop_page_cache()
+            t0 = time.perf_counter()
+            reads, _ = reader.fetch(layer, ids)
+            seconds += time.perf_counter() - t0
+            nbytes += sum(r.nbytes for r in reads)
+            reader.recycle(reads)
+        reader.close()
+        by_depth[depth] = nbytes / seconds
+    store.close()
+    best = max(by_depth, key=by_depth.get)
+    return {"bytes_per_s": by_depth[best], "depth": best, "by_depth": by_depth}
+
+
+def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
+    """Bytes per second the backend installs read experts into a layer's slots."""
+    engine = load(str(path), capacity=experts, prefetch="none")
+    cache, store = engine.caches[0], engine.runtime.store
+    batches = [np.arange(experts) + experts * (n % 2) for n in range(repeats + 1)]  # alternate: always fresh
+    raws = {}
+    for ids in batches[:2]:
+        staging = Staging(cache.layout, experts)
+        raws[int(ids[0])] = store.read(cache.layout, ids, staging)
+    seconds = 0.0
+    for n, ids in enumerate(batches):
+        t0 = time.perf_counter()
+        cache.install(ids, raws[int(ids[0])], clock=n)
+        if n:  # the first install warms the path up
+            seconds += time.perf_counter() - t0
+    nbytes = cache.slot_nbytes * experts * repeats
+    engine.close()
+    return nbytes / seconds
+
+
+def roofline_ms(
+    resident_ms: float, read_bytes: float, read_bw: float, install_bytes: float, install_bw: float
+):
+    """The fastest a decode step can be, in ms, and which bound sets it."""
+    bounds = {
+        "compute": resident_ms,
+        "read": 1e3 * read_bytes / read_bw,
+        "install": 1e3 * install_bytes / install_bw,
+    }
+    bound = max(bounds, key=bounds.get)
+    return bounds[bound], bound

@@ -1,8 +1,8 @@
 """The reader: a queue of expert reads and the background threads that do them, for demand and prefetch.
 
-- `fetch(layer, experts)`: demand. The experts are read now, in parallel by all threads and before
-  any prefetch; those already being read (prefetches, "late") are waited for, not read twice. Returns
-  the finished reads for the generation thread to install.
+- `fetch(layer, experts)`: demand. The experts are read now by the calling thread, helped by the reader
+  threads when there are several, before any prefetch; those already being read (prefetches, "late")
+  are waited for, not read twice. Returns the finished reads for the generation thread to install.
 - `submit(layer, wanted, fetch)`: prefetch. The experts predicted for a layer ahead (`wanted`, with
   scores) and those of them to read (`fetch`: not resident). They supersede the layer's earlier
   requests (made from farther back, so less accurate): those not started are withdrawn, and only
@@ -81,6 +81,7 @@ class Reader:
         self._inflight_bytes = 0  # prefetched bytes being read or read and not taken
         self._wanted: dict[int, set] = {}
         self._spare: dict[tuple, list[Staging]] = {}  # staging buffers of taken reads, by expert shape
+        self._batch_staging: dict[tuple, Staging] = {}  # the calling thread's batched demand reads
         self._keep_spare = (
             max(self.max_inflight_bytes // min(l.expert_nbytes for l in layouts), threads) + threads
         )
@@ -93,10 +94,12 @@ class Reader:
 
     # -- generation thread: demand ------------------------------------------------------------------
     def fetch(self, layer: int, experts: Sequence[int], read: bool = True) -> tuple[list[Read], list[Read]]:
-        """Read `experts` of `layer` now (all threads, before any prefetch) and wait for them. Returns the
-        demand reads, and the prefetches of them that were already being read or were read ("late"). With
-        `read=False` only the late ones are waited for; pending prefetches of the others are withdrawn."""
+        """Read `experts` of `layer` now and wait for them: the calling thread reads them itself, the
+        reader threads help when there are several (before any prefetch). Returns the demand reads, and the
+        prefetches of them that were already being read or were read ("late"). With `read=False` only the
+        late ones are waited for; pending prefetches of the others are withdrawn."""
         keys = [(layer, int(e)) for e in experts]
+        batch = []
         with self._cv:
             for key in keys:
                 if key in self._reading or key in self._ready:
@@ -105,7 +108,23 @@ class Reader:
                     self._pending[key] = Read(layer, key[1], DEMAND, self.layouts[layer].expert_nbytes)
                 else:
                     self._pending.pop(key, None)
-            self._cv.notify_all()
+            mine = [k for k in keys if k in self._pending and self._pending[k].demand]
+            if len(self._threads) > 1 and len(mine) > 1:
+                self._cv.notify_all()  # helpers; a single read is faster without a hand-off
+            elif mine:  # no helpers needed: one batched read, contiguous experts in one preadv
+                batch = [self._pending.pop(k) for k in mine]
+                self._reading.update(zip(mine, batch))
+                mine = []
+        if batch:
+            self._read_batch(layer, batch)
+        for key in mine:
+            with self._cv:
+                r = self._pending.get(key)
+                if r is None or not r.demand:
+                    continue
+                self._start(key, r)
+            self._read(key, r)
+        with self._cv:
             while any(k in self._pending or k in self._reading for k in keys):
                 self._cv.wait()
             reads = [self._ready.pop(k) for k in keys if k in self._ready]
@@ -172,7 +191,7 @@ class Reader:
         with self._cv:
             for r in reads:
                 spare = self._spare.setdefault(_shape_key(self.layouts[r.layer]), [])
-                if len(spare) < self._keep_spare:
+                if r.staging is not None and len(spare) < self._keep_spare:  # batched reads have none
                     spare.append(r.staging)
 
     def drain(self) -> bool:
@@ -209,6 +228,52 @@ class Reader:
         key, r = max(self._pending.items(), key=lambda kv: kv[1].score)
         return (key, r) if r.demand or self._inflight_bytes < self.max_inflight_bytes else None
 
+    def _start(self, key, r: Read):
+        """Move a request from pending to reading (the caller holds the lock)."""
+        del self._pending[key]
+        self._reading[key] = r
+        if not r.demand:
+            self._inflight_bytes += r.nbytes
+            self.ledger.reader["issued"] += 1
+        spare = self._spare.get(_shape_key(self.layouts[r.layer]))
+        r.staging = spare.pop() if spare else Staging(self.layouts[r.layer], 1)
+
+    def _read_batch(self, layer: int, batch: list[Read]):
+        """Demand reads of one layer in one `ExpertStore.read` (the calling thread, no helpers)."""
+        layout = self.layouts[layer]
+        staging = self._batch_staging.get(_shape_key(layout))
+        if staging is None or staging.size < len(batch):
+            staging = self._batch_staging[_shape_key(layout)] = Staging(layout, max(len(batch), 16))
+        try:
+            raw = self.store.read(layout, [r.expert for r in batch], staging)
+        except BaseException as e:  # raised on the generation thread when taken
+            raw, error = None, e
+        else:
+            error = None
+        with self._cv:
+            for i, r in enumerate(batch):
+                r.error = error
+                r.raw = None if raw is None else {k: v[i : i + 1] for k, v in raw.items()}
+                key = (layer, r.expert)
+                del self._reading[key]
+                self._ready[key] = r
+            self._cv.notify_all()
+
+    def _read(self, key, r: Read):
+        """Do the read (no lock held), then file it as ready."""
+        t0 = time.perf_counter()
+        try:
+            r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
+        except BaseException as e:  # raised on the generation thread when taken
+            r.error = e
+        with self._cv:
+            if not r.demand:
+                self.ledger.reader["reader_s"] += time.perf_counter() - t0
+                self.ledger.reader["completed"] += 1
+            del self._reading[key]
+            self._ready[key] = r
+            self._cv.notify_all()
+
     def _run(self):
         while True:
             with self._cv:
@@ -217,22 +282,5 @@ class Reader:
                 if self._stop:
                     return
                 key, r = job
-                del self._pending[key]
-                self._reading[key] = r
-                if not r.demand:
-                    self._inflight_bytes += r.nbytes
-                    self.ledger.reader["issued"] += 1
-                spare = self._spare.get(_shape_key(self.layouts[r.layer]))
-                r.staging = spare.pop() if spare else Staging(self.layouts[r.layer], 1)
-            t0 = time.perf_counter()
-            try:
-                r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
-            except BaseException as e:  # raised on the generation thread when taken
-                r.error = e
-            with self._cv:
-                if not r.demand:
-                    self.ledger.reader["reader_s"] += time.perf_counter() - t0
-                    self.ledger.reader["completed"] += 1
-                del self._reading[key]
-                self._ready[key] = r
-                self._cv.notify_all()
+                self._start(key, r)
+            self._read(key, r)

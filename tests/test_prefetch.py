@@ -338,3 +338,21 @@ def test_next_token_lens_names_the_next_first_layer_experts():
         np.mean(lens_recall),
         np.mean(repeat_recall),
     )
+
+
+@pytest.mark.parametrize("policy", ["none", "next-gate"])
+def test_several_reader_threads_give_exact_tokens(policy, predictor_dir, bundled_reference):
+    """Demand misses read by the generation thread with helpers, prefetches by four threads at once."""
+    engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4)
+    engine.configure_prefetch(policy, settings=PrefetchSettings(timed_checks=False))
+    assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
+    stats = engine.stats()
+    _invariants(stats)
+    assert stats["total"]["bytes_read"] == stats["total"]["experts_loaded"] * engine.caches[
+        0
+    ].layout.expert_nbytes + (
+        stats["prefetch"]["bytes_read"]
+        - stats["prefetch"]["installed"] * engine.caches[0].layout.expert_nbytes
+    )
+    for cache in engine.caches:
+        _consistent(cache)

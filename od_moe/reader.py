@@ -74,7 +74,9 @@ class Reader:
     ):
         self.store, self.layouts, self.ledger = store, layouts, ledger
         self.max_inflight_bytes = max(max_inflight_bytes, max(layout.expert_nbytes for layout in layouts))
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # reader threads wait here for requests
+        self._done = threading.Condition(self._lock)  # the generation thread waits here for reads
         self._pending: dict[tuple[int, int], Read] = {}
         self._reading: dict[tuple[int, int], Read] = {}
         self._ready: dict[tuple[int, int], Read] = {}
@@ -100,7 +102,7 @@ class Reader:
         late ones are waited for; pending prefetches of the others are withdrawn."""
         keys = [(layer, int(e)) for e in experts]
         batch = []
-        with self._cv:
+        with self._lock:
             for key in keys:
                 if key in self._reading or key in self._ready:
                     continue
@@ -110,7 +112,7 @@ class Reader:
                     self._pending.pop(key, None)
             mine = [k for k in keys if k in self._pending and self._pending[k].demand]
             if len(self._threads) > 1 and len(mine) > 1:
-                self._cv.notify_all()  # helpers; a single read is faster without a hand-off
+                self._work.notify_all()  # helpers; a single read is faster without a hand-off
             elif mine:  # no helpers needed: one batched read, contiguous experts in one preadv
                 batch = [self._pending.pop(k) for k in mine]
                 self._reading.update(zip(mine, batch))
@@ -118,35 +120,36 @@ class Reader:
         if batch:
             self._read_batch(layer, batch)
         for key in mine:
-            with self._cv:
+            with self._lock:
                 r = self._pending.get(key)
                 if r is None or not r.demand:
                     continue
                 self._start(key, r)
             self._read(key, r)
-        with self._cv:
+        with self._lock:
             while any(k in self._pending or k in self._reading for k in keys):
-                self._cv.wait()
+                self._done.wait()
             reads = [self._ready.pop(k) for k in keys if k in self._ready]
             self._inflight_bytes -= sum(r.nbytes for r in reads if not r.demand)
-            self._cv.notify_all()
+            if self._pending:  # room for more prefetch reads
+                self._work.notify_all()
         return [r for r in reads if r.demand], [r for r in reads if not r.demand]
 
     def cancel_prefetches(self):
         """Forget every prefetch: pending ones are dropped, those being read finish and are discarded."""
-        with self._cv:
+        with self._lock:
             stale = [k for k, r in self._pending.items() if not r.demand]
             for k in stale:
                 del self._pending[k]
             self._wanted.clear()
             while self._reading:
-                self._cv.wait()
+                self._done.wait()
         self.recycle(self.take_ready())
 
     # -- generation thread: prefetch ----------------------------------------------------------------
     def submit(self, layer: int, wanted: dict[int, float], fetch: Sequence[int]):
         """Request `fetch` (a subset of `wanted`) for `layer`, superseding the layer's earlier requests."""
-        with self._cv:
+        with self._lock:
             self._wanted[layer] = set(wanted)
             superseded = [
                 k for k, r in self._pending.items() if k[0] == layer and k[1] not in wanted and not r.demand
@@ -161,11 +164,11 @@ class Reader:
                 old = self._pending.get(key)
                 if old is None or old.score < score:
                     self._pending[key] = Read(layer, int(e), score, self.layouts[layer].expert_nbytes)
-            self._cv.notify_all()
+            self._work.notify_all()
 
     def withdraw(self, layer: int):
         """The layer is running: forget its predictions and its prefetch requests not started."""
-        with self._cv:
+        with self._lock:
             self._wanted.pop(layer, None)
             stale = [k for k, r in self._pending.items() if k[0] == layer and not r.demand]
             for k in stale:
@@ -174,21 +177,22 @@ class Reader:
 
     def wanted(self, layer: int) -> list[int]:
         """The experts last predicted for the layer's next run (kept from eviction by prefetch installs)."""
-        with self._cv:
+        with self._lock:
             return sorted(self._wanted.get(layer, ()))
 
     def take_ready(self) -> list[Read]:
         """Every finished prefetch (the caller installs or discards them, then `recycle`s them)."""
-        with self._cv:
+        with self._lock:
             reads = list(self._ready.values())
             self._ready.clear()
             self._inflight_bytes -= sum(r.nbytes for r in reads)
-            self._cv.notify_all()
+            if self._pending:  # room for more prefetch reads
+                self._work.notify_all()
         return reads
 
     def recycle(self, reads: list[Read]):
         """The reads' bytes are in their slots (or not wanted): their buffers may be reused."""
-        with self._cv:
+        with self._lock:
             for r in reads:
                 spare = self._spare.setdefault(_shape_key(self.layouts[r.layer]), [])
                 if r.staging is not None and len(spare) < self._keep_spare:  # batched reads have none
@@ -197,9 +201,9 @@ class Reader:
     def drain(self) -> bool:
         """Wait until no read is in progress and none can start; True if requests are still pending
         (held back by the bound on bytes in flight: take the ready ones and drain again)."""
-        with self._cv:
+        with self._lock:
             while self._reading or (self._pending and self._inflight_bytes < self.max_inflight_bytes):
-                self._cv.wait()
+                self._done.wait()
             return bool(self._pending)
 
     @property
@@ -208,13 +212,14 @@ class Reader:
         return bool(self._pending or self._reading or self._ready)
 
     def counts(self) -> dict:
-        with self._cv:
+        with self._lock:
             return {"pending": len(self._pending), "reading": len(self._reading), "ready": len(self._ready)}
 
     def close(self):
-        with self._cv:
+        with self._lock:
             self._stop = True
-            self._cv.notify_all()
+            self._work.notify_all()
+            self._done.notify_all()
 
     @property
     def closed(self) -> bool:
@@ -250,14 +255,13 @@ class Reader:
             raw, error = None, e
         else:
             error = None
-        with self._cv:
+        with self._lock:
             for i, r in enumerate(batch):
                 r.error = error
                 r.raw = None if raw is None else {k: v[i : i + 1] for k, v in raw.items()}
                 key = (layer, r.expert)
                 del self._reading[key]
                 self._ready[key] = r
-            self._cv.notify_all()
 
     def _read(self, key, r: Read):
         """Do the read (no lock held), then file it as ready."""
@@ -266,19 +270,19 @@ class Reader:
             r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
         except BaseException as e:  # raised on the generation thread when taken
             r.error = e
-        with self._cv:
+        with self._lock:
             if not r.demand:
                 self.ledger.reader["reader_s"] += time.perf_counter() - t0
                 self.ledger.reader["completed"] += 1
             del self._reading[key]
             self._ready[key] = r
-            self._cv.notify_all()
+            self._done.notify_all()
 
     def _run(self):
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._stop and (job := self._next()) is None:
-                    self._cv.wait()
+                    self._work.wait()
                 if self._stop:
                     return
                 key, r = job

@@ -32,7 +32,7 @@ from .policies import OnDemand, Prediction, Step
 from .reader import READ_THREADS, Read, Reader
 from .routing import routing_weights
 from .stats import Ledger
-from .store import ExpertStore
+from .store import ExpertStore, Staging
 
 MISS_POLICIES = ("load", "skip")
 READ_BATCH = 16  # experts per read round at most...
@@ -69,6 +69,7 @@ class OffloadRuntime:
         self.clock = 0  # forward passes so far: the time of cache uses
         self.phase = "prefill"  # of the running pass
         self._recording: list[dict[int, np.ndarray]] | None = None
+        self._staging: dict[tuple, Staging] = {}  # this thread's buffers for reads it does itself
         self._deferred = []
         self._prompt_passes = 0  # passes since the prompt started
         self._pass_index = 0
@@ -290,40 +291,64 @@ class OffloadRuntime:
 
     # -- reads and installs ----------------------------------------------------------------------
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
-        """Read experts `ids` of `cache`'s layer (in parallel, by the reader's threads) and install them,
-        now; prefetches of them already in flight are waited for, not read twice."""
+        """Read experts `ids` of `cache`'s layer and install them, now; prefetches of them already in flight
+        are waited for, not read twice."""
         ids = np.asarray(ids, dtype=np.int64)
         layout = cache.layout
         chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // layout.expert_nbytes))
         keep = list(protect) + ids.tolist()
         for start in range(0, len(ids), chunk):
             t0 = time.perf_counter()
-            reads, late = self.reader.fetch(cache.layer, ids[start : start + chunk])
+            experts, raw, reads = self._read(cache, ids[start : start + chunk], keep)
             t1 = time.perf_counter()
-            if late:
-                self.ledger.add(
-                    self.phase, cache.layer, wait_s=0.0 if reads else t1 - t0, prefetch_late=len(late)
-                )
-                self._install_prefetched(late, keep)
-            if not reads:
+            if not experts:
                 continue
             self.ledger.add(
                 self.phase,
                 cache.layer,
-                experts_read=len(reads),
-                bytes_read=len(reads) * layout.expert_nbytes,
+                experts_read=len(experts),
+                bytes_read=len(experts) * layout.expert_nbytes,
                 read_s=t1 - t0,
             )
             try:
-                _raise_read_errors(reads)
-                raw = {key: [r.raw[key][0] for r in reads] for key in reads[0].raw}
-                installed = cache.install([r.expert for r in reads], raw, protect=keep, clock=self.clock)
+                installed = cache.install(experts, raw, protect=keep, clock=self.clock)
             finally:
                 self.reader.recycle(reads)
-            self._book_install(cache.layer, installed, len(reads), time.perf_counter() - t1, prefetched=False)
+            self._book_install(
+                cache.layer, installed, len(experts), time.perf_counter() - t1, prefetched=False
+            )
         refused = ids[cache.slot_of[ids] < 0]  # late prefetches that found no slot: read them as demand
         if refused.size:
             self.load(cache, refused, protect)
+
+    def _read(self, cache: LayerCache, ids: np.ndarray, keep: list) -> tuple[list[int], dict, list[Read]]:
+        """Demand reads of `ids`: (experts read, their bytes by part, reads to recycle). With nothing in
+        flight and no helper threads, this thread reads them into its own staging, with no hand-off at
+        all; otherwise through the reader, which waits for late prefetches (installed here) and
+        parallelises the rest."""
+        if self.governor is None and self.read_threads == 1:
+            key = tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in cache.layout.parts)
+            staging = self._staging.get(key)
+            if staging is None or staging.size < len(ids):
+                staging = self._staging[key] = Staging(cache.layout, max(len(ids), READ_BATCH))
+            return ids.tolist(), self.store.read(cache.layout, ids, staging), []
+        t0 = time.perf_counter()
+        reads, late = self.reader.fetch(cache.layer, ids)
+        if late:
+            self.ledger.add(
+                self.phase,
+                cache.layer,
+                wait_s=0.0 if reads else time.perf_counter() - t0,
+                prefetch_late=len(late),
+            )
+            self._install_prefetched(late, keep)
+        try:
+            _raise_read_errors(reads)
+        except BaseException:
+            self.reader.recycle(reads)
+            raise
+        raw = {key: [r.raw[key][0] for r in reads] for key in reads[0].raw} if reads else {}
+        return [r.expert for r in reads], raw, reads
 
     def _book_install(
         self,

@@ -146,7 +146,7 @@ def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
         missing = np.flatnonzero(engine.caches[4].slot_of < 0)[:6]
         _submit(engine, 4, missing[:4], [0.5, 0.4, 0.3, 0.2])  # from two layers back
         _submit(engine, 4, missing[2:], [0.9, 0.8, 0.7, 0.6])  # from the layer before: it knows better
-        with reader._cv:  # the reader holds at most one read (stalled), started before or after the second
+        with reader._lock:  # the reader holds at most one read (stalled), started before or after the second
             started = {e for layer, e in reader._reading}
             pending = {e for layer, e in reader._pending}
         assert pending == set(missing[2:].tolist()) - started  # the farther guesses not started are withdrawn

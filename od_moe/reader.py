@@ -59,10 +59,6 @@ class Read:
         return self.score == DEMAND
 
 
-def _shape_key(layout: BlockLayout) -> tuple:
-    return tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in layout.parts)
-
-
 class Reader:
     def __init__(
         self,
@@ -194,7 +190,7 @@ class Reader:
         """The reads' bytes are in their slots (or not wanted): their buffers may be reused."""
         with self._lock:
             for r in reads:
-                spare = self._spare.setdefault(_shape_key(self.layouts[r.layer]), [])
+                spare = self._spare.setdefault(self.layouts[r.layer].shape_key, [])
                 if r.staging is not None and len(spare) < self._keep_spare:  # batched reads have none
                     spare.append(r.staging)
 
@@ -240,15 +236,15 @@ class Reader:
         if not r.demand:
             self._inflight_bytes += r.nbytes
             self.ledger.reader["issued"] += 1
-        spare = self._spare.get(_shape_key(self.layouts[r.layer]))
+        spare = self._spare.get(self.layouts[r.layer].shape_key)
         r.staging = spare.pop() if spare else Staging(self.layouts[r.layer], 1)
 
     def _read_batch(self, layer: int, batch: list[Read]):
         """Demand reads of one layer in one `ExpertStore.read` (the calling thread, no helpers)."""
         layout = self.layouts[layer]
-        staging = self._batch_staging.get(_shape_key(layout))
+        staging = self._batch_staging.get(layout.shape_key)
         if staging is None or staging.size < len(batch):
-            staging = self._batch_staging[_shape_key(layout)] = Staging(layout, max(len(batch), 16))
+            staging = self._batch_staging[layout.shape_key] = Staging(layout, max(len(batch), 16))
         try:
             raw = self.store.read(layout, [r.expert for r in batch], staging)
         except BaseException as e:  # raised on the generation thread when taken

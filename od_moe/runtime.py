@@ -78,7 +78,8 @@ class OffloadRuntime:
     # -- configuration ---------------------------------------------------------------------------
     def set_policy(self, policy, settings: PrefetchSettings | None = None, experts_per_layer: int = 0):
         """Use `policy`; with `settings`, a governor has the reader prefetch what it predicts."""
-        self.reader.cancel_prefetches()
+        if self._reader is not None:  # engines that never prefetch start no reader at load
+            self._reader.cancel_prefetches()
         self.policy, self.settings, self.governor = policy, settings, None
         if settings is not None:
             self.governor = Governor(settings, self.ledger, settings.experts_per_layer or experts_per_layer)
@@ -155,7 +156,7 @@ class OffloadRuntime:
         if step.predict:
             self.ledger.reader["busy_s"] += time.perf_counter() - t0
         if layer == 0:  # after the hook: profile seeding belongs to the time of the pass that ended
-            self._start_pass(int(np.prod(indices.shape[:-1])), phase)
+            self._start_pass(indices.size // indices.shape[-1], phase)
         if self.miss_policy == "skip":
             yield self._route_skipping(layer, indices, phase)
         elif not exact:
@@ -327,28 +328,21 @@ class OffloadRuntime:
         all; otherwise through the reader, which waits for late prefetches (installed here) and
         parallelises the rest."""
         if self.governor is None and self.read_threads == 1:
-            key = tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in cache.layout.parts)
-            staging = self._staging.get(key)
+            staging = self._staging.get(cache.layout.shape_key)
             if staging is None or staging.size < len(ids):
-                staging = self._staging[key] = Staging(cache.layout, max(len(ids), READ_BATCH))
+                staging = self._staging[cache.layout.shape_key] = Staging(
+                    cache.layout, max(len(ids), READ_BATCH)
+                )
             return ids.tolist(), self.store.read(cache.layout, ids, staging), []
         t0 = time.perf_counter()
         reads, late = self.reader.fetch(cache.layer, ids)
-        if late:
-            self.ledger.add(
-                self.phase,
-                cache.layer,
-                wait_s=0.0 if reads else time.perf_counter() - t0,
-                prefetch_late=len(late),
-            )
-            self._install_prefetched(late, keep)
+        self._take_late(cache.layer, late, 0.0 if reads else time.perf_counter() - t0, keep)
         try:
             _raise_read_errors(reads)
         except BaseException:
             self.reader.recycle(reads)
             raise
-        raw = {key: [r.raw[key][0] for r in reads] for key in reads[0].raw} if reads else {}
-        return [r.expert for r in reads], raw, reads
+        return [r.expert for r in reads], _rows(reads), reads
 
     def _book_install(
         self,
@@ -378,9 +372,12 @@ class OffloadRuntime:
         fresh = [r for r in reads if cache.slot_of[r.expert] < 0][: cache.room(protect=protect)]
         installed, t0 = None, time.perf_counter()
         if fresh:  # demand got there first, or no slot may be evicted for the others: they bought nothing
-            raw = {key: [r.raw[key][0] for r in fresh] for key in fresh[0].raw}
             installed = cache.install(
-                [r.expert for r in fresh], raw, prefetched=True, protect=protect, clock=self.clock - 0.5
+                [r.expert for r in fresh],
+                _rows(fresh),
+                prefetched=True,
+                protect=protect,
+                clock=self.clock - 0.5,
             )
         self._book_install(
             layer,
@@ -402,14 +399,19 @@ class OffloadRuntime:
         for layer, reads in by_layer.items():
             self._install_prefetched(reads, protect.get(layer, ()))
 
+    def _take_late(self, layer: int, late: list[Read], waited_s: float, protect: Sequence[int]):
+        """Book and install prefetches a demand miss found in flight (`waited_s` for them)."""
+        if late:
+            self.ledger.add(self.phase, layer, wait_s=waited_s, prefetch_late=len(late))
+            self._install_prefetched(late, protect)
+
     def _claim(self, layer: int, missing: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Late prefetches: wait for misses being read instead of reading them twice; the rest."""
         t0 = time.perf_counter()
         _, late = self.reader.fetch(layer, missing, read=False)
         if not late:
             return missing
-        self.ledger.add(self.phase, layer, wait_s=time.perf_counter() - t0, prefetch_late=len(late))
-        self._install_prefetched(late, uniq)
+        self._take_late(layer, late, time.perf_counter() - t0, uniq)
         cache = self.caches[layer]
         still = missing[cache.slot_of[missing] < 0]
         arrived = np.setdiff1d(missing, still)
@@ -433,6 +435,11 @@ class OffloadRuntime:
         while self.reader.drain():
             self._install_ready({})
         self._install_ready({})
+
+
+def _rows(reads: list[Read]) -> dict:
+    """The finished reads' bytes by part, as per-expert rows (what `LayerCache.install` takes)."""
+    return {key: [r.raw[key][0] for r in reads] for key in reads[0].raw} if reads else {}
 
 
 def _raise_read_errors(reads: list[Read]):

@@ -113,6 +113,11 @@ class BlockLayout:
     layout: str  # "mlx" or "hf"
 
     @cached_property
+    def shape_key(self) -> tuple:
+        """What staging buffers for this layout's experts depend on: equal keys can share buffers."""
+        return tuple((p.proj, p.name, p.dtype, tuple(p.shape)) for p in self.parts)
+
+    @cached_property
     def expert_nbytes(self) -> int:
         """Bytes one expert occupies on disk (weights + scales + biases)."""
         return sum(p.nbytes for p in self.parts)

@@ -13,47 +13,36 @@ import od_moe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-MIXTRAL = {
-    "model_type": "mixtral",
+# Every tiny model: small widths (multiples of 64, so 4-bit quantization applies), vocabulary and heads.
+_TINY = {
     "vocab_size": 8192,
     "hidden_size": 128,
     "intermediate_size": 128,
-    "num_hidden_layers": 3,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
+    "tie_word_embeddings": False,
+}
+MIXTRAL = {
+    **_TINY,
+    "model_type": "mixtral",
+    "num_hidden_layers": 3,
     "num_local_experts": 16,
     "num_experts_per_tok": 2,
     "rms_norm_eps": 1e-5,
     "rope_theta": 1e6,
-    "tie_word_embeddings": False,
 }
 QWEN2_MOE = {
+    **_TINY,
     "model_type": "qwen2_moe",
-    "vocab_size": 8192,
-    "hidden_size": 128,
-    "intermediate_size": 128,
     "num_hidden_layers": 3,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
     "num_experts": 16,
     "num_experts_per_tok": 4,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 128,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1e6,
-    "tie_word_embeddings": False,
 }
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 8192,
-    "hidden_size": 128,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
+LLAMA = {**_TINY, "model_type": "llama", "num_hidden_layers": 2, "rms_norm_eps": 1e-5}
 
 
 def _build(config, seed):

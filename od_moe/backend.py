@@ -7,7 +7,7 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 - Metal reports a recommended working-set size; on Linux the OS reports available memory.
 - On the CPU and on Metal (unified memory) an array's memory is host memory: expert bytes are written
   into the cache's stacked arrays through a numpy view, with no MLX op. CUDA memory is not written that
-  way; the cache falls back to MLX slice updates there.
+  way; the cache falls back to MLX slice updates there, from arrays the reader threads make.
 Nothing else in od-moe asks which backend it is on.
 """
 
@@ -53,6 +53,13 @@ def cast_floating(array: mx.array, dtype: mx.Dtype | None) -> mx.array:
     return array.astype(dtype)
 
 
+def arrays_in_host_memory() -> bool:
+    """True where MLX arrays live in memory the host writes directly (the CPU; Metal's unified memory).
+    On CUDA they are device memory: bytes get there by MLX copies, best prepared off the generation
+    thread (`Reader(make_arrays=True)`)."""
+    return not (mx.default_device().type == mx.gpu and not mx.metal.is_available())
+
+
 def host_view(array: mx.array) -> np.ndarray | None:
     """A writable numpy view of an evaluated, row-contiguous array's memory, as unsigned integers of the
     same item size (so bfloat16 works too), or None where the memory cannot be written from the host.
@@ -60,8 +67,8 @@ def host_view(array: mx.array) -> np.ndarray | None:
     Writes through the view change the array behind MLX's back: the caller must make sure no pending
     computation reads the rows it writes (`mx.synchronize()` first).
     """
-    if mx.default_device().type == mx.gpu and not mx.metal.is_available():
-        return None  # CUDA: device memory
+    if not arrays_in_host_memory():
+        return None
     bits = _UINT_OF_SIZE.get(array.dtype.size)
     if bits is None:
         return None

@@ -57,8 +57,9 @@ def _host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
     return None
 
 
-def _raw_to_mx(raw: np.ndarray, disk_dtype: str, target: mx.Dtype) -> mx.array:
-    a = mx.array(raw)
+def _raw_to_mx(raw: np.ndarray | mx.array, disk_dtype: str, target: mx.Dtype) -> mx.array:
+    """Raw disk bytes (numpy, or an MLX array already made of them) as an MLX array of `target`."""
+    a = raw if isinstance(raw, mx.array) else mx.array(raw)
     if disk_dtype == "BF16":
         a = a.view(mx.bfloat16)
     return a if a.dtype == target else a.astype(target)
@@ -214,11 +215,14 @@ class LayerCache:
         prefetched: bool = False,
         protect: Sequence[int] = (),
         clock: float = 0.0,
+        arrays: dict[tuple[str, str], list[mx.array]] | None = None,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
         raw: per part, the bytes read from disk, indexable by row (an array or a list of per-expert
-        arrays), row i = ids[i]. `prefetched`: they were read ahead of need.
+        arrays), row i = ids[i]. `prefetched`: they were read ahead of need. `arrays`: the same rows
+        already made into MLX arrays by a reader thread (None for rows it did not make), used where the
+        backend needs MLX copies.
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
         elsewhere with MLX slice updates, evaluated at once. Either way memory stays bounded and the
@@ -232,7 +236,7 @@ class LayerCache:
         slots = self.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=clock)
         if not (self.host_writes and self._write_host(slots, raw)):
             self.host_writes = False
-            self._write_mlx(slots, raw)
+            self._write_mlx(slots, raw, arrays)
         evicted = self.expert_in_slot[slots]
         unused = int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
@@ -273,15 +277,23 @@ class LayerCache:
                 view[slot] = row
         return True
 
-    def _write_mlx(self, slots: np.ndarray, raw):
-        """Copy expert bytes into the slots with MLX slice updates (backends without host-visible memory)."""
+    def _write_mlx(self, slots: np.ndarray, raw, arrays=None):
+        """Copy expert bytes into the slots with MLX slice updates (backends without host-visible memory),
+        from the arrays made beforehand where there are some (making them is most of the cost on CUDA)."""
         updated = []
         for part in self.layout.parts:
             key = (part.proj, part.name)
             stacked = self.projections[part.proj][part.name]
-            rows = _raw_to_mx(
-                np.stack([raw[key][j] for j in range(len(slots))]), part.dtype, self.targets[key]
-            )
+            if arrays is not None:
+                made = arrays[key]
+                rows = [
+                    _raw_to_mx(raw[key][j] if made[j] is None else made[j], part.dtype, self.targets[key])
+                    for j in range(len(slots))
+                ]
+            else:
+                rows = _raw_to_mx(
+                    np.stack([raw[key][j] for j in range(len(slots))]), part.dtype, self.targets[key]
+                )
             for j, slot in enumerate(slots.tolist()):
                 stacked[slot] = rows[j]  # a slice update: in place, ~10x faster than a scatter here
             updated.append(stacked)

@@ -7,7 +7,10 @@
   scores) and those of them to read (`fetch`: not resident). They supersede the layer's earlier
   requests (made from farther back, so less accurate): those not started are withdrawn, and only
   `wanted` is kept from eviction when reads are installed (`wanted(layer)`).
-- The threads do file I/O only (`ExpertStore.read` into staging buffers from a bounded pool), one
+- The threads do file I/O (`ExpertStore.read` into staging buffers from a bounded pool) and, with
+  `make_arrays` (CUDA, where arrays are device memory), make each read's MLX arrays: creating an array
+  from host bytes is a host copy into memory MLX allocates, with no computation and no stream, so it is
+  safe beside the generation thread's work, and on CUDA it is most of an install's cost. One
   expert at a time, demand first, then best score, while the prefetched bytes read and not yet taken stay
   under `max_inflight_bytes`. Several threads keep several reads in flight: SSDs need queue depth.
 - `withdraw(layer)`: the layer is running; prefetch requests for it never started are useless now.
@@ -23,6 +26,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import mlx.core as mx
 
 from .stats import Ledger
 from .store import BlockLayout, ExpertStore, Staging
@@ -51,6 +56,7 @@ class Read:
     score: float
     nbytes: int
     raw: dict | None = None
+    arrays: dict | None = None  # raw's rows as MLX arrays, where the reader makes them
     staging: Staging | None = None
     error: BaseException | None = None
 
@@ -67,8 +73,10 @@ class Reader:
         ledger: Ledger,
         threads: int = READ_THREADS,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+        make_arrays: bool = False,
     ):
         self.store, self.layouts, self.ledger = store, layouts, ledger
+        self.make_arrays = make_arrays
         self.max_inflight_bytes = max(max_inflight_bytes, max(layout.expert_nbytes for layout in layouts))
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # reader threads wait here for requests
@@ -264,6 +272,8 @@ class Reader:
         t0 = time.perf_counter()
         try:
             r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
+            if self.make_arrays:
+                r.arrays = {key: mx.array(rows[0]) for key, rows in r.raw.items()}
         except BaseException as e:  # raised on the generation thread when taken
             r.error = e
         with self._lock:

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from . import backend
 from .cache import Installed, LayerCache
 from .governor import Governor, PrefetchSettings
 from .policies import OnDemand, Prediction, Step
@@ -88,7 +89,13 @@ class OffloadRuntime:
     def reader(self) -> Reader:
         """The reader threads (started again if `close` stopped them)."""
         if self._reader is None or self._reader.closed:
-            self._reader = Reader(self.store, [c.layout for c in self.caches], self.ledger, self.read_threads)
+            self._reader = Reader(
+                self.store,
+                [c.layout for c in self.caches],
+                self.ledger,
+                self.read_threads,
+                make_arrays=not backend.arrays_in_host_memory(),
+            )
         return self._reader
 
     def close(self):
@@ -312,7 +319,7 @@ class OffloadRuntime:
                 read_s=t1 - t0,
             )
             try:
-                installed = cache.install(experts, raw, protect=keep, clock=self.clock)
+                installed = cache.install(experts, raw, protect=keep, clock=self.clock, arrays=_arrays(reads))
             finally:
                 self.reader.recycle(reads)
             self._book_install(
@@ -378,6 +385,7 @@ class OffloadRuntime:
                 prefetched=True,
                 protect=protect,
                 clock=self.clock - 0.5,
+                arrays=_arrays(fresh),
             )
         self._book_install(
             layer,
@@ -440,6 +448,15 @@ class OffloadRuntime:
 def _rows(reads: list[Read]) -> dict:
     """The finished reads' bytes by part, as per-expert rows (what `LayerCache.install` takes)."""
     return {key: [r.raw[key][0] for r in reads] for key in reads[0].raw} if reads else {}
+
+
+def _arrays(reads: list[Read]) -> dict | None:
+    """The MLX arrays the reader made of the reads' bytes, by part as per-expert rows (None where it
+    made none for an expert); None if it made none at all."""
+    made = next((r.arrays for r in reads if r.arrays is not None), None)
+    if made is None:
+        return None
+    return {key: [None if r.arrays is None else r.arrays[key] for r in reads] for key in made}
 
 
 def _raise_read_errors(reads: list[Read]):

@@ -356,3 +356,19 @@ def test_several_reader_threads_give_exact_tokens(policy, predictor_dir, bundled
     )
     for cache in engine.caches:
         _consistent(cache)
+
+
+def test_device_copy_path_gives_exact_tokens(monkeypatch, bundled_reference):
+    """The CUDA install path, taken on any backend: reader threads make the MLX arrays of what they read
+    and installs are MLX slice updates from them (no numpy writes)."""
+    monkeypatch.setattr(od_moe.backend, "arrays_in_host_memory", lambda: False)
+    engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4)
+    engine.configure_prefetch("next-gate", settings=PrefetchSettings(timed_checks=False))
+    assert engine.runtime.reader.make_arrays
+    assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
+    assert not any(cache.host_writes for cache in engine.caches)
+    stats = engine.stats()
+    _invariants(stats)
+    assert stats["prefetch"]["installed"] > 0
+    for cache in engine.caches:
+        _consistent(cache)

@@ -16,6 +16,11 @@ def add_arguments(parser):
         action="store_true",
         help="the whole grid: both models x 12.5/25/50%% x cold/warm x load/skip",
     )
+    add(
+        "--gpu",
+        action="store_true",
+        help="the accelerator grid: both models x 100/50/25%% x warm/cold x none/predictor/oracle",
+    )
     add("--json", action="store_true", help="print the rows as JSON instead of tables")
     add("--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model")
     add(
@@ -61,8 +66,10 @@ def run(args):
     else:
         from .prefetch import run_prefetch_grid
 
+        if args.full and args.gpu:
+            raise UserError("choose one of --full and --gpu")
         result = run_prefetch_grid(
-            args.full,
+            "full" if args.full else "gpu" if args.gpu else "quick",
             args.max_tokens,
             args.widen,
             args.widened_tokens,

@@ -152,8 +152,36 @@ def _roofline(stats, decode, result, stock, machine) -> dict:
     }
 
 
+GRIDS = ("quick", "full", "gpu")
+
+
+def _plan(grid: str, max_tokens: int, wide, widened_tokens: int) -> list[tuple]:
+    """(model, path, tokens, capacities, read temperatures, miss policies, prefetch policies) per model.
+    quick: warm bundled and cold widened reads at 12.5/25/50%; full: both models x 12.5/25/50% x cold/warm
+    x load/skip; gpu: both models x 100/50/25% x warm/cold with none/predictor/oracle (one 10-minute
+    command on a fast accelerator)."""
+    plan = []
+    if grid == "gpu":
+        temps, policies = ("warm", "cold"), ("none", "predictor", "oracle")
+        plan.append(("bundled", DEFAULT_MODEL, max_tokens, (1.0, 0.5, 0.25), temps, ("load",), policies))
+        if wide:
+            plan.append(("widened", wide, widened_tokens, (1.0, 0.5, 0.25), temps, ("load",), policies))
+        return plan
+    full = grid == "full"
+    capacities, misses = (0.125, 0.25, 0.5), ("load", "skip") if full else ("load",)
+    temps = ("cold", "warm") if full else ("warm",)
+    plan.append(("bundled", DEFAULT_MODEL, max_tokens, capacities, temps, misses, POLICY_ORDER))
+    if wide:
+        policies = POLICY_ORDER if full else ("none", "next-gate", "predictor", "oracle")
+        temps = ("cold", "warm") if full else ("cold",)
+        plan.append(
+            ("widened", wide, widened_tokens, capacities if full else (0.125, 0.25), temps, misses, policies)
+        )
+    return plan
+
+
 def run_prefetch_grid(
-    full: bool,
+    grid: str,
     max_tokens: int,
     widen: int,
     widened_tokens: int,
@@ -162,7 +190,8 @@ def run_prefetch_grid(
     predictor_dir=None,
     deterministic: bool = False,
 ):
-    """The grid; `deterministic`: prefetch with `DETERMINISTIC` settings (its timings then mean little)."""
+    """The grid (`GRIDS`); `deterministic`: prefetch with `DETERMINISTIC` settings (its timings then
+    mean little)."""
     say = printer or (lambda *_: None)
     settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:
@@ -170,22 +199,14 @@ def run_prefetch_grid(
             predictor_dir, _bundled_identity()
         )  # a bad folder or another model's predictor fails before any run
     rows = []
-    capacities = (0.125, 0.25, 0.5)
-    plan = [("bundled", DEFAULT_MODEL, max_tokens, capacities, ("cold", "warm") if full else ("warm",))]
+    wide = None
     if widen:
         t0 = time.perf_counter()
         wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
         say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
-        plan.append(
-            (
-                "widened",
-                wide,
-                widened_tokens,
-                capacities if full else (0.125, 0.25),
-                ("cold", "warm") if full else ("cold",),
-            )
-        )
-    for model, path, n_tokens, fractions, temps in plan:
+    for model, path, n_tokens, fractions, temps, misses, policy_set in _plan(
+        grid, max_tokens, wide, widened_tokens
+    ):
         stock = run_stock(path, PROMPTS, n_tokens)
         say(
             f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, "
@@ -195,10 +216,10 @@ def run_prefetch_grid(
         model_rows = []
         for fraction in fractions:
             for reads in temps:
-                for miss_policy in ("load", "skip") if full else ("load",):
-                    policies = POLICY_ORDER if miss_policy == "load" else ("none", "profile")
-                    if not full and model == "widened":
-                        policies = ("none", "next-gate", "predictor", "oracle")
+                for miss_policy in misses:
+                    policies = policy_set if miss_policy == "load" else ("none", "profile")
+                    if fraction == 1.0:
+                        policies = ("none",)  # nothing can miss: no prefetch to compare
                     for policy in policies:
                         result = run_policy(
                             path,

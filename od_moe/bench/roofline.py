@@ -6,16 +6,18 @@ per token / install bandwidth) (../shared/DESIGN.md). Measured here:
   depths 1, 2, 4 and 8, cold (page cache dropped, direct I/O) or warm (from the page cache); the best
   depth counts;
 - install bandwidth: the backend's install path (`LayerCache.install`: numpy writes into host memory on
-  the CPU and Metal, MLX slice updates on CUDA), from bytes already in memory.
+  the CPU and Metal; on CUDA MLX slice updates from arrays the reader threads made, as the engine's
+  reads come), from bytes already in memory.
 A row's `x roofline` is the roofline step time over its measured step time (1.0: at the machine's limit).
 Not here: running the rows (`prefetch.py`).
 """
 
 import time
 
+import mlx.core as mx
 import numpy as np
 
-from .. import load
+from .. import backend, load
 from ..reader import Reader
 from ..stats import Ledger
 from ..store import ExpertStore, Staging
@@ -63,10 +65,13 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     for ids in batches[:2]:
         staging = Staging(cache.layout, experts)
         raws[int(ids[0])] = store.read(cache.layout, ids, staging)
+    made = not backend.arrays_in_host_memory()
     seconds = 0.0
     for n, ids in enumerate(batches):
+        raw = raws[int(ids[0])]
+        arrays = {key: [mx.array(row) for row in rows] for key, rows in raw.items()} if made else None
         t0 = time.perf_counter()
-        cache.install(ids, raws[int(ids[0])], clock=n)
+        cache.install(ids, raw, clock=n, arrays=arrays)
         if n:  # the first install warms the path up
             seconds += time.perf_counter() - t0
     nbytes = cache.slot_nbytes * experts * repeats

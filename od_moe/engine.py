@@ -29,7 +29,7 @@ from .routing import router_matrices, router_of, tap_router
 from .runtime import MISS_POLICIES, OffloadRuntime
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
-from .surgery import MoEBlock, expert_nbytes, find_moe_blocks, top_k_of
+from .surgery import MoEBlock, offloadable_blocks, top_k_of, weight_nbytes
 from .switch import OffloadedSwitch
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
@@ -319,18 +319,9 @@ def load(
         raise UserError(f"mlx-lm cannot load {path}: {e}")
     if target_dtype is not None:
         mlx_model.set_dtype(target_dtype)
-    blocks = find_moe_blocks(mlx_model)
-    if not blocks:
-        raise UserError(
-            f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps "
-            "MoE models; use mlx-lm directly"
-        )
-    total_expert_bytes = expert_nbytes(blocks)
-    from mlx.utils import tree_flatten
-
-    non_expert = sum(v.nbytes for _, v in tree_flatten(mlx_model.parameters())) - total_expert_bytes
+    blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts
-    slot_nbytes = total_expert_bytes // (num_experts * len(blocks))
+    slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
     slots = resolve_capacity(capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert)
     caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
     if read_threads is None:
@@ -339,7 +330,7 @@ def load(
         raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
     runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
     for i, block in enumerate(blocks):
-        setattr(block.block, block.attr, OffloadedSwitch(block.switch, runtime, i))
+        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(
         mlx_model,

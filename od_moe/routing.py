@@ -30,26 +30,47 @@ class RouterTap(nn.Module):
         return out
 
 
+ROUTER_NAMES = ("gate", "router")  # what mlx-lm's MoE blocks call their router
+
+
+def _router_name(block: nn.Module) -> str | None:
+    if isinstance(block, nn.Module):
+        for name in ROUTER_NAMES:
+            if isinstance(block.get(name), nn.Module):
+                return name
+    return None
+
+
 def tap_router(block: nn.Module) -> RouterTap | None:
-    """The block's router tap, installed on first use; None for a block without a `gate`."""
-    gate = block.get("gate") if hasattr(block, "get") else None
-    if gate is None or isinstance(gate, RouterTap):
-        return gate
-    block.gate = RouterTap(gate)
-    return block.gate
+    """The block's router tap, installed on first use; None for a block without a router."""
+    name = _router_name(block)
+    if name is None or isinstance(block[name], RouterTap):
+        return block.get(name)
+    setattr(block, name, RouterTap(block[name]))
+    return block[name]
 
 
 def router_of(block: nn.Module) -> nn.Module | None:
     """The block's router itself (inside a tap, if one is installed)."""
-    gate = block.get("gate") if hasattr(block, "get") else None
+    name = _router_name(block)
+    gate = block[name] if name else None
     return gate.gate if isinstance(gate, RouterTap) else gate
+
+
+def _router_linear(gate: nn.Module | None) -> nn.Module | None:
+    """The projection that gives a router its logits: the router itself (a `Linear`, DeepSeek's `MoEGate`)
+    or its one linear child (Granite's `layer`, Hunyuan's `wg`, Bailing's `gate_proj`, Gemma 4's `proj`)."""
+    if gate is None or "weight" in gate:
+        return gate
+    linears = [m for m in gate.children().values() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    return linears[0] if len(linears) == 1 else None
 
 
 def router_matrices(moe_blocks) -> tuple:
     """The routers of `moe_blocks` as dense float32 arrays: weights (L, E, H) and biases (L, E)."""
     weights, biases = [], []
     for block in moe_blocks:
-        gate = router_of(block)
+        gate = _router_linear(router_of(block))
         if isinstance(gate, nn.QuantizedLinear):
             w = mx.dequantize(
                 gate.weight,
@@ -59,12 +80,12 @@ def router_matrices(moe_blocks) -> tuple:
                 gate.bits,
                 mode=getattr(gate, "mode", "affine"),
             )
-        elif gate is not None and "weight" in gate:
+        elif gate is not None:
             w = gate.weight
         else:
             raise UserError(
-                f"{type(block).__name__} has no linear router (`gate.weight`): this model's routing "
-                "cannot drive next-gate speculation or the shadow predictor"
+                f"{type(block).__name__} has no linear router (`gate` or `router` with one weight): this "
+                "model's routing cannot drive next-gate speculation or the shadow predictor"
             )
         b = gate.get("bias") if isinstance(gate, nn.Module) else None
         weights.append(np.array(w.astype(mx.float32)))

@@ -1,7 +1,8 @@
 """Model surgery: find the MoE blocks of an mlx-lm model and swap their experts for offloaded ones.
 
 Any mlx-lm model whose experts are a `SwitchGLU` or `SwitchMLP` qualifies: Qwen/DeepSeek/OLMoE/GLM keep
-it at `layer.mlp.switch_mlp`, Mixtral/PhiMoE/MiniMax/Granite at `layer.block_sparse_moe.switch_mlp`.
+it at `layer.mlp.switch_mlp`, Mixtral/PhiMoE/MiniMax/Granite at `layer.block_sparse_moe.switch_mlp`,
+gpt-oss/Llama 4/dots at `...experts`, Gemma 4 at `layer.experts.switch_glu` with its router on the layer.
 Routers, shared experts, attention and norms are left alone. Not here: cache policy or reads.
 """
 
@@ -10,7 +11,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+
+from .errors import UserError
+from .routing import router_of
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
@@ -19,9 +24,14 @@ PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
 @dataclass
 class MoEBlock:
     path: str  # module path of the switch, e.g. "model.layers.3.mlp.switch_mlp"
-    block: nn.Module  # the module that owns the switch and the router
-    attr: str  # the switch's attribute name in `block`
+    block: nn.Module  # the module that owns the router (and, but for Gemma 4, the switch)
+    attr: str  # the switch's attribute name in `parent`
     switch: nn.Module  # mlx-lm's SwitchGLU / SwitchMLP
+    parent: nn.Module | None = None  # the module that owns the switch, where that is not `block`
+
+    def replace_switch(self, module: nn.Module):
+        """Put `module` where the switch was."""
+        setattr(self.block if self.parent is None else self.parent, self.attr, module)
 
     @property
     def projections(self) -> dict[str, nn.Module]:
@@ -46,23 +56,66 @@ def _natural_key(path: str) -> tuple:
 
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """Every MoE block of `model`, in layer order."""
+    modules = dict(model.named_modules())
     blocks = []
-    for path, module in model.named_modules():
+    for path, module in modules.items():
         for attr, child in module.children().items():
             if isinstance(child, SWITCH_TYPES):
-                blocks.append(MoEBlock(f"{path}.{attr}" if path else attr, module, attr, child))
+                block = MoEBlock(f"{path}.{attr}" if path else attr, module, attr, child)
+                owner = path
+                while router_of(modules[owner]) is None and owner:  # Gemma 4: the router is on the layer
+                    owner = owner.rpartition(".")[0]
+                if owner != path and router_of(modules[owner]) is not None:
+                    block.block, block.parent = modules[owner], module
+                blocks.append(block)
     return sorted(blocks, key=lambda b: _natural_key(b.path))
 
 
 def top_k_of(block: nn.Module) -> int:
-    """Experts routed per token, as the block's mlx-lm code names it."""
-    for attr in ("top_k", "num_experts_per_tok", "n_routed_experts_per_tok"):
-        value = getattr(block, attr, None)
-        if isinstance(value, int):
-            return value
-    gate = getattr(block, "gate", None)
-    value = getattr(gate, "top_k", None)
-    return value if isinstance(value, int) else 0
+    """Experts routed per token, as the block's (or its router's) mlx-lm code names it."""
+    router = router_of(block)
+    for owner in (block, router, getattr(router, "config", None)):
+        for attr in ("top_k", "num_experts_per_tok", "n_routed_experts_per_tok", "k", "top_k_experts"):
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return 0
+
+
+def offloadable_blocks(model: nn.Module, path) -> list[MoEBlock]:
+    """The MoE blocks of `model` (loaded from `path`), or a UserError naming what od-moe would need."""
+    blocks = find_moe_blocks(model)
+    per_expert = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module.get("experts"), list) and len(module["experts"]) > 1
+    ]
+    if not blocks and per_expert:
+        raise UserError(
+            f"{path}: the experts of this model ({per_expert[0]}.experts) are separate modules that mlx-lm "
+            "runs one by one, not one stacked SwitchGLU/SwitchMLP: od-moe cannot offload them; use mlx-lm "
+            "directly"
+        )
+    if not blocks:
+        raise UserError(
+            f"{path} has no Mixture-of-Experts layer (no SwitchGLU/SwitchMLP experts): od-moe only helps "
+            "MoE models; use mlx-lm directly"
+        )
+    counts = sorted({b.num_experts for b in blocks})
+    if len(counts) > 1:
+        raise UserError(
+            f"{path}: MoE layers have different numbers of experts ({', '.join(map(str, counts))}): od-moe "
+            "needs the same number in every MoE layer"
+        )
+    return blocks
+
+
+def weight_nbytes(model: nn.Module, blocks: list[MoEBlock]) -> tuple[int, int]:
+    """(bytes of one expert slot, bytes of every non-expert weight) in memory, from the arrays' shapes and
+    dtypes (nothing is evaluated): what capacity and memory-budget arithmetic counts."""
+    experts = expert_nbytes(blocks)
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return experts // (blocks[0].num_experts * len(blocks)), total - experts
 
 
 def expert_nbytes(blocks: list[MoEBlock]) -> int:

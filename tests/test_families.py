@@ -1,46 +1,126 @@
-"""Other MoE families and checkpoint layouts: tiny random models built with mlx-lm's own classes."""
+"""Every mlx-lm MoE family od-moe offloads, exact: tiny random 4-bit models built with mlx-lm's own classes,
+greedy tokens equal to stock mlx-lm's at 25% and 12.5% of experts resident with next-gate prefetch on;
+Hugging Face per-expert checkpoints, sharded with an index, for three families; and the refusals."""
 
+import json
+
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 import od_moe
 from conftest import od_moe_tokens, reference_tokens
-from tiny_models import MIXTRAL, QWEN2_MOE, write_hf_mixtral, write_mlx_model
+from od_moe.errors import UserError
+from od_moe.governor import PrefetchSettings
+from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
-SHARED = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-qwen3-moe"
-PROMPTS = ["def add(a, b):", "for i in range(10):"]
+PROMPTS = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]  # token ids: the tiny models' vocabulary is 1024
+NEW_TOKENS = 12
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias")  # routing-only biases
+
+# What each family's tiny model exercises beyond a softmax-routed SwiGLU switch (see tiny_models.FAMILIES).
+FEATURES = {
+    "qwen3_moe": set(),
+    "qwen3_next": {"hybrid", "shared-experts"},
+    "qwen2_moe": {"shared-experts"},
+    "deepseek_v2": {"grouped-routing", "dense-leading", "shared-experts"},
+    "deepseek_v3": {"sigmoid-gate", "biased-routing", "grouped-routing", "dense-leading", "shared-experts"},
+    "glm4_moe": {"sigmoid-gate", "biased-routing", "dense-leading", "shared-experts"},
+    "gpt_oss": {"expert-biases", "non-swiglu"},
+    "olmoe": set(),
+    "mixtral": set(),
+    "phimoe": set(),
+    "granitemoe": set(),
+    "llama4": {"sigmoid-gate", "shared-experts"},
+    "minimax": {"sigmoid-gate", "biased-routing"},
+    "hunyuan": {"shared-experts"},
+    "ernie4_5_moe": {"sigmoid-gate", "dense-leading", "shared-experts"},
+    "dots1": {"sigmoid-gate", "biased-routing", "grouped-routing", "dense-leading", "shared-experts"},
+    "bailing_moe": {"sigmoid-gate", "biased-routing", "grouped-routing", "dense-leading", "shared-experts"},
+    "jamba": {"hybrid"},
+    "lfm2_moe": {"hybrid", "sigmoid-gate", "biased-routing", "dense-leading"},
+    "gemma4_text": {"non-swiglu"},
+    "nemotron_h": {"hybrid", "non-swiglu", "switch-mlp", "sigmoid-gate", "biased-routing", "shared-experts"},
+}
 
 
-@pytest.mark.parametrize("config,attr", [(MIXTRAL, "block_sparse_moe"), (QWEN2_MOE, "mlp")])
-@pytest.mark.parametrize("fraction", [0.25, 0.5])
-def test_quantized_families_match_mlx_lm(tmp_path, config, attr, fraction):
-    path = write_mlx_model(tmp_path / config["model_type"], config)
-    reference = reference_tokens(path, PROMPTS, 32)
+def _layers(config):
+    config = config.get("text_config", config)
+    return len(config.get("hybrid_override_pattern") or ()) or config["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, model folder, stock mlx-lm's greedy tokens), one tiny model per family."""
+    name = request.param
+    path = write_mlx_model(tmp_path_factory.mktemp(name) / name, FAMILIES[name])
+    return name, path, reference_tokens(path, PROMPTS, NEW_TOKENS)
+
+
+def test_every_required_feature_is_exercised():
+    required = {"expert-biases", "shared-experts", "grouped-routing", "biased-routing", "sigmoid-gate"}
+    required |= {"dense-leading", "hybrid", "non-swiglu", "switch-mlp"}
+    assert required <= set().union(*FEATURES.values())
+    assert set(FEATURES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.125])
+def test_family_matches_mlx_lm(family, fraction):
+    name, path, reference = family
     engine = od_moe.load(str(path), capacity=fraction)
-    assert all(attr in c.layout.module_path for c in engine.caches)
-    assert len(engine.caches) == config["num_hidden_layers"]
-    assert od_moe_tokens(engine, PROMPTS, 32) == reference
-    stats = engine.stats()["total"]
-    assert stats["misses"] > 0 and stats["lookups"] == stats["hits"] + stats["misses"]
+    engine.configure_prefetch("next-gate", settings=PrefetchSettings(timed_checks=False))
+    assert engine.capacity == max(1, round(fraction * 16)) and engine.top_k > 0
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == reference, name
+    stats = engine.stats()
+    assert stats["total"]["misses"] > 0 and stats["prefetch"]["issued"] > 0
+    features = FEATURES[name]
+    parts = {(p.proj, p.name) for p in engine.caches[0].layout.parts}
+    assert (("gate_proj", "bias") in parts) == ("expert-biases" in features)
+    assert (("fc1", "weight") in parts) == ("switch-mlp" in features)
+    if "dense-leading" in features:
+        assert len(engine.caches) < _layers(FAMILIES[name])
+    if "biased-routing" in features:  # the score corrections were drawn at random, not left at zero
+        biases = [v for k, v in tree_flatten(engine.model.parameters()) if k.endswith(BIAS_NAMES)]
+        assert biases and all(mx.abs(b).max().item() > 0 for b in biases)
 
 
-def test_shared_experts_stay_resident(tmp_path):
-    path = write_mlx_model(tmp_path / "qwen2", QWEN2_MOE)
-    engine = od_moe.load(str(path), capacity=0.25)
-    block = engine.model.model.layers[0].mlp
-    assert block.shared_expert.gate_proj.weight.shape[0] == QWEN2_MOE["shared_expert_intermediate_size"]
-    assert engine.caches[0].layout.layout == "mlx"
+def test_dbrx_is_refused_in_one_line(tmp_path):
+    """DBRX's experts are separate MLPs that mlx-lm runs one by one: no stack to offload."""
+    config = {
+        "model_type": "dbrx",
+        "vocab_size": 1024,
+        "d_model": 64,
+        "n_layers": 1,
+        "n_heads": 2,
+        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+        "attn_config": {"kv_n_heads": 1, "clip_qkv": 8, "rope_theta": 10000.0},
+    }
+    path = write_mlx_model(tmp_path / "dbrx", config, quantize=False)
+    with pytest.raises(UserError) as refused:
+        od_moe.load(str(path), capacity=0.5)
+    message = str(refused.value)
+    assert "\n" not in message and "ffn.experts" in message and "one by one" in message
 
 
-def test_hugging_face_mixtral_layout_matches(tmp_path):
-    path = write_hf_mixtral(tmp_path / "hf-mixtral")
-    reference = reference_tokens(path, PROMPTS, 32)
-    engine = od_moe.load(str(path), capacity=0.25)
-    assert engine.caches[0].layout.layout == "hf"
-    assert od_moe_tokens(engine, PROMPTS, 32) == reference
-
-
-def test_hugging_face_sharded_bundled_model_matches():
-    reference = reference_tokens(SHARED, PROMPTS[:1], 32)
-    engine = od_moe.load(str(SHARED), capacity=0.25)
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "deepseek_v3", "mixtral"])
+def test_hugging_face_per_expert_shards_match(tmp_path, name):
+    path = write_hf_per_expert(tmp_path / name, FAMILIES[name], shards=3)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert (
+        any(".experts.3." in k for k in index["weight_map"]) and len(set(index["weight_map"].values())) == 3
+    )
+    reference = reference_tokens(path, PROMPTS, NEW_TOKENS)
+    engine = od_moe.load(str(path), capacity=0.25, prefetch="next-gate")
     assert engine.caches[0].layout.layout == "hf" and len(engine.runtime.store.files) == 3
-    assert od_moe_tokens(engine, PROMPTS[:1], 32) == reference
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == reference
+
+
+def test_hugging_face_sharded_bundled_model_matches(tmp_path):
+    """The packaged model, dequantized and written as a sharded per-expert checkpoint (nothing outside the
+    repository is read)."""
+    path = write_hf_per_expert(tmp_path / "hf-bundled", source=od_moe.DEFAULT_MODEL, shards=3)
+    prompts = ["def add(a, b):"]
+    reference = reference_tokens(path, prompts, 24)
+    engine = od_moe.load(str(path), capacity=0.25)
+    assert engine.caches[0].layout.layout == "hf" and len(engine.runtime.store.files) == 3
+    assert od_moe_tokens(engine, prompts, 24) == reference

@@ -5,6 +5,7 @@ quantization metadata adds about 12.5% at group size 64 and is counted). A memor
 engine: non-expert weights, C slots in every MoE layer, and a reserve for the KV cache and activations.
 """
 
+import math
 import re
 
 from .backend import available_memory_bytes
@@ -97,10 +98,19 @@ def resolve_capacity(
     usable = budget * (1 - BUDGET_RESERVE) - non_expert_nbytes
     slots = int(usable // (slot_nbytes * moe_layers)) if usable > 0 else 0
     if slots < 1:
-        need = (non_expert_nbytes + slot_nbytes * moe_layers) / (1 - BUDGET_RESERVE)
+        need = budget_for(1, moe_layers, slot_nbytes, non_expert_nbytes)
         raise UserError(
-            f"memory budget {budget} bytes is too small for this model: it needs at least {int(need)} bytes "
+            f"memory budget {budget} bytes is too small for this model: it needs at least {need} bytes "
             f"(non-expert weights {non_expert_nbytes} + one {slot_nbytes}-byte expert in each of "
             f"{moe_layers} layers + reserve)"
         )
     return min(slots, num_experts)
+
+
+def budget_for(slots: int, moe_layers: int, slot_nbytes: int, non_expert_nbytes: int) -> int:
+    """The smallest memory budget that `resolve_capacity` turns into `slots` experts per layer."""
+    need = (non_expert_nbytes + slot_nbytes * moe_layers * slots) / (1 - BUDGET_RESERVE)
+    budget = math.ceil(need)
+    while budget * (1 - BUDGET_RESERVE) - non_expert_nbytes < slot_nbytes * moe_layers * slots:
+        budget += 1  # float rounding: the budget must buy the slots back exactly
+    return budget

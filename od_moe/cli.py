@@ -1,4 +1,5 @@
-"""The `od-moe` command line: `generate`, `serve`, `bench`, `train-predictor` and `eval-predictor`.
+"""The `od-moe` command line: `generate`, `serve`, `bench`, `train-predictor`, `eval-predictor` and
+`inspect`.
 
 User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2.
 """
@@ -166,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     _capacity_arg(ev)
+
+    ins = sub.add_parser("inspect", help="what loading a model would do, without loading its weights")
+    ins.add_argument("model", nargs="?", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    ins.add_argument(
+        "--memory-budget", help="the budget whose capacity to report (default: 70%% of available)"
+    )
+    ins.add_argument("--capacity", help="experts per layer (16, 0.25 or 25%%) whose memory budget to report")
+    ins.add_argument("--predictor", help="a predictor folder to check (default: one beside the model)")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -281,6 +291,15 @@ def cmd_serve(args):
     )
 
 
+def cmd_inspect(args):
+    import json
+
+    from .preflight import format_inspection, inspect_model
+
+    report = inspect_model(args.model, args.memory_budget, args.capacity, _predictor_arg(args.predictor))
+    print(json.dumps(report, indent=1) if args.json else format_inspection(report))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -304,6 +323,8 @@ def main(argv=None) -> int:
             cmd_train_predictor(args)
         elif args.command == "eval-predictor":
             cmd_eval_predictor(args)
+        elif args.command == "inspect":
+            cmd_inspect(args)
         elif args.command == "bench":
             from .bench.cli import run
 

@@ -15,6 +15,7 @@ import uuid
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from ..preflight import engine_capabilities
 from . import anthropic
 from .requests import ApiError, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
@@ -142,12 +143,12 @@ def create_app(
 
     @app.get("/v1/models")
     def models():
-        return jsonify(
-            {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "created": int(started), "owned_by": "od-moe"}],
-            }
-        )
+        entry = {"id": name, "object": "model", "created": int(started), "owned_by": "od-moe"}
+        return jsonify({"object": "list", "data": [dict(entry, capabilities=engine_capabilities(engine))]})
+
+    @app.get("/v1/capabilities")
+    def capabilities():
+        return jsonify(engine_capabilities(engine))
 
     @app.get("/health")
     def health():

@@ -1,0 +1,195 @@
+"""Preflight: what loading a model would do, without loading any weight.
+
+`inspect_model` (behind `od-moe inspect` and the server's `/v1/capabilities`) reads config.json and
+the safetensors headers (`store.py`) and builds mlx-lm's model lazily (no array is evaluated, so no
+weight is read), then reports what `od_moe.load` would find: the family, the MoE layers, experts per
+layer and routed per token, the checkpoint layout, bytes per expert on disk and in memory, the
+non-expert bytes, the capacity a memory budget buys and the budget a capacity needs (the same
+arithmetic as `load`: `surgery.weight_nbytes` and `capacity.py`), whether a trained predictor is there
+and fits, and whether exact mode is supported (or the one-line reason it is not).
+`format_inspection` renders the report for the terminal. Not here: loading, generation or the server.
+"""
+
+import json
+import threading
+import weakref
+from pathlib import Path
+
+import mlx_lm.utils
+
+from . import backend
+from .capacity import AUTO_BUDGET_FRACTION, budget_for, parse_capacity, parse_size, resolve_capacity
+from .errors import UserError
+from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
+from .store import ExpertStore
+from .surgery import offloadable_blocks, top_k_of, weight_nbytes
+
+FRACTIONS = (0.125, 0.25, 0.5, 1.0)  # the capacities whose budgets every report lists
+
+
+def _predictor_candidates(path: Path, predictor) -> list[Path]:
+    from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
+
+    if predictor is not None:
+        return [Path(predictor).expanduser()]
+    if path.resolve() == DEFAULT_MODEL.resolve():
+        return [DEFAULT_PREDICTOR]
+    return [path.parent / f"{path.name}-predictor", path / "predictor"]
+
+
+def _predictor_report(path: Path, predictor, identity: str, moe_layers: int, num_experts: int) -> dict:
+    """Whether a predictor folder is there and fits this model (its config only: no weights are read)."""
+    for folder in _predictor_candidates(path, predictor):
+        config_file = folder / CONFIG_FILE
+        if not config_file.is_file() or not (folder / WEIGHTS_FILE).is_file():
+            continue
+        try:
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError:
+            return {
+                "path": str(folder),
+                "present": True,
+                "fits": False,
+                "reason": f"unreadable {config_file}",
+            }
+        dims = (config.get("num_layers"), config.get("num_experts"))
+        reason = None
+        if config.get("model_identity") != identity:
+            reason = (
+                f"trained for another model (identity {config.get('model_identity')}, this is {identity})"
+            )
+        elif dims != (moe_layers, num_experts):
+            reason = f"shaped for {dims[0]} MoE layers x {dims[1]} experts"
+        return {"path": str(folder), "present": True, "fits": reason is None, "reason": reason}
+    return {"path": None, "present": False, "fits": False, "reason": "none found: `od-moe train-predictor`"}
+
+
+def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None, dtype: str = "auto") -> dict:
+    """What `od_moe.load(model, ...)` would find and use, from config.json and the safetensors headers.
+
+    memory_budget: bytes or "8GB" (None: 70% of available memory, as `load`); capacity: a count, fraction
+    or "25%" whose budget to report; predictor: a predictor folder to check (None: the one beside the
+    model, `<model>-predictor`, or the bundled one for the bundled model)."""
+    from .engine import model_identity, resolve_model_path
+
+    path = resolve_model_path(model)
+    config = json.loads((path / "config.json").read_text())
+    store = ExpertStore(path)
+    report = {
+        "model": str(path),
+        "family": config.get("model_type"),
+        "file_bytes": store.nbytes,
+        "model_identity": model_identity(path, store),
+    }
+    try:
+        mlx_model, _ = mlx_lm.utils.load_model(path, lazy=True)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        return {**report, "exact": False, "reason": f"mlx-lm cannot build this model: {e}"}
+    target = backend.compute_dtype(dtype)
+    if target is not None:
+        mlx_model.set_dtype(target)  # lazy: counts the bytes `load` will hold, reads nothing
+    try:
+        blocks = offloadable_blocks(mlx_model, path)
+        layouts = [store.block_layout(b.path, b.expert_parts(), b.num_experts) for b in blocks]
+    except UserError as e:
+        return {**report, "exact": False, "reason": str(e)}
+    num_experts, moe_layers = blocks[0].num_experts, len(blocks)
+    slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
+    if memory_budget is None or memory_budget == "auto":
+        given = int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION)
+    else:
+        given = parse_size(memory_budget)
+    try:
+        slots = resolve_capacity(None, given, num_experts, moe_layers, slot_nbytes, non_expert)
+        bought = {"capacity": slots, "fraction": slots / num_experts}
+    except UserError as e:  # too small: say so in the report
+        bought = {"capacity": 0, "fraction": 0.0, "error": str(e)}
+
+    def budget(count: int) -> int:
+        return budget_for(count, moe_layers, slot_nbytes, non_expert)
+
+    report.update(
+        exact=True,
+        reason=None,
+        moe_layers=moe_layers,
+        moe_layer_paths=[b.path for b in blocks],
+        experts_per_layer=num_experts,
+        routed_per_token=top_k_of(blocks[0].block),
+        layout=layouts[0].layout,
+        expert_bytes_on_disk=layouts[0].expert_nbytes,
+        expert_bytes=slot_nbytes,
+        all_experts_bytes=slot_nbytes * num_experts * moe_layers,
+        non_expert_bytes=non_expert,
+        dtype=str(target or "model").removeprefix("mlx.core."),
+        memory_budget={"bytes": given, "auto": memory_budget in (None, "auto"), **bought},
+        budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
+        predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
+    )
+    if capacity is not None:
+        count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
+        report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
+    return report
+
+
+_computed = weakref.WeakKeyDictionary()  # engine -> its capabilities
+_lock = threading.Lock()
+
+
+def engine_capabilities(engine) -> dict:
+    """`inspect_model`'s report for a loaded engine's model at its capacity, with what the engine runs
+    (`loaded`): the server's `/v1/capabilities`. Computed once per engine; builds only lazy arrays, never
+    evaluated, so any thread may call it."""
+    with _lock:
+        if engine not in _computed:
+            report = inspect_model(engine.model_path, capacity=engine.capacity)
+            report["loaded"] = {
+                "capacity": engine.capacity,
+                "capacity_fraction": engine.capacity / engine.num_experts,
+                "miss_policy": engine.miss_policy,
+                "exact": engine.miss_policy == "load",
+                "prefetch": engine.policy_name,
+                "predictor": engine.predictor is not None,
+                "expert_bytes": engine.caches[0].slot_nbytes,
+                "non_expert_bytes": engine.non_expert_nbytes,
+            }
+            _computed[engine] = report
+        return _computed[engine]
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_inspection(report: dict) -> str:
+    """The report as a few lines of text."""
+    lines = [f"model      {report['model']} ({report['family']}, {_size(report['file_bytes'])} of files)"]
+    if not report["exact"]:
+        return "\n".join([*lines, f"supported  no: {report['reason']}"])
+    budget = report["memory_budget"]
+    lines += [
+        "supported  yes: exact (load) and approximate (skip) modes",
+        f"experts    {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
+        f"{report['routed_per_token']} routed per token ({report['layout']} layout)",
+        f"bytes      {_size(report['expert_bytes'])} per expert in memory "
+        f"({_size(report['expert_bytes_on_disk'])} on disk), {_size(report['all_experts_bytes'])} all "
+        f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']})",
+        f"budget     {_size(budget['bytes'])}{' (70% of available memory)' if budget['auto'] else ''} "
+        + (
+            f"holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"
+            if budget["capacity"]
+            else f"is too small: {budget['error']}"
+        ),
+        "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items()),
+    ]
+    if "capacity" in report:
+        c = report["capacity"]
+        lines.append(
+            f"capacity   {c['capacity']} experts per layer needs a budget of {_size(c['budget_bytes'])}"
+        )
+    p = report["predictor"]
+    state = "fits" if p["fits"] else "does not fit: " + str(p["reason"])
+    lines.append(f"predictor  {p['path']}: {state}" if p["present"] else f"predictor  {p['reason']}")
+    return "\n".join(lines)

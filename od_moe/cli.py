@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="od-moe", description="Run Mixture-of-Experts models larger than memory."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--seed", type=int, help="random seed for sampling, 0 to 2**63 - 1")
     gen.add_argument("--snapshot", help="warm-start from a snapshot folder saved for this model and capacity")
     gen.add_argument("--save-snapshot", help="after generating, save the resident set to this folder")
     gen.add_argument("--stats", action="store_true", help="print cache statistics after the text")
@@ -90,7 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     _direct_io_arg(srv)
     srv.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may generate")
     srv.add_argument(
-        "--max-input-tokens", type=int, default=16384, help="the longest prompt accepted, in tokens"
+        "--max-input-tokens",
+        type=int,
+        help="the longest prompt accepted, in tokens (default: the model's maximum positions)",
+    )
+    srv.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a further name the Host header may carry (repeatable; default: the --host address, and the "
+        "loopback names when bound to loopback)",
+    )
+    srv.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin (https://example.org, or *) whose pages may call the server (repeatable; "
+        "default: none, browser requests from other origins are refused)",
     )
 
     bench = sub.add_parser("bench", help="measure speed, memory, hit rate and reads against stock mlx-lm")
@@ -179,6 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("od-moe")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _check_writable(folder: str):
+    """Fail before any work when a snapshot could not be saved to `folder`."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UserError(f"cannot save a snapshot to {path} ({e.strerror}): choose a writable folder")
+
+
 def _check_positive(parser, name, value):
     if value is not None and value < 1:
         parser.error(f"{name} must be a positive integer, got {value}")
@@ -200,12 +241,16 @@ def _predictor_arg(value):
 def cmd_generate(args):
     from . import load
     from .report import format_stats
+    from .sampling import check_sampling
 
     options = dict(
         _pick(args, "capacity", "memory_budget", "miss_policy", "eviction"),
         direct_io=_direct_io(args.direct_io),
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    check_sampling(args.temp, args.top_p, seed=args.seed)  # before the model loads
+    if args.save_snapshot:
+        _check_writable(args.save_snapshot)
     oracle = args.prefetch == "oracle"
     engine = load(
         args.model,
@@ -282,12 +327,16 @@ def cmd_serve(args):
         "memory_budget",
         "max_tokens",
         "max_input_tokens",
+        "allow_host",
+        "allow_origin",
     )
+    picked = _pick(args, *names)
+    picked["allow_hosts"], picked["allow_origins"] = picked.pop("allow_host"), picked.pop("allow_origin")
     serve(
         predictor=_predictor_arg(args.predictor),
         direct_io=_direct_io(args.direct_io),
         log=lambda line: print(line, file=sys.stderr, flush=True),
-        **_pick(args, *names),
+        **picked,
     )
 
 

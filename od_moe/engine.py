@@ -16,7 +16,6 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse
-from mlx_lm.sample_utils import make_sampler
 
 from . import backend, governor
 from .cache import EVICTION_POLICIES, LayerCache
@@ -27,6 +26,7 @@ from .policies import make_policy
 from .reader import read_threads_for
 from .routing import router_matrices, router_of, tap_router
 from .runtime import MISS_POLICIES, OffloadRuntime
+from .sampling import make_sampler, vocab_size_of
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
 from .surgery import MoEBlock, offloadable_blocks, top_k_of, weight_nbytes
@@ -143,17 +143,10 @@ class Engine:
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 100:
-            raise UserError(f"temperature must be a number >= 0, got {temperature!r}")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
+        # the request's own random key: a failed or seeded request never touches another's sampling
+        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
-        if seed is not None:
-            mx.random.seed(int(seed))
-        sampler = make_sampler(
-            temp=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p)
-        )
         self.runtime.start_prompt(prompt)
         try:
             yield from mlx_lm.stream_generate(
@@ -317,6 +310,11 @@ def load(
         mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         raise UserError(f"mlx-lm cannot load {path}: {e}")
+    if len(tokenizer.get_vocab()) < 2:  # transformers falls back to an empty tokenizer without files
+        raise UserError(
+            f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the model's "
+            "tokenizer files into the folder"
+        )
     if target_dtype is not None:
         mlx_model.set_dtype(target_dtype)
     blocks = offloadable_blocks(mlx_model, path)
@@ -367,6 +365,15 @@ def _attach_predictor(engine: Engine, predictor):
         raise UserError(
             f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
             f"this model is {engine.identity}): train one for this model"
+        )
+    c, weights = predictor.config, engine.routers()[0]
+    expected = {"num_layers": len(engine.caches), "num_experts": engine.num_experts}
+    expected["hidden_size"] = weights.shape[-1]
+    wrong = [f"{k} {getattr(c, k)} (the model has {v})" for k, v in expected.items() if getattr(c, k) != v]
+    if wrong:
+        raise UserError(
+            f"the predictor does not fit this model: {', '.join(wrong)}; train one for this model with "
+            "`od-moe train-predictor`"
         )
     predictor.attach_routers(*engine.routers())
     return predictor

@@ -61,6 +61,7 @@ def format_stats(stats: dict, response=None) -> str:
         head,
         table(["layer", "lookups", "hits", "misses", "hit rate", "decode hit", "MiB read", "stall ms"], rows),
     ]
+    out.append(prefetch_line(stats["prefetch"]))
     mem = stats["memory"]
     out.append(
         f"peak memory {mib(mem['peak_bytes']):.1f} MiB (expert cache {mib(mem['expert_cache_bytes']):.1f} "
@@ -73,3 +74,16 @@ def format_stats(stats: dict, response=None) -> str:
             f"generation {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s"
         )
     return "\n".join(out)
+
+
+def prefetch_line(p: dict) -> str:
+    """One line on prefetch: the policy, reads issued, used before eviction (precision), late, wasted."""
+    if p.get("policy", "none") == "none" and not p.get("issued"):
+        return "prefetch off (--prefetch none)"
+    precision = "-" if p.get("precision") is None else f"{p['precision']:.3f}"
+    return (
+        f"prefetch {p.get('policy')}: {p.get('issued', 0)} experts read ahead "
+        f"({mib(p.get('bytes_read', 0)):.1f} MiB), {p.get('useful', 0)} used before eviction "
+        f"(precision {precision}), {p.get('late', 0)} late, {p.get('wasted', 0)} wasted, "
+        f"{p.get('backoffs', 0)} back-offs"
+    )

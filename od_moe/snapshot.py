@@ -1,13 +1,20 @@
 """Warm start: save and restore the resident set of an engine's expert caches.
 
 A snapshot is a folder with `snapshot.json` (its key, and per layer the expert in every slot and the pinned
-slots) and, optionally, `experts.safetensors` with the packed slot arrays for the fastest start. The key is
+slots) and, optionally, an experts file with the packed slot arrays for the fastest start. The key is
 the model identity (config + safetensors headers), the capacity, the in-memory dtypes and the predictor;
 a snapshot is never used for an engine with another key. Without weights, restoring reads the experts from
 the model's own files.
+
+Both files are written atomically and linked by content: the experts file is named after, and the json
+records, the SHA-256 of its bytes, checked at load. The json is replaced last, so a save that fails or is
+killed halfway leaves the previous snapshot whole; an experts file copied from another snapshot, or
+truncated, is refused with a clear error instead of giving wrong tokens.
 """
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +22,8 @@ import numpy as np
 
 from .errors import UserError
 
-FORMAT = 1
+FORMAT = 2
+META = "snapshot.json"
 
 
 def snapshot_key(engine) -> dict:
@@ -32,10 +40,27 @@ def snapshot_key(engine) -> dict:
     }
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_snapshot(engine, path, weights: bool = False):
+    """Write the snapshot atomically (a UserError if the folder cannot be written; the previous snapshot,
+    if any, is then left as it was)."""
     engine.runtime.settle()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = Path(path).expanduser()
     body = {
         "key": snapshot_key(engine),
         "layers": [
@@ -44,21 +69,65 @@ def save_snapshot(engine, path, weights: bool = False):
         ],
         "weights": bool(weights),
     }
-    if weights:
-        arrays = {
-            f"layer{i}.{name}": a
-            for i, c in enumerate(engine.caches)
-            for name, a in c.stacked_arrays().items()
-        }
-        mx.save_safetensors(str(path / "experts.safetensors"), arrays)
-    tmp = path / "snapshot.json.tmp"
-    tmp.write_text(json.dumps(body))
-    tmp.replace(path / "snapshot.json")
+    tmp = path / f".experts-{os.getpid()}.tmp.safetensors"
+    meta_tmp = path / f".{META}.{os.getpid()}.tmp"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        previous = _experts_file(path)
+        if weights:
+            arrays = {
+                f"layer{i}.{name}": a
+                for i, c in enumerate(engine.caches)
+                for name, a in c.stacked_arrays().items()
+            }
+            mx.save_safetensors(str(tmp), arrays)
+            _fsync(tmp)
+            body["experts_sha256"] = file_sha256(tmp)
+            body["experts_file"] = f"experts-{body['experts_sha256'][:16]}.safetensors"
+            tmp.replace(path / body["experts_file"])
+        meta_tmp.write_text(json.dumps(body))
+        _fsync(meta_tmp)
+        meta_tmp.replace(path / META)  # the commit point: before it, the previous snapshot is intact
+    except (OSError, RuntimeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UserError(f"cannot save a snapshot to {path} ({reason}): choose a writable folder with space")
+    finally:
+        for leftover in (tmp, meta_tmp):
+            leftover.unlink(missing_ok=True)
+    if previous is not None and previous != body.get("experts_file"):
+        (path / previous).unlink(missing_ok=True)  # nothing refers to it any more
+
+
+def _experts_file(path: Path) -> str | None:
+    """The experts file the snapshot at `path` refers to now, if any."""
+    try:
+        return json.loads((path / META).read_text()).get("experts_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _load_experts(path: Path, body: dict) -> dict:
+    """The packed slot arrays of a snapshot, after checking the file is the one its json was saved with."""
+    name, expected = body.get("experts_file"), body.get("experts_sha256")
+    if not isinstance(name, str) or not isinstance(expected, str) or Path(name).name != name:
+        raise UserError(f"snapshot {path} names no valid experts file: delete it and save a new one")
+    file = path / name
+    if not file.is_file():
+        raise UserError(f"snapshot {path} is missing its experts file {name}: save a new snapshot")
+    if file_sha256(file) != expected:
+        raise UserError(
+            f"snapshot {path}: {name} is not the file this snapshot was saved with (its content hash "
+            "differs: truncated, or copied from another snapshot); save a new snapshot"
+        )
+    try:
+        return mx.load(str(file))
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"snapshot {path}: {name} cannot be read ({e}): save a new snapshot")
 
 
 def load_snapshot(engine, path):
-    path = Path(path)
-    meta_file = path / "snapshot.json"
+    path = Path(path).expanduser()
+    meta_file = path / META
     if not meta_file.is_file():
         raise UserError(
             f"{path} is not an od-moe snapshot (no snapshot.json): save one with Engine.save_snapshot"
@@ -66,7 +135,7 @@ def load_snapshot(engine, path):
     try:
         body = json.loads(meta_file.read_text())
         key, layers = body["key"], body["layers"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise UserError(f"{meta_file} is unreadable: delete the snapshot and save a new one")
     expected = snapshot_key(engine)
     if key != expected:
@@ -80,7 +149,7 @@ def load_snapshot(engine, path):
         raise UserError(
             f"snapshot {path} has {len(layers)} layers, the model {len(engine.caches)}: save a new snapshot"
         )
-    packed = mx.load(str(path / "experts.safetensors")) if body.get("weights") else None
+    packed = _load_experts(path, body) if body.get("weights") else None
     for i, (cache, saved) in enumerate(zip(engine.caches, layers)):
         slots = np.asarray(saved["slots"], dtype=np.int64)
         if slots.shape != (cache.capacity,) or np.any(slots >= cache.num_experts):

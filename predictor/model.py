@@ -189,6 +189,12 @@ def load_predictor(path, model_identity: str | None = None) -> ShadowPredictor:
             "--model ...`"
         )
     predictor = ShadowPredictor(config)
-    predictor.load_weights(str(folder / WEIGHTS_FILE))
-    mx.eval(predictor.parameters())
+    try:
+        predictor.load_weights(str(folder / WEIGHTS_FILE))
+        mx.eval(predictor.parameters())
+    except (ValueError, RuntimeError) as e:  # a truncated file, or weights of other dimensions
+        raise UserError(
+            f"{folder / WEIGHTS_FILE} does not hold this predictor's weights ({str(e).splitlines()[0]}): "
+            "train it again with `od-moe train-predictor`"
+        )
     return predictor

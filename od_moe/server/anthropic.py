@@ -25,7 +25,7 @@ def _text(content, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of text blocks (only text is supported)", where)
 
 
-def parse_request(body: dict, max_tokens_cap: int):
+def parse_request(body: dict, max_tokens_cap: int, vocab_size: int | None = None):
     """(chat messages, GenerationParams) from a Messages API body."""
     if body.get("max_tokens") is None:
         raise ApiError(400, "'max_tokens' is required", "max_tokens")
@@ -34,7 +34,7 @@ def parse_request(body: dict, max_tokens_cap: int):
         raise ApiError(400, "'stop_sequences' must be a list of strings", "stop_sequences")
     openai_body = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
     openai_body["stop"] = (stop or [])[:4]
-    params: GenerationParams = parse_params(openai_body, max_tokens_cap, 0)
+    params: GenerationParams = parse_params(openai_body, max_tokens_cap, 0, vocab_size)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")

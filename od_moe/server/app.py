@@ -3,20 +3,29 @@
 `/health` (cache, prefetch and memory statistics) and `/metrics` (the same in Prometheus text).
 
 `create_app(engine)` wraps an engine in a `GenerationWorker`; request threads only validate, tokenize,
-queue a job and relay its events, as server-sent events (`stream: true`) or one JSON body. Every bad
-request gets an OpenAI-style JSON error with a 4xx status and the server keeps serving.
-Not here: generation (`worker.py`) or validation rules (`requests.py`).
+queue a job and relay its events, as server-sent events (`stream: true`) or one JSON body, and cancel it
+when the client goes away. Every bad request gets a JSON error with a 4xx status before any streaming
+starts, and the server keeps serving. `serve` binds the port before loading the model and shuts down
+cleanly on Ctrl-C or SIGTERM. Not here: generation (`worker.py`), validation rules (`requests.py`),
+Host/Origin/body checks (`guard.py`) or the statistics documents (`health.py`).
 """
 
 import json
+import signal
+import socket
+import threading
 import time
 import uuid
+from pathlib import Path
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from ..errors import UserError
 from ..preflight import engine_capabilities
-from . import anthropic
+from ..sampling import vocab_size_of
+from . import anthropic, guard
+from .health import health_body, prometheus_text
 from .requests import ApiError, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
 
@@ -33,12 +42,19 @@ def create_app(
     worker: GenerationWorker | None = None,
     model_name: str | None = None,
     max_tokens: int = 4096,
-    max_input_tokens: int = 16384,
+    max_input_tokens: int | None = None,
     default_max_tokens: int = 256,
     max_body_bytes: int = 4 * 2**20,
     event_timeout_s: float = 600.0,
+    allowed_hosts: frozenset[str] | None = None,
+    allowed_origins=(),
 ) -> Flask:
-    """The server app for `engine` (or for a running `worker`, whose thread owns the engine)."""
+    """The server app for `engine` (or for a running `worker`, whose thread owns the engine).
+
+    max_input_tokens: the longest prompt (default: the model's maximum positions). allowed_hosts: the
+    Host names answered (default: the loopback names; see `guard.host_names`). allowed_origins: browser
+    origins (`https://example.org`, or `*`) allowed besides the server's own.
+    """
     worker = worker or GenerationWorker(engine)
     worker.ready.wait()
     if worker.load_error is not None:
@@ -46,6 +62,11 @@ def create_app(
     engine = worker.engine
     name = model_name or engine.model_path.name
     tokenizer = engine.tokenizer
+    vocab = vocab_size_of(engine.model) or getattr(tokenizer, "vocab_size", None)
+    if max_input_tokens is None:
+        max_input_tokens = max_positions(engine.model_path)
+    hosts = allowed_hosts if allowed_hosts is not None else guard.host_names("127.0.0.1")
+    origins = frozenset(allowed_origins)
     started = time.time()
     app = Flask("od_moe.server")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -66,15 +87,40 @@ def create_app(
         )
         message = {
             404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
-            f"POST /v1/chat/completions, GET /health",
-            413: f"request body is over the limit of {max_body_bytes} bytes",
+            f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics",
+            413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
         }.get(e.code, e.description)
+        if guard.is_too_large(e):
+            guard.discard_body(request.environ)  # then the 413 goes out and the connection closes
         return api_error(ApiError(e.code, message, kind=kind))
 
+    @app.errorhandler(Exception)
+    def server_error(e: Exception):
+        app.logger.exception("request failed")
+        with worker.lock:
+            worker.counters["failed"] += 1
+        error = ApiError(
+            500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error"
+        )
+        body = anthropic.error_body(error) if request.path == "/v1/messages" else error.body()
+        return jsonify(body), 500
+
+    @app.before_request
+    def guard_request():
+        request.cors_origin = guard.check_request(request, hosts, origins)
+
+    @app.after_request
+    def cors(response):
+        origin = getattr(request, "cors_origin", None)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Headers"] = "Content-Type, Authorization"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Vary"] = "Origin"
+        return response
+
     def body_json() -> dict:
-        data = request.get_json(force=True, silent=True)
-        if data is None:
-            raise ApiError(400, "the request body is not valid JSON")
+        data = guard.read_json(request)
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = data.get("model")
@@ -91,12 +137,11 @@ def create_app(
     def check_length(prompt_tokens):
         if len(prompt_tokens) > max_input_tokens:
             raise ApiError(
-                413,
+                400,
                 f"the prompt has {len(prompt_tokens)} tokens, over this server's limit of "
                 f"{max_input_tokens} (--max-input-tokens)",
                 "prompt",
                 "context_length_exceeded",
-                kind="request_too_large",
             )
         vocab = getattr(tokenizer, "vocab_size", None)
         if vocab and any(t >= vocab for t in prompt_tokens):
@@ -107,7 +152,7 @@ def create_app(
     @app.post("/v1/completions")
     def completions():
         data = body_json()
-        params = parse_params(data, max_tokens, default_max_tokens)
+        params = parse_params(data, max_tokens, default_max_tokens, vocab)
         prompt = parse_prompt(data)
         tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_length(tokens)
@@ -116,7 +161,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     def chat_completions():
         data = body_json()
-        params = parse_params(data, max_tokens, default_max_tokens)
+        params = parse_params(data, max_tokens, default_max_tokens, vocab)
         messages = parse_messages(data)
         template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
@@ -126,13 +171,13 @@ def create_app(
     @app.post("/v1/messages")
     def messages():
         data = body_json()
-        messages, params = anthropic.parse_request(data, max_tokens)
+        messages, params = anthropic.parse_request(data, max_tokens, vocab)
         template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         tokens = list(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
         )
         check_length(tokens)
-        job = worker.submit(tokens, params)
+        job = worker.submit(tokens, params, guard.client_alive(request.environ))
         if params.stream:
             return Response(
                 anthropic.stream(job, name, len(tokens), event_timeout_s),
@@ -152,7 +197,8 @@ def create_app(
 
     @app.get("/health")
     def health():
-        return jsonify(health_body(worker, name, started))
+        body = health_body(worker, name, started)
+        return jsonify(body), 200 if body["status"] in ("ok", "degraded") else 503
 
     @app.get("/metrics")
     def metrics():
@@ -161,7 +207,7 @@ def create_app(
         )
 
     def respond(tokens, params, chat: bool):
-        job = worker.submit(tokens, params)
+        job = worker.submit(tokens, params, guard.client_alive(request.environ))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -200,9 +246,10 @@ def create_app(
                         raise event[1]
                     else:
                         finish, usage = event[1], event[2]
-            except GeneratorExit:
-                job.cancelled.set()
-                raise
+            finally:
+                job.cancelled.set()  # a no-op when done; stops the generation when the client went away
+            if finish is None:  # the client went away: nobody reads this
+                return Response(status=499)
             text = "".join(parts)
             choice = (
                 {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
@@ -245,77 +292,38 @@ def create_app(
     return app
 
 
-def health_body(worker: GenerationWorker, name: str, started: float) -> dict:
-    """The /health document, from the engine's live ledger: it moves token by token during a generation."""
-    stats = worker.engine.stats(settle=False)
-    total = stats["total"]
-    prefetch = stats["prefetch"]
-    with worker.lock:
-        requests = dict(
-            worker.counters,
-            active=worker.active,
-            queued=worker.queued(),
-            prompt_tokens=worker.prompt_tokens,
-            cached_prompt_tokens=worker.cached_tokens,
-            completion_tokens=worker.completion_tokens,
+def max_positions(model_path: Path, fallback: int = 16384) -> int:
+    """The longest sequence the model was made for (its config's maximum positions)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return fallback
+    for c in (config, config.get("text_config") or {}):
+        value = c.get("max_position_embeddings") or c.get("max_sequence_length")
+        if isinstance(value, int) and value > 0:
+            return value
+    return fallback
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or a UserError saying why not (before any model is loaded)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"cannot bind --host {host!r} ({e.strerror}): give an address of this machine")
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise UserError(
+            f"cannot listen on {host}:{port} ({e.strerror}): another program holds that port or the "
+            "address is not this machine's; choose another with --port or --host"
         )
-    return {
-        "status": "ok" if worker.thread.is_alive() else "error",
-        "model_loaded": worker.engine is not None,
-        "model": name,
-        "expert_cache_stats": {
-            "cache_hits": total.get("hits", 0),
-            "cache_misses": total.get("misses", 0),
-            "hit_rate": total.get("hit_rate"),
-            "decode_hit_rate": total["decode"]["hit_rate"],
-            "decode_lookups": total["decode"]["lookups"],
-            "prefill_hit_rate": total.get("prefill", {}).get("hit_rate"),
-            "working_set_experts": total.get("resident", 0),
-            "pinned_experts": total.get("pinned", 0),
-            "capacity": stats.get("capacity"),
-            "capacity_fraction": stats.get("capacity_fraction"),
-            "num_experts": stats.get("num_experts"),
-            "moe_layers": stats.get("moe_layers"),
-            "per_layer_hit_rate": [layer["hit_rate"] for layer in stats.get("layers", [])],
-            "prefetch": prefetch,
-            "bytes_read": total.get("bytes_read", 0),
-            "stall_s": total.get("stall_s", 0.0),
-            "experts_loaded": total.get("experts_loaded", 0),
-            "evictions": total.get("evictions", 0),
-            "miss_policy": stats.get("miss_policy"),
-            "tokens": stats.get("tokens"),
-        },
-        "memory": stats.get("memory", {}),
-        "uptime_s": time.time() - started,
-        "requests": requests,
-    }
-
-
-def prometheus_text(health: dict) -> str:
-    c = health["expert_cache_stats"]
-    lines = []
-
-    def metric(key, value, kind="gauge", labels=""):
-        if value is None:
-            return
-        lines.append(f"# TYPE od_moe_{key} {kind}")
-        lines.append(f"od_moe_{key}{labels} {float(value)}")
-
-    metric("expert_cache_hits_total", c["cache_hits"], "counter")
-    metric("expert_cache_misses_total", c["cache_misses"], "counter")
-    metric("expert_cache_hit_rate", c["hit_rate"])
-    metric("expert_bytes_read_total", c["bytes_read"], "counter")
-    metric("expert_stall_seconds_total", c["stall_s"], "counter")
-    metric("expert_cache_resident", c["working_set_experts"])
-    metric("prefetch_precision", c["prefetch"].get("precision"))
-    for i, rate in enumerate(c["per_layer_hit_rate"]):
-        if rate is not None:
-            lines.append(f'od_moe_layer_hit_rate{{layer="{i}"}} {float(rate)}')
-    for key, value in health["requests"].items():
-        metric(f"requests_{key}", value)
-    metric("memory_peak_bytes", health["memory"].get("peak_bytes"))
-    metric("uptime_seconds", health["uptime_s"])
-    return "\n".join(lines) + "\n"
+    return sock
 
 
 def serve(
@@ -328,15 +336,19 @@ def serve(
     capacity=None,
     memory_budget=None,
     max_tokens=4096,
-    max_input_tokens=16384,
+    max_input_tokens=None,
     direct_io="auto",
+    allow_hosts=(),
+    allow_origins=(),
     log=print,
 ):
-    """Load the model on the generation thread, then serve until interrupted."""
+    """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
+    end the running streams with an error event and stop the generation thread before returning."""
     from werkzeug.serving import make_server
 
     from .. import load
 
+    listener = bind(host, port)  # a busy port is found before the model loads
     worker = GenerationWorker(
         loader=lambda: load(
             model,
@@ -347,13 +359,41 @@ def serve(
             direct_io=direct_io,
         )
     )
-    app = create_app(worker=worker, max_tokens=max_tokens, max_input_tokens=max_input_tokens)
-    server = make_server(host, port, app, threaded=True)
+    try:
+        app = create_app(
+            worker=worker,
+            max_tokens=max_tokens,
+            max_input_tokens=max_input_tokens,
+            allowed_hosts=guard.host_names(host, allow_hosts),
+            allowed_origins=allow_origins,
+        )
+        server = make_server(host, port, app, threaded=True, fd=listener.fileno())
+    finally:
+        listener.close()  # the server holds its own descriptor of it
     log(
-        f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.server_port} "
+        f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.port} "
         f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer)"
     )
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: _interrupt())
     try:
-        server.serve_forever()
+        server.serve_forever()  # returns on Ctrl-C (werkzeug catches the KeyboardInterrupt)
     finally:
-        worker.stop()
+        log("od-moe: shutting down")
+        finished = worker.shutdown()
+        _wait_for_relays(worker)
+        server.server_close()
+        if finished:
+            worker.engine.close()
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+def _wait_for_relays(worker, timeout_s: float = 5.0):
+    """Give the request threads the time to relay the shutdown error the worker left their jobs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(job.events.empty() for job in worker.told_to_stop):
+        time.sleep(0.05)
+    time.sleep(0.1)  # taken from the queue is not yet written to the socket

@@ -4,7 +4,10 @@ Every user mistake becomes an `ApiError` with an HTTP status and an OpenAI-shape
 tokenizing prompts (the app does it, because it needs the tokenizer) or generating.
 """
 
+import math
 from dataclasses import dataclass, field
+
+from ..sampling import MAX_SEED
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -45,6 +48,7 @@ def _number(body, name, default, low, high, integer=False, low_open=False):
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or (integer and not isinstance(value, int))
+        or not math.isfinite(value)
     ):
         raise ApiError(
             400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name
@@ -55,8 +59,11 @@ def _number(body, name, default, low, high, integer=False, low_open=False):
     return value
 
 
-def parse_params(body: dict, max_tokens_cap: int, default_max_tokens: int) -> GenerationParams:
-    """Sampling and length settings shared by completions and chat."""
+def parse_params(
+    body: dict, max_tokens_cap: int, default_max_tokens: int, vocab_size: int | None = None
+) -> GenerationParams:
+    """Sampling and length settings shared by completions and chat, checked so that generation cannot
+    fail on them: `top_k` must be below `vocab_size`, `seed` within 0 to 2**63 - 1."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(name)
     if value is None:
@@ -90,13 +97,19 @@ def parse_params(body: dict, max_tokens_cap: int, default_max_tokens: int) -> Ge
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "seed")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+    ):
+        raise ApiError(400, f"'seed' must be an integer from 0 to 2**63 - 1, got {seed!r}", "seed")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise ApiError(400, f"'{name}' is not supported by this server: leave it out", name)
+    top_k_limit = vocab_size - 1 if vocab_size else 1_000_000
     return GenerationParams(
         max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
-        top_k=int(_number(body, "top_k", 0, 0, 1_000_000, integer=True)),
+        top_k=int(_number(body, "top_k", 0, 0, top_k_limit, integer=True)),
         seed=seed,
         stop=stop,
         stream=stream,

@@ -2,10 +2,12 @@
 
 MLX work stays on this thread (the engine may even be loaded on it). Each job streams events to its own
 queue: ("text", str) pieces, then ("done", finish_reason, usage, matched stop string or None) or
-("error", ApiError). A job whose client
-went away is cancelled and its generation stopped at the next token. The KV cache of the previous request
-is kept with the tokens it holds and reused for the longest common token prefix of the next prompt; a
-failed or cancelled request drops it, so it is never reused wrongly. Not here: HTTP (`app.py`).
+("error", ApiError). A job whose client went away is cancelled and its generation stopped at the next
+token or, during a long prompt, at the next prefill chunk. The KV cache of the previous request is kept
+with the tokens it holds and reused for the longest common token prefix of the next prompt; a failed or
+cancelled request drops it, so it is never reused wrongly. `shutdown` ends the running and queued jobs
+with an error event and waits for the thread, so no MLX work is under way when the process exits.
+Not here: HTTP (`app.py`).
 """
 
 import queue
@@ -26,18 +28,31 @@ class Job:
     params: GenerationParams
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    alive: Callable[[], bool] = lambda: True  # False once the client has gone away
 
-    def stream(self, timeout_s: float):
-        """The job's events until its last one; a worker silent for `timeout_s` cancels it."""
+    def stream(self, timeout_s: float, poll_s: float = 0.2):
+        """The job's events until its last one. A worker silent for `timeout_s` cancels it; so does a
+        client found gone (checked every `poll_s` while waiting), and then the events just end."""
+        silent_since = time.monotonic()
         while True:
             try:
-                event = self.events.get(timeout=timeout_s)
+                event = self.events.get(timeout=poll_s)
             except queue.Empty:
-                self.cancelled.set()
-                raise ApiError(504, "generation timed out", kind="server_error")
+                if not self.alive():
+                    self.cancelled.set()
+                    return
+                if time.monotonic() - silent_since > timeout_s:
+                    self.cancelled.set()
+                    raise ApiError(504, "generation timed out", kind="server_error")
+                continue
+            silent_since = time.monotonic()
             yield event
             if event[0] != "text":
                 return
+
+
+class Cancelled(Exception):
+    """Raised between prefill chunks when the job's client has gone away."""
 
 
 class PromptCache:
@@ -70,8 +85,16 @@ class PromptCache:
 
 
 class GenerationWorker:
-    def __init__(self, engine=None, loader: Callable | None = None):
+    """The thread that owns the engine; `prefill_step` tokens are prefilled between cancellation checks."""
+
+    def __init__(self, engine=None, loader: Callable | None = None, prefill_step: int = 256):
         self.engine = engine
+        self.prefill_step = prefill_step
+        self.stopping = False
+        self.failures_in_a_row = 0  # server errors (not user mistakes) since the last success
+        self.last_error: str | None = None
+        self.current: Job | None = None
+        self.told_to_stop: list[Job] = []  # jobs ended by shutdown, whose relays may still be sending
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.prompt_cache = PromptCache()
         self.ready = threading.Event()
@@ -85,18 +108,51 @@ class GenerationWorker:
         self.thread.start()
 
     # -- called from request threads ---------------------------------------------------------------
-    def submit(self, prompt: list[int], params: GenerationParams) -> Job:
+    def submit(
+        self, prompt: list[int], params: GenerationParams, alive: Callable[[], bool] | None = None
+    ) -> Job:
         job = Job(prompt, params)
+        if alive is not None:
+            job.alive = alive
         with self.lock:
             self.counters["total"] += 1
+            if self.stopping:
+                self._tell_stopping(job)
+                return job
         self.jobs.put(job)
         return job
 
     def queued(self) -> int:
         return self.jobs.qsize()
 
+    def state(self) -> str:
+        """ "ok", "degraded" (the last request failed on the server's side), "stopping" or "error"."""
+        if self.load_error is not None or not self.thread.is_alive():
+            return "error"
+        if self.stopping:
+            return "stopping"
+        return "degraded" if self.failures_in_a_row else "ok"
+
     def stop(self):
         self.jobs.put(None)
+
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
+        """End the running and queued jobs with an error event, stop the thread and wait for it (True
+        when it has finished: no MLX work is left running)."""
+        with self.lock:
+            self.stopping = True
+            if self.current is not None:
+                self.current.cancelled.set()
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._tell_stopping(job)
+        self.jobs.put(None)
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
 
     # -- the worker thread --------------------------------------------------------------------------
     def _run(self):
@@ -109,30 +165,51 @@ class GenerationWorker:
             return
         self.ready.set()
         while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
+            if job.cancelled.is_set() or self.stopping:
                 self._count("cancelled")
+                if self.stopping:
+                    self._tell_stopping(job)
                 continue
             with self.lock:
-                self.active = 1
+                self.active, self.current = 1, job
             try:
-                outcome = self._generate(job)
-                self._count(outcome)
+                try:
+                    outcome = self._generate(job)
+                except Cancelled:
+                    self.prompt_cache = PromptCache()
+                    outcome = "cancelled"
             except Exception as e:
                 self.prompt_cache = PromptCache()
                 self._count("failed")
+                user = isinstance(e, (ApiError, UserError))
                 error = (
                     e
                     if isinstance(e, ApiError)
                     else ApiError(
-                        400 if isinstance(e, UserError) else 500,
+                        400 if user else 500,
                         str(e),
-                        kind="invalid_request_error" if isinstance(e, UserError) else "server_error",
+                        kind="invalid_request_error" if user else "server_error",
                     )
                 )
+                with self.lock:
+                    if not user:
+                        self.failures_in_a_row += 1
+                        self.last_error = str(e)
                 job.events.put(("error", error))
+            else:
+                self._count(outcome)
+                if outcome == "completed":
+                    with self.lock:
+                        self.failures_in_a_row = 0
+                elif self.stopping:  # the client is still there: tell it why the text stops
+                    self._tell_stopping(job)
             finally:
                 with self.lock:
-                    self.active = 0
+                    self.active, self.current = 0, None
+
+    def _tell_stopping(self, job: Job):
+        job.events.put(("error", _shutting_down()))
+        self.told_to_stop.append(job)
 
     def _count(self, key):
         with self.lock:
@@ -141,6 +218,11 @@ class GenerationWorker:
     def _generate(self, job: Job) -> str:
         engine, p = self.engine, job.params
         cache, rest, reused = self.prompt_cache.take(engine.model, job.prompt)
+
+        def between_chunks(done, total):
+            if job.cancelled.is_set():
+                raise Cancelled  # the cache is dropped: it is not kept below
+
         stops, hold = p.stop, max((len(s) for s in p.stop), default=1) - 1
         text, sent, tokens, finish, matched = "", 0, [], "length", None
         start = time.perf_counter()
@@ -152,6 +234,8 @@ class GenerationWorker:
             top_k=p.top_k,
             seed=p.seed,
             prompt_cache=cache,
+            prefill_step_size=self.prefill_step,
+            prompt_progress_callback=between_chunks,
         ):
             if job.cancelled.is_set():
                 return "cancelled"  # the cache is dropped: it is not kept below
@@ -184,3 +268,9 @@ class GenerationWorker:
             self.completion_tokens += len(tokens)
         job.events.put(("done", finish, usage, matched))
         return "completed"
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(
+        503, "the server is shutting down: send the request again once it is back", kind="server_error"
+    )

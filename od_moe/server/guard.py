@@ -1,0 +1,165 @@
+"""What the server checks about a request before any route reads it, and how it notices a client has gone.
+
+A web page the user visits can send simple cross-site POSTs to a local server, and after DNS rebinding read
+the answers. So: the Host header must name an address the server answers to (its bound address, the
+loopback names when bound to loopback, names added with `--allow-host`); a browser request from another
+origin (its `Origin` header) is refused unless `--allow-origin` lists it; a POST body must be
+`application/json`. Bodies are read under the size limit (chunked ones too) and parsed as strict JSON: no
+NaN or Infinity, no lone surrogates. A body over the limit gets 413 and its connection is closed without
+waiting for the rest. Not here: the routes (`app.py`) or the meaning of fields (`requests.py`).
+"""
+
+import ipaddress
+import json
+import select
+import socket
+from collections.abc import Callable, Iterable
+
+from flask import Request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from .requests import ApiError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARD = ("", "0.0.0.0", "::")
+
+
+def host_names(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The Host names a server bound to `bound` answers to. Bound to every interface, any IP literal
+    is accepted too (DNS rebinding needs a name); see `host_allowed`."""
+    names = {bound.strip("[]").lower()} | {n.strip("[]").lower() for n in extra}
+    if bound in WILDCARD or _is_loopback(bound):
+        names |= set(LOOPBACK_NAMES)
+    if bound in WILDCARD:
+        names |= {socket.gethostname().lower(), "*ip"}
+    return frozenset(names)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _hostname(host_header: str) -> str:
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_allowed(host_header: str, names: frozenset[str]) -> bool:
+    name = _hostname(host_header)
+    if name in names:
+        return True
+    if "*ip" in names:
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            return False
+    return False
+
+
+def check_request(request: Request, names: frozenset[str], origins: frozenset[str]) -> str | None:
+    """Raise an ApiError for a request from the wrong place; return the origin to allow by CORS headers
+    (None for a request without a cross-origin `Origin`)."""
+    if not host_allowed(request.host, names):
+        shown = ", ".join(sorted(n for n in names if n != "*ip"))
+        raise ApiError(
+            403,
+            f"Host {request.host!r} is not an address of this server ({shown}): connect to one of "
+            "those, or start od-moe serve with --allow-host NAME",
+            kind="permission_error",
+        )
+    origin = request.headers.get("Origin")
+    if origin is None or origin.lower() == request.host_url.rstrip("/").lower():
+        return None
+    if origin in origins or "*" in origins:
+        return origin
+    raise ApiError(
+        403,
+        f"cross-origin requests from {origin!r} are refused: start od-moe serve with --allow-origin "
+        f"{origin} to allow that page",
+        kind="permission_error",
+    )
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_json(request: Request):
+    """The body of a POST as strict JSON (any value; the caller checks it is an object)."""
+    if request.mimetype != "application/json":
+        raise ApiError(
+            415,
+            f"the request body must be JSON sent with Content-Type: application/json (got "
+            f"{request.mimetype or 'none'!r})",
+            kind="invalid_request_error",
+        )
+    raw = request.get_data(cache=True)  # over the limit (declared or chunked): RequestEntityTooLarge
+    try:
+        data = json.loads(raw, parse_constant=_no_constants)
+    except ValueError as e:  # also undecodable UTF-8
+        raise ApiError(400, f"the request body is not valid JSON ({e})")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            400,
+            "the request body has a lone surrogate (an unpaired \\ud800-\\udfff escape) in a string: send "
+            "valid UTF-8 text",
+        )
+    return data
+
+
+def is_too_large(error: BaseException) -> bool:
+    return isinstance(error, RequestEntityTooLarge)
+
+
+def discard_body(environ: dict, cap: int = 64 * 2**20, timeout_s: float = 2.0):
+    """After a 413: read what is left of the body (up to `cap` bytes, `timeout_s` per read), then stop
+    reading the connection, so the server answers and closes it at once instead of waiting on the
+    client. Reading the rest first lets the client see the 413 rather than a reset."""
+    sock = environ.get("werkzeug.socket")
+    stream = environ.get("wsgi.input")
+    if sock is None or stream is None:
+        return
+    try:
+        sock.settimeout(timeout_s)
+        left = cap
+        declared = environ.get("CONTENT_LENGTH")
+        if not environ.get("wsgi.input_terminated") and declared and declared.isdigit():
+            left = min(cap, int(declared))
+        while left > 0:
+            data = stream.read(min(left, 2**16))
+            if not data:
+                break
+            left -= len(data)
+    except (OSError, ValueError):
+        pass
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+
+
+def client_alive(environ: dict) -> Callable[[], bool]:
+    """A check that the client of this request is still connected: its socket, once the body is read,
+    only becomes readable when the client closes it (a read would then return nothing)."""
+    sock = environ.get("werkzeug.socket")
+
+    def alive() -> bool:
+        if sock is None:
+            return True
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
+
+    return alive

@@ -1,0 +1,123 @@
+"""The server's `/health` document and `/metrics` (the same figures in the Prometheus text format).
+
+Both read the engine's live ledger from any thread (`engine.stats(settle=False)`) and the worker's
+counters; `status` is the worker's real state (`GenerationWorker.state`). Not here: routes (`app.py`).
+"""
+
+import time
+
+# name: (type, help) of every metric /metrics exports; the values come from `health_body`.
+METRICS = {
+    "expert_cache_hits_total": ("counter", "Expert lookups that found the expert resident."),
+    "expert_cache_misses_total": ("counter", "Expert lookups that had to read the expert."),
+    "expert_cache_hit_rate": ("gauge", "Fraction of expert lookups found resident (prefill and decode)."),
+    "expert_cache_decode_hit_rate": ("gauge", "Fraction of decode-time expert lookups found resident."),
+    "expert_cache_prefill_hit_rate": ("gauge", "Fraction of prefill-time expert lookups found resident."),
+    "expert_bytes_read_total": ("counter", "Bytes of expert weights read from disk."),
+    "expert_stall_seconds_total": ("counter", "Seconds the generation thread waited for expert reads."),
+    "expert_cache_resident": ("gauge", "Experts resident now, all MoE layers together."),
+    "expert_cache_capacity": ("gauge", "Expert slots per MoE layer."),
+    "prefetch_precision": ("gauge", "Fraction of prefetched experts used before eviction."),
+    "prefetch_issued_total": ("counter", "Expert reads issued by prefetch."),
+    "prefetch_late_total": ("counter", "Prefetched experts needed before their read finished."),
+    "layer_hit_rate": ("gauge", "Fraction of expert lookups found resident, per MoE layer."),
+    "requests_total": ("counter", "Generation requests accepted."),
+    "requests_completed_total": ("counter", "Generation requests completed."),
+    "requests_failed_total": ("counter", "Generation requests that failed while generating."),
+    "requests_cancelled_total": ("counter", "Generation requests whose client went away."),
+    "requests_rejected_total": ("counter", "Requests refused with a 4xx error."),
+    "requests_active": ("gauge", "Requests generating now (0 or 1)."),
+    "requests_queued": ("gauge", "Requests waiting for the generation thread."),
+    "requests_prompt_tokens_total": ("counter", "Prompt tokens of completed requests."),
+    "requests_cached_prompt_tokens_total": ("counter", "Prompt tokens taken from the reused KV cache."),
+    "requests_completion_tokens_total": ("counter", "Tokens generated."),
+    "up": ("gauge", "1 while the generation thread can serve requests, else 0."),
+    "memory_peak_bytes": ("gauge", "Peak memory of the MLX backend, in bytes."),
+    "uptime_seconds": ("gauge", "Seconds since the server started."),
+}
+
+
+def health_body(worker, name: str, started: float) -> dict:
+    """The /health document, from the engine's live ledger: it moves token by token during a generation."""
+    stats = worker.engine.stats(settle=False)
+    total = stats["total"]
+    prefetch = stats["prefetch"]
+    with worker.lock:
+        requests = dict(
+            worker.counters,
+            active=worker.active,
+            queued=worker.queued(),
+            prompt_tokens=worker.prompt_tokens,
+            cached_prompt_tokens=worker.cached_tokens,
+            completion_tokens=worker.completion_tokens,
+        )
+        last_error = worker.last_error
+    return {
+        "status": worker.state(),
+        "last_error": last_error,
+        "model_loaded": worker.engine is not None,
+        "model": name,
+        "expert_cache_stats": {
+            "cache_hits": total.get("hits", 0),
+            "cache_misses": total.get("misses", 0),
+            "hit_rate": total.get("hit_rate"),
+            "decode_hit_rate": total["decode"]["hit_rate"],
+            "decode_lookups": total["decode"]["lookups"],
+            "prefill_hit_rate": total.get("prefill", {}).get("hit_rate"),
+            "working_set_experts": total.get("resident", 0),
+            "pinned_experts": total.get("pinned", 0),
+            "capacity": stats.get("capacity"),
+            "capacity_fraction": stats.get("capacity_fraction"),
+            "num_experts": stats.get("num_experts"),
+            "moe_layers": stats.get("moe_layers"),
+            "per_layer_hit_rate": [layer["hit_rate"] for layer in stats.get("layers", [])],
+            "prefetch": prefetch,
+            "bytes_read": total.get("bytes_read", 0),
+            "stall_s": total.get("stall_s", 0.0),
+            "experts_loaded": total.get("experts_loaded", 0),
+            "evictions": total.get("evictions", 0),
+            "miss_policy": stats.get("miss_policy"),
+            "tokens": stats.get("tokens"),
+        },
+        "memory": stats.get("memory", {}),
+        "uptime_s": time.time() - started,
+        "requests": requests,
+    }
+
+
+def prometheus_text(health: dict) -> str:
+    """`health` in the Prometheus text exposition format (0.0.4): # HELP and # TYPE before each metric."""
+    c = health["expert_cache_stats"]
+    prefetch = c["prefetch"]
+    samples = {
+        "expert_cache_hits_total": c["cache_hits"],
+        "expert_cache_misses_total": c["cache_misses"],
+        "expert_cache_hit_rate": c["hit_rate"],
+        "expert_cache_decode_hit_rate": c["decode_hit_rate"],
+        "expert_cache_prefill_hit_rate": c["prefill_hit_rate"],
+        "expert_bytes_read_total": c["bytes_read"],
+        "expert_stall_seconds_total": c["stall_s"],
+        "expert_cache_resident": c["working_set_experts"],
+        "expert_cache_capacity": c["capacity"],
+        "prefetch_precision": prefetch.get("precision"),
+        "prefetch_issued_total": prefetch.get("issued"),
+        "prefetch_late_total": prefetch.get("late"),
+        "layer_hit_rate": [({"layer": str(i)}, r) for i, r in enumerate(c["per_layer_hit_rate"])],
+        "up": 1 if health["status"] in ("ok", "degraded") else 0,
+        "memory_peak_bytes": health["memory"].get("peak_bytes"),
+        "uptime_seconds": health["uptime_s"],
+    }
+    for k, v in health["requests"].items():  # counters end in _total, as Prometheus names them
+        samples[f"requests_{k}" if k in ("total", "active", "queued") else f"requests_{k}_total"] = v
+    lines = []
+    for key, (kind, text) in METRICS.items():
+        value = samples.get(key)
+        rows = value if isinstance(value, list) else [({}, value)]
+        rows = [(labels, v) for labels, v in rows if v is not None]
+        if not rows:  # a rate with nothing counted yet: no sample rather than a made-up one
+            continue
+        lines += [f"# HELP od_moe_{key} {text}", f"# TYPE od_moe_{key} {kind}"]
+        for labels, v in rows:
+            label = "{" + ",".join(f'{k}="{x}"' for k, x in labels.items()) + "}" if labels else ""
+            lines.append(f"od_moe_{key}{label} {float(v)!r}")
+    return "\n".join(lines) + "\n"

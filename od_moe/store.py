@@ -246,6 +246,12 @@ class ExpertStore:
         for kind, find, prefix in finders:
             found = [find(prefix, proj, name, num_experts) for proj, names in parts.items() for name in names]
             if all(found):
+                for part in found:
+                    if part.dtype not in RAW_NUMPY_DTYPES:  # FP8 and the like need scales mlx-lm applies
+                        raise UserError(
+                            f"the experts of {module_path} are stored as {part.dtype}, which od-moe cannot "
+                            "read exactly: convert the model with mlx_lm.convert (MLX layout) first"
+                        )
                 return BlockLayout(module_path, num_experts, found, kind)
         raise UserError(
             f"cannot find the expert weights of {module_path} in {self.model_dir}: expected stacked tensors "

@@ -3,6 +3,7 @@ greedy tokens equal to stock mlx-lm's at 25% and 12.5% of experts resident with 
 Hugging Face per-expert checkpoints, sharded with an index, for three families; and the refusals."""
 
 import json
+import struct
 
 import mlx.core as mx
 import pytest
@@ -12,6 +13,7 @@ import od_moe
 from conftest import od_moe_tokens, reference_tokens
 from od_moe.errors import UserError
 from od_moe.governor import PrefetchSettings
+from od_moe.store import ExpertStore
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 PROMPTS = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]  # token ids: the tiny models' vocabulary is 1024
@@ -124,3 +126,20 @@ def test_hugging_face_sharded_bundled_model_matches(tmp_path):
     engine = od_moe.load(str(path), capacity=0.25)
     assert engine.caches[0].layout.layout == "hf" and len(engine.runtime.store.files) == 3
     assert od_moe_tokens(engine, prompts, 24) == reference
+
+
+def test_fp8_experts_are_refused(tmp_path):
+    """Experts stored in a dtype od-moe cannot read exactly (FP8, whose scales mlx-lm applies) are refused."""
+    path = write_hf_per_expert(tmp_path / "fp8", FAMILIES["mixtral"], shards=1)
+    shard = next(path.glob("model-*.safetensors"))
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    for key, meta in header.items():
+        if ".experts." in key:
+            meta["dtype"] = "F8_E4M3"
+    text = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    parts = {"gate_proj": ["weight"], "up_proj": ["weight"], "down_proj": ["weight"]}
+    with pytest.raises(UserError, match="stored as F8_E4M3.*mlx_lm.convert"):
+        ExpertStore(path).block_layout("model.layers.0.block_sparse_moe.switch_mlp", parts, 16)

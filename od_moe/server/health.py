@@ -113,11 +113,8 @@ def prometheus_text(health: dict) -> str:
     for key, (kind, text) in METRICS.items():
         value = samples.get(key)
         rows = value if isinstance(value, list) else [({}, value)]
-        rows = [(labels, v) for labels, v in rows if v is not None]
-        if not rows:  # a rate with nothing counted yet: no sample rather than a made-up one
-            continue
         lines += [f"# HELP od_moe_{key} {text}", f"# TYPE od_moe_{key} {kind}"]
-        for labels, v in rows:
+        for labels, v in rows:  # a rate with nothing counted yet is NaN, as Prometheus writes it
             label = "{" + ",".join(f'{k}="{x}"' for k, x in labels.items()) + "}" if labels else ""
-            lines.append(f"od_moe_{key}{label} {float(v)!r}")
+            lines.append(f"od_moe_{key}{label} {'NaN' if v is None else repr(float(v))}")
     return "\n".join(lines) + "\n"

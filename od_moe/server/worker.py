@@ -33,19 +33,24 @@ class Job:
     def stream(self, timeout_s: float, poll_s: float = 0.2):
         """The job's events until its last one. A worker silent for `timeout_s` cancels it; so does a
         client found gone (checked every `poll_s` while waiting), and then the events just end."""
-        silent_since = time.monotonic()
+        silent_since = checked = time.monotonic()
         while True:
             try:
                 event = self.events.get(timeout=poll_s)
             except queue.Empty:
+                event = None
+            now = time.monotonic()
+            if now - checked >= poll_s:  # also while events keep coming: a body is sent only at the end
+                checked = now
                 if not self.alive():
                     self.cancelled.set()
                     return
-                if time.monotonic() - silent_since > timeout_s:
+            if event is None:
+                if now - silent_since > timeout_s:
                     self.cancelled.set()
                     raise ApiError(504, "generation timed out", kind="server_error")
                 continue
-            silent_since = time.monotonic()
+            silent_since = now
             yield event
             if event[0] != "text":
                 return

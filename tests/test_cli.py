@@ -1,11 +1,13 @@
 """The od-moe command line: generation, stats, and one-line errors with exit code 2."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from od_moe.cli import main
+from od_moe.cli import build_parser, main
 from tiny_models import LLAMA, write_mlx_model
 
 
@@ -20,6 +22,8 @@ def test_generate_streams_text_and_stats(capsys):
                 "16",
                 "--capacity",
                 "25%",
+                "--predictor",
+                "bundled",
                 "--stats",
             ]
         )
@@ -28,6 +32,7 @@ def test_generate_streams_text_and_stats(capsys):
     out, err = capsys.readouterr()
     assert out.strip()
     assert "capacity 16/64" in err and "hit rate" in err and "| all" in err
+    assert re.search(r"^prefetch predictor: \d+ experts read ahead .* \(precision [0-9.]+\)", err, re.M), err
 
 
 def test_console_script_runs_on_the_embedded_default():
@@ -81,3 +86,25 @@ def test_model_without_moe_layers_is_refused(tmp_path, capsys):
 def test_folder_without_config_is_refused(tmp_path, capsys):
     assert main(["generate", "--prompt", "x", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and re.fullmatch(r"od-moe \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
+
+
+def test_readme_synopsis_lists_every_flag_of_every_command():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("## Command line", 1)[1].split("```", 2)[1]
+    documented, command = {}, None
+    for line in block.splitlines():
+        if line.startswith("od-moe "):
+            command = line.split()[1]
+        documented.setdefault(command, set()).update(re.findall(r"--[a-z][a-z-]*", line))
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    assert "--version" in documented["--version"]
+    for name, sub in commands.choices.items():
+        flags = {f for a in sub._actions for f in a.option_strings if f.startswith("--") and f != "--help"}
+        assert flags == documented.get(name), (name, flags ^ documented.get(name, set()))

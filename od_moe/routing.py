@@ -17,17 +17,29 @@ from .errors import UserError
 
 
 class RouterTap(nn.Module):
-    """Passes an MoE block's router through unchanged and keeps its last output in `output`."""
+    """Passes an MoE block's router through unchanged and keeps its last output in `output` and its
+    logits in `logits`: the output itself for linear routers; for routers that return (ids, scores)
+    (DeepSeek, Granite, Gemma 4...), their projection of the same input, a lazy array computed only
+    where it is read (the shadow predictor's traces)."""
 
     def __init__(self, gate: nn.Module):
         super().__init__()
         self.gate = gate
-        self.output = None  # a plain attribute, not a parameter
+        self.output = self.logits = None  # plain attributes, not parameters
 
     def __call__(self, x):
         out = self.gate(x)
         object.__setattr__(self, "output", out)
+        object.__setattr__(self, "logits", out if isinstance(out, mx.array) else router_logits(self.gate, x))
         return out
+
+
+def router_logits(gate: nn.Module, x: mx.array) -> mx.array | None:
+    """The logits `gate` computes from x before it picks experts (None where it has no one projection)."""
+    linear = _router_linear(gate)
+    if isinstance(linear, (nn.Linear, nn.QuantizedLinear)):
+        return linear(x)
+    return None if linear is None else x @ linear.weight.T
 
 
 ROUTER_NAMES = ("gate", "router")  # what mlx-lm's MoE blocks call their router

@@ -62,18 +62,28 @@ class _Taps:
     def __enter__(self):
         blocks = self.engine.moe_blocks
         for i, block in enumerate(blocks):
-            attr, switch = next((k, v) for k, v in block.children().items() if isinstance(v, OffloadedSwitch))
-            self.saved.append((block, attr, switch))
-            setattr(block, attr, _SwitchTap(switch, self.sink, i, stop=i == len(blocks) - 1))
+            # the switch is the block's child, or deeper where the router sits on the layer (Gemma 4)
+            parent, attr, switch = next(
+                (m, k, v)
+                for _, m in block.named_modules()
+                for k, v in m.children().items()
+                if isinstance(v, OffloadedSwitch)
+            )
+            self.saved.append((parent, attr, switch))
+            setattr(parent, attr, _SwitchTap(switch, self.sink, i, stop=i == len(blocks) - 1))
         return self
 
     def __exit__(self, *exc):
-        for block, attr, switch in self.saved:
-            setattr(block, attr, switch)
+        for parent, attr, switch in self.saved:
+            setattr(parent, attr, switch)
 
     def router_output(self, layer: int):
         tap = self.routers[layer]
         return tap.output if tap is not None else None
+
+    def router_logits(self, layer: int):
+        tap = self.routers[layer]
+        return tap.logits if tap is not None else None
 
 
 def _tokenize(engine, docs: Documents, context: int, max_tokens: int | None) -> list[list[int]]:
@@ -93,8 +103,9 @@ def _tokenize(engine, docs: Documents, context: int, max_tokens: int | None) -> 
     return sequences
 
 
-def _router_outputs(out, ids_np):
-    """(logits, probs at the routed ids) from a router's output; routers that return scores give no logits."""
+def _router_outputs(out, ids_np, logits=None):
+    """(logits, probs at the routed ids) from a router's output; routers that return (ids, scores) give
+    their scores, and the logits of their projection (`RouterTap.logits`) where there is one."""
     if isinstance(out, mx.array) and out.shape[-1] > ids_np.shape[-1]:
         logits = np.array(out.astype(mx.float32)).reshape(-1, out.shape[-1])
         z = np.exp(logits - logits.max(axis=-1, keepdims=True))
@@ -104,7 +115,9 @@ def _router_outputs(out, ids_np):
         gi, scores = (np.array(a.astype(mx.float32) if a.dtype != mx.int32 else a) for a in out)
         gi, scores = gi.reshape(ids_np.shape), scores.reshape(ids_np.shape)
         order = np.argsort(gi, axis=-1)
-        return None, np.take_along_axis(scores, order, axis=-1)
+        if logits is not None:
+            logits = np.array(logits.astype(mx.float32)).reshape(-1, logits.shape[-1])
+        return logits, np.take_along_axis(scores, order, axis=-1)
     return None, np.zeros(ids_np.shape, np.float32)
 
 
@@ -164,8 +177,9 @@ def record_traces(
                 except _StopForward:
                     pass
                 outputs = [taps.router_output(i) for i in range(L)]
-                mx.eval([v for v in list(taps.sink.values()) + outputs if isinstance(v, mx.array)])
-                rows = _rows(taps.sink, outputs, L, piece, seq_index)
+                logits = [taps.router_logits(i) for i in range(L)]
+                mx.eval([v for v in list(taps.sink.values()) + outputs + logits if isinstance(v, mx.array)])
+                rows = _rows(taps.sink, outputs, logits, L, piece, seq_index)
                 manifest["hidden_size"] = rows["features"].shape[-1]
                 for key, value in rows.items():
                     buffer.setdefault(key, []).append(value)
@@ -179,12 +193,12 @@ def record_traces(
     return manifest
 
 
-def _rows(sink, outputs, L, piece, seq_index) -> dict:
+def _rows(sink, outputs, router_logits, L, piece, seq_index) -> dict:
     n = len(piece)
     features, logits, ids, probs = [], [], [], []
     for i in range(L):
         ids_i = np.sort(np.array(sink[("ids", i)]).reshape(n, -1).astype(np.int64), axis=-1)
-        lg, pr = _router_outputs(outputs[i], ids_i)
+        lg, pr = _router_outputs(outputs[i], ids_i, router_logits[i])
         features.append(np.array(sink[("x", i)].astype(mx.float32)).reshape(n, -1))
         ids.append(ids_i)
         probs.append(pr)

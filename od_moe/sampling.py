@@ -8,6 +8,7 @@ loop (mlx-lm's) or the server's request parsing (`server/requests.py`).
 """
 
 import math
+import numbers
 import secrets
 
 import mlx.core as mx
@@ -31,7 +32,7 @@ def vocab_size_of(model) -> int | None:
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_sampling(
@@ -47,13 +48,13 @@ def check_sampling(
     limit = f" and below the vocabulary size {vocab_size}" if vocab_size else ""
     if (
         isinstance(top_k, bool)
-        or not isinstance(top_k, int)
+        or not isinstance(top_k, numbers.Integral)
         or top_k < 0
         or (vocab_size and top_k >= vocab_size)
     ):
         raise UserError(f"top_k must be an integer >= 0 (0: off){limit}, got {top_k!r}")
     if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+        isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED
     ):
         raise UserError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
 
@@ -63,7 +64,7 @@ def make_sampler(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, voca
     check_sampling(temperature, top_p, top_k, min_p, seed, vocab_size)
     if temperature == 0:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    key = [mx.random.key(secrets.randbits(63) if seed is None else seed)]
+    key = [mx.random.key(secrets.randbits(63) if seed is None else int(seed))]
     scale = 1.0 / float(temperature)
 
     def sampler(logprobs: mx.array) -> mx.array:

@@ -20,7 +20,7 @@ from werkzeug.serving import make_server
 import od_moe
 from od_moe.cli import main
 from od_moe.errors import UserError
-from od_moe.server import create_app
+from od_moe.server import create_app, guard
 from od_moe.server.worker import GenerationWorker
 
 ALLOWED_ORIGIN = "https://ok.example"
@@ -227,6 +227,29 @@ def test_chunked_body_over_the_limit_is_413_and_closed(server):
     sock.close()
     head, _, payload = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413") and b"over the limit" in payload
+    small = json.dumps({"prompt": "def f(x):", "max_tokens": 2}).encode()  # chunked and under the limit
+    sock = raw_request(
+        base,
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n",
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small),
+    )
+    reply = b""
+    while chunk := sock.recv(2**16):
+        reply += chunk
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens":2' in reply
+
+
+def test_host_names():
+    loopback = guard.host_names("127.0.0.1", ["box.lan"])
+    for host in ("127.0.0.1:8080", "localhost", "[::1]:8080", "box.lan:80"):
+        assert guard.host_allowed(host, loopback), host
+    for host in ("evil.example", "192.168.1.5:8080", "localhost.evil.example"):
+        assert not guard.host_allowed(host, loopback), host
+    everywhere = guard.host_names("0.0.0.0")
+    assert guard.host_allowed("192.168.1.5:8080", everywhere) and guard.host_allowed("[fe80::1]", everywhere)
+    assert not guard.host_allowed("rebound.evil.example", everywhere)
 
 
 def test_cross_origin_is_refused_unless_allowed(server):

@@ -374,11 +374,13 @@ def serve(
         f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.port} "
         f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer)"
     )
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: _interrupt())
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None
     try:
         server.serve_forever()  # returns on Ctrl-C (werkzeug catches the KeyboardInterrupt)
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         log("od-moe: shutting down")
         finished = worker.shutdown()
         _wait_for_relays(worker)

@@ -221,6 +221,12 @@ def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     assert isinstance(report["baselines"]["prev_token"], float)
     assert set(report["baselines"]["static_profile"]) == {"0.125", "0.25", "0.5"}
     assert isinstance(report["predictor"]["params"], int) and report["predictor"]["latency_ms_per_token"] > 0
+    for rules in report["eviction"].values():  # MIN reads least, and knowing more of the future never hurts
+        reads = {rule: figures["reads_per_token"] for rule, figures in rules.items()}
+        assert reads["min"] <= reads["min@4"] <= reads["min@1"] and reads["min"] <= min(
+            reads["lru"], reads["lfu"]
+        )
+        assert 0 <= rules["min"]["hit_rate"] <= 1
     assert not (out / "traces").exists()  # removed unless kept
     # eval-predictor gives the same report shape for the saved predictor, on other text
     assert (

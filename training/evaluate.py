@@ -5,7 +5,9 @@ i+d < L, |predicted top-k for layer i+d ∩ true top-k of layer i+d| / k, the pr
 exists at layer i; recall@2k counts the true experts among the top 2k predicted, still divided by k.
 Baselines: next-gate speculation (layer i+d's router on layer i's MoE input), the previous token's experts
 at the same layer, and a static frequency profile (the C most used experts per layer on the first half of
-the tokens, hit rate on the second half). Not here: training, or the report's printing (`report.py`).
+the tokens, hit rate on the second half). `eviction_replay`: what each eviction rule (LRU, LFU, Belady's MIN,
+MIN knowing the next 1, 2 or 4 tokens) would read on the same routing (`od_moe/replay.py`). Not here:
+training, or the report's printing (`report.py`).
 """
 
 import time
@@ -13,6 +15,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from ..replay import Tally, replay_layer
 from ..routing import next_gate
 
 PROFILE_FRACTIONS = (0.125, 0.25, 0.5)
@@ -152,3 +155,31 @@ def predictor_latency_ms(predictor, hidden_size: int, num_experts: int, repeats:
     for _ in range(repeats):
         once()
     return (time.perf_counter() - start) / repeats * 1000
+
+
+EVICTION_FRACTIONS = (0.125, 0.25, 0.5)
+EVICTION_RULES = (("lru", None), ("lfu", None), ("min", 1), ("min", 2), ("min", 4), ("min", None))
+WARM_UP_TOKENS = 256
+
+
+def eviction_replay(traces: dict, num_experts: int) -> dict:
+    """Experts read per token (all layers) and demand hit rate of each eviction rule on the held-out
+    routing, token by token from empty caches, after `WARM_UP_TOKENS`: {fraction: {rule: figures}}."""
+    ids = traces["ids"]
+    N, L, _ = ids.shape
+    counted = [t >= min(WARM_UP_TOKENS, N // 2) for t in range(N)]
+    out = {}
+    for fraction in EVICTION_FRACTIONS:
+        capacity = max(1, int(num_experts * fraction))
+        rules = {}
+        for rule, horizon in EVICTION_RULES:
+            total = Tally()
+            for layer in range(L):
+                total = total + replay_layer(list(ids[:, layer]), capacity, rule, horizon, counted)
+            name = rule if horizon is None else f"{rule}@{horizon}"
+            rules[name] = {
+                "reads_per_token": total.reads / max(total.passes // L, 1),
+                "hit_rate": total.hit_rate,
+            }
+        out[str(fraction)] = rules
+    return out

@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..errors import UserError
 from ..predictor.model import PredictorConfig, ShadowPredictor, load_predictor
 from .data import Documents, load_documents, split_documents
-from .evaluate import baselines, evaluate_predictor, predictor_latency_ms
+from .evaluate import baselines, evaluate_predictor, eviction_replay, predictor_latency_ms
 from .record import TraceSet, record_traces
 from .train import train_predictor
 
@@ -98,6 +98,7 @@ def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict
         "data": heldout.manifest["data"],
         "lookahead": evaluate_predictor(predictor, traces, routers),
         "baselines": baselines(traces, routers, predictor.config.lookahead),
+        "eviction": eviction_replay(traces, engine.caches[0].num_experts),
         "predictor": _predictor_section(predictor, engine, history),
     }
 

@@ -73,4 +73,25 @@ def format_report(report: dict) -> str:
             ["held-out loss per epoch", " ".join(f"{x:.3f}" for x in p["heldout_loss"])],
         ]
     parts.append(table(["predictor", "value"], rows))
+    if "eviction" in report:
+        parts.append(_eviction_table(report["eviction"]))
     return "\n\n".join(parts)
+
+
+def _eviction_table(eviction: dict) -> str:
+    fractions = list(eviction)
+    rules = list(eviction[fractions[0]])
+    rows = [
+        [rule]
+        + [
+            f"{eviction[f][rule]['reads_per_token']:.1f} ({eviction[f][rule]['hit_rate']:.3f})"
+            for f in fractions
+        ]
+        for rule in rules
+    ]
+    return table(
+        ["eviction rule"] + [f"{float(f):.1%} resident" for f in fractions],
+        rows,
+        title="Demand reads on the held-out routing: experts read per token, all layers (hit rate); "
+        "min@n knows the next n tokens",
+    )

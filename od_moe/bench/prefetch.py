@@ -1,16 +1,17 @@
 """The prefetch benchmark: every policy side by side, on the bundled model and on the widened copy.
 
-For each model, capacity, read temperature (cold: page cache dropped and every read made cold; warm),
-miss policy and prefetch policy, one run over the same prompts gives the decode demand hit rate, stall
-and bytes read per decoded token, decode tok/s and its ratio to the fully resident model (stock mlx-lm,
-measured in the same process), prefetch precision and back-offs, and for skip mode the share of tokens
-that equal the exact output. The oracle replays the routing recorded from an exact run of the same
-prompt. `--deterministic` makes every prefetch read land before it is needed and turns the timed
-self-checks off: hit counts, bytes read and tokens are then the same on every run. The predictor is the
-bundled one unless another trained on the bundled model is given; on the widened copy it is used as is,
-because widening keeps every hidden state and routing decision of the bundled model (`widen.py`). Skip
-mode is measured with `none` and `profile` only (predictive prefetch needs the per-layer sync of load
-mode).
+For each model, capacity, read temperature (cold: page cache dropped and every read made cold; warm), miss
+policy and prefetch policy, one run over the same prompts gives the decode demand hit rate, stall and
+bytes read per decoded token (demand and prefetch reads alike) next to what Belady's MIN would read for
+the same routing and capacity (`replay.py`, from the routing recorded in that run), decode tok/s and its
+ratio to the fully resident model (stock mlx-lm, measured in the same process), prefetch precision and
+back-offs, and for skip mode the share of tokens that equal the exact output. The oracle replays the
+routing recorded from an exact run of the same prompt. `--deterministic` makes every prefetch read land
+before it is needed and turns the timed self-checks off: hit counts, bytes read and tokens are then the
+same on every run. The predictor is the bundled one unless another trained on the bundled model is given;
+on the widened copy it is used as is, because widening keeps every hidden state and routing decision of
+the bundled model (`widen.py`). Skip mode is measured with `none` and `profile` only (predictive prefetch
+needs the per-layer sync of load mode).
 """
 
 import functools
@@ -23,6 +24,7 @@ from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
 from ..governor import PrefetchSettings
 from ..predictor import load_predictor
+from ..replay import Tally, replay_recording
 from ..report import table
 from .foundation import PROMPTS, run_stock
 from .roofline import install_bandwidth, read_bandwidth, roofline_ms
@@ -64,7 +66,7 @@ def run_policy(
     predictor = (
         _predictor_for(load(str(path), **options).identity, predictor_dir) if policy == "predictor" else None
     )
-    tokens, tps, stats = [], [], []
+    tokens, tps, stats, minimum = [], [], [], []
     for prompt in prompts:
         trace = load(str(path), **options).record_routing(prompt, max_tokens) if policy == "oracle" else None
         mx.clear_cache()
@@ -78,12 +80,17 @@ def run_policy(
         if cold:
             store.use_direct_io(True)  # cold: every read from the device, as when the model exceeds memory
             store.drop_page_cache()
+        slots = engine.caches[0].capacity
+        watch = slots < engine.caches[0].num_experts  # a full cache has nothing to compare with MIN
+        if watch:
+            engine.runtime.start_recording()
         out, last = [], None
         for last in engine.stream_generate(prompt, max_tokens=max_tokens):
             out.append(last.token)
         tokens.append(out)
         tps.append(last.generation_tps)
         stats.append(engine.stats())
+        minimum.append(replay_recording(engine.runtime.stop_recording(), slots, "min") if watch else Tally())
         engine.close()
     return {
         "tokens": tokens,
@@ -91,6 +98,7 @@ def run_policy(
         "stats": stats,
         "expert_bytes": expert_bytes,
         "slot_bytes": slot_bytes,
+        "min_reads": sum(m.reads for m in minimum),  # Belady's MIN on the same routing and capacity
     }
 
 
@@ -126,6 +134,12 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock, machine):
         "stall_ms_per_token": _sum(stats, "io", "decode", "stall_s") * 1e3 / decode,
         "bytes_per_token": _sum(stats, "io", "decode", "bytes_read") / decode,
         "experts_read_per_token": _sum(stats, "io", "decode", "bytes_read") / expert_bytes / decode,
+        "min_experts_read_per_token": result["min_reads"] / decode,
+        "reads_over_min": (
+            _sum(stats, "io", "decode", "bytes_read") / expert_bytes / result["min_reads"]
+            if result["min_reads"]
+            else None
+        ),
         "tok_s": result["tok_s"],
         "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
         "prefetch_precision": useful / (useful + wasted) if useful + wasted else None,
@@ -250,6 +264,9 @@ def run_prefetch_grid(
                     "decode hit",
                     "stall ms/tok",
                     "KiB read/tok",
+                    "experts/tok",
+                    "MIN",
+                    "x MIN",
                     "tok/s",
                     "x resident",
                     "precision",
@@ -269,6 +286,9 @@ def run_prefetch_grid(
                         r["hit_rate"],
                         r["stall_ms_per_token"],
                         r["bytes_per_token"] / 1024,
+                        r["experts_read_per_token"],
+                        r["min_experts_read_per_token"],
+                        r["reads_over_min"],
                         r["tok_s"],
                         r["tok_s_ratio_resident"],
                         r["prefetch_precision"],

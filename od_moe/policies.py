@@ -49,7 +49,7 @@ class Step:
     layer: int
     phase: str  # "prefill" or "decode"
     x: mx.array  # the MoE block's input
-    router: object  # the layer's router output (logits; None where not tapped)
+    router: object  # the layer's router logits (None where not tapped or not one projection)
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
 

@@ -154,7 +154,7 @@ class OffloadRuntime:
             layer,
             phase,
             x,
-            tap.output if tap is not None else None,
+            tap.logits if tap is not None else None,
             predict=prefetching and phase == "decode" and self.governor.active,
             prefetching=prefetching,
         )

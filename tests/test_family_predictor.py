@@ -9,6 +9,7 @@ import pytest
 
 import od_moe
 from conftest import od_moe_tokens, reference_tokens
+from od_moe import PrefetchSettings
 from od_moe.training.pipeline import eval_predictor_job, train_predictor_job
 from tiny_models import FAMILIES, write_mlx_model
 
@@ -48,6 +49,9 @@ def test_predictor_trains_and_evaluates(tmp_path, name):
     again = eval_predictor_job(str(out), str(STDLIB / "textwrap.py"), model=str(path), max_tokens=128)
     assert again["tokens"] == 128 and set(again["lookahead"]) == {"1", "2"}
     # the predictor fits the model it was trained on and generation stays exact with it attached
-    engine = od_moe.load(str(path), capacity=0.25, predictor=out)
+    # and prefetches with it: the router tap's logits feed it for routers that return (ids, scores) too
+    engine = od_moe.load(str(path), capacity=0.25, predictor=out, prefetch="none")
+    engine.configure_prefetch("predictor", settings=PrefetchSettings(timed_checks=False))
     prompts = ["def add(a, b):"]
     assert od_moe_tokens(engine, prompts, 8) == reference_tokens(path, prompts, 8)
+    assert engine.stats()["prefetch"]["issued"] > 0

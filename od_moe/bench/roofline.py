@@ -2,8 +2,9 @@
 
 A decode step cannot beat max(resident step time, bytes read per token / read bandwidth, bytes installed
 per token / install bandwidth) (../shared/DESIGN.md). Measured here:
-- read bandwidth: the engine's own reader (`reader.Reader`, demand reads of whole experts) at queue
-  depths 1, 2, 4 and 8, cold (page cache dropped, direct I/O) or warm (from the page cache); the best
+- read bandwidth: the engine's own reader (`reader.Reader`, demand reads of whole experts, making their
+  MLX arrays where the backend needs them, as in the engine) at queue depths 1, 2, 4 and 8, cold (page
+  cache dropped, direct I/O) or warm (from the page cache); the best
   depth counts;
 - install bandwidth: the backend's install path (`LayerCache.install`: numpy writes into host memory on
   the CPU and Metal; on CUDA MLX slice updates from arrays the reader threads made, as the engine's
@@ -37,7 +38,13 @@ def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0)
     rng = np.random.default_rng(seed)
     by_depth = {}
     for depth in DEPTHS:
-        reader = Reader(store, layouts, Ledger(len(layouts)), threads=depth)
+        reader = Reader(
+            store,
+            layouts,
+            Ledger(len(layouts)),
+            threads=depth,
+            make_arrays=not backend.arrays_in_host_memory(),
+        )
         nbytes, seconds = 0, 0.0
         for _ in range(max(1, experts_per_depth // depth)):
             layer = int(rng.integers(len(layouts)))

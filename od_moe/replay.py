@@ -12,7 +12,6 @@ Used by the bench (MIN's count beside each row's) and by `od-moe eval-predictor`
 text). Not here: the live cache (`cache.py`) or what it counts (`stats.py`).
 """
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,65 +54,69 @@ def replay_layer(
     counts (default: all); `resident`: experts in the cache before the first pass (default: none)."""
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}: one of {', '.join(RULES)}")
-    occurrences: dict[int, list[int]] = {}
-    needed = [np.unique(np.asarray(s)) for s in steps]
-    for t, ids in enumerate(needed):
-        for e in ids.tolist():
-            occurrences.setdefault(e, []).append(t)
-    last_use: dict[int, float] = {}
-    frequency: dict[int, float] = {}
-    held = set() if resident is None else {int(e) for e in resident}
+    routed = [np.asarray(s, dtype=np.int64).ravel() for s in steps]
+    num_experts = 1 + max(
+        [int(r.max()) for r in routed if r.size] + [-1 if resident is None else max(resident, default=-1)]
+    )
+    uses = [np.unique(r, return_counts=True) for r in routed]
+    next_use = _next_uses([u[0] for u in uses], num_experts) if rule == "min" else None
+    held = np.zeros(num_experts, bool)
+    if resident is not None:
+        held[np.asarray(resident, dtype=np.int64)] = True
+    last_use = np.full(num_experts, -1.0)
+    frequency = np.zeros(num_experts)
     tally = Tally()
-
-    def next_use(e: int, t: int) -> float:
-        uses = occurrences.get(e, ())
-        i = bisect.bisect_right(uses, t)
-        return uses[i] if i < len(uses) else np.inf
-
-    def evictable_first(candidates: list[int], t: int) -> list[int]:
-        if rule == "lru":
-            return sorted(candidates, key=lambda e: last_use.get(e, -1.0))
-        if rule == "lfu":
-
-            def score(e):
-                age = t - last_use.get(e, t)
-                return (frequency.get(e, 0.0) * 0.5 ** (age / LFU_HALF_LIFE), last_use.get(e, -1.0))
-
-            return sorted(candidates, key=score)
-
-        def distance(e):
-            d = next_use(e, t) - t
-            unknown = horizon is not None and d > horizon
-            if unknown or d == np.inf:  # not needed as far as MIN sees: oldest use first
-                return (0, last_use.get(e, -1.0))
-            return (1, -d)  # farthest next use first
-
-        return sorted(candidates, key=distance)
-
-    for t, ids in enumerate(needed):
-        routed = np.asarray(steps[t]).ravel()
-        hit = np.isin(routed, list(held)) if held else np.zeros(routed.size, bool)
-        misses = [e for e in ids.tolist() if e not in held]
+    for t, (ids, counts) in enumerate(uses):
+        misses = ids[~held[ids]]
         if counted is None or counted[t]:
-            tally.reads += len(misses)
-            tally.lookups += routed.size
-            tally.hits += int(hit.sum())
+            tally.reads += misses.size
+            tally.lookups += routed[t].size
+            tally.hits += int(held[routed[t]].sum())
             tally.passes += 1
-        if len(ids) > capacity:  # more than fit: keep those wanted soonest (MIN) or the last ones
-            keep = evictable_first(ids.tolist(), t)[-capacity:] if rule == "min" else ids.tolist()[-capacity:]
-            held = set(keep)
+        if ids.size > capacity:  # more than fit: keep those wanted soonest (MIN) or the last ones
+            order = _evictable_first(rule, ids, t, last_use, frequency, next_use, horizon)
+            held[:] = False
+            held[(order if rule == "min" else ids)[-capacity:]] = True
         else:
-            room = capacity - len(held)
-            if len(misses) > room:
-                victims = evictable_first([e for e in held if e not in set(ids.tolist())], t)
-                held.difference_update(victims[: len(misses) - room])
-            held.update(misses)
-        uses = np.unique(routed, return_counts=True)
-        for e, n in zip(uses[0].tolist(), uses[1].tolist()):
-            age = t - last_use.get(e, t)
-            frequency[e] = frequency.get(e, 0.0) * 0.5 ** (age / LFU_HALF_LIFE) + n
-            last_use[e] = t
+            over = misses.size - (capacity - int(held.sum()))
+            if over > 0:
+                candidates = held.copy()
+                candidates[ids] = False
+                candidates = np.flatnonzero(candidates)
+                order = _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon)
+                held[order[:over]] = False
+            held[misses] = True
+        age = t - np.where(last_use[ids] < 0, t, last_use[ids])
+        frequency[ids] = frequency[ids] * 0.5 ** (age / LFU_HALF_LIFE) + counts
+        last_use[ids] = t
     return tally
+
+
+def _next_uses(needed: list[np.ndarray], num_experts: int) -> np.ndarray:
+    """(passes, E): the next pass after t that uses each expert (a large number for never)."""
+    never = np.iinfo(np.int64).max // 2
+    out = np.empty((len(needed), num_experts), dtype=np.int64)
+    upcoming = np.full(num_experts, never, dtype=np.int64)
+    for t in range(len(needed) - 1, -1, -1):
+        out[t] = upcoming
+        upcoming[needed[t]] = t
+    return out
+
+
+def _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon) -> np.ndarray:
+    """`candidates` (expert ids) ordered most evictable first under `rule`, ties broken by older use."""
+    if rule == "lru":
+        return candidates[np.argsort(last_use[candidates], kind="stable")]
+    if rule == "lfu":
+        age = t - np.where(last_use[candidates] < 0, t, last_use[candidates])
+        score = frequency[candidates] * 0.5 ** (age / LFU_HALF_LIFE)
+        return candidates[np.lexsort((last_use[candidates], score))]
+    distance = (next_use[t, candidates] - t).astype(np.float64)
+    # not needed as far as MIN sees (never again, or beyond its horizon): first, oldest use first; then
+    # farthest next use first
+    unseen = distance >= (np.iinfo(np.int64).max // 4 if horizon is None else horizon + 0.5)
+    key = np.where(unseen, last_use[candidates], -distance)
+    return candidates[np.lexsort((key, ~unseen))]
 
 
 def replay_recording(

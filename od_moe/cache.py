@@ -102,6 +102,7 @@ class LayerCache:
         self.last_use = np.zeros(C, dtype=np.float64)
         self.frequency = np.zeros(C, dtype=np.float64)
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
+        self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
         self._views = {}  # (proj, part) -> (stacked array, its numpy view)
         self._changed()
@@ -247,6 +248,7 @@ class LayerCache:
         self.last_use[slots] = clock
         self.frequency[slots] = 0.0
         self.unused_prefetch[slots] = prefetched
+        self.arrived_by_prefetch[slots] = prefetched
         self._changed()
         return Installed(slots, len(evicted), unused)
 
@@ -343,6 +345,7 @@ class LayerCache:
         self.slot_of[:] = -1
         self.slot_of[held[held >= 0]] = np.flatnonzero(held >= 0)
         self.unused_prefetch[:] = False
+        self.arrived_by_prefetch[:] = False
         self.pinned[:] = False
         self._changed()
 

@@ -5,7 +5,8 @@ and friends), replacing the `(E, ...)` originals, so mlx-lm's `SwitchGLU` comput
 expert ids are remapped to slots. Bookkeeping is numpy on the generation thread:
 - `slot_of[e]`: the slot holding expert e, or -1. The lookup table handed to MLX maps every id to a
   valid slot (non-resident ids to slot 0): `gather_qmm` does no bounds check.
-- per slot: the expert in it, pinned flag, last use, decayed use frequency and who put it there.
+- per slot: the expert in it, pinned flag, last use and who put it there; per expert: its decayed use
+  count, kept while it is evicted (LFU remembers an expert that comes back, as Belady's MIN would).
 Eviction never touches pinned slots or the experts the running layer needs. Methods return what happened
 (slots used, evictions, first uses of prefetched experts) and the runtime books it in the ledger. Not
 here: deciding when to read (`runtime.py`), counting (`stats.py`), how bytes come off disk (`store.py`).
@@ -100,7 +101,8 @@ class LayerCache:
         self.expert_in_slot = np.full(C, -1, dtype=np.int64)
         self.pinned = np.zeros(C, dtype=bool)
         self.last_use = np.zeros(C, dtype=np.float64)
-        self.frequency = np.zeros(C, dtype=np.float64)
+        self.uses = np.zeros(E, dtype=np.float64)  # decayed use count of every expert, resident or not
+        self.used_at = np.zeros(E, dtype=np.float64)  # when `uses` was last brought up to date
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
@@ -162,14 +164,16 @@ class LayerCache:
     def touch(self, ids: np.ndarray, uses: np.ndarray, clock: float) -> int:
         """Record that resident experts `ids` were used `uses` times at time `clock`; returns how many of
         them were prefetched and are used here for the first time."""
+        ids = np.asarray(ids, dtype=np.int64)
         slots = self.slot_of[ids]
-        slots, uses = slots[slots >= 0], np.asarray(uses)[slots >= 0]
+        ids, uses = ids[slots >= 0], np.asarray(uses)[slots >= 0]
+        slots = slots[slots >= 0]
         if slots.size == 0:
             return 0
         first_uses = int(self.unused_prefetch[slots].sum())
         self.unused_prefetch[slots] = False
-        decay = 0.5 ** ((clock - self.last_use[slots]) / LFU_HALF_LIFE)
-        self.frequency[slots] = self.frequency[slots] * decay + uses
+        self.uses[ids] = self._decayed(ids, clock) + uses
+        self.used_at[ids] = clock
         self.last_use[slots] = clock
         return first_uses
 
@@ -177,10 +181,13 @@ class LayerCache:
     def _eviction_order(self, clock: float) -> np.ndarray:
         """Occupied slots, most evictable first."""
         if self.eviction == "lru":
-            score = self.last_use
-        else:
-            score = self.frequency * 0.5 ** ((clock - self.last_use) / LFU_HALF_LIFE)
-        return np.argsort(score, kind="stable")
+            return np.argsort(self.last_use, kind="stable")
+        score = self._decayed(np.maximum(self.expert_in_slot, 0), clock)
+        return np.lexsort((self.last_use, score))  # least used first; among equals, least recently
+
+    def _decayed(self, ids: np.ndarray, clock: float) -> np.ndarray:
+        """The use counts of experts `ids` as of `clock`."""
+        return self.uses[ids] * 0.5 ** ((clock - self.used_at[ids]) / LFU_HALF_LIFE)
 
     def _blocked(self, protect: Sequence[int]) -> np.ndarray:
         """Slots that may not be evicted: pinned ones and those holding `protect`."""
@@ -246,7 +253,6 @@ class LayerCache:
         self.expert_in_slot[slots] = ids
         self.pinned[slots] = False
         self.last_use[slots] = clock
-        self.frequency[slots] = 0.0
         self.unused_prefetch[slots] = prefetched
         self.arrived_by_prefetch[slots] = prefetched
         self._changed()

@@ -119,6 +119,21 @@ def test_lru_evicts_the_least_recently_used():
     assert cache.slot_of[3] < 0 and cache.slot_of[7] < 0 and cache.slot_of[20] >= 0 and cache.slot_of[21] >= 0
 
 
+def test_lfu_remembers_an_expert_that_comes_back():
+    """An evicted expert keeps its use count: back in the cache, it outranks one used once since."""
+    engine = od_moe.load(capacity=2, eviction="lfu")
+    cache = engine.caches[0]
+    engine.runtime.load(cache, np.array([0, 1]))
+    for clock in range(1, 11):  # expert 0 is used ten times, expert 1 once
+        cache.touch(np.array([0]), np.ones(1), clock=clock)
+    cache.touch(np.array([1]), np.ones(1), clock=10)
+    engine.runtime.load(cache, np.array([2, 3]))  # both slots: 0 and 1 go
+    cache.touch(np.array([2, 3]), np.ones(2), clock=11)
+    engine.runtime.load(cache, np.array([0]))  # 0 comes back
+    engine.runtime.load(cache, np.array([4]))  # its ten uses outweigh the other's one
+    assert cache.slot_of[0] >= 0 and cache.slot_of[4] >= 0 and cache.resident_count == 2
+
+
 def test_capacity_parsing_and_errors():
     assert parse_capacity("25%") == 0.25 and parse_capacity("16") == 16 and parse_capacity("0.5") == 0.5
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("8GB") == 8 * 10**9

@@ -37,6 +37,7 @@ def test_a_regular_wheel_installs_the_mapped_packages(tmp_path):
         "od_moe/models/tiny-qwen3-moe-4bit/model.safetensors",
         "od_moe/models/tiny-qwen3-moe-4bit-predictor/predictor.safetensors",
         "od_moe/training/data/python_source.jsonl.gz",
+        "od_moe/server/static/dashboard.js",
     ):
         assert expected in names
     assert not any(n.startswith(("predictor/", "training/")) for n in names)  # never top-level names

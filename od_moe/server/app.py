@@ -1,6 +1,7 @@
 """The Flask app: OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models`, Anthropic's
 `/v1/messages` (for coding agents), plus
-`/health` (cache, prefetch and memory statistics) and `/metrics` (the same in Prometheus text).
+`/health` (cache, prefetch and memory statistics), `/metrics` (the same in Prometheus text) and a live
+page at `/` (`dashboard.py`).
 
 `create_app(engine)` wraps an engine in a `GenerationWorker`; request threads only validate, tokenize,
 queue a job and relay its events, as server-sent events (`stream: true`) or one JSON body, and cancel it
@@ -24,7 +25,7 @@ from werkzeug.exceptions import HTTPException
 from ..errors import UserError
 from ..preflight import engine_capabilities
 from ..sampling import vocab_size_of
-from . import anthropic, guard
+from . import anthropic, dashboard, guard
 from .health import health_body, prometheus_text
 from .requests import ApiError, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
@@ -87,7 +88,7 @@ def create_app(
         )
         message = {
             404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
-            f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics",
+            f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics, GET / (dashboard)",
             413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
         }.get(e.code, e.description)
         if guard.is_too_large(e):
@@ -288,6 +289,7 @@ def create_app(
 
         return Response(stream(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    dashboard.register(app, worker, name, started)
     app.worker = worker
     return app
 

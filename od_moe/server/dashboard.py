@@ -1,0 +1,150 @@
+"""The live dashboard: a page at `/` and `/dashboard`, and the document it polls, `/dashboard/data`.
+
+The page (`static/dashboard.html`, `.css`, `.js`, shipped in the package; no CDN, no web fonts) asks for the
+document twice a second and draws it. The document is read from the engine's live ledger as /health reads
+it (`engine.stats(settle=False)`: no MLX work on a request thread, figures move token by token) and from
+the worker's request counters; `History` keeps samples of the last minutes, so the plots of hit rate and
+tok/s are there as soon as the page opens, and every viewer sees the same curves. The per-layer strip says,
+per expert, whether it is resident and how it got there (pinned, prefetched and not used yet, prefetched,
+read on demand). Not here: /health and /metrics (`health.py`), the API routes (`app.py`).
+"""
+
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+from flask import Flask, jsonify, send_from_directory
+
+STATIC = Path(__file__).parent / "static"
+# No inline code, nothing from elsewhere: the page can only talk to this server.
+CSP = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'"
+# One character per expert of a layer, in `strip` order of precedence (the last that applies wins).
+ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED = ".", "d", "f", "u", "p"
+CODES = np.array([ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED])
+
+
+class History:
+    """Samples (time, decode tokens, decode lookups, decode hits) of the last `keep_s` seconds, at most one
+    every `every_s`, taken when the document is asked for (nobody watching: nothing to keep)."""
+
+    def __init__(self, keep_s: float = 300.0, every_s: float = 0.25):
+        self.keep_s, self.every_s = keep_s, every_s
+        self.samples: deque = deque()
+        self.lock = threading.Lock()
+
+    def add(self, t: float, tokens: int, lookups: int, hits: int) -> list[tuple]:
+        """Record a sample (unless the last is newer than `every_s`) and return the samples kept."""
+        with self.lock:
+            if not self.samples or t - self.samples[-1][0] >= self.every_s:
+                self.samples.append((t, tokens, lookups, hits))
+            while self.samples and t - self.samples[0][0] > self.keep_s:
+                self.samples.popleft()
+            return list(self.samples)
+
+
+def rates(samples: list[tuple], window_s: float = 2.0) -> dict:
+    """Decode tok/s and hit rate over the last `window_s` seconds (or since the first sample, if it is
+    newer; None: under half a second of samples, or no lookups), and the plot points [seconds ago, hit
+    rate, tok/s] over one-second steps."""
+    points, last = [], None
+    for s in samples:
+        if last is None or s[0] - last[0] >= 1.0:
+            if last is not None:
+                points.append(_rate_between(last, s))
+            last = s
+    now = samples[-1]
+    start = next((s for s in reversed(samples) if now[0] - s[0] >= window_s), samples[0])
+    if now[0] - start[0] < 0.5:  # too short a span to mean anything yet
+        start = None
+    recent = _rate_between(start, now) if start is not None else (now[0], None, None)
+    return {
+        "tok_s": recent[2],
+        "hit_rate": recent[1],
+        "points": [[round(t - now[0], 2), h, tps] for t, h, tps in points],
+    }
+
+
+def _rate_between(a: tuple, b: tuple) -> tuple:
+    dt, lookups = b[0] - a[0], b[2] - a[2]
+    return b[0], (b[3] - a[3]) / lookups if lookups else None, (b[1] - a[1]) / dt if dt > 0 else None
+
+
+def strip(cache) -> str:
+    """One character per expert of a layer (`CODES`): what sits in the cache now and how it got there.
+    Read without locks while the generation thread may be installing: a display may lag one install."""
+    held = cache.expert_in_slot.copy()
+    kind = np.where(cache.arrived_by_prefetch, 2, 1)
+    kind = np.where(cache.unused_prefetch, 3, kind)
+    kind = np.where(cache.pinned, 4, kind)
+    out = np.zeros(cache.num_experts, dtype=np.int64)
+    out[held[held >= 0]] = kind[held >= 0]
+    return "".join(CODES[out])
+
+
+def dashboard_data(worker, name: str, started: float, history: History) -> dict:
+    """The document the page draws: decode figures since the server started (the ones /health gives),
+    rates over the last seconds, plot points, requests and the per-layer strip."""
+    engine = worker.engine
+    stats = engine.stats(settle=False)
+    decode, io = stats["total"]["decode"], stats["io"]["decode"]
+    tokens = int(stats["tokens"]["decode"])
+    prefetch = stats["prefetch"]
+    with worker.lock:
+        requests = dict(worker.counters, active=worker.active, queued=worker.queued())
+        requests["completion_tokens"] = worker.completion_tokens
+    requests["in_flight"] = requests["active"] + requests["queued"]
+    now = time.time()
+    recent = rates(history.add(now, tokens, decode["lookups"], decode["hits"]))
+    return {
+        "time": now,
+        "uptime_s": now - started,
+        "status": worker.state(),
+        "model": name,
+        "decode": {
+            "tokens": tokens,
+            "lookups": decode["lookups"],
+            "hits": decode["hits"],
+            "hit_rate": decode["hit_rate"],
+            "bytes_read": io["bytes_read"],
+            "stall_s": io["stall_s"],
+            "bytes_per_token": io["bytes_read"] / tokens if tokens else None,
+            "stall_ms_per_token": io["stall_s"] * 1e3 / tokens if tokens else None,
+        },
+        "prefetch": {
+            k: prefetch.get(k) for k in ("policy", "precision", "issued", "useful", "wasted", "late", "mode")
+        },
+        "recent": {"tok_s": recent["tok_s"], "hit_rate": recent["hit_rate"]},
+        "history": recent["points"],
+        "requests": requests,
+        "cache": {
+            "capacity": stats["capacity"],
+            "num_experts": stats["num_experts"],
+            "miss_policy": stats["miss_policy"],
+            "layers": [strip(c) for c in engine.caches],
+        },
+    }
+
+
+def register(app: Flask, worker, name: str, started: float):
+    """Add the page (`/`, `/dashboard`), its files (`/dashboard/static/...`) and its document to `app`."""
+    history = History()
+
+    def page():
+        response = send_from_directory(STATIC, "dashboard.html")
+        response.headers["Content-Security-Policy"] = CSP
+        return response
+
+    app.add_url_rule("/", "dashboard_home", page)
+    app.add_url_rule("/dashboard", "dashboard", page)
+
+    @app.get("/dashboard/static/<path:filename>")
+    def dashboard_static(filename):
+        return send_from_directory(STATIC, filename)
+
+    @app.get("/dashboard/data")
+    def dashboard_document():
+        response = jsonify(dashboard_data(worker, name, started, history))
+        response.headers["Cache-Control"] = "no-store"
+        return response

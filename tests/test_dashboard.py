@@ -1,0 +1,239 @@
+"""The live dashboard of `od-moe serve`: headless Chromium loads the page while a generation runs and its
+figures move and end equal to /health; its data stays whole under 8 concurrent streams and a client that
+goes away. The browser test is skipped only where no Chromium binary is installed (CI installs one)."""
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from werkzeug.serving import make_server
+
+import od_moe
+from chromium import Browser, chromium_binary
+from od_moe.server import create_app
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where the browser test leaves its screenshot (docs/dashboard.png in the README is one of these).
+ARTIFACTS = Path(os.environ.get("OD_MOE_ARTIFACTS", ROOT / "build" / "artifacts"))
+
+FIGURES = (
+    "hit-rate",
+    "recent-hit-rate",
+    "tok-s",
+    "tokens",
+    "precision",
+    "stall",
+    "bytes",
+    "bytes-total",
+    "in-flight",
+    "completed",
+    "cancelled",
+)
+READ_PAGE = (
+    "(() => { const v = {}; for (const id of "
+    + json.dumps(FIGURES)
+    + ") v[id] = document.getElementById(id).dataset.value ?? null;"
+    " v.updates = Number(document.body.dataset.updates || 0);"
+    " v.hitText = document.getElementById('hit-rate').textContent;"
+    " v.resident = Number(document.getElementById('strip').dataset.resident || -1);"
+    " v.points = Number(document.getElementById('plot-tok-s').dataset.points || 0);"
+    " return v; })()"
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = od_moe.load(capacity="50%", prefetch="next-gate")
+    app = create_app(engine)
+    srv = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_port}", engine
+    srv.shutdown()
+    app.worker.stop()
+
+
+def get(base, path):
+    with urllib.request.urlopen(base + path, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def stream(base, prompt, max_tokens) -> dict:
+    """Stream a completion to its end; its usage."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        events = [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return json.loads(events[-2])["usage"]
+
+
+def stream_then_hang_up(base, max_tokens):
+    """Start a streamed completion, read its first event, and close the connection."""
+    host, port = base[len("http://") :].split(":")
+    body = json.dumps({"prompt": "import os", "max_tokens": max_tokens, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (base[len("http://") :].encode(), len(body), body)
+        )
+        seen = b""
+        while b"data: " not in seen:
+            seen += sock.recv(4096)
+
+
+def wait_idle(base, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while get(base, "/dashboard/data")["requests"]["in_flight"]:
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
+def value(text):
+    return None if text in (None, "") else float(text)
+
+
+def test_the_page_is_served_whole_from_the_package_and_passes_the_guard(server):
+    base, _ = server
+    with urllib.request.urlopen(base + "/", timeout=30) as r:
+        page = r.read().decode()
+        assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+    texts = [page]
+    for name in ("dashboard.js", "dashboard.css"):
+        assert f"/dashboard/static/{name}" in page
+        with urllib.request.urlopen(f"{base}/dashboard/static/{name}", timeout=30) as r:
+            texts.append(r.read().decode())
+        assert r.status == 200 and len(texts[-1]) > 1000
+    for text in texts:  # nothing from elsewhere: no CDN, no web fonts
+        assert "http://" not in text and "https://" not in text and "@import" not in text
+    # the guard still applies: another Host is refused, for the page and for its data
+    req = urllib.request.Request(base + "/dashboard/data", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 403
+
+
+@pytest.mark.skipif(chromium_binary() is None, reason="no chromium binary (CI installs Debian's chromium)")
+def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_health(server, tmp_path):
+    base, engine = server
+    result = {}
+    generation = threading.Thread(
+        target=lambda: result.update(stream(base, "def quicksort(items):", 200)), daemon=True
+    )
+    with Browser(chromium_binary(), tmp_path / "profile") as browser:
+        browser.open(base + "/")
+        browser.wait_for("Number(document.body.dataset.updates || 0) >= 1")
+        generation.start()
+        browser.wait_for("Number(document.getElementById('tokens').dataset.value) > 20")
+        first = browser.evaluate(READ_PAGE)
+        time.sleep(2.0)
+        second = browser.evaluate(READ_PAGE)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.screenshot(ARTIFACTS / "dashboard.png")
+        # updating at least once a second, and the figures move while tokens come
+        assert second["updates"] >= first["updates"] + 2
+        assert int(second["tokens"]) > int(first["tokens"])
+        assert value(second["hit-rate"]) != value(first["hit-rate"])
+        assert value(second["tok-s"]) > 0 and int(second["in-flight"]) == 1
+        assert second["points"] >= 1
+        generation.join(120)
+        assert result["completion_tokens"] == 200
+        browser.wait_for("document.getElementById('in-flight').dataset.value === '0'")
+        seen = browser.evaluate(READ_PAGE)["updates"]
+        browser.wait_for(f"Number(document.body.dataset.updates) >= {seen + 2}")
+        last = browser.evaluate(READ_PAGE)
+    health = get(base, "/health")
+    cache = health["expert_cache_stats"]
+    assert value(last["hit-rate"]) == cache["decode_hit_rate"]
+    assert last["hitText"] == f"{100 * cache['decode_hit_rate']:.1f}%"
+    assert value(last["precision"]) == cache["prefetch"]["precision"]
+    assert int(last["tokens"]) == cache["tokens"]["decode"]
+    assert int(last["completed"]) == health["requests"]["completed"]
+    assert health["requests"]["active"] == health["requests"]["queued"] == int(last["in-flight"]) == 0
+    assert last["resident"] == cache["working_set_experts"]
+    decode = engine.stats(settle=False)["io"]["decode"]
+    tokens = cache["tokens"]["decode"]
+    assert value(last["stall"]) == pytest.approx(decode["stall_s"] * 1e3 / tokens)
+    assert value(last["bytes"]) == pytest.approx(decode["bytes_read"] / tokens)
+    assert value(last["bytes-total"]) == decode["bytes_read"]
+
+
+MONOTONIC = (
+    ("decode", "tokens"),
+    ("decode", "lookups"),
+    ("decode", "hits"),
+    ("decode", "bytes_read"),
+    ("decode", "stall_s"),
+    ("prefetch", "issued"),
+    ("prefetch", "useful"),
+    ("prefetch", "wasted"),
+    ("requests", "total"),
+    ("requests", "completed"),
+    ("requests", "cancelled"),
+    ("requests", "completion_tokens"),
+)
+
+
+def test_eight_streams_and_a_hang_up_never_move_a_count_back_or_lose_one(server):
+    base, _ = server
+    wait_idle(base)
+    before = get(base, "/dashboard/data")
+    docs, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            docs.append(get(base, "/dashboard/data"))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    hang_up = threading.Thread(target=stream_then_hang_up, args=(base, 400), daemon=True)
+    hang_up.start()
+    usages = [None] * 8
+
+    def one(i):
+        usages[i] = stream(base, f"def task_{i}(x):", 12 + i)
+
+    streams = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(8)]
+    for t in streams:
+        t.start()
+    hang_up.join(60)
+    for t in streams:
+        t.join(300)
+    wait_idle(base)
+    done.set()
+    watcher.join(30)
+    after = get(base, "/dashboard/data")
+    docs.append(after)
+
+    assert len(docs) > 10 and max(d["requests"]["in_flight"] for d in docs) >= 2
+    for a, b in zip(docs, docs[1:]):
+        for group, key in MONOTONIC:
+            assert b[group][key] >= a[group][key], (group, key, a[group][key], b[group][key])
+    moved = {k: after["requests"][k] - before["requests"][k] for k in ("total", "completed", "cancelled")}
+    assert moved == {"total": 9, "completed": 8, "cancelled": 1}
+    assert [u["completion_tokens"] for u in usages] == [12 + i for i in range(8)]
+    assert after["requests"]["completion_tokens"] - before["requests"]["completion_tokens"] == sum(
+        12 + i for i in range(8)
+    )
+    assert after["decode"]["tokens"] - before["decode"]["tokens"] >= sum(12 + i for i in range(8))
+    health = get(base, "/health")
+    cache = health["expert_cache_stats"]
+    assert after["decode"]["hit_rate"] == cache["decode_hit_rate"]
+    assert after["decode"]["tokens"] == cache["tokens"]["decode"]
+    assert after["prefetch"]["precision"] == cache["prefetch"]["precision"]
+    for key in ("total", "completed", "cancelled", "failed"):
+        assert after["requests"][key] == health["requests"][key]

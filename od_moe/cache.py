@@ -200,20 +200,35 @@ class LayerCache:
         """How many experts can be installed without evicting pinned slots or `protect`."""
         return int((~self._blocked(protect)).sum())
 
-    def choose_slots(self, n: int, protect: Sequence[int], clock: float) -> np.ndarray:
-        """n slots to install into: free ones first, then the most evictable unpinned, unprotected."""
+    def choose_slots(
+        self, n: int, protect: Sequence[int], clock: float, next_use: np.ndarray | None = None
+    ) -> np.ndarray:
+        """n slots to install into: free ones first, then the most evictable unpinned, unprotected ones.
+        `next_use`: passes until each expert is needed again (inf: not as far as is known), where the
+        future is known: the farthest first (Belady's MIN), the eviction rule among equals."""
         free = np.flatnonzero(self.expert_in_slot < 0)
         if len(free) >= n:
             return free[:n]
-        blocked = self._blocked(protect)
-        order = [s for s in self._eviction_order(clock) if not blocked[s] and self.expert_in_slot[s] >= 0]
-        chosen = np.concatenate([free, np.array(order[: n - len(free)], dtype=np.int64)])
+        order = self.evictable(clock, protect, next_use)
+        chosen = np.concatenate([free, order[: n - len(free)]])
         if len(chosen) < n:
             raise RuntimeError(
                 f"layer {self.layer}: no room for {n} experts (capacity {self.capacity}, pinned "
                 f"{int(self.pinned.sum())})"
             )
         return chosen
+
+    def evictable(self, clock: float, protect: Sequence[int] = (), next_use: np.ndarray | None = None):
+        """Occupied slots that may be evicted, the first to go first (see `choose_slots`)."""
+        blocked = self._blocked(protect)
+        order = np.array(
+            [s for s in self._eviction_order(clock) if not blocked[s] and self.expert_in_slot[s] >= 0],
+            dtype=np.int64,
+        )
+        if next_use is not None and order.size:
+            farthest = -next_use[self.expert_in_slot[order]]
+            order = order[np.argsort(farthest, kind="stable")]
+        return order
 
     # -- installing ----------------------------------------------------------------------------
     def install(
@@ -224,13 +239,15 @@ class LayerCache:
         protect: Sequence[int] = (),
         clock: float = 0.0,
         arrays: dict[tuple[str, str], list[mx.array]] | None = None,
+        next_use: np.ndarray | None = None,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
         raw: per part, the bytes read from disk, indexable by row (an array or a list of per-expert
         arrays), row i = ids[i]. `prefetched`: they were read ahead of need. `arrays`: the same rows
         already made into MLX arrays by a reader thread (None for rows it did not make), used where the
-        backend needs MLX copies.
+        backend needs MLX copies. `next_use`: where the future is known, passes until each expert of the
+        layer is needed again (victims are chosen as `choose_slots` says).
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
         elsewhere with MLX slice updates, evaluated at once. Either way memory stays bounded and the
@@ -241,7 +258,9 @@ class LayerCache:
             raise ValueError(
                 f"layer {self.layer}: experts {ids[self.slot_of[ids] >= 0].tolist()} are already resident"
             )
-        slots = self.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=clock)
+        slots = self.choose_slots(
+            len(ids), protect=list(protect) + ids.tolist(), clock=clock, next_use=next_use
+        )
         if not (self.host_writes and self._write_host(slots, raw)):
             self.host_writes = False
             self._write_mlx(slots, raw, arrays)

@@ -86,6 +86,12 @@ class OnDemand:
     def after_routing(self, step: Step, ids: np.ndarray):
         pass
 
+    def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
+        """Passes after pass `forward` until each expert of `layer` is needed again (inf: not needed as
+        far as the policy knows), or None where it knows nothing of the future: the cache's eviction
+        rule then chooses alone."""
+        return None
+
 
 class ProfilePolicy(OnDemand):
     """Router discovery: count the prompt's routing, seed the caches with it after prefill."""
@@ -246,9 +252,30 @@ class OraclePolicy(OnDemand):
     name = "oracle"
 
     def __init__(
-        self, trace: list[dict[int, np.ndarray]], num_layers: int, lookahead: int = ORACLE_LOOKAHEAD
+        self,
+        trace: list[dict[int, np.ndarray]],
+        num_layers: int,
+        num_experts: int,
+        lookahead: int = ORACLE_LOOKAHEAD,
     ):
         self.trace, self.num_layers, self.lookahead = trace, num_layers, lookahead
+        self.num_experts = num_experts
+        self._next: dict[int, np.ndarray] = {}  # layer -> (passes, E) next pass using each expert
+
+    def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
+        """From the trace: the oracle evicts as Belady's MIN does."""
+        if forward >= len(self.trace):
+            return None
+        if layer not in self._next:
+            upcoming = np.full(self.num_experts, np.inf)
+            table = np.empty((len(self.trace), self.num_experts))
+            for f in range(len(self.trace) - 1, -1, -1):
+                table[f] = upcoming
+                ids = self.trace[f].get(layer)
+                if ids is not None:
+                    upcoming[np.unique(ids)] = f
+            self._next[layer] = table
+        return self._next[layer][forward] - forward
 
     def before_layer(self, step: Step) -> list[Prediction]:
         out = []
@@ -286,5 +313,5 @@ def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_lay
                 "prefetch policy 'oracle' needs the routing recorded from the same prompt: "
                 "engine.record_routing(prompt, max_tokens) on an engine with the same settings gives it"
             )
-        return OraclePolicy(list(oracle_trace), len(engine.caches))
+        return OraclePolicy(list(oracle_trace), len(engine.caches), engine.caches[0].num_experts)
     raise UserError(f"unknown prefetch policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -134,6 +134,21 @@ def test_lfu_remembers_an_expert_that_comes_back():
     assert cache.slot_of[0] >= 0 and cache.slot_of[4] >= 0 and cache.resident_count == 2
 
 
+def test_known_future_evicts_the_expert_needed_farthest_ahead():
+    """Given next uses (Belady's MIN), the victim is the one needed last, whatever the eviction rule says;
+    unknown futures fall back to the rule."""
+    engine = od_moe.load(capacity=4)
+    cache = engine.caches[0]
+    engine.runtime.load(cache, np.array([0, 1, 2, 3]))
+    cache.touch(np.array([0, 1, 2, 3]), np.ones(4), clock=1.0)
+    cache.touch(np.array([2]), np.ones(1), clock=2.0)  # LRU would evict 0, 1 or 3 before 2
+    next_use = np.full(64, np.inf)
+    next_use[[0, 1, 2, 3]] = [1, 2, 9, 3]
+    assert cache.expert_in_slot[cache.evictable(3.0, next_use=next_use)].tolist() == [2, 3, 1, 0]
+    assert cache.expert_in_slot[cache.evictable(3.0, protect=[2], next_use=next_use)][0] == 3
+    assert cache.expert_in_slot[cache.evictable(3.0)][-1] == 2  # no future known: LRU keeps 2
+
+
 def test_capacity_parsing_and_errors():
     assert parse_capacity("25%") == 0.25 and parse_capacity("16") == 16 and parse_capacity("0.5") == 0.5
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("8GB") == 8 * 10**9

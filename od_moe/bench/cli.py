@@ -2,6 +2,7 @@
 policy side by side); `--foundation` runs the cache-only benchmark against stock mlx-lm (`foundation.py`)."""
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def add_arguments(parser):
         help="prefetch reads land before they are needed and no timed check pauses prefetch: hit counts, "
         "bytes and tokens repeat exactly (for comparing code, not speed)",
     )
+    add(
+        "--plot",
+        metavar="PATH",
+        help="draw hit rate, tok/s and bytes read per token against capacity for each policy into PATH "
+        "(.png or .svg; needs matplotlib: pip install 'od-moe[bench]'); the rows go beside it as .json",
+    )
     add("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
     add("--capacities", default="1,0.5,0.25,0.125", help="with --foundation: fractions of experts resident")
 
@@ -59,6 +66,13 @@ def run(args):
     if args.max_tokens < 1 or args.widened_tokens < 1 or args.widen < 0:
         raise UserError("--max-tokens and --widened-tokens must be positive, --widen >= 0")
     printer = None if args.json else print
+    if args.plot:  # a missing matplotlib or a wrong name is found before the long run, not after
+        from .plots import check_path, require_matplotlib
+
+        if args.foundation:
+            raise UserError("--plot draws the prefetch grid: leave out --foundation")
+        check_path(args.plot)
+        require_matplotlib()
     if args.foundation:
         result = run_foundation(
             capacities, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer
@@ -78,5 +92,15 @@ def run(args):
             predictor_dir=args.predictor,
             deterministic=args.deterministic,
         )
+    if args.plot:
+        from .plots import plot_rows
+
+        plot_rows(
+            result["rows"],
+            args.plot,
+            title=f"od-moe bench ({'gpu' if args.gpu else 'full' if args.full else 'quick'} grid)",
+        )
+        where = Path(args.plot)
+        print(f"plot written to {where} (rows in {where.with_suffix('.json')})", file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=1))

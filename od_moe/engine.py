@@ -23,6 +23,7 @@ from .capacity import resolve_capacity
 from .errors import UserError
 from .governor import PrefetchSettings
 from .policies import make_policy
+from .progress import byte_progress
 from .reader import read_threads_for
 from .routing import router_matrices, router_of, tap_router
 from .runtime import MISS_POLICIES, OffloadRuntime
@@ -348,8 +349,11 @@ def load(
     if snapshot is not None:
         engine.load_snapshot(snapshot)
     elif slots == num_experts:
-        for cache in engine.caches:  # fully resident: read everything once, layer by layer
-            runtime.load(cache, np.arange(num_experts))
+        nbytes = sum(c.layout.expert_nbytes for c in engine.caches) * num_experts
+        with byte_progress("reading experts", nbytes) as bar:
+            for cache in engine.caches:  # fully resident: read everything once, layer by layer
+                runtime.load(cache, np.arange(num_experts))
+                bar.update(cache.layout.expert_nbytes * num_experts)
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine

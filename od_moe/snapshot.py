@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import UserError
+from .progress import byte_progress
 
 FORMAT = 2
 META = "snapshot.json"
@@ -40,11 +41,14 @@ def snapshot_key(engine) -> dict:
     }
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, bar=None) -> str:
+    """The file's SHA-256 (hex); `bar`, a `Progress`, is moved by the bytes hashed."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(2**22):
             digest.update(block)
+            if bar is not None:
+                bar.update(len(block))
     return digest.hexdigest()
 
 
@@ -80,9 +84,12 @@ def save_snapshot(engine, path, weights: bool = False):
                 for i, c in enumerate(engine.caches)
                 for name, a in c.stacked_arrays().items()
             }
-            mx.save_safetensors(str(tmp), arrays)
-            _fsync(tmp)
-            body["experts_sha256"] = file_sha256(tmp)
+            nbytes = sum(a.nbytes for a in arrays.values())
+            with byte_progress("saving snapshot", 2 * nbytes) as bar:  # writing, then hashing
+                mx.save_safetensors(str(tmp), arrays)
+                _fsync(tmp)
+                bar.update(nbytes)
+                body["experts_sha256"] = file_sha256(tmp, bar)
             body["experts_file"] = f"experts-{body['experts_sha256'][:16]}.safetensors"
             tmp.replace(path / body["experts_file"])
         meta_tmp.write_text(json.dumps(body))
@@ -106,7 +113,7 @@ def _experts_file(path: Path) -> str | None:
         return None
 
 
-def _load_experts(path: Path, body: dict) -> dict:
+def _load_experts(path: Path, body: dict, bar=None) -> dict:
     """The packed slot arrays of a snapshot, after checking the file is the one its json was saved with."""
     name, expected = body.get("experts_file"), body.get("experts_sha256")
     if not isinstance(name, str) or not isinstance(expected, str) or Path(name).name != name:
@@ -114,7 +121,7 @@ def _load_experts(path: Path, body: dict) -> dict:
     file = path / name
     if not file.is_file():
         raise UserError(f"snapshot {path} is missing its experts file {name}: save a new snapshot")
-    if file_sha256(file) != expected:
+    if file_sha256(file, bar) != expected:
         raise UserError(
             f"snapshot {path}: {name} is not the file this snapshot was saved with (its content hash "
             "differs: truncated, or copied from another snapshot); save a new snapshot"
@@ -149,7 +156,18 @@ def load_snapshot(engine, path):
         raise UserError(
             f"snapshot {path} has {len(layers)} layers, the model {len(engine.caches)}: save a new snapshot"
         )
-    packed = _load_experts(path, body) if body.get("weights") else None
+    packed_file = path / str(body.get("experts_file"))
+    packed_bytes = packed_file.stat().st_size if body.get("weights") and packed_file.is_file() else 0
+    fill_bytes = sum(
+        (c.slot_nbytes if packed_bytes else c.layout.expert_nbytes) * c.capacity for c in engine.caches
+    )
+    with byte_progress("loading snapshot", packed_bytes + fill_bytes) as bar:  # hashing, then filling
+        packed = _load_experts(path, body, bar) if body.get("weights") else None
+        _fill(engine, path, layers, packed, bar)
+
+
+def _fill(engine, path: Path, layers: list, packed: dict | None, bar):
+    """Put the saved experts into every layer's slots, from the packed arrays or the model's files."""
     for i, (cache, saved) in enumerate(zip(engine.caches, layers)):
         slots = np.asarray(saved["slots"], dtype=np.int64)
         if slots.shape != (cache.capacity,) or np.any(slots >= cache.num_experts):
@@ -167,6 +185,7 @@ def load_snapshot(engine, path):
             _read_into_slots(engine, cache, ids, slots)
         if saved.get("pinned"):
             cache.pin(slots[np.asarray(saved["pinned"], dtype=np.int64)])
+        bar.update((cache.slot_nbytes if packed is not None else cache.layout.expert_nbytes) * cache.capacity)
 
 
 def _read_into_slots(engine, cache, ids, saved_slots):

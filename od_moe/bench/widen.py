@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..progress import byte_progress
 from ..store import RAW_NUMPY_DTYPES, ExpertStore
 
 EXPERT_PROJECTIONS = (".switch_mlp.gate_proj.", ".switch_mlp.up_proj.", ".switch_mlp.down_proj.")
@@ -60,7 +61,10 @@ def widen_model(source, dest, factor: int) -> Path:
         shapes[name], offset = shape, offset + nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(dest / "model.safetensors", "wb") as out:
+    with (
+        open(dest / "model.safetensors", "wb") as out,
+        byte_progress(f"widening x{factor}", offset) as bar,
+    ):
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
         for name in names:
@@ -74,6 +78,7 @@ def widen_model(source, dest, factor: int) -> Path:
             array = _widened(name, raw, factor) if any(p in name for p in EXPERT_PROJECTIONS) else raw
             assert list(array.shape) == shapes[name]
             out.write(np.ascontiguousarray(array).tobytes())
+            bar.update(array.nbytes)
     store.close()
     (dest / "model.safetensors.index.json").write_text(
         json.dumps(

@@ -13,7 +13,7 @@ A bounded cache of experts stays resident per MoE layer; the rest are read from 
 from collections.abc import Generator
 
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load
-from .errors import UserError
+from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "Engine",
     "PrefetchSettings",
     "UserError",
+    "ExpertReadError",
     "DEFAULT_MODEL",
     "DEFAULT_PREDICTOR",
 ]

@@ -1,13 +1,14 @@
 """The `od-moe` command line: `generate`, `serve`, `bench`, `train-predictor`, `eval-predictor` and
 `inspect`.
 
-User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2.
+User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2; an
+expert that cannot be read while generating (the model's files changed) prints one line and exits with 1.
 """
 
 import argparse
 import sys
 
-from .errors import UserError
+from .errors import ExpertReadError, UserError
 
 
 def _capacity_arg(parser: argparse.ArgumentParser):
@@ -381,6 +382,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"od-moe: error: {e}", file=sys.stderr)
         return 2
+    except ExpertReadError as e:  # the model's files changed under a running command
+        print(f"od-moe: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

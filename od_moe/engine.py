@@ -20,7 +20,7 @@ from mlx_lm.generate import GenerationResponse
 from . import backend, governor
 from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import resolve_capacity
-from .errors import UserError
+from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 from .policies import make_policy
 from .progress import byte_progress
@@ -141,6 +141,9 @@ class Engine:
         """Yield mlx-lm `GenerationResponse`s for `prompt` (text or token ids).
 
         kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`).
+        An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
+        and a `prompt_cache` passed in is trimmed back to what it held before (where its caches can be
+        trimmed; others must be made anew).
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -149,10 +152,16 @@ class Engine:
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         self.runtime.start_prompt(prompt)
+        held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         try:
             yield from mlx_lm.stream_generate(
                 self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
             )
+        except ExpertReadError:  # layers before the failed one took the pass's tokens: take them back
+            for c, offset in zip(kwargs.get("prompt_cache") or (), held):
+                if offset is not None and c.offset > offset and c.is_trimmable():
+                    c.trim(c.offset - offset)
+            raise
         finally:
             self.runtime.settle()
 

@@ -1,9 +1,17 @@
-"""The one exception type od-moe raises for user mistakes.
+"""The exceptions od-moe raises on purpose: user mistakes, and expert reads that fail while generating.
 
 A `UserError` carries a message that says what went wrong and what to do; the CLI prints it on one line
-and exits with code 2, the server turns it into an HTTP 4xx. Programming errors stay ordinary exceptions.
+and exits with code 2, the server turns it into an HTTP 4xx. An `ExpertReadError` fails the one request
+whose expert could not be read (the CLI prints it on one line, the server answers 500 and /health shows
+it); the engine, its caches and the next request are unaffected. Programming errors stay ordinary
+exceptions.
 """
 
 
 class UserError(ValueError):
     """Bad input from the user: a missing path, a model with no MoE layer, an impossible capacity..."""
+
+
+class ExpertReadError(OSError):
+    """An expert's bytes could not be read from the model's files (a file shrank, vanished or the disk
+    failed): the request that needed it fails; nothing was installed from the failed read."""

@@ -14,9 +14,11 @@ the slots it gets back. One decoded token, top to bottom:
    holds experts in id order) unless a hook or a recording needs the routing; such layers and skip
    mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
    missing experts out and loads them then.
-Every count is booked in the ledger (`stats.py`) here, once. Everything here runs on the generation
-thread. Not here: the forward math (`switch.py`), reading ahead (`reader.py`), choosing how much to
-read ahead (`governor.py`) or what (`policies.py`).
+Every count is booked in the ledger (`stats.py`) here, once. A demand read that fails raises
+`ExpertReadError` out of `route` (the request fails; nothing of the read is installed, so the caches stay
+consistent); a failed prefetch is only dropped. Everything here runs on the generation thread. Not
+here: the forward math (`switch.py`), reading ahead (`reader.py`), choosing how much to read ahead
+(`governor.py`) or what (`policies.py`).
 """
 
 import time
@@ -28,6 +30,7 @@ import numpy as np
 
 from . import backend
 from .cache import Installed, LayerCache
+from .errors import ExpertReadError
 from .governor import Governor, PrefetchSettings
 from .policies import OnDemand, Prediction, Step
 from .reader import READ_THREADS, Read, Reader
@@ -340,16 +343,25 @@ class OffloadRuntime:
                 staging = self._staging[cache.layout.shape_key] = Staging(
                     cache.layout, max(len(ids), READ_BATCH)
                 )
-            return ids.tolist(), self.store.read(cache.layout, ids, staging), []
+            try:
+                return ids.tolist(), self.store.read(cache.layout, ids, staging), []
+            except OSError as e:
+                self._failed(cache.layout, ids, e)
         t0 = time.perf_counter()
         reads, late = self.reader.fetch(cache.layer, ids)
         self._take_late(cache.layer, late, 0.0 if reads else time.perf_counter() - t0, keep)
-        try:
-            _raise_read_errors(reads)
-        except BaseException:
+        failed = [r for r in reads if r.error is not None]
+        if failed:
             self.reader.recycle(reads)
-            raise
+            self._failed(cache.layout, [r.expert for r in failed], failed[0].error)
         return [r.expert for r in reads], _rows(reads), reads
+
+    def _failed(self, layout, ids, error: BaseException):
+        """Raise a failed demand read's error here, on the generation thread: an OSError as the
+        `ExpertReadError` that fails the request (nothing of the read was installed)."""
+        if isinstance(error, OSError) and not isinstance(error, ExpertReadError):
+            raise self.store.read_error(layout, ids, error) from error
+        raise error
 
     def _book_install(
         self,
@@ -368,15 +380,17 @@ class OffloadRuntime:
 
     def _install_prefetched(self, reads: list[Read], protect: Sequence[int]):
         """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch
-        never evicts an expert predicted for the same run of its layer."""
-        _raise_read_errors(reads)
+        never evicts an expert predicted for the same run of its layer. A failed read is dropped (booked
+        as wasted): a layer that needs the expert reads it on demand, and that read's error, if it fails
+        again, fails the request that needs it."""
         layer = reads[0].layer
         cache = self.caches[layer]
         protect = list(protect) + self.reader.wanted(layer)
         self.ledger.add(
             self.phase, layer, prefetch_taken=len(reads), prefetch_bytes=sum(r.nbytes for r in reads)
         )
-        fresh = [r for r in reads if cache.slot_of[r.expert] < 0][: cache.room(protect=protect)]
+        fresh = [r for r in reads if r.error is None and cache.slot_of[r.expert] < 0]
+        fresh = fresh[: cache.room(protect=protect)]
         installed, t0 = None, time.perf_counter()
         if fresh:  # demand got there first, or no slot may be evicted for the others: they bought nothing
             installed = cache.install(
@@ -457,9 +471,3 @@ def _arrays(reads: list[Read]) -> dict | None:
     if made is None:
         return None
     return {key: [None if r.arrays is None else r.arrays[key] for r in reads] for key in made}
-
-
-def _raise_read_errors(reads: list[Read]):
-    for r in reads:
-        if r.error is not None:
-            raise r.error

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
+from .errors import ExpertReadError, UserError
 
 # safetensors dtype -> numpy dtype holding the raw bytes (bfloat16 is read as uint16 and viewed later)
 RAW_NUMPY_DTYPES = {
@@ -298,7 +298,7 @@ class ExpertStore:
         """Read the experts `ids` (at most `staging.size`) into `staging`; returns views, row i = ids[i].
 
         Consecutive experts that lie back to back in a file are read with one `preadv`.
-        Raises OSError naming the file when it is shorter than its header says.
+        Raises `ExpertReadError` naming the file when it cannot be read or is shorter than its header says.
         """
         n = len(ids)
         if n > staging.size:
@@ -315,10 +315,31 @@ class ExpertStore:
                 while end < n and files[end] == files[start] and offsets[end] == offsets[end - 1] + size:
                     end += 1
                 view = memoryview(buf[start:end].reshape(-1).view(np.uint8))
-                self._pread_exact(int(files[start]), view, int(offsets[start]))
+                try:
+                    self._pread_exact(int(files[start]), view, int(offsets[start]))
+                except OSError as e:
+                    raise self.read_error(layout, ids[start:end], e, int(files[start])) from e
                 start = end
             out[(part.proj, part.name)] = buf[:n]
         return out
+
+    def read_error(
+        self, layout: BlockLayout, ids: Sequence[int], error: BaseException, file_index: int | None = None
+    ) -> ExpertReadError:
+        """The one-line error for a failed read of experts `ids` of `layout` (from `file_index`, else
+        from the files that hold them): which experts, which file, why, and what to do."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if file_index is None:
+            indices = sorted({int(f) for p in layout.parts for f in p.files[ids]})
+        else:
+            indices = [file_index]
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return ExpertReadError(
+            f"cannot read expert{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids.tolist()))} of "
+            f"{layout.module_path} from {', '.join(str(self.files[i]) for i in indices)} ({why}): the "
+            "model's files changed or the disk failed; restore the model folder (copy or download it "
+            "again) and send the request again"
+        )
 
     def _pread_exact(self, file_index: int, view: memoryview, offset: int):
         if self._direct is not None:
@@ -331,10 +352,7 @@ class ExpertStore:
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
-                raise OSError(
-                    f"short read from {self.files[file_index]} at byte {offset + done}: the file is "
-                    "truncated or unreadable"
-                )
+                raise OSError(f"short read at byte {offset + done}: the file is truncated or unreadable")
             done += got
         if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
@@ -353,10 +371,7 @@ class ExpertStore:
             got = os.preadv(fd, [bounce[:span]], pos)
             lo, hi = max(offset, pos), min(end, pos + max(got, 0))
             if got <= 0 or (got < span and hi < end):
-                raise OSError(
-                    f"short read from {self.files[file_index]} at byte {max(pos, offset)}: the file is "
-                    "truncated or unreadable"
-                )
+                raise OSError(f"short read at byte {max(pos, offset)}: the file is truncated or unreadable")
             view[lo - offset : hi - offset] = bounce[lo - pos : hi - pos]
             pos += span
 

@@ -1,3 +1,5 @@
+import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
@@ -27,3 +29,36 @@ def od_moe_tokens(engine, prompts, max_tokens):
 @pytest.fixture(scope="session")
 def bundled_reference():
     return reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS, NEW_TOKENS)
+
+
+def consistent(cache):
+    """A `LayerCache`'s tables agree: slot_of and expert_in_slot name each other; lookups are total."""
+    resident = np.flatnonzero(cache.slot_of >= 0)
+    assert np.array_equal(np.sort(cache.expert_in_slot[cache.expert_in_slot >= 0]), resident)
+    assert all(cache.expert_in_slot[cache.slot_of[e]] == e for e in resident)
+    table = np.array(cache.lookup_table())
+    assert table.min() >= 0 and table.max() < cache.capacity
+
+
+def slots_hold_their_experts(engine, model_dir=None):
+    """Every slot that claims an expert holds that expert's bytes from the checkpoint."""
+    weights = {}
+    for f in sorted((model_dir or engine.model_path).glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    for cache in engine.caches:
+        consistent(cache)
+        resident = np.flatnonzero(cache.slot_of >= 0)
+        for part in cache.layout.parts:
+            held = cache.projections[part.proj][part.name][mx.array(cache.slot_of[resident])]
+            expected = weights[f"{cache.layout.module_path}.{part.proj}.{part.name}"][mx.array(resident)]
+            assert mx.array_equal(held, expected.astype(held.dtype)), (cache.layer, part.proj, part.name)
+
+
+def invariants(stats):
+    """The prefetch and lookup counts add up."""
+    p = stats["prefetch"]
+    assert p["issued"] == p["useful"] + p["wasted"] + p["in_flight"], p
+    if p["useful"] + p["wasted"]:
+        assert p["precision"] == pytest.approx(p["useful"] / (p["useful"] + p["wasted"]))
+    t = stats["total"]
+    assert t["hits"] + t["misses"] == t["lookups"]

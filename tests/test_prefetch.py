@@ -11,6 +11,8 @@ import pytest
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
+from conftest import consistent as _consistent
+from conftest import invariants as _invariants
 from od_moe.errors import UserError
 from od_moe.governor import PrefetchSettings
 from od_moe.policies import Prediction, Step
@@ -39,23 +41,6 @@ def _engine(policy, predictor_dir, capacity="25%", prompt=None, self_checks=Fals
         policy, oracle_trace=trace, settings=PrefetchSettings(timed_checks=self_checks, **settings)
     )
     return engine
-
-
-def _consistent(cache):
-    resident = np.flatnonzero(cache.slot_of >= 0)
-    assert np.array_equal(np.sort(cache.expert_in_slot[cache.expert_in_slot >= 0]), resident)
-    assert all(cache.expert_in_slot[cache.slot_of[e]] == e for e in resident)
-    table = np.array(cache.lookup_table())
-    assert table.min() >= 0 and table.max() < cache.capacity
-
-
-def _invariants(stats):
-    p = stats["prefetch"]
-    assert p["issued"] == p["useful"] + p["wasted"] + p["in_flight"], p
-    if p["useful"] + p["wasted"]:
-        assert p["precision"] == pytest.approx(p["useful"] / (p["useful"] + p["wasted"]))
-    t = stats["total"]
-    assert t["hits"] + t["misses"] == t["lookups"]
 
 
 @pytest.mark.parametrize("policy", ["none", "profile", "next-gate", "predictor", "oracle"])

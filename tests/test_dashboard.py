@@ -84,7 +84,8 @@ def stream(base, prompt, max_tokens) -> dict:
 def stream_then_hang_up(base, max_tokens):
     """Start a streamed completion, read its first event, and close the connection."""
     host, port = base[len("http://") :].split(":")
-    body = json.dumps({"prompt": "import os", "max_tokens": max_tokens, "stream": True}).encode()
+    body = {"prompt": "import os", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = json.dumps(body).encode()  # greedy: this prompt runs to max_tokens, far past the hang-up
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
@@ -131,7 +132,7 @@ def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_healt
     base, engine = server
     result = {}
     generation = threading.Thread(
-        target=lambda: result.update(stream(base, "def quicksort(items):", 200)), daemon=True
+        target=lambda: result.update(stream(base, "def quicksort(items):", 300)), daemon=True
     )
     with Browser(chromium_binary(), tmp_path / "profile") as browser:
         browser.open(base + "/")
@@ -139,6 +140,7 @@ def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_healt
         generation.start()
         browser.wait_for("Number(document.getElementById('tokens').dataset.value) > 20")
         first = browser.evaluate(READ_PAGE)
+        assert int(first["in-flight"]) == 1
         time.sleep(2.0)
         second = browser.evaluate(READ_PAGE)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -147,10 +149,10 @@ def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_healt
         assert second["updates"] >= first["updates"] + 2
         assert int(second["tokens"]) > int(first["tokens"])
         assert value(second["hit-rate"]) != value(first["hit-rate"])
-        assert value(second["tok-s"]) > 0 and int(second["in-flight"]) == 1
+        assert value(second["tok-s"]) > 0
         assert second["points"] >= 1
         generation.join(120)
-        assert result["completion_tokens"] == 200
+        assert result["completion_tokens"] == 300  # greedy: this prompt never stops early
         browser.wait_for("document.getElementById('in-flight').dataset.value === '0'")
         seen = browser.evaluate(READ_PAGE)["updates"]
         browser.wait_for(f"Number(document.body.dataset.updates) >= {seen + 2}")

@@ -2,16 +2,24 @@
 
 A slot holds one expert: weight + scales + biases of gate/up/down in their in-memory dtypes (the
 quantization metadata adds about 12.5% at group size 64 and is counted). A memory budget covers the whole
-engine: non-expert weights, C slots in every MoE layer, and a reserve for the KV cache and activations.
+engine's MLX memory: non-expert weights, C slots in every MoE layer, the working memory generation needs
+beyond weights (`working_nbytes`: the KV cache of `RESERVED_CONTEXT` tokens and the routers' float32
+copies prefetch predicts with), and 10% for activations. Contexts longer than `RESERVED_CONTEXT` take
+`kv_nbytes_per_token` more per token. Not counted: host memory outside MLX (numpy staging buffers, the
+page cache) and MLX's cache of freed buffers.
 """
 
 import math
 import re
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from .backend import available_memory_bytes
 from .errors import UserError
 
-BUDGET_RESERVE = 0.10  # of the budget, kept for KV cache, activations and staging buffers
+BUDGET_RESERVE = 0.10  # of the budget, kept for activations
+RESERVED_CONTEXT = 256  # tokens of KV cache every budget holds: mlx-lm grows its caches 256 tokens at a time
 AUTO_BUDGET_FRACTION = 0.70  # of available memory, when neither capacity nor budget is given
 
 _UNITS = {
@@ -63,13 +71,63 @@ def parse_capacity(text: str | int | float | None) -> int | float | None:
         )
 
 
+def kv_nbytes_per_token(model) -> int:
+    """KV-cache bytes one token of context takes: the outputs of every layer's k and v projections in the
+    compute dtype, from the (lazy) model's shapes; models without such projections are counted as full
+    multi-head attention (2 x hidden size per layer)."""
+    outputs = sum(
+        m.weight.shape[0]
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and "weight" in m
+    )
+    if not outputs:
+        args = getattr(model, "args", None)
+        outputs = 2 * getattr(args, "hidden_size", 0) * len(getattr(model, "layers", ()))
+    return outputs * _itemsize(model)
+
+
+def _itemsize(model) -> int:
+    """Bytes per activation: the compute dtype's (that of the model's floating weights)."""
+    floating = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    return floating[0].size if floating else 4
+
+
+def activation_nbytes_per_token(model) -> int:
+    """Transient bytes one prompt token of a prefill chunk takes at the layer being computed (an
+    estimate from the config, fitted on the bundled model in float32: 22 kB measured for a 170-token
+    chunk): per routed expert its sorted input and output (2 x hidden) and the gate, up and activated
+    intermediate (3 x moe intermediate); and a row of attention scores per head over the chunk."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", 0)
+    inter = getattr(args, "moe_intermediate_size", None) or getattr(args, "intermediate_size", hidden)
+    top_k = getattr(args, "num_experts_per_tok", None) or 8
+    heads = getattr(args, "num_attention_heads", 1)
+    return (top_k * (2 * hidden + 3 * inter) + heads * RESERVED_CONTEXT) * _itemsize(model)
+
+
+def working_nbytes(model, moe_layers: int, num_experts: int) -> int:
+    """MLX memory generation needs beyond the weights and slots, counted into every budget: the KV cache
+    of `RESERVED_CONTEXT` tokens, the activations of a prefill chunk that long, and the dense float32
+    router copies the prefetch policies predict with."""
+    hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
+    per_token = kv_nbytes_per_token(model) + activation_nbytes_per_token(model)
+    return per_token * RESERVED_CONTEXT + moe_layers * num_experts * hidden * 4
+
+
 def resolve_capacity(
-    capacity, memory_budget, num_experts: int, moe_layers: int, slot_nbytes: int, non_expert_nbytes: int
+    capacity,
+    memory_budget,
+    num_experts: int,
+    moe_layers: int,
+    slot_nbytes: int,
+    non_expert_nbytes: int,
+    working_nbytes: int = 0,
 ) -> int:
     """Slots per MoE layer.
 
     capacity: int count (1..E), float fraction in (0, 1], or None; memory_budget: bytes, a size string,
-    "auto" or None. With neither, the budget is 70% of available memory.
+    "auto" or None. With neither, the budget is 70% of available memory. A budget covers the non-expert
+    weights, the slots, `working_nbytes` (see `working_nbytes`) and `BUDGET_RESERVE`.
     """
     if capacity is not None and memory_budget is not None:
         raise UserError("give either a capacity or a memory budget, not both")
@@ -95,22 +153,25 @@ def resolve_capacity(
         budget = int(available_memory_bytes() * AUTO_BUDGET_FRACTION)
     else:
         budget = parse_size(memory_budget)
-    usable = budget * (1 - BUDGET_RESERVE) - non_expert_nbytes
+    fixed = non_expert_nbytes + working_nbytes
+    usable = budget * (1 - BUDGET_RESERVE) - fixed
     slots = int(usable // (slot_nbytes * moe_layers)) if usable > 0 else 0
     if slots < 1:
-        need = budget_for(1, moe_layers, slot_nbytes, non_expert_nbytes)
+        need = budget_for(1, moe_layers, slot_nbytes, non_expert_nbytes, working_nbytes)
         raise UserError(
             f"memory budget {budget} bytes is too small for this model: it needs at least {need} bytes "
-            f"(non-expert weights {non_expert_nbytes} + one {slot_nbytes}-byte expert in each of "
-            f"{moe_layers} layers + reserve)"
+            f"(non-expert weights {non_expert_nbytes} + working memory {working_nbytes} + one "
+            f"{slot_nbytes}-byte expert in each of {moe_layers} layers + {BUDGET_RESERVE:.0%} reserve)"
         )
     return min(slots, num_experts)
 
 
-def budget_for(slots: int, moe_layers: int, slot_nbytes: int, non_expert_nbytes: int) -> int:
+def budget_for(
+    slots: int, moe_layers: int, slot_nbytes: int, non_expert_nbytes: int, working_nbytes: int = 0
+) -> int:
     """The smallest memory budget that `resolve_capacity` turns into `slots` experts per layer."""
-    need = (non_expert_nbytes + slot_nbytes * moe_layers * slots) / (1 - BUDGET_RESERVE)
-    budget = math.ceil(need)
-    while budget * (1 - BUDGET_RESERVE) - non_expert_nbytes < slot_nbytes * moe_layers * slots:
+    fixed = non_expert_nbytes + working_nbytes
+    budget = math.ceil((fixed + slot_nbytes * moe_layers * slots) / (1 - BUDGET_RESERVE))
+    while budget * (1 - BUDGET_RESERVE) - fixed < slot_nbytes * moe_layers * slots:
         budget += 1  # float rounding: the budget must buy the slots back exactly
     return budget

@@ -19,7 +19,7 @@ from mlx_lm.generate import GenerationResponse
 
 from . import backend, governor
 from .cache import EVICTION_POLICIES, LayerCache
-from .capacity import resolve_capacity
+from .capacity import resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 from .policies import make_policy
@@ -330,7 +330,10 @@ def load(
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    slots = resolve_capacity(capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert)
+    working = working_nbytes(mlx_model, len(blocks), num_experts)
+    slots = resolve_capacity(
+        capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
+    )
     caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
     if read_threads is None:
         read_threads = read_threads_for(max(c.layout.expert_nbytes for c in caches))

@@ -4,9 +4,9 @@
 the safetensors headers (`store.py`) and builds mlx-lm's model lazily (no array is evaluated, so no
 weight is read), then reports what `od_moe.load` would find: the family, the MoE layers, experts per
 layer and routed per token, the checkpoint layout, bytes per expert on disk and in memory, the
-non-expert bytes, the capacity a memory budget buys and the budget a capacity needs (the same
-arithmetic as `load`: `surgery.weight_nbytes` and `capacity.py`), whether a trained predictor is there
-and fits, and whether exact mode is supported (or the one-line reason it is not).
+non-expert bytes, the working memory generation needs, the capacity a memory budget buys and the budget
+a capacity needs (the same arithmetic as `load`: `surgery.weight_nbytes` and `capacity.py`), whether a
+trained predictor is there and fits, and whether exact mode is supported (or the one-line reason it is not).
 `format_inspection` renders the report for the terminal. Not here: loading, generation or the server.
 """
 
@@ -18,7 +18,15 @@ from pathlib import Path
 import mlx_lm.utils
 
 from . import backend
-from .capacity import AUTO_BUDGET_FRACTION, budget_for, parse_capacity, parse_size, resolve_capacity
+from .capacity import (
+    AUTO_BUDGET_FRACTION,
+    RESERVED_CONTEXT,
+    budget_for,
+    parse_capacity,
+    parse_size,
+    resolve_capacity,
+    working_nbytes,
+)
 from .errors import UserError
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore
@@ -95,18 +103,19 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
         return {**report, "exact": False, "reason": str(e)}
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
+    working = working_nbytes(mlx_model, moe_layers, num_experts)
     if memory_budget is None or memory_budget == "auto":
         given = int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION)
     else:
         given = parse_size(memory_budget)
     try:
-        slots = resolve_capacity(None, given, num_experts, moe_layers, slot_nbytes, non_expert)
+        slots = resolve_capacity(None, given, num_experts, moe_layers, slot_nbytes, non_expert, working)
         bought = {"capacity": slots, "fraction": slots / num_experts}
     except UserError as e:  # too small: say so in the report
         bought = {"capacity": 0, "fraction": 0.0, "error": str(e)}
 
     def budget(count: int) -> int:
-        return budget_for(count, moe_layers, slot_nbytes, non_expert)
+        return budget_for(count, moe_layers, slot_nbytes, non_expert, working)
 
     report.update(
         exact=True,
@@ -120,6 +129,7 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
         expert_bytes=slot_nbytes,
         all_experts_bytes=slot_nbytes * num_experts * moe_layers,
         non_expert_bytes=non_expert,
+        working_bytes=working,
         dtype=str(target or "model").removeprefix("mlx.core."),
         memory_budget={"bytes": given, "auto": memory_budget in (None, "auto"), **bought},
         budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
@@ -175,7 +185,9 @@ def format_inspection(report: dict) -> str:
         f"{report['routed_per_token']} routed per token ({report['layout']} layout)",
         f"bytes      {_size(report['expert_bytes'])} per expert in memory "
         f"({_size(report['expert_bytes_on_disk'])} on disk), {_size(report['all_experts_bytes'])} all "
-        f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']})",
+        f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']}), "
+        f"{_size(report['working_bytes'])} working (KV cache and prefill of {RESERVED_CONTEXT} tokens, "
+        "routers)",
         f"budget     {_size(budget['bytes'])}{' (70% of available memory)' if budget['auto'] else ''} "
         + (
             f"holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import od_moe
-from od_moe.capacity import parse_capacity, parse_size, resolve_capacity
+from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
 from od_moe.store import ExpertStore, Staging
 
@@ -167,7 +167,8 @@ def test_capacity_parsing_and_errors():
 def test_memory_budget_bounds_the_cache_and_peak_memory():
     probe = od_moe.load(capacity=1)
     slot = probe.caches[0].slot_nbytes
-    budget = int((probe.non_expert_nbytes + 16 * slot * len(probe.caches)) / 0.9) + 1
+    working = working_nbytes(probe.model, len(probe.caches), probe.num_experts)
+    budget = budget_for(16, len(probe.caches), slot, probe.non_expert_nbytes, working)
     gc.collect()
     base = mx.get_active_memory()  # other engines of this test process
     engine = od_moe.load(memory_budget=budget)

@@ -18,6 +18,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 from .. import backend, load
+from ..capacity import budget_for, working_nbytes
 from ..engine import DEFAULT_MODEL
 from ..report import mib, table
 from .widen import widen_model
@@ -163,13 +164,14 @@ def _run_widened(path, factor, capacities, max_tokens, say):
     probe = load(str(path), capacity=1)
     slot, layers, non_expert = probe.caches[0].slot_nbytes, len(probe.caches), probe.non_expert_nbytes
     expert_disk = probe.caches[0].layout.expert_nbytes
+    working = working_nbytes(probe.model, layers, probe.num_experts)
     del probe
     rows = [_stock_row("widened", stock, compute_ms_per_token=1e3 / stock["tok_s"])]
     for fraction in capacities:
         if fraction >= 1:
             continue
         slots = max(1, round(fraction * 64))
-        budget = int((non_expert + slots * slot * layers) / 0.9) + 1
+        budget = budget_for(slots, layers, slot, non_expert, working)
         result = run_od_moe(path, PROMPTS, max_tokens, cold=True, memory_budget=budget)
         rows.append(_row("widened", fraction, result, stock, budget=budget))
     say(

@@ -1,0 +1,41 @@
+"""`--memory-budget` holds (issue 16, item 13): peak MLX memory while generating stays within 10% of the
+budget, which counts the working memory (KV cache, prefill activations, router copies) besides weights
+and slots; a budget below the non-expert weights is refused before anything is loaded."""
+
+import mlx.core as mx
+import pytest
+
+import od_moe
+from conftest import PROMPTS
+from od_moe import backend
+from od_moe.capacity import budget_for, working_nbytes
+from od_moe.cli import main
+
+LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(9))  # ~170 tokens, one prefill chunk
+
+
+@pytest.mark.parametrize("fraction, prefetch", [(0.125, "next-gate"), (0.5, "none")])
+def test_peak_memory_stays_within_the_budget(fraction, prefetch):
+    probe = od_moe.load(capacity=1)
+    layers, experts = len(probe.caches), probe.num_experts
+    working = working_nbytes(probe.model, layers, experts)
+    slots = round(fraction * experts)
+    budget = budget_for(slots, layers, probe.caches[0].slot_nbytes, probe.non_expert_nbytes, working)
+    del probe
+    engine = od_moe.load(memory_budget=budget, prefetch=prefetch)
+    assert engine.capacity == slots
+    mx.synchronize()
+    held = backend.active_memory_bytes()  # this engine's weights and slots, and other tests' arrays
+    backend.reset_peak_memory()
+    for prompt in (PROMPTS[0], LONG):
+        engine.generate(prompt, max_tokens=32)
+    resident = sum(c.slot_nbytes * c.capacity for c in engine.caches) + engine.non_expert_nbytes
+    peak = backend.peak_memory_bytes() - held + resident
+    assert peak <= 1.1 * budget, peak / budget
+
+
+def test_a_budget_below_the_non_expert_weights_is_refused_up_front(capsys):
+    assert main(["generate", "--prompt", "x", "--memory-budget", "1MB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("od-moe: error: memory budget 1000000 bytes is too small") and "\n" not in err
+    assert "working memory" in err

@@ -15,6 +15,7 @@ Policies:
 - `predictor`: the shadow predictor, several layers ahead; at the last MoE layer `NextTokenLens` names
   the first layer's experts of the next token.
 - `oracle`: the true routing recorded from a run of the same prompt (`record_routing`); an upper bound.
+  It also tells the runtime when each expert is needed next (`next_uses`), so it evicts as Belady's MIN.
 Not here: reading, installing (`runtime.py`, `reader.py`) or how much to read (`governor.py`).
 """
 
@@ -87,9 +88,9 @@ class OnDemand:
         pass
 
     def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
-        """Passes after pass `forward` until each expert of `layer` is needed again (inf: not needed as
-        far as the policy knows), or None where it knows nothing of the future: the cache's eviction
-        rule then chooses alone."""
+        """Passes after pass `forward` (the last whose routing at `layer` is known; -1 before the first)
+        until each expert of `layer` is needed again (inf: not needed as far as the policy knows), or
+        None where it knows nothing of the future: the cache's eviction rule then chooses alone."""
         return None
 
 
@@ -264,18 +265,17 @@ class OraclePolicy(OnDemand):
 
     def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
         """From the trace: the oracle evicts as Belady's MIN does."""
-        if forward >= len(self.trace):
+        if not -1 <= forward < len(self.trace):
             return None
-        if layer not in self._next:
-            upcoming = np.full(self.num_experts, np.inf)
-            table = np.empty((len(self.trace), self.num_experts))
+        if layer not in self._next:  # row r: the first pass >= r that uses each expert
+            table = np.full((len(self.trace) + 1, self.num_experts), np.inf)
             for f in range(len(self.trace) - 1, -1, -1):
-                table[f] = upcoming
+                table[f] = table[f + 1]
                 ids = self.trace[f].get(layer)
                 if ids is not None:
-                    upcoming[np.unique(ids)] = f
+                    table[f, np.unique(ids)] = f
             self._next[layer] = table
-        return self._next[layer][forward] - forward
+        return self._next[layer][forward + 1] - forward
 
     def before_layer(self, step: Step) -> list[Prediction]:
         out = []

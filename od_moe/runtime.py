@@ -14,11 +14,13 @@ the slots it gets back. One decoded token, top to bottom:
    holds experts in id order) unless a hook or a recording needs the routing; such layers and skip
    mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
    missing experts out and loads them then.
-Every count is booked in the ledger (`stats.py`) here, once. A demand read that fails raises
-`ExpertReadError` out of `route` (the request fails; nothing of the read is installed, so the caches stay
-consistent); a failed prefetch is only dropped. Everything here runs on the generation thread. Not
-here: the forward math (`switch.py`), reading ahead (`reader.py`), choosing how much to read ahead
-(`governor.py`) or what (`policies.py`).
+Where the policy knows when each expert is needed next (`next_uses`: the oracle), reads and installs evict
+the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if it is needed no
+later than the one it would evict. Every count is booked in the ledger (`stats.py`) here, once. A demand
+read that fails raises `ExpertReadError` out of `route` (the request fails; nothing of the read is
+installed, so the caches stay consistent); a failed prefetch is only dropped. Everything here runs on the
+generation thread. Not here: the forward math (`switch.py`), reading ahead (`reader.py`), choosing how
+much to read ahead (`governor.py`) or what (`policies.py`).
 """
 
 import time
@@ -77,6 +79,7 @@ class OffloadRuntime:
         self._deferred = []
         self._prompt_passes = 0  # passes since the prompt started
         self._pass_index = 0
+        self._running_layer: int | None = None  # the layer of the running pass that `route` is at
         self._pass_started: float | None = None
 
     # -- configuration ---------------------------------------------------------------------------
@@ -141,6 +144,7 @@ class OffloadRuntime:
         if layer == 0:
             self._between_passes()
             self._pass_index = self._prompt_passes
+        self._running_layer = layer
         if cache.is_full() and self._nobody_watches():  # nothing can miss: count, and compute at once
             if layer == 0:
                 self._start_pass(indices.size // indices.shape[-1], phase)
@@ -322,7 +326,14 @@ class OffloadRuntime:
                 read_s=t1 - t0,
             )
             try:
-                installed = cache.install(experts, raw, protect=keep, clock=self.clock, arrays=_arrays(reads))
+                installed = cache.install(
+                    experts,
+                    raw,
+                    protect=keep,
+                    clock=self.clock,
+                    arrays=_arrays(reads),
+                    next_use=self._future(cache.layer),
+                )
             finally:
                 self.reader.recycle(reads)
             self._book_install(
@@ -363,6 +374,12 @@ class OffloadRuntime:
             raise self.store.read_error(layout, ids, error) from error
         raise error
 
+    def _future(self, layer: int) -> np.ndarray | None:
+        """Passes until each expert of `layer` is needed again, where the policy knows (the oracle);
+        a layer the running pass has not reached yet still has this pass's use ahead of it."""
+        reached = self._running_layer is not None and layer <= self._running_layer
+        return self.policy.next_uses(self._pass_index if reached else self._pass_index - 1, layer)
+
     def _book_install(
         self,
         layer: int,
@@ -390,7 +407,11 @@ class OffloadRuntime:
             self.phase, layer, prefetch_taken=len(reads), prefetch_bytes=sum(r.nbytes for r in reads)
         )
         fresh = [r for r in reads if r.error is None and cache.slot_of[r.expert] < 0]
-        fresh = fresh[: cache.room(protect=protect)]
+        future = self._future(layer)
+        if future is None:
+            fresh = fresh[: cache.room(protect=protect)]
+        else:
+            fresh = _paying(cache, fresh, protect, future, self.clock)
         installed, t0 = None, time.perf_counter()
         if fresh:  # demand got there first, or no slot may be evicted for the others: they bought nothing
             installed = cache.install(
@@ -400,6 +421,7 @@ class OffloadRuntime:
                 protect=protect,
                 clock=self.clock - 0.5,
                 arrays=_arrays(fresh),
+                next_use=future,
             )
         self._book_install(
             layer,
@@ -457,6 +479,20 @@ class OffloadRuntime:
         while self.reader.drain():
             self._install_ready({})
         self._install_ready({})
+
+
+def _paying(cache: LayerCache, fresh: list[Read], protect, future: np.ndarray, clock: float) -> list[Read]:
+    """The prefetched reads worth installing when the future is known: each needed no later than the
+    expert it would evict (a free slot evicts nothing); the others would cost a read, not save one."""
+    free = int((cache.expert_in_slot < 0).sum())
+    victims = cache.evictable(clock, protect, future)  # needed farthest ahead first
+    room = np.concatenate([np.full(free, np.inf), future[cache.expert_in_slot[victims]]])
+    worth = []
+    for r, limit in zip(sorted(fresh, key=lambda r: future[r.expert]), room):
+        if future[r.expert] > limit:
+            break
+        worth.append(r)
+    return worth
 
 
 def _rows(reads: list[Read]) -> dict:

@@ -54,8 +54,9 @@ def test_exact_tokens_under_every_policy(policy, predictor_dir, bundled_referenc
             _consistent(cache)
         if policy in ("next-gate", "predictor", "oracle"):
             assert stats["prefetch"]["issued"] > 0 and stats["prefetch"]["useful"] > 0
-    if policy == "oracle":  # the true future routing, prefetched, is the upper bound: nearly all hits
-        assert stats["total"]["decode"]["hit_rate"] > 0.9 and stats["prefetch"]["precision"] == 1.0
+    if policy == "oracle":  # the true future routing, prefetched, is the upper bound: nearly all hits;
+        # a read may still go unused when an expert needed sooner evicts it first (as MIN would)
+        assert stats["total"]["decode"]["hit_rate"] > 0.9 and stats["prefetch"]["precision"] > 0.99
 
 
 def test_prefetch_raises_the_hit_rate_over_on_demand(predictor_dir):

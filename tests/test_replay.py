@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import od_moe
+from od_moe import PrefetchSettings
 from od_moe.replay import replay_layer, replay_recording
 
 
@@ -53,3 +54,23 @@ def test_min_bounds_the_engine_on_its_own_recording():
     assert best.passes == stats["tokens"]["decode"] == lru.passes
     assert best.lookups == stats["total"]["decode"]["lookups"]
     assert 0 < best.reads <= read and best.reads < lru.reads
+
+
+def test_the_oracle_evicts_as_min_does_and_reads_what_min_reads():
+    """Knowing the future, the engine's eviction and prefetch installs read about what Belady's MIN reads
+    (prefetch reads counted), with exact tokens."""
+    prompt = "def fibonacci(n):"
+    trace = od_moe.load(capacity="25%", prefetch="none").record_routing(prompt, 24)
+    engine = od_moe.load(capacity="25%", prefetch="none")
+    engine.configure_prefetch(
+        "oracle", oracle_trace=trace, settings=PrefetchSettings(timed_checks=False, synchronous=True)
+    )
+    engine.runtime.start_recording()
+    tokens = [r.token for r in engine.stream_generate(prompt, max_tokens=24)]
+    best = replay_recording(engine.runtime.stop_recording(), engine.caches[0].capacity, "min")
+    stats = engine.stats()
+    read = stats["io"]["decode"]["bytes_read"] / engine.caches[0].layout.expert_nbytes
+    lru = replay_recording(trace, engine.caches[0].capacity, "lru")
+    assert tokens == [r.token for r in od_moe.load(capacity=1.0).stream_generate(prompt, max_tokens=24)]
+    assert best.reads <= read <= 1.1 * best.reads < lru.reads
+    assert stats["total"]["decode"]["hit_rate"] >= 0.99

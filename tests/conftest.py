@@ -62,3 +62,21 @@ def invariants(stats):
         assert p["precision"] == pytest.approx(p["useful"] / (p["useful"] + p["wasted"]))
     t = stats["total"]
     assert t["hits"] + t["misses"] == t["lookups"]
+
+
+@pytest.fixture(scope="session")
+def deterministic_grid(tmp_path_factory):
+    """One `od-moe bench --deterministic` grid on the bundled model, drawn with --plot: (rows, plot path,
+    stderr). Shared by the bench and plot tests (a grid takes most of a minute)."""
+    import contextlib
+    import io
+    import json
+
+    from od_moe.cli import main
+
+    plot = tmp_path_factory.mktemp("grid") / "plots" / "bench.svg"
+    out, err = io.StringIO(), io.StringIO()
+    args = ["bench", "--deterministic", "--json", "--widen", "0", "--max-tokens", "6", "--plot", str(plot)]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(args) == 0
+    return json.loads(out.getvalue())["rows"], plot, err.getvalue()

@@ -1,31 +1,27 @@
 """`od-moe bench --deterministic`: the prefetch grid's rows are exact and repeat to the count."""
 
-import json
-
 import pytest
 
-from od_moe.cli import main
+from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.prefetch import DETERMINISTIC, run_policy
+from od_moe.engine import DEFAULT_MODEL
 
 
-def _grid(capsys):
-    assert main(["bench", "--deterministic", "--json", "--widen", "0", "--max-tokens", "6"]) == 0
-    return json.loads(capsys.readouterr().out)["rows"]
-
-
-def test_the_deterministic_grid_is_exact_and_repeats(capsys):
-    first, second = _grid(capsys), _grid(capsys)
+def test_the_deterministic_grid_is_exact_and_repeats(deterministic_grid):
+    first = deterministic_grid[0]
     runs = [r for r in first if "decode_hits" in r]
     assert len(runs) == 15  # 12.5/25/50% x none, profile, next-gate, predictor, oracle
     assert all(r["exact"] for r in runs)
-    keys = (
-        "tokens",
-        "decode_lookups",
-        "decode_hits",
-        "bytes_per_token",
-        "prefetch_issued",
-        "prefetch_precision",
-    )
-    assert [[r.get(k) for k in keys] for r in first] == [[r.get(k) for k in keys] for r in second]
+    for policy in ("predictor", "oracle"):  # run again, the rows repeat to the count
+        again = run_policy(DEFAULT_MODEL, PROMPTS, 6, policy, capacity=0.25, settings=DETERMINISTIC)
+        row = next(r for r in runs if r["policy"] == policy and r["capacity"] == 0.25)
+        stats = again["stats"]
+        assert again["tokens"] == row["tokens"]
+        assert sum(s["total"]["decode"]["hits"] for s in stats) == row["decode_hits"]
+        assert sum(s["io"]["decode"]["bytes_read"] for s in stats) == pytest.approx(
+            row["bytes_per_token"] * sum(s["tokens"]["decode"] for s in stats)
+        )
+        assert sum(s["prefetch"]["issued"] for s in stats) == row["prefetch_issued"]
     stock = next(r for r in first if r["policy"] == "stock mlx-lm")
     for r in runs:  # the roofline is never below the resident step, and names the bound that sets it
         assert r["roofline_ms_per_token"] >= 1e3 / stock["tok_s"] and r["roofline_bound"] in (

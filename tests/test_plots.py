@@ -8,11 +8,9 @@ from od_moe.bench.plots import series
 from od_moe.cli import main
 
 
-def test_the_bench_draws_its_rows_and_writes_them_beside_the_plot(tmp_path, capsys):
-    out = tmp_path / "plots" / "bench.svg"
-    args = ["bench", "--deterministic", "--widen", "0", "--max-tokens", "2", "--plot", str(out)]
-    assert main(args) == 0
-    assert f"plot written to {out}" in capsys.readouterr().err
+def test_the_bench_draws_its_rows_and_writes_them_beside_the_plot(deterministic_grid):
+    _, out, err = deterministic_grid
+    assert f"plot written to {out}" in err
     svg = out.read_text()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]

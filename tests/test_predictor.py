@@ -38,8 +38,11 @@ def engine():
 
 @pytest.fixture(scope="module")
 def traces(engine, tmp_path_factory):
+    """Training traces from a fully resident engine (fast); held-out ones from the offloaded engine, which
+    `test_recorded_ids_equal_the_models_own_router` checks against stock mlx-lm."""
     root = tmp_path_factory.mktemp("traces")
-    record_traces(engine, _docs(TRAIN_FILES), root / "train", max_tokens=6144, shard_tokens=2048)
+    resident = od_moe.load(capacity=1.0)
+    record_traces(resident, _docs(TRAIN_FILES), root / "train", max_tokens=6144, shard_tokens=2048)
     record_traces(engine, _docs(HELDOUT_FILES), root / "heldout", max_tokens=1536)
     return TraceSet(root / "train"), TraceSet(root / "heldout")
 

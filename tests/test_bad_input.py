@@ -293,6 +293,8 @@ def _serve(*args):
         [sys.executable, "-m", "od_moe", "serve", "--port", "0", "--capacity", "25%", *args],
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a script's background job (CI's, perhaps) inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     line = proc.stderr.readline()
     match = re.search(r"http://127\.0\.0\.1:(\d+)", line)

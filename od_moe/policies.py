@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import UserError
+from .replay import first_uses
 from .routing import next_gate
 
 POLICIES = ("none", "profile", "next-gate", "predictor", "oracle")
@@ -261,20 +262,16 @@ class OraclePolicy(OnDemand):
     ):
         self.trace, self.num_layers, self.lookahead = trace, num_layers, lookahead
         self.num_experts = num_experts
-        self._next: dict[int, np.ndarray] = {}  # layer -> (passes, E) next pass using each expert
+        self._next: dict[int, np.ndarray] = {}  # layer -> `first_uses` table of the trace
 
     def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
         """From the trace: the oracle evicts as Belady's MIN does."""
         if not -1 <= forward < len(self.trace):
             return None
-        if layer not in self._next:  # row r: the first pass >= r that uses each expert
-            table = np.full((len(self.trace) + 1, self.num_experts), np.inf)
-            for f in range(len(self.trace) - 1, -1, -1):
-                table[f] = table[f + 1]
-                ids = self.trace[f].get(layer)
-                if ids is not None:
-                    table[f, np.unique(ids)] = f
-            self._next[layer] = table
+        if layer not in self._next:
+            none = np.empty(0, np.int64)
+            needed = [np.unique(p[layer]) if layer in p else none for p in self.trace]
+            self._next[layer] = first_uses(needed, self.num_experts)
         return self._next[layer][forward + 1] - forward
 
     def before_layer(self, step: Step) -> list[Prediction]:

@@ -59,7 +59,7 @@ def replay_layer(
         [int(r.max()) for r in routed if r.size] + [-1 if resident is None else max(resident, default=-1)]
     )
     uses = [np.unique(r, return_counts=True) for r in routed]
-    next_use = _next_uses([u[0] for u in uses], num_experts) if rule == "min" else None
+    next_use = first_uses([u[0] for u in uses], num_experts) if rule == "min" else None
     held = np.zeros(num_experts, bool)
     if resident is not None:
         held[np.asarray(resident, dtype=np.int64)] = True
@@ -92,15 +92,14 @@ def replay_layer(
     return tally
 
 
-def _next_uses(needed: list[np.ndarray], num_experts: int) -> np.ndarray:
-    """(passes, E): the next pass after t that uses each expert (a large number for never)."""
-    never = np.iinfo(np.int64).max // 2
-    out = np.empty((len(needed), num_experts), dtype=np.int64)
-    upcoming = np.full(num_experts, never, dtype=np.int64)
+def first_uses(needed: list[np.ndarray], num_experts: int) -> np.ndarray:
+    """(passes + 1, E): row r holds the first pass >= r that uses each expert (inf: none), so the next
+    use after pass t is row t + 1. `needed[t]`: the experts pass t uses. Also the oracle's future."""
+    table = np.full((len(needed) + 1, num_experts), np.inf)
     for t in range(len(needed) - 1, -1, -1):
-        out[t] = upcoming
-        upcoming[needed[t]] = t
-    return out
+        table[t] = table[t + 1]
+        table[t, needed[t]] = t
+    return table
 
 
 def _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon) -> np.ndarray:
@@ -111,12 +110,28 @@ def _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon
         age = t - np.where(last_use[candidates] < 0, t, last_use[candidates])
         score = frequency[candidates] * 0.5 ** (age / LFU_HALF_LIFE)
         return candidates[np.lexsort((last_use[candidates], score))]
-    distance = (next_use[t, candidates] - t).astype(np.float64)
+    distance = next_use[t + 1, candidates] - t
     # not needed as far as MIN sees (never again, or beyond its horizon): first, oldest use first; then
     # farthest next use first
-    unseen = distance >= (np.iinfo(np.int64).max // 4 if horizon is None else horizon + 0.5)
+    unseen = np.isinf(distance) if horizon is None else distance > horizon
     key = np.where(unseen, last_use[candidates], -distance)
     return candidates[np.lexsort((key, ~unseen))]
+
+
+def replay_layers(
+    layers: list[list[np.ndarray]],
+    capacity: int,
+    rule: str,
+    horizon: int | None = None,
+    counted: list[bool] | None = None,
+) -> Tally:
+    """`replay_layer` on each layer's steps (same passes, each layer's cache apart), summed; `passes`
+    counts each pass once, so `reads_per_pass` is experts read per token over all layers."""
+    total = Tally()
+    for steps in layers:
+        total = total + replay_layer(steps, capacity, rule, horizon, counted)
+    total.passes //= max(len(layers), 1)
+    return total
 
 
 def replay_recording(
@@ -126,10 +141,5 @@ def replay_recording(
     empty caches, counting decode passes (one token) only, summed over layers."""
     layers = sorted({layer for p in recording for layer in p})
     decode = [next(iter(p.values())).shape[0] == 1 if p else False for p in recording]
-    total = Tally()
-    for layer in layers:
-        steps = [p.get(layer, np.empty((0,), np.int64)) for p in recording]
-        tally = replay_layer(steps, capacity, rule, horizon, counted=decode)
-        total = total + tally
-    total.passes //= max(len(layers), 1)
-    return total
+    steps = [[p.get(layer, np.empty((0,), np.int64)) for p in recording] for layer in layers]
+    return replay_layers(steps, capacity, rule, horizon, counted=decode)

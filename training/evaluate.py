@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..replay import Tally, replay_layer
+from ..replay import replay_layers
 from ..routing import next_gate
 
 PROFILE_FRACTIONS = (0.125, 0.25, 0.5)
@@ -173,13 +173,10 @@ def eviction_replay(traces: dict, num_experts: int) -> dict:
         capacity = max(1, int(num_experts * fraction))
         rules = {}
         for rule, horizon in EVICTION_RULES:
-            total = Tally()
-            for layer in range(L):
-                total = total + replay_layer(list(ids[:, layer]), capacity, rule, horizon, counted)
+            total = replay_layers(
+                [list(ids[:, layer]) for layer in range(L)], capacity, rule, horizon, counted
+            )
             name = rule if horizon is None else f"{rule}@{horizon}"
-            rules[name] = {
-                "reads_per_token": total.reads / max(total.passes // L, 1),
-                "hit_rate": total.hit_rate,
-            }
+            rules[name] = {"reads_per_token": total.reads_per_pass, "hit_rate": total.hit_rate}
         out[str(fraction)] = rules
     return out

@@ -67,6 +67,15 @@ def raw_request(base, head: bytes, body: bytes = b"") -> socket.socket:
     return sock
 
 
+def post_completion(base, body: bytes) -> socket.socket:
+    """A JSON POST to /v1/completions on a raw socket (the test may hang up at any time)."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    return raw_request(base, head, body)
+
+
 def wait_for(predicate, timeout_s):
     deadline = time.monotonic() + timeout_s
     while not predicate() and time.monotonic() < deadline:
@@ -174,12 +183,7 @@ def test_hang_up_during_a_long_prefill_stops_it(server):
     before = dict(app.worker.counters)
     prefilled = engine.stats(settle=False)["tokens"]["prefill"]
     body = json.dumps({"prompt": tokens, "max_tokens": 8, "stream": True}).encode()
-    sock = raw_request(
-        base,
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body),
-        body,
-    )
+    sock = post_completion(base, body)
     assert wait_for(lambda: app.worker.active == 1, 30)
     sock.close()
     assert wait_for(lambda: app.worker.counters["cancelled"] == before["cancelled"] + 1, 5)
@@ -193,12 +197,7 @@ def test_hang_up_of_a_non_streaming_request_frees_the_worker(server):
     base, _, app = server
     before = app.worker.counters["cancelled"]
     body = json.dumps({"prompt": "def main():", "max_tokens": 2000, "temperature": 0}).encode()
-    sock = raw_request(
-        base,
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body),
-        body,
-    )
+    sock = post_completion(base, body)
     assert wait_for(lambda: app.worker.active == 1, 30)
     time.sleep(0.2)
     sock.close()

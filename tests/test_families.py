@@ -14,7 +14,7 @@ from conftest import od_moe_tokens, reference_tokens
 from od_moe.errors import UserError
 from od_moe.governor import PrefetchSettings
 from od_moe.store import ExpertStore
-from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
+from tiny_models import DBRX, FAMILIES, write_hf_per_expert, write_mlx_model
 
 PROMPTS = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]  # token ids: the tiny models' vocabulary is 1024
 NEW_TOKENS = 12
@@ -88,16 +88,7 @@ def test_family_matches_mlx_lm(family, fraction):
 
 def test_dbrx_is_refused_in_one_line(tmp_path):
     """DBRX's experts are separate MLPs that mlx-lm runs one by one: no stack to offload."""
-    config = {
-        "model_type": "dbrx",
-        "vocab_size": 1024,
-        "d_model": 64,
-        "n_layers": 1,
-        "n_heads": 2,
-        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
-        "attn_config": {"kv_n_heads": 1, "clip_qkv": 8, "rope_theta": 10000.0},
-    }
-    path = write_mlx_model(tmp_path / "dbrx", config, quantize=False)
+    path = write_mlx_model(tmp_path / "dbrx", DBRX, quantize=False)
     with pytest.raises(UserError) as refused:
         od_moe.load(str(path), capacity=0.5)
     message = str(refused.value)

@@ -10,7 +10,7 @@ from od_moe import backend
 from od_moe.cli import main
 from od_moe.preflight import inspect_model
 from od_moe.server import create_app
-from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
+from tiny_models import DBRX, FAMILIES, write_hf_per_expert, write_mlx_model
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +74,7 @@ def test_predictor_presence_and_fit(models, tmp_path):
 
 
 def test_refused_family_is_reported(tmp_path):
-    config = {
-        "model_type": "dbrx",
-        "vocab_size": 1024,
-        "d_model": 64,
-        "n_layers": 1,
-        "n_heads": 2,
-        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
-        "attn_config": {"kv_n_heads": 1, "clip_qkv": 8, "rope_theta": 10000.0},
-    }
-    report = inspect_model(str(write_mlx_model(tmp_path / "dbrx", config, quantize=False)))
+    report = inspect_model(str(write_mlx_model(tmp_path / "dbrx", DBRX, quantize=False)))
     assert report["family"] == "dbrx" and not report["exact"] and "one by one" in report["reason"]
 
 

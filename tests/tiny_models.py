@@ -146,6 +146,16 @@ FAMILIES["llama4"] = {"model_type": "llama4", "text_config": FAMILIES["llama4"][
 MIXTRAL = FAMILIES["mixtral"]
 QWEN2_MOE = FAMILIES["qwen2_moe"]
 LLAMA = {**_TINY, "model_type": "llama", "num_hidden_layers": 2, "rms_norm_eps": 1e-5}
+# DBRX: experts as separate MLPs that mlx-lm runs one by one (od-moe refuses it); written unquantized
+DBRX = {
+    "model_type": "dbrx",
+    "vocab_size": 1024,
+    "d_model": 64,
+    "n_layers": 1,
+    "n_heads": 2,
+    "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+    "attn_config": {"kv_n_heads": 1, "clip_qkv": 8, "rope_theta": 10000.0},
+}
 
 
 def _build(config, seed):

@@ -177,6 +177,13 @@ class LayerCache:
         self.last_use[slots] = clock
         return first_uses
 
+    def use_history(self, never: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per expert, as of the layer's latest use: passes since its last use (`never` if it has no use
+        on record) and its decayed use count (what the predictor's next-use head reads)."""
+        now = float(self.used_at.max())
+        age = np.where(self.uses > 0, now - self.used_at, never)
+        return age, self._decayed(np.arange(self.num_experts), now)
+
     # -- eviction ------------------------------------------------------------------------------
     def _eviction_order(self, clock: float) -> np.ndarray:
         """Occupied slots, most evictable first."""

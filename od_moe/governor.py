@@ -42,6 +42,10 @@ class PrefetchSettings:
     probe_tokens: int = 8
     pause_tokens: int = 192
     synchronous: bool = False  # every read lands before the next layer runs: deterministic figures
+    # no speculative read of an expert whose score (the probability that it is routed, discounted with
+    # distance) is lower: on the bundled model's bench prompts at 25% resident, 0.4 read 22.3 experts per
+    # token with a decode hit rate of 0.850 where 0 read 27.7 (0.896) and on-demand LRU 22.3 (0.651)
+    min_score: float = 0.4
 
 
 # what the governor reports when prefetch is off (no policy reads ahead)

@@ -3,17 +3,23 @@
 Hooks, called by the runtime on the generation thread:
 - `prompt_start(prompt)`: a new prompt (its token ids) is about to be processed.
 - `before_layer(step)`: an MoE layer is about to run (every layer, every pass). Returns predictions,
-  `Prediction(layer ahead, expert ids, scores)`, as lazy MLX arrays where computed, so the runtime
+  `Prediction(layer ahead, expert ids, scores)` (scores: the probability that the expert is routed,
+  discounted with distance by the predictor), as lazy MLX arrays where computed, so the runtime
   evaluates them with the layer's own routing (one sync); only when `step.predict` is set (exact mode,
   decode, prefetch on) are they wanted.
 - `after_routing(step, ids)`: the layer's routed expert ids (numpy, (tokens, k)) are known.
+- `pending()`: lazy arrays the policy computed at the running layer, evaluated with its routing.
+- `next_uses(forward, layer)`: passes until each expert of the layer is needed again, where the policy
+  knows or estimates it (else None); the runtime evicts the farthest first and reads or installs a
+  prefetch only when it is needed sooner than what it would evict.
 Policies:
 - `none`: on-demand loading with the cache's eviction.
 - `profile`: router discovery; the prompt's own routing, counted during prefill, seeds every layer's
   cache with its most used experts before the first decode pass, and pins the hottest.
 - `next-gate`: the next layer's router on the current MoE input (Mixtral-offloading, HOBBIT).
 - `predictor`: the shadow predictor, several layers ahead; at the last MoE layer `NextTokenLens` names
-  the first layer's experts of the next token.
+  the first layer's experts of the next token. With a next-use head it estimates each expert's next use
+  (`next_uses`): the head's estimate, brought forward for experts predicted for the running pass.
 - `oracle`: the true routing recorded from a run of the same prompt (`record_routing`); an upper bound.
   It also tells the runtime when each expert is needed next (`next_uses`), so it evicts as Belady's MIN.
 Not here: reading, installing (`runtime.py`, `reader.py`) or how much to read (`governor.py`).
@@ -28,6 +34,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import UserError
+from .predictor.next_use import AGE_CAP, features
 from .replay import first_uses
 from .routing import next_gate
 
@@ -88,6 +95,9 @@ class OnDemand:
     def after_routing(self, step: Step, ids: np.ndarray):
         pass
 
+    def pending(self) -> list[mx.array]:
+        return []
+
     def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
         """Passes after pass `forward` (the last whose routing at `layer` is known; -1 before the first)
         until each expert of `layer` is needed again (inf: not needed as far as the policy knows), or
@@ -141,9 +151,9 @@ class ProfilePolicy(OnDemand):
 class NextGatePolicy(OnDemand):
     name = "next-gate"
 
-    def __init__(self, routers, per_layer: int):
+    def __init__(self, routers, per_layer: int, top_k: int):
         self.weights, self.biases = mx.array(routers[0]), mx.array(routers[1])
-        self.per_layer = per_layer
+        self.per_layer, self.top_k = per_layer, top_k
 
     def before_layer(self, step: Step) -> list[Prediction]:
         target = step.layer + 1
@@ -153,7 +163,7 @@ class NextGatePolicy(OnDemand):
             _last_row(step.x), self.weights[target : target + 1], self.biases[target : target + 1]
         )
         ids, probs = _softmax_topk(scores[:, 0], self.per_layer)
-        return [Prediction(target, ids[0], probs[0])]
+        return [Prediction(target, ids[0], mx.minimum(probs[0] * self.top_k, 1.0))]
 
 
 class NextTokenLens:
@@ -208,28 +218,66 @@ class NextTokenLens:
 
 class PredictorPolicy(OnDemand):
     """The shadow predictor; it also keeps each layer's router log-probabilities, which the next token's
-    predictions read (the previous token's routing at the target layers)."""
+    predictions read (the previous token's routing at the target layers). With `caches` and a predictor
+    that has a next-use head, it also estimates when each expert is needed next (`next_uses`)."""
 
     name = "predictor"
 
-    def __init__(self, predictor, per_layer: int, lens: NextTokenLens | None = None):
+    def __init__(self, predictor, per_layer: int, lens: NextTokenLens | None = None, caches=None):
         self.predictor, self.per_layer, self.lens = predictor, per_layer, lens
         self.counts = [experts_at_distance(per_layer, d) for d in range(1, predictor.config.lookahead + 1)]
         self.prev_logprobs: dict[int, mx.array] = {}
+        self.caches = caches
+        self.head = predictor.next_use if caches is not None and predictor.config.next_use else None
+        self._fresh: dict[int, tuple] = {}  # layer -> the head's lazy inputs at the running layer
+        self._known: dict[int, tuple] = {}  # layer -> the same, evaluated, from its latest routing
+        self._members: dict[int, tuple] = {}  # layer -> (ids, P(routed)) predicted for its next run
+
+    def pending(self) -> list[mx.array]:
+        return [a for inputs in self._fresh.values() for a in inputs if a is not None]
 
     def after_routing(self, step: Step, ids: np.ndarray):
         if step.prefetching and isinstance(step.router, mx.array):
             self.prev_logprobs[step.layer] = nn.log_softmax(_last_row(step.router)[0].astype(mx.float32))
         else:
             self.prev_logprobs.pop(step.layer, None)
+        self._members.pop(step.layer, None)  # its predictions were for the run that just happened
+        fresh = self._fresh.pop(step.layer, None)
+        if fresh is not None:
+            self._known[step.layer] = tuple(None if a is None else np.array(a) for a in fresh)
+
+    def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
+        """The next-use head's expected passes until each expert is needed (as of the layer's latest
+        routing); an expert predicted for the layer's next run with probability p is needed at the next
+        pass with p, so its estimate becomes p + (1 - p) times the head's."""
+        if self.head is None or layer not in self._known:
+            return None
+        x_term, logprobs = self._known[layer]
+        cache = self.caches[layer]
+        age, uses = cache.use_history(never=AGE_CAP)
+        logprobs = np.zeros(cache.num_experts, np.float32) if logprobs is None else logprobs
+        distance = self.head.distances(layer, x_term, features(logprobs, age, uses))
+        if layer in self._members:
+            ids, p = (np.asarray(a) for a in self._members[layer])
+            distance[ids] = np.minimum(distance[ids], p + (1 - p) * distance[ids])
+        return distance
 
     def before_layer(self, step: Step) -> list[Prediction]:
         c, source = self.predictor.config, step.layer
+        if self.head is not None and step.x is not None:
+            router = step.router
+            logprobs = None
+            if isinstance(router, mx.array):
+                logprobs = nn.log_softmax(_last_row(router)[0].astype(mx.float32))
+            self._fresh[source] = (self.head.x_term(source, _last_row(step.x))[0], logprobs)
         if not step.predict:
             return []
         if source == c.num_layers - 1 and self.lens is not None:
             guess = self.lens.predict(step.x, self.counts[0])
-            return [Prediction(0, *guess)] if guess is not None else []
+            if guess is None:
+                return []
+            self._members[0] = (guess[0], mx.minimum(guess[1] * c.top_k, 1.0))
+            return [Prediction(0, *self._members[0])]
         targets = c.targets(source) if source < c.num_layers - 1 else []
         if not targets or not isinstance(step.router, mx.array):
             return []
@@ -238,12 +286,14 @@ class PredictorPolicy(OnDemand):
             prev = mx.stack([self.prev_logprobs[j] for j in targets], axis=0)[None]
         scores = self.predictor(source, _last_row(step.x), _last_row(step.router), prev=prev)[0]  # (D_i, E)
         ids, probs = _softmax_topk(scores, max(self.counts))
-        probs = probs * mx.array([DISTANCE_DISCOUNT**n for n in range(len(targets))])[:, None]
+        routed = mx.minimum(probs * c.top_k, 1.0)  # the softmax targets spread 1 over the k routed experts
+        ranked = routed * mx.array([DISTANCE_DISCOUNT**n for n in range(len(targets))])[:, None]
         out = []
         for n, j in enumerate(targets):
             m = self.counts[j - source - 1]
             if m:
-                out.append(Prediction(j, ids[n, :m], probs[n, :m]))
+                out.append(Prediction(j, ids[n, :m], ranked[n, :m]))
+                self._members[j] = (ids[n, :m], routed[n, :m])  # sources come in order: the nearest
         return out
 
 
@@ -295,7 +345,7 @@ def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_lay
     if name == "profile":
         return ProfilePolicy(engine.caches, engine.top_k, engine.runtime.load)
     if name == "next-gate":
-        return NextGatePolicy(engine.routers(), per_layer)
+        return NextGatePolicy(engine.routers(), per_layer, engine.top_k)
     if name == "predictor":
         if engine.predictor is None:
             raise UserError(
@@ -303,7 +353,7 @@ def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_lay
                 "(train one with `od-moe train-predictor`)"
             )
         lens = NextTokenLens.of(engine.model, engine.moe_blocks, engine.router(0))
-        return PredictorPolicy(engine.predictor, per_layer, lens)
+        return PredictorPolicy(engine.predictor, per_layer, lens, engine.caches)
     if name == "oracle":
         if oracle_trace is None:
             raise UserError(

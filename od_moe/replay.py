@@ -5,8 +5,10 @@ Rules: `lru` (od-moe's default), `lfu` (use counts halving every `cache.LFU_HALF
 cache keeps them), and Belady's `min` (evict the resident expert whose next use is farthest away), which
 reads the fewest experts any policy can, prefetching or not, for that routing and capacity. With a
 `horizon` of n passes, MIN knows only the next n passes: experts not used within them go first, oldest
-use first. A pass needing more distinct experts than there are slots reads all it misses and keeps the
-ones needed again soonest (MIN) or the last ones (others); only prefill passes do that.
+use first. `next-use` evicts as MIN would by estimated distances (`distances[t]`: passes until each
+expert is needed again, as estimated right after pass t's routing: the predictor's next-use head). A pass
+needing more distinct experts than there are slots reads all it misses and keeps the ones needed again
+soonest (MIN) or the last ones (others); only prefill passes do that.
 
 Used by the bench (MIN's count beside each row's) and by `od-moe eval-predictor` (the rules on held-out
 text). Not here: the live cache (`cache.py`) or what it counts (`stats.py`).
@@ -18,7 +20,7 @@ import numpy as np
 
 from .cache import LFU_HALF_LIFE
 
-RULES = ("lru", "lfu", "min")
+RULES = ("lru", "lfu", "min", "next-use")
 
 
 @dataclass
@@ -49,17 +51,24 @@ def replay_layer(
     horizon: int | None = None,
     counted: list[bool] | None = None,
     resident: np.ndarray | None = None,
+    distances: np.ndarray | None = None,
 ) -> Tally:
     """One layer: `steps[t]` the expert ids routed at pass t (any shape); `counted[t]`: whether pass t
-    counts (default: all); `resident`: experts in the cache before the first pass (default: none)."""
+    counts (default: all); `resident`: experts in the cache before the first pass (default: none);
+    `distances` (passes, E): the estimates rule `next-use` evicts by."""
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}: one of {', '.join(RULES)}")
+    if (rule == "next-use") != (distances is not None):
+        raise ValueError("rule 'next-use', and only it, needs distances")
     routed = [np.asarray(s, dtype=np.int64).ravel() for s in steps]
     num_experts = 1 + max(
         [int(r.max()) for r in routed if r.size] + [-1 if resident is None else max(resident, default=-1)]
     )
     uses = [np.unique(r, return_counts=True) for r in routed]
     next_use = first_uses([u[0] for u in uses], num_experts) if rule == "min" else None
+    if distances is not None:  # estimated passes ahead, as the oracle's table gives true ones
+        next_use = np.asarray(distances)[:, :num_experts] + np.arange(len(uses))[:, None]
+        next_use = np.concatenate([np.zeros((1, num_experts)), next_use])
     held = np.zeros(num_experts, bool)
     if resident is not None:
         held[np.asarray(resident, dtype=np.int64)] = True
@@ -76,7 +85,7 @@ def replay_layer(
         if ids.size > capacity:  # more than fit: keep those wanted soonest (MIN) or the last ones
             order = _evictable_first(rule, ids, t, last_use, frequency, next_use, horizon)
             held[:] = False
-            held[(order if rule == "min" else ids)[-capacity:]] = True
+            held[(ids if rule in ("lru", "lfu") else order)[-capacity:]] = True
         else:
             over = misses.size - (capacity - int(held.sum()))
             if over > 0:
@@ -124,12 +133,15 @@ def replay_layers(
     rule: str,
     horizon: int | None = None,
     counted: list[bool] | None = None,
+    distances: list[np.ndarray] | None = None,
 ) -> Tally:
-    """`replay_layer` on each layer's steps (same passes, each layer's cache apart), summed; `passes`
-    counts each pass once, so `reads_per_pass` is experts read per token over all layers."""
+    """`replay_layer` on each layer's steps (same passes, each layer's cache apart; `distances`: each
+    layer's, for rule `next-use`), summed; `passes` counts each pass once, so `reads_per_pass` is experts
+    read per token over all layers."""
     total = Tally()
-    for steps in layers:
-        total = total + replay_layer(steps, capacity, rule, horizon, counted)
+    for n, steps in enumerate(layers):
+        d = None if distances is None else distances[n]
+        total = total + replay_layer(steps, capacity, rule, horizon, counted, distances=d)
     total.passes //= max(len(layers), 1)
     return total
 

@@ -283,7 +283,8 @@ class OffloadRuntime:
         """Evaluate a layer's routing with the predictions made at it (one sync); while the governor
         measures what prefetch costs, the predictions' compute is timed apart (a second sync)."""
         lazy = [a for p in predictions for a in (p.experts, p.scores) if isinstance(a, mx.array)]
-        if lazy and self.governor.measuring:
+        lazy += self.policy.pending()
+        if lazy and self.governor is not None and self.governor.measuring:
             mx.eval(indices)
             t0 = time.perf_counter()
             mx.eval(lazy)
@@ -463,14 +464,20 @@ class OffloadRuntime:
         return still
 
     def _submit(self, predictions: list[Prediction]):
-        """Queue the predicted experts that are not resident; the governor says how many per layer."""
+        """Queue the predicted experts that are not resident; the governor says how many per layer, and
+        where the policy estimates next uses, only those needed sooner than the experts they would evict."""
         t0 = time.perf_counter()
         for layer, experts, scores in predictions:
             experts, scores = np.asarray(experts), np.asarray(scores)
             order = np.argsort(-scores, kind="stable")[: self.governor.take(len(experts))]
             chosen = {int(experts[n]): float(scores[n]) for n in order}
-            slot_of = self.caches[layer].slot_of
-            self.reader.submit(layer, chosen, [e for e in chosen if slot_of[e] < 0])
+            cache = self.caches[layer]
+            absent = [e for e in chosen if cache.slot_of[e] < 0 and chosen[e] >= self.settings.min_score]
+            future = self._future(layer) if absent else None
+            if future is not None:  # read only what would go in: needed sooner than what it evicts
+                protect = list(chosen) + self.reader.wanted(layer)
+                absent = _worth(cache, absent, protect, future, self.clock, strict=True)
+            self.reader.submit(layer, chosen, absent)
         if predictions:
             self.ledger.reader["busy_s"] += time.perf_counter() - t0
 
@@ -482,16 +489,22 @@ class OffloadRuntime:
 
 
 def _paying(cache: LayerCache, fresh: list[Read], protect, future: np.ndarray, clock: float) -> list[Read]:
-    """The prefetched reads worth installing when the future is known: each needed no later than the
-    expert it would evict (a free slot evicts nothing); the others would cost a read, not save one."""
+    """The prefetched reads worth installing where next uses are known or estimated (`_worth`)."""
+    worth = set(_worth(cache, [r.expert for r in fresh], protect, future, clock))
+    return sorted((r for r in fresh if r.expert in worth), key=lambda r: future[r.expert])
+
+
+def _worth(cache: LayerCache, experts, protect, future: np.ndarray, clock: float, strict=False) -> list[int]:
+    """Of the absent `experts`, those each needed no later (`strict`: sooner) than the expert it would
+    evict (a free slot evicts nothing), soonest first; the others would cost a read, not save one."""
     free = int((cache.expert_in_slot < 0).sum())
     victims = cache.evictable(clock, protect, future)  # needed farthest ahead first
     room = np.concatenate([np.full(free, np.inf), future[cache.expert_in_slot[victims]]])
     worth = []
-    for r, limit in zip(sorted(fresh, key=lambda r: future[r.expert]), room):
-        if future[r.expert] > limit:
+    for e, limit in zip(sorted(experts, key=lambda e: future[e]), room):
+        if future[e] > limit or strict and future[e] == limit:
             break
-        worth.append(r)
+        worth.append(e)
     return worth
 
 

@@ -1,13 +1,14 @@
 """The shadow network: from what exists at MoE layer i, scores for every expert of layers i+1 ... i+D.
 
 Inputs at source layer i, for each token: the hidden state entering layer i's MoE block (x_i), layer i's
-router logits, the "next-gate" logits, the routers of the target layers applied to x_i (the model's
-own router weights, attached at load, not stored here), and the previous token's router log-probabilities
-at the target layers. Per source layer, a trunk `[x_i, logits_i] -> R`
-(SiLU, then `depth - 1` residual SiLU layers of width R) feeds one head per lookahead (fused into one
-matmul); each head's output is added to its next-gate logits times a learned per-expert scale, so the
-network starts from next-gate speculation and learns the correction. Saved as `predictor.safetensors`
-plus `config.json`, tied to one model's identity.
+router logits, the "next-gate" logits, the routers of the target layers applied to x_i (the model's own
+router weights, attached at load, not stored here), and the previous token's router log-probabilities at
+the target layers. Per source layer, a trunk `[x_i, logits_i] -> R` (SiLU, then `depth - 1` residual SiLU
+layers of width R) feeds one head per lookahead (fused into one matmul); each head's output is added to
+its next-gate logits times a learned per-expert scale, so the network starts from next-gate speculation
+and learns the correction. A predictor may also carry a next-use head (`next_use.py`: how soon each
+expert is needed again, for eviction). Saved as `predictor.safetensors` plus `config.json`, tied to one
+model's identity.
 Not here: training (`od_moe.training.train`) or prefetching.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..routing import next_gate
+from .next_use import NextUseHead
 
 WEIGHTS_FILE, CONFIG_FILE = "predictor.safetensors", "config.json"
 
@@ -35,6 +37,7 @@ class PredictorConfig:
     lookahead: int = 4
     rank: int = 64
     depth: int = 1  # trunk layers: the first from the inputs, the others residual R -> R
+    next_use: bool = False  # has a next-use head (eviction); predictors saved before it have none
     data_sha256: str = ""
     trained_tokens: int = 0
     metrics: dict = field(default_factory=dict)
@@ -73,6 +76,8 @@ class ShadowPredictor(nn.Module):
         self.gate_scales = [mx.ones((len(c.targets(i)), c.num_experts)) for i in sources]
         # a learned weight of the previous token's router log-probabilities at each target layer
         self.prev_scales = [mx.zeros((len(c.targets(i)), c.num_experts)) for i in sources]
+        if c.next_use:
+            self.next_use = NextUseHead(c.num_layers, c.hidden_size, c.num_experts)
         self._routers: mx.array | None = None  # (L, E, H) and (L, E): the model's routers
 
     # -- routers ------------------------------------------------------------------------------------
@@ -158,6 +163,8 @@ class ShadowPredictor(nn.Module):
             d = len(c.targets(i))
             total += in_dim * c.rank + (c.depth - 1) * c.rank * c.rank + c.rank * c.num_experts * d
             total += c.hidden_size * c.num_experts * d  # next-gate logits
+        if c.next_use:
+            total += c.num_layers * c.hidden_size * c.num_experts
         return total
 
     # -- persistence --------------------------------------------------------------------------------

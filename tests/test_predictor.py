@@ -17,8 +17,10 @@ from od_moe import backend
 from od_moe.cli import main
 from od_moe.errors import UserError
 from od_moe.predictor import PredictorConfig, ShadowPredictor, load_predictor
+from od_moe.predictor.next_use import NextUseHead
 from od_moe.training.data import Documents, load_documents, split_documents
-from od_moe.training.evaluate import baselines, evaluate_predictor, next_gate_logits
+from od_moe.training.evaluate import baselines, evaluate_predictor, eviction_replay, next_gate_logits
+from od_moe.training.next_use import fit_next_use, trace_distances
 from od_moe.training.record import TraceSet, record_traces
 from od_moe.training.train import train_predictor
 
@@ -118,6 +120,21 @@ def test_short_training_lowers_the_loss_and_beats_the_static_profile(trained):
     # it starts as next-gate speculation and training moves it beyond that
     assert before["1"]["recall_at_k"] == pytest.approx(base["next_gate"]["1"], abs=1e-6)
     assert after["1"]["recall_at_k"] > before["1"]["recall_at_k"]
+
+
+def test_the_next_use_head_evicts_better_than_lru_and_lfu_on_held_out_routing(engine, traces):
+    train, heldout = traces
+    head = NextUseHead(len(engine.caches), train.manifest["hidden_size"], engine.num_experts)
+    history = fit_next_use(head, train, epochs=3)
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    held = heldout.load()
+    distances = trace_distances(head, held, engine.num_experts)
+    assert distances.shape == held["ids"].shape[:2] + (engine.num_experts,) and distances.min() >= 1
+    for fraction, rules in eviction_replay(held, engine.num_experts, distances).items():
+        reads = {rule: figures["reads_per_token"] for rule, figures in rules.items()}
+        assert reads["min"] <= reads["next-use"]
+        if fraction != "0.125":  # at 8 slots a token's 8 experts fill the cache: every rule reads alike
+            assert reads["next-use"] < min(reads["lru"], reads["lfu"])
 
 
 def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):
@@ -229,7 +246,7 @@ def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
         assert reads["min"] <= reads["min@4"] <= reads["min@1"] and reads["min"] <= min(
             reads["lru"], reads["lfu"]
         )
-        assert 0 <= rules["min"]["hit_rate"] <= 1
+        assert 0 <= rules["min"]["hit_rate"] <= 1 and reads["min"] <= reads["next-use"]
     assert not (out / "traces").exists()  # removed unless kept
     # eval-predictor gives the same report shape for the saved predictor, on other text
     assert (

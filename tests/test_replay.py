@@ -6,7 +6,7 @@ import pytest
 
 import od_moe
 from od_moe import PrefetchSettings
-from od_moe.replay import replay_layer, replay_recording
+from od_moe.replay import first_uses, replay_layer, replay_recording
 
 
 def _steps(seq):
@@ -41,6 +41,20 @@ def test_min_never_reads_more_than_the_others():
         assert best.hit_rate == pytest.approx(
             1 - best.reads / best.lookups
         )  # decode-like: one token per pass
+
+
+def test_next_use_evicts_as_min_when_its_distances_are_true():
+    rng = np.random.default_rng(1)
+    steps = [rng.choice(16, size=2, replace=False) for _ in range(200)]
+    table = first_uses(steps, 16)
+    true = table[1:] - np.arange(len(steps))[:, None]  # passes after each pass until each expert's use
+    for capacity in (4, 8):
+        best = replay_layer(steps, capacity, "min")
+        assert replay_layer(steps, capacity, "next-use", distances=true).reads == best.reads
+        noisy = true + rng.exponential(4.0, true.shape)
+        assert best.reads <= replay_layer(steps, capacity, "next-use", distances=noisy).reads
+    with pytest.raises(ValueError, match="distances"):
+        replay_layer(steps, 4, "next-use")
 
 
 def test_min_bounds_the_engine_on_its_own_recording():

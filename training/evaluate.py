@@ -3,11 +3,11 @@
 Definitions (../shared/DESIGN.md): recall@k at lookahead d averages, over tokens and source layers i with
 i+d < L, |predicted top-k for layer i+d ∩ true top-k of layer i+d| / k, the prediction using only what
 exists at layer i; recall@2k counts the true experts among the top 2k predicted, still divided by k.
-Baselines: next-gate speculation (layer i+d's router on layer i's MoE input), the previous token's experts
-at the same layer, and a static frequency profile (the C most used experts per layer on the first half of
-the tokens, hit rate on the second half). `eviction_replay`: what each eviction rule (LRU, LFU, Belady's MIN,
-MIN knowing the next 1, 2 or 4 tokens) would read on the same routing (`od_moe/replay.py`). Not here:
-training, or the report's printing (`report.py`).
+Baselines: next-gate speculation (layer i+d's router on layer i's MoE input), the previous token's
+experts at the same layer, and a static frequency profile (the C most used experts per layer on the first
+half of the tokens, hit rate on the second half). `eviction_replay`: what each eviction rule (LRU, LFU,
+od-moe's learned next-use estimate, Belady's MIN, MIN knowing the next 1, 2 or 4 tokens) would read on
+the same routing (`od_moe/replay.py`). Not here: training, or the report's printing (`report.py`).
 """
 
 import time
@@ -162,21 +162,29 @@ EVICTION_RULES = (("lru", None), ("lfu", None), ("min", 1), ("min", 2), ("min", 
 WARM_UP_TOKENS = 256
 
 
-def eviction_replay(traces: dict, num_experts: int) -> dict:
+def eviction_replay(traces: dict, num_experts: int, distances: np.ndarray | None = None) -> dict:
     """Experts read per token (all layers) and demand hit rate of each eviction rule on the held-out
-    routing, token by token from empty caches, after `WARM_UP_TOKENS`: {fraction: {rule: figures}}."""
+    routing, token by token from empty caches, after `WARM_UP_TOKENS`: {fraction: {rule: figures}}.
+    `distances` (N, L, E), the predictor's next-use estimates (`next_use.trace_distances`), add od-moe's
+    rule, `next-use`."""
     ids = traces["ids"]
     N, L, _ = ids.shape
     counted = [t >= min(WARM_UP_TOKENS, N // 2) for t in range(N)]
+    rules = (
+        EVICTION_RULES
+        if distances is None
+        else EVICTION_RULES[:2] + (("next-use", None),) + EVICTION_RULES[2:]
+    )
     out = {}
     for fraction in EVICTION_FRACTIONS:
         capacity = max(1, int(num_experts * fraction))
-        rules = {}
-        for rule, horizon in EVICTION_RULES:
+        figures = {}
+        for rule, horizon in rules:
+            per_layer = None if rule != "next-use" else [distances[:, layer] for layer in range(L)]
             total = replay_layers(
-                [list(ids[:, layer]) for layer in range(L)], capacity, rule, horizon, counted
+                [list(ids[:, layer]) for layer in range(L)], capacity, rule, horizon, counted, per_layer
             )
             name = rule if horizon is None else f"{rule}@{horizon}"
-            rules[name] = {"reads_per_token": total.reads_per_pass, "hit_rate": total.hit_rate}
-        out[str(fraction)] = rules
+            figures[name] = {"reads_per_token": total.reads_per_pass, "hit_rate": total.hit_rate}
+        out[str(fraction)] = figures
     return out

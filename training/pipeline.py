@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..predictor.model import PredictorConfig, ShadowPredictor, load_predictor
 from .data import Documents, load_documents, split_documents
 from .evaluate import baselines, evaluate_predictor, eviction_replay, predictor_latency_ms
+from .next_use import fit_next_use, trace_distances
 from .record import TraceSet, record_traces
 from .train import train_predictor
 
@@ -82,9 +83,17 @@ def _predictor_section(predictor, engine, history: dict | None) -> dict:
                 "train_loss": history["train_loss"],
                 "heldout_loss": history["heldout_loss"],
                 "trained_tokens": c.trained_tokens,
+                **{f"next_use_{k}": v for k, v in history.get("next_use", {}).items()},
             }
         )
     return section
+
+
+def _distances(predictor, traces: dict, engine):
+    """The predictor's next-use estimates on `traces` (None for a predictor without the head)."""
+    if not predictor.config.next_use:
+        return None
+    return trace_distances(predictor.next_use, traces, engine.num_experts)
 
 
 def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict:
@@ -98,7 +107,7 @@ def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict
         "data": heldout.manifest["data"],
         "lookahead": evaluate_predictor(predictor, traces, routers),
         "baselines": baselines(traces, routers, predictor.config.lookahead),
-        "eviction": eviction_replay(traces, engine.caches[0].num_experts),
+        "eviction": eviction_replay(traces, engine.num_experts, _distances(predictor, traces, engine)),
         "predictor": _predictor_section(predictor, engine, history),
     }
 
@@ -159,6 +168,7 @@ def train_predictor_job(
         depth=depth,
         data_sha256=train_docs.digest,
         trained_tokens=train.tokens,
+        next_use=True,
     )
     predictor = ShadowPredictor(config)
     predictor.attach_routers(*routers)
@@ -171,6 +181,7 @@ def train_predictor_job(
         lr=lr,
         heldout=heldout.load(max_tokens=4096),
     )
+    history["next_use"] = fit_next_use(predictor.next_use, train)
     predictor.set_dtype(
         mx.float16
     )  # stored and run in float16 (inputs stay float32): what is reported is what ships

@@ -72,6 +72,11 @@ def format_report(report: dict) -> str:
             ["train loss per epoch", " ".join(f"{x:.3f}" for x in p["train_loss"])],
             ["held-out loss per epoch", " ".join(f"{x:.3f}" for x in p["heldout_loss"])],
         ]
+    if "next_use_training_s" in p:
+        rows += [
+            ["next-use head training s", p["next_use_training_s"]],
+            ["next-use head loss per epoch", " ".join(f"{x:.3f}" for x in p["next_use_train_loss"])],
+        ]
     parts.append(table(["predictor", "value"], rows))
     if "eviction" in report:
         parts.append(_eviction_table(report["eviction"]))
@@ -93,5 +98,5 @@ def _eviction_table(eviction: dict) -> str:
         ["eviction rule"] + [f"{float(f):.1%} resident" for f in fractions],
         rows,
         title="Demand reads on the held-out routing: experts read per token, all layers (hit rate); "
-        "min@n knows the next n tokens",
+        "next-use: the predictor's estimate of each expert's next use; min@n knows the next n tokens",
     )

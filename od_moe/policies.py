@@ -74,6 +74,11 @@ def _last_row(a: mx.array) -> mx.array:
     return a.reshape(-1, a.shape[-1])[-1:]
 
 
+def _router_logprobs(router: mx.array) -> mx.array:
+    """The last token's router log-probabilities (E,), lazy."""
+    return nn.log_softmax(_last_row(router)[0].astype(mx.float32))
+
+
 def experts_at_distance(k: int, d: int) -> int:
     """How many experts to prefetch for a layer d ahead when tokens use k: k + k/4 one layer ahead, then
     halving with distance. On 8,000 of the bundled model's held-out trace tokens (predictor top-m per
@@ -237,12 +242,13 @@ class PredictorPolicy(OnDemand):
         return [a for inputs in self._fresh.values() for a in inputs if a is not None]
 
     def after_routing(self, step: Step, ids: np.ndarray):
+        fresh = self._fresh.pop(step.layer, None)
         if step.prefetching and isinstance(step.router, mx.array):
-            self.prev_logprobs[step.layer] = nn.log_softmax(_last_row(step.router)[0].astype(mx.float32))
+            logprobs = fresh[1] if fresh is not None else _router_logprobs(step.router)
+            self.prev_logprobs[step.layer] = logprobs
         else:
             self.prev_logprobs.pop(step.layer, None)
         self._members.pop(step.layer, None)  # its predictions were for the run that just happened
-        fresh = self._fresh.pop(step.layer, None)
         if fresh is not None:
             self._known[step.layer] = tuple(None if a is None else np.array(a) for a in fresh)
 
@@ -265,10 +271,7 @@ class PredictorPolicy(OnDemand):
     def before_layer(self, step: Step) -> list[Prediction]:
         c, source = self.predictor.config, step.layer
         if self.head is not None and step.x is not None:
-            router = step.router
-            logprobs = None
-            if isinstance(router, mx.array):
-                logprobs = nn.log_softmax(_last_row(router)[0].astype(mx.float32))
+            logprobs = _router_logprobs(step.router) if isinstance(step.router, mx.array) else None
             self._fresh[source] = (self.head.x_term(source, _last_row(step.x))[0], logprobs)
         if not step.predict:
             return []

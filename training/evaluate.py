@@ -38,6 +38,13 @@ def top(scores: np.ndarray, m: int) -> np.ndarray:
     return np.argpartition(-scores, m - 1, axis=-1)[..., :m]
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Router logits (any dtype) -> float32 log-probabilities over the last axis."""
+    lg = logits.astype(np.float32)
+    lg = lg - lg.max(-1, keepdims=True)
+    return lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+
+
 def previous_token_logprobs(traces: dict, rows: np.ndarray, layers, num_experts: int) -> np.ndarray:
     """(n, len(layers), E): the router log-probabilities of the previous token of the same sequence at
     `layers` (what the running engine feeds the predictor); zeros for a first token."""
@@ -46,9 +53,7 @@ def previous_token_logprobs(traces: dict, rows: np.ndarray, layers, num_experts:
     ok = (rows > 0) & (traces["sequence"][prev] == traces["sequence"][rows])
     out = np.zeros((len(rows), len(layers), num_experts), np.float32)
     for n, j in enumerate(layers):
-        lg = traces["logits"][prev, j].astype(np.float32)
-        lg = lg - lg.max(-1, keepdims=True)
-        out[:, n] = (lg - np.log(np.exp(lg).sum(-1, keepdims=True))) * ok[:, None]
+        out[:, n] = log_softmax(traces["logits"][prev, j]) * ok[:, None]
     return out
 
 
@@ -175,15 +180,14 @@ def eviction_replay(traces: dict, num_experts: int, distances: np.ndarray | None
         if distances is None
         else EVICTION_RULES[:2] + (("next-use", None),) + EVICTION_RULES[2:]
     )
+    steps = [list(ids[:, layer]) for layer in range(L)]
     out = {}
     for fraction in EVICTION_FRACTIONS:
         capacity = max(1, int(num_experts * fraction))
         figures = {}
         for rule, horizon in rules:
             per_layer = None if rule != "next-use" else [distances[:, layer] for layer in range(L)]
-            total = replay_layers(
-                [list(ids[:, layer]) for layer in range(L)], capacity, rule, horizon, counted, per_layer
-            )
+            total = replay_layers(steps, capacity, rule, horizon, counted, per_layer)
             name = rule if horizon is None else f"{rule}@{horizon}"
             figures[name] = {"reads_per_token": total.reads_per_pass, "hit_rate": total.hit_rate}
         out[str(fraction)] = figures

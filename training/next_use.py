@@ -19,19 +19,7 @@ import numpy as np
 from ..cache import LFU_HALF_LIFE
 from ..predictor.next_use import AGE_CAP, HORIZONS, features
 from ..progress import Progress
-
-
-def _used(ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """(N, L, k) routed ids -> (N, L, E) booleans."""
-    used = np.zeros((*ids.shape[:2], num_experts), bool)
-    np.put_along_axis(used, ids.astype(np.int64), True, axis=-1)
-    return used
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    lg = logits.astype(np.float32)
-    lg = lg - lg.max(-1, keepdims=True)
-    return lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+from .evaluate import log_softmax, multi_hot
 
 
 def history(used: np.ndarray, sequence: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,9 +55,10 @@ def targets(used: np.ndarray, sequence: np.ndarray) -> np.ndarray:
 
 def trace_inputs(traces: dict, num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x (N, L, H) float32, features (N, L, E, F), used (N, L, E)) of a trace dict."""
-    used = _used(traces["ids"], num_experts)
+    ids = traces["ids"]
+    used = multi_hot(ids.reshape(-1, ids.shape[-1]), num_experts).reshape(*ids.shape[:2], num_experts)
     age, uses = history(used, traces["sequence"])
-    feats = features(_log_softmax(traces["logits"]), age, uses)
+    feats = features(log_softmax(traces["logits"]), age, uses)
     return traces["features"].astype(np.float32), feats, used
 
 

@@ -60,7 +60,7 @@ class NextUseHead(nn.Module):
     def __call__(self, x: mx.array, feats: mx.array) -> mx.array:
         """Training: logits (B, L, K, E) from x (B, L, H) and features (B, L, E, F), every layer at once."""
         xt = mx.einsum("blh,lhe->ble", x, self.proj) + self.proj_bias
-        mixed = (feats[:, :, None] * self.weights[None, :, :, None, :]).sum(-1)  # (B, L, K, E)
+        mixed = mx.einsum("blef,lkf->blke", feats, self.weights)
         return self.scale[None, :, :, None] * xt[:, :, None] + mixed + self.bias[None]
 
     def distances(self, layer: int, x_term: np.ndarray, feats: np.ndarray) -> np.ndarray:

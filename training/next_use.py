@@ -85,7 +85,7 @@ def fit_next_use(head, train_set, epochs: int = 2, batch_size: int = 1024, lr: f
                 order = rng.permutation(len(x))
                 for s in range(0, len(x), batch_size):
                     rows = np.sort(order[s : s + batch_size])
-                    batch = [mx.array(a[rows]) for a in (x, feats, y.astype(np.float32))]
+                    batch = [mx.array(a[rows], dtype=mx.float32) for a in (x, feats, y)]
                     loss, grads = value_and_grad(head, *batch)
                     optimizer.update(head, grads)
                     mx.eval(head.parameters(), optimizer.state, loss)

@@ -12,7 +12,10 @@ microseconds per expert (median over rounds) and GB/s:
   the device copies are timed), one slice update per slot;
 - `premade-scatter`: the same arrays stacked per part, one scatter per part;
 - `load`: the flat bytes through `mx.load` of an in-memory safetensors file (a host-to-device copy
-  instead of managed memory on CUDA), then as `flat`.
+  instead of managed memory on CUDA), then as `flat`;
+- `engine`: `LayerCache.install` itself on the MLX path (what CUDA runs): one flat array per expert made
+  beforehand (as the reader threads make them), stacked, per part a view of its columns and one scatter
+  (a slice update for one expert), evaluated.
 On the CPU and Metal the engine writes through numpy views instead (`host`, timed for reference).
 
     python benchmarks/installs.py [--model PATH] [--widen 128] [--batch 1,8] [--rounds 7]
@@ -31,7 +34,7 @@ import numpy as np
 import od_moe
 from od_moe.bench.widen import widen_model
 from od_moe.report import table
-from od_moe.store import ExpertStore, Staging
+from od_moe.store import ExpertStore, Staging, flat_rows
 
 MX_OF = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 
@@ -139,8 +142,40 @@ def measure(path, batch: int, rounds: int) -> list[dict]:
                 "GB/s": round(layout.expert_nbytes / per / 1e9, 2),
             }
         )
+    rows.append(_engine_path(path, store, layout, batch, rounds))
     store.close()
     return rows
+
+
+def _engine_path(path, store, layout, batch: int, rounds: int) -> dict:
+    """The `engine` variant: two sets of `batch` experts installed in turn into a cache of `batch` slots."""
+    engine = od_moe.load(str(path), capacity=batch, prefetch="none", dtype="model")  # the checkpoint's bytes
+    cache = engine.caches[0]
+    cache.host_writes = False
+    sets = [np.arange(batch) + batch * n for n in range(2)]
+    raws = [store.read(layout, ids, Staging(layout, batch)) for ids in sets]
+    times = []
+    for r in range(rounds + 1):
+        ids, raw = sets[r % 2], raws[r % 2]
+        made = [mx.array(row) for row in flat_rows(layout, raw, batch)]
+        mx.eval(made)
+        t0 = time.perf_counter()
+        slots = cache.install(ids, raw, clock=r, arrays=made).slots
+        mx.eval(list(cache.stacked_arrays().values()))
+        if r:
+            times.append(time.perf_counter() - t0)
+        for part in layout.parts:
+            got = np.array(cache.projections[part.proj][part.name][mx.array(slots)].view(mx.uint8))
+            want = raw[(part.proj, part.name)].view(np.uint8).reshape(got.shape)
+            assert np.array_equal(got, want), f"engine: {part.proj}.{part.name} differs"
+    engine.close()
+    per = float(np.median(times)) / batch
+    return {
+        "variant": "engine",
+        "batch": batch,
+        "us/expert": round(1e6 * per, 1),
+        "GB/s": round(layout.expert_nbytes / per / 1e9, 2),
+    }
 
 
 def main():

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backend
-from .store import BlockLayout
+from .store import BlockLayout, flat_rows
 
 EVICTION_POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 64.0  # forward passes after which an expert's use count has halved
@@ -33,6 +33,7 @@ class Installed(NamedTuple):
 
 # safetensors dtypes whose bytes are already the in-memory representation of an MLX dtype
 SAME_BYTES = {
+    "F64": mx.float64,
     "F32": mx.float32,
     "F16": mx.float16,
     "BF16": mx.bfloat16,
@@ -44,6 +45,7 @@ SAME_BYTES = {
     "I8": mx.int8,
     "U64": mx.uint64,
     "I64": mx.int64,
+    "BOOL": mx.bool_,
 }
 
 
@@ -56,14 +58,6 @@ def _host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
     if target == mx.float32 and disk_dtype == "F16":
         return raw.astype(np.float32)
     return None
-
-
-def _raw_to_mx(raw: np.ndarray | mx.array, disk_dtype: str, target: mx.Dtype) -> mx.array:
-    """Raw disk bytes (numpy, or an MLX array already made of them) as an MLX array of `target`."""
-    a = raw if isinstance(raw, mx.array) else mx.array(raw)
-    if disk_dtype == "BF16":
-        a = a.view(mx.bfloat16)
-    return a if a.dtype == target else a.astype(target)
 
 
 class LayerCache:
@@ -245,19 +239,19 @@ class LayerCache:
         prefetched: bool = False,
         protect: Sequence[int] = (),
         clock: float = 0.0,
-        arrays: dict[tuple[str, str], list[mx.array]] | None = None,
+        arrays: list[mx.array | None] | None = None,
         next_use: np.ndarray | None = None,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
         raw: per part, the bytes read from disk, indexable by row (an array or a list of per-expert
         arrays), row i = ids[i]. `prefetched`: they were read ahead of need. `arrays`: the same rows
-        already made into MLX arrays by a reader thread (None for rows it did not make), used where the
-        backend needs MLX copies. `next_use`: where the future is known, passes until each expert of the
+        already made into flat MLX arrays by a reader thread (`flat_rows`'s rows; None for rows it did
+        not make), used where the backend needs MLX copies. `next_use`: where the future is known, passes until each expert of the
         layer is needed again (victims are chosen as `choose_slots` says).
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
-        elsewhere with MLX slice updates, evaluated at once. Either way memory stays bounded and the
+        elsewhere with MLX writes that the layer's computation evaluates (`_write_mlx`). Either way the
         staging buffers may be reused as soon as this returns.
         """
         ids = np.asarray(ids, dtype=np.int64)
@@ -312,26 +306,27 @@ class LayerCache:
         return True
 
     def _write_mlx(self, slots: np.ndarray, raw, arrays=None):
-        """Copy expert bytes into the slots with MLX slice updates (backends without host-visible memory),
-        from the arrays made beforehand where there are some (making them is most of the cost on CUDA)."""
-        updated = []
+        """Put expert bytes into the slots with MLX operations (backends without host-visible memory): one
+        (experts, bytes) array for the whole install (stacked from the reader's flat arrays where it made
+        them all, else one host-to-device copy of the rows), then per part a view of its columns written
+        with one slice update (one expert) or one scatter. Left lazy: the layer's own computation
+        evaluates the writes, so an install costs no host sync; the array holds its own copy of the bytes,
+        so staging may be reused at once."""
+        n = len(slots)
+        if arrays is not None and all(a is not None for a in arrays):
+            flat = arrays[0][None] if n == 1 else mx.stack(arrays)
+        else:
+            flat = mx.array(flat_rows(self.layout, raw, n))
+        index = int(slots[0]) if n == 1 else mx.array(slots.astype(np.int32))
+        start = 0
         for part in self.layout.parts:
             key = (part.proj, part.name)
-            stacked = self.projections[part.proj][part.name]
-            if arrays is not None:
-                made = arrays[key]
-                rows = [
-                    _raw_to_mx(raw[key][j] if made[j] is None else made[j], part.dtype, self.targets[key])
-                    for j in range(len(slots))
-                ]
-            else:
-                rows = _raw_to_mx(
-                    np.stack([raw[key][j] for j in range(len(slots))]), part.dtype, self.targets[key]
-                )
-            for j, slot in enumerate(slots.tolist()):
-                stacked[slot] = rows[j]  # a slice update: in place, ~10x faster than a scatter here
-            updated.append(stacked)
-        mx.eval(updated)
+            rows = flat[:, start : start + part.nbytes].view(SAME_BYTES[part.dtype]).reshape(n, *part.shape)
+            rows = rows.astype(self.targets[key])
+            module = self.projections[part.proj]
+            stacked = module[part.name]
+            stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
+            start += part.nbytes
 
     def forget_prefetches(self):
         """Count every resident expert as used (statistics restart; the experts stay)."""

@@ -8,8 +8,8 @@
   requests (made from farther back, so less accurate): those not started are withdrawn, and only
   `wanted` is kept from eviction when reads are installed (`wanted(layer)`).
 - The threads do file I/O (`ExpertStore.read` into staging buffers from a bounded pool) and, with
-  `make_arrays` (CUDA, where arrays are device memory), make each read's MLX arrays: creating an array
-  from host bytes is a host copy into memory MLX allocates, with no computation and no stream, so it is
+  `make_arrays` (CUDA, where arrays are device memory), make each read's bytes one flat MLX array
+  (`flat_rows`): creating an array from host bytes is a host copy into memory MLX allocates, with no computation and no stream, so it is
   safe beside the generation thread's work, and on CUDA it is most of an install's cost. One
   expert at a time, demand first, then best score, while the prefetched bytes read and not yet taken stay
   under `max_inflight_bytes`. Several threads keep several reads in flight: SSDs need queue depth.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .stats import Ledger
-from .store import BlockLayout, ExpertStore, Staging
+from .store import BlockLayout, ExpertStore, Staging, flat_rows
 
 MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory
 # Reads in flight at once for large experts: SSDs read faster at depth 4 (1.38 -> 1.91 GB/s for 2.65 MB
@@ -56,7 +56,7 @@ class Read:
     score: float
     nbytes: int
     raw: dict | None = None
-    arrays: dict | None = None  # raw's rows as MLX arrays, where the reader makes them
+    arrays: mx.array | None = None  # raw's bytes as one flat MLX array, where the reader makes it
     staging: Staging | None = None
     error: BaseException | None = None
 
@@ -273,7 +273,7 @@ class Reader:
         try:
             r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
             if self.make_arrays:
-                r.arrays = {key: mx.array(rows[0]) for key, rows in r.raw.items()}
+                r.arrays = mx.array(flat_rows(self.layouts[r.layer], r.raw, 1)[0])
         except BaseException as e:  # raised on the generation thread when taken
             r.error = e
         with self._lock:

@@ -513,10 +513,8 @@ def _rows(reads: list[Read]) -> dict:
     return {key: [r.raw[key][0] for r in reads] for key in reads[0].raw} if reads else {}
 
 
-def _arrays(reads: list[Read]) -> dict | None:
-    """The MLX arrays the reader made of the reads' bytes, by part as per-expert rows (None where it
-    made none for an expert); None if it made none at all."""
-    made = next((r.arrays for r in reads if r.arrays is not None), None)
-    if made is None:
-        return None
-    return {key: [None if r.arrays is None else r.arrays[key] for r in reads] for key in made}
+def _arrays(reads: list[Read]) -> list | None:
+    """The flat MLX arrays the reader made of the reads' bytes (None for a read it made none of); None if
+    it made none at all."""
+    made = [r.arrays for r in reads]
+    return None if all(a is None for a in made) else made

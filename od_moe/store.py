@@ -123,6 +123,19 @@ class BlockLayout:
         return sum(p.nbytes for p in self.parts)
 
 
+def flat_rows(layout: BlockLayout, raw, count: int) -> np.ndarray:
+    """The bytes of `count` experts as one (count, expert bytes) uint8 array, each row its expert's parts
+    back to back in `layout.parts` order: what one host-to-device copy carries (`LayerCache.install`)."""
+    flat = np.empty((count, layout.expert_nbytes), dtype=np.uint8)
+    start = 0
+    for part in layout.parts:
+        rows = raw[(part.proj, part.name)]
+        for j in range(count):
+            flat[j, start : start + part.nbytes] = np.asarray(rows[j]).reshape(-1).view(np.uint8)
+        start += part.nbytes
+    return flat
+
+
 class Staging:
     """Preallocated numpy buffers for a batch of up to `size` experts of one layout."""
 

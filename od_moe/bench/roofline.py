@@ -7,8 +7,8 @@ per token / install bandwidth) (../shared/DESIGN.md). Measured here:
   cache dropped, direct I/O) or warm (from the page cache); the best
   depth counts;
 - install bandwidth: the backend's install path (`LayerCache.install`: numpy writes into host memory on
-  the CPU and Metal; on CUDA MLX slice updates from arrays the reader threads made, as the engine's
-  reads come), from bytes already in memory.
+  the CPU and Metal; on CUDA one MLX write per part from the flat arrays the reader threads made, as
+  the engine's reads come, evaluated), from bytes already in memory.
 A row's `x roofline` is the roofline step time over its measured step time (1.0: at the machine's limit).
 Not here: running the rows (`prefetch.py`).
 """
@@ -21,7 +21,7 @@ import numpy as np
 from .. import backend, load
 from ..reader import Reader
 from ..stats import Ledger
-from ..store import ExpertStore, Staging
+from ..store import ExpertStore, Staging, flat_rows
 
 DEPTHS = (1, 2, 4, 8)
 
@@ -76,9 +76,11 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     seconds = 0.0
     for n, ids in enumerate(batches):
         raw = raws[int(ids[0])]
-        arrays = {key: [mx.array(row) for row in rows] for key, rows in raw.items()} if made else None
+        arrays = [mx.array(row) for row in flat_rows(cache.layout, raw, experts)] if made else None
+        mx.eval(arrays)
         t0 = time.perf_counter()
         cache.install(ids, raw, clock=n, arrays=arrays)
+        mx.eval(list(cache.stacked_arrays().values()))  # MLX writes are lazy: the layer would evaluate them
         if n:  # the first install warms the path up
             seconds += time.perf_counter() - t0
     nbytes = cache.slot_nbytes * experts * repeats

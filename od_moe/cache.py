@@ -247,8 +247,8 @@ class LayerCache:
         raw: per part, the bytes read from disk, indexable by row (an array or a list of per-expert
         arrays), row i = ids[i]. `prefetched`: they were read ahead of need. `arrays`: the same rows
         already made into flat MLX arrays by a reader thread (`flat_rows`'s rows; None for rows it did
-        not make), used where the backend needs MLX copies. `next_use`: where the future is known, passes until each expert of the
-        layer is needed again (victims are chosen as `choose_slots` says).
+        not make), used where the backend needs MLX copies. `next_use`: where the future is known,
+        passes until each expert of the layer is needed again (victims are chosen as `choose_slots` says).
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
         elsewhere with MLX writes that the layer's computation evaluates (`_write_mlx`). Either way the

@@ -9,10 +9,11 @@
   `wanted` is kept from eviction when reads are installed (`wanted(layer)`).
 - The threads do file I/O (`ExpertStore.read` into staging buffers from a bounded pool) and, with
   `make_arrays` (CUDA, where arrays are device memory), make each read's bytes one flat MLX array
-  (`flat_rows`): creating an array from host bytes is a host copy into memory MLX allocates, with no computation and no stream, so it is
-  safe beside the generation thread's work, and on CUDA it is most of an install's cost. One
-  expert at a time, demand first, then best score, while the prefetched bytes read and not yet taken stay
-  under `max_inflight_bytes`. Several threads keep several reads in flight: SSDs need queue depth.
+  (`flat_rows`): creating an array from host bytes is a host copy into memory MLX allocates, with no
+  computation and no stream, so it is safe beside the generation thread's work, and on CUDA it is most
+  of an install's cost. One expert at a time, demand first, then best score, while the prefetched
+  bytes read and not yet taken stay under `max_inflight_bytes`. Several threads keep several reads
+  in flight: SSDs need queue depth.
 - `withdraw(layer)`: the layer is running; prefetch requests for it never started are useless now.
 - `take_ready()`: every finished prefetch, for the generation thread to install.
 - `drain()`: wait until nothing is being read (with `synchronous` prefetch: reads then always arrive

@@ -322,7 +322,8 @@ class LayerCache:
         for part in self.layout.parts:
             key = (part.proj, part.name)
             rows = flat[:, start : start + part.nbytes].view(SAME_BYTES[part.dtype]).reshape(n, *part.shape)
-            rows = rows.astype(self.targets[key])
+            if rows.dtype != self.targets[key]:
+                rows = rows.astype(self.targets[key])
             module = self.projections[part.proj]
             stacked = module[part.name]
             stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array

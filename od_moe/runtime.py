@@ -199,8 +199,8 @@ class OffloadRuntime:
             self.load(cache, missing, protect=uniq)
             self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
         self._submit(predictions)
-        if fits:
-            yield Route(cache.slots_for(ids))
+        if fits:  # the cache's lookup table is made anew only when its experts changed
+            yield Route(cache.routed_slots(indices))
         else:
             yield from self._rounds(cache, ids, uniq, counts)
 

@@ -14,6 +14,8 @@ Used by the bench (MIN's count beside each row's) and by `od-moe eval-predictor`
 text). Not here: the live cache (`cache.py`) or what it counts (`stats.py`).
 """
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,41 +66,59 @@ def replay_layer(
     num_experts = 1 + max(
         [int(r.max()) for r in routed if r.size] + [-1 if resident is None else max(resident, default=-1)]
     )
-    uses = [np.unique(r, return_counts=True) for r in routed]
+    uses = [_uses(r) for r in routed]
     next_use = first_uses([u[0] for u in uses], num_experts) if rule == "min" else None
     if distances is not None:  # estimated passes ahead, as the oracle's table gives true ones
         next_use = np.asarray(distances)[:, :num_experts] + np.arange(len(uses))[:, None]
         next_use = np.concatenate([np.zeros((1, num_experts)), next_use])
-    held = np.zeros(num_experts, bool)
-    if resident is not None:
-        held[np.asarray(resident, dtype=np.int64)] = True
-    last_use = np.full(num_experts, -1.0)
-    frequency = np.zeros(num_experts)
+    # plain Python lists from here: a pass touches a handful of experts, where numpy's per-call cost
+    # dominated (about 100 us a pass)
+    held = [False] * num_experts
+    for e in [] if resident is None else np.asarray(resident, dtype=np.int64).tolist():
+        held[e] = True
+    held_count = sum(held)
+    last_use = [-1.0] * num_experts
+    frequency = [0.0] * num_experts
     tally = Tally()
     for t, (ids, counts) in enumerate(uses):
-        misses = ids[~held[ids]]
+        misses = [e for e in ids if not held[e]]
         if counted is None or counted[t]:
-            tally.reads += misses.size
+            tally.reads += len(misses)
             tally.lookups += routed[t].size
-            tally.hits += int(held[routed[t]].sum())
+            tally.hits += sum(c for e, c in zip(ids, counts) if held[e])
             tally.passes += 1
-        if ids.size > capacity:  # more than fit: keep those wanted soonest (MIN) or the last ones
+        if len(ids) > capacity:  # more than fit: keep those wanted soonest (MIN) or the last ones
             order = _evictable_first(rule, ids, t, last_use, frequency, next_use, horizon)
-            held[:] = False
-            held[(ids if rule in ("lru", "lfu") else order)[-capacity:]] = True
+            held = [False] * num_experts
+            for e in (ids if rule in ("lru", "lfu") else order)[-capacity:]:
+                held[e] = True
+            held_count = capacity
         else:
-            over = misses.size - (capacity - int(held.sum()))
+            over = len(misses) - (capacity - held_count)
             if over > 0:
-                candidates = held.copy()
-                candidates[ids] = False
-                candidates = np.flatnonzero(candidates)
-                order = _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon)
-                held[order[:over]] = False
-            held[misses] = True
-        age = t - np.where(last_use[ids] < 0, t, last_use[ids])
-        frequency[ids] = frequency[ids] * 0.5 ** (age / LFU_HALF_LIFE) + counts
-        last_use[ids] = t
+                routed_now = set(ids)
+                candidates = [e for e in range(num_experts) if held[e] and e not in routed_now]
+                for e in _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon)[:over]:
+                    held[e] = False
+                held_count -= over
+            for e in misses:
+                held[e] = True
+            held_count += len(misses)
+        for e, c in zip(ids, counts):
+            age = t - (t if last_use[e] < 0 else last_use[e])
+            frequency[e] = frequency[e] * 0.5 ** (age / LFU_HALF_LIFE) + c
+            last_use[e] = t
     return tally
+
+
+def _uses(routed: np.ndarray) -> tuple[list[int], list[int]]:
+    """The distinct experts of a pass, ascending, and how many times each was routed."""
+    ids = routed.tolist()
+    if len(set(ids)) == len(ids):  # one token: its k experts are distinct
+        return sorted(ids), [1] * len(ids)
+    counts = Counter(ids)
+    ids = sorted(counts)
+    return ids, [counts[e] for e in ids]
 
 
 def first_uses(needed: list[np.ndarray], num_experts: int) -> np.ndarray:
@@ -111,20 +131,29 @@ def first_uses(needed: list[np.ndarray], num_experts: int) -> np.ndarray:
     return table
 
 
-def _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon) -> np.ndarray:
-    """`candidates` (expert ids) ordered most evictable first under `rule`, ties broken by older use."""
+def _evictable_first(rule, candidates, t, last_use, frequency, next_use, horizon) -> list[int]:
+    """`candidates` (expert ids, ascending) ordered most evictable first under `rule`, ties broken by
+    older use, then by id."""
     if rule == "lru":
-        return candidates[np.argsort(last_use[candidates], kind="stable")]
+        return sorted(candidates, key=lambda e: last_use[e])
     if rule == "lfu":
-        age = t - np.where(last_use[candidates] < 0, t, last_use[candidates])
-        score = frequency[candidates] * 0.5 ** (age / LFU_HALF_LIFE)
-        return candidates[np.lexsort((last_use[candidates], score))]
-    distance = next_use[t + 1, candidates] - t
-    # not needed as far as MIN sees (never again, or beyond its horizon): first, oldest use first; then
-    # farthest next use first
-    unseen = np.isinf(distance) if horizon is None else distance > horizon
-    key = np.where(unseen, last_use[candidates], -distance)
-    return candidates[np.lexsort((key, ~unseen))]
+
+        def score(e):
+            age = t - (t if last_use[e] < 0 else last_use[e])
+            return frequency[e] * 0.5 ** (age / LFU_HALF_LIFE), last_use[e]
+
+        return sorted(candidates, key=score)
+    ahead = next_use[t + 1].tolist()
+    limit = math.inf if horizon is None else horizon
+
+    def key(e):
+        # not needed as far as MIN sees (never again, or beyond its horizon): first, oldest use first;
+        # then farthest next use first
+        distance = ahead[e] - t
+        unseen = distance >= limit if horizon is None else distance > limit
+        return (0, last_use[e]) if unseen else (1, -distance)
+
+    return sorted(candidates, key=key)
 
 
 def replay_layers(

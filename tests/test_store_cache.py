@@ -10,7 +10,7 @@ import pytest
 import od_moe
 from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
-from od_moe.store import ExpertStore, Staging
+from od_moe.store import ExpertStore, Staging, flat_rows
 
 
 def test_store_reads_exactly_the_expert_rows():
@@ -46,6 +46,31 @@ def test_both_install_paths_put_the_checkpoint_rows_in_the_slots(dtype):
             stacked = cache.projections[part.proj][part.name]
             expected = full[f"model.layers.4.mlp.switch_mlp.{part.proj}.{part.name}"][mx.array(ids)]
             assert mx.array_equal(stacked[mx.array(slots)], expected.astype(stacked.dtype)), (host, part.name)
+
+
+@pytest.mark.parametrize("made", ["all", "some", "one"])
+def test_mlx_installs_from_the_readers_flat_arrays(made):
+    """The MLX install path (CUDA's) from flat arrays a reader made: all of them (stacked, one scatter per
+    part), some (the host bytes are copied instead), or a single expert (slice updates); the slots hold
+    the checkpoint's rows, in the cache's dtype, and experts resident before stay intact."""
+    full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
+    engine = od_moe.load(capacity=8)
+    cache = engine.caches[3]
+    cache.host_writes = False
+    layout, store = cache.layout, engine.runtime.store
+    first = np.array([1, 2])
+    cache.install(first, store.read(layout, first, Staging(layout, 4)))
+    ids = np.array([60]) if made == "one" else np.array([9, 3, 40])
+    raw = store.read(layout, ids, Staging(layout, 4))
+    arrays = [mx.array(row) for row in flat_rows(layout, raw, len(ids))]
+    if made == "some":
+        arrays[1] = None
+    slots = cache.install(ids, raw, arrays=arrays).slots
+    for group, where in ((ids, slots), (first, cache.slot_of[first])):
+        for part in layout.parts:
+            stacked = cache.projections[part.proj][part.name]
+            expected = full[f"model.layers.3.mlp.switch_mlp.{part.proj}.{part.name}"][mx.array(group)]
+            assert mx.array_equal(stacked[mx.array(where)], expected.astype(stacked.dtype)), part.name
 
 
 def test_truncated_file_is_a_clear_error(tmp_path):

@@ -97,6 +97,7 @@ class LayerCache:
         self.last_use = np.zeros(C, dtype=np.float64)
         self.uses = np.zeros(E, dtype=np.float64)  # decayed use count of every expert, resident or not
         self.used_at = np.zeros(E, dtype=np.float64)  # when `uses` was last brought up to date
+        self.history_version = 0  # counts changes of `uses` and `used_at` (what `use_history` reads)
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
@@ -166,6 +167,7 @@ class LayerCache:
             return 0
         first_uses = int(self.unused_prefetch[slots].sum())
         self.unused_prefetch[slots] = False
+        self.history_version += 1
         self.uses[ids] = self._decayed(ids, clock) + uses
         self.used_at[ids] = clock
         self.last_use[slots] = clock

@@ -22,6 +22,7 @@ from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
+from .optimistic import OptimisticModel
 from .policies import make_policy
 from .progress import byte_progress
 from .reader import read_threads_for
@@ -88,6 +89,7 @@ class Engine:
         non_expert_nbytes: int,
     ):
         self.model = model
+        self.forward = OptimisticModel(model, runtime)  # what mlx-lm's generation loop calls
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.runtime = runtime
@@ -155,7 +157,7 @@ class Engine:
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         try:
             yield from mlx_lm.stream_generate(
-                self.model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
+                self.forward, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
             )
         except ExpertReadError:  # layers before the failed one took the pass's tokens: take them back
             for c, offset in zip(kwargs.get("prompt_cache") or (), held):
@@ -250,6 +252,13 @@ class Engine:
             "layers": layers,
             "total": totals(layers),
             "prefetch": dict(prefetch, policy=self.policy_name),
+            "optimistic": {  # decode passes run with one sync (`optimistic.py`)
+                "enabled": runtime.optimistic,
+                "passes": runtime.optimistic_passes,
+                "missed": runtime.optimistic_misses,
+                "token_miss_rate": runtime.token_miss_rate,
+                "host_syncs": runtime.host_syncs,
+            },
             "memory": {
                 "peak_bytes": backend.peak_memory_bytes(),
                 "active_bytes": backend.active_memory_bytes(),

@@ -41,6 +41,11 @@ from .stats import Ledger
 from .store import ExpertStore, Staging
 
 MISS_POLICIES = ("load", "skip")
+# decode passes run optimistically (`optimistic.py`) while the share of recent decode tokens that missed
+# somewhere (a moving average over about 8 tokens) is below this: a pass that misses costs a second pass
+# from its first missing layer, one that does not saves a sync per partly resident layer
+OPTIMISTIC_BELOW = 0.5
+MISS_RATE_WEIGHT = 0.125
 READ_BATCH = 16  # experts per read round at most...
 STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install copies count against budgets
 
@@ -81,6 +86,13 @@ class OffloadRuntime:
         self._pass_index = 0
         self._running_layer: int | None = None  # the layer of the running pass that `route` is at
         self._pass_started: float | None = None
+        self.optimistic = backend.syncs_are_costly()  # may decode passes run optimistically (`optimistic.py`)
+        self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer
+        self._pass_missed = False
+        self._speculative: list | None = None  # optimistic pass: (layer, indices, phase, absent flag)
+        self._resume_from: int | None = None  # its second pass: the first layer that missed
+        self.host_syncs = 0  # evaluations the per-layer path waited for (routing, settling, flags)
+        self.optimistic_passes = self.optimistic_misses = 0  # passes run optimistically; those that missed
 
     # -- configuration ---------------------------------------------------------------------------
     def set_policy(self, policy, settings: PrefetchSettings | None = None, experts_per_layer: int = 0):
@@ -114,6 +126,7 @@ class OffloadRuntime:
         """Zero the ledger; reads still in flight count as issued, so the prefetch invariant holds."""
         self.settle()
         self.ledger.reset()
+        self.host_syncs = self.optimistic_passes = self.optimistic_misses = 0
         for cache in self.caches:
             cache.forget_prefetches()
         if self.governor is not None:
@@ -141,14 +154,26 @@ class OffloadRuntime:
         """The slots of a layer's routed experts, once they are resident (see the module docstring)."""
         phase = "prefill" if x.ndim >= 2 and x.shape[-2] > 1 else "decode"
         cache = self.caches[layer]
-        if layer == 0:
+        resuming = self._resume_from is not None  # the second run of an optimistic pass: booked already
+        if layer == 0 and not resuming:
             self._between_passes()
             self._pass_index = self._prompt_passes
         self._running_layer = layer
         if cache.is_full() and self._nobody_watches():  # nothing can miss: count, and compute at once
+            if layer == 0 and not resuming:
+                self._start_pass(indices.size // indices.shape[-1], phase)
+            if not resuming:
+                self._count_lookups(phase, layer, indices.size, indices.size)
+            yield Route(cache.routed_slots(indices))
+            return
+        if self._speculative is not None:  # optimistic: no sync; a lazy flag says if anything was absent
             if layer == 0:
                 self._start_pass(indices.size // indices.shape[-1], phase)
-            self._count_lookups(phase, layer, indices.size, indices.size)
+            absent = mx.logical_not(cache.resident_mask()[indices]).any()
+            self._speculative.append((layer, indices, phase, absent))
+            yield Route(cache.routed_slots(indices))
+            return
+        if resuming and layer < self._resume_from:  # all resident, as the optimistic run found
             yield Route(cache.routed_slots(indices))
             return
         exact = self.miss_policy == "load" and not cache.is_full()
@@ -169,7 +194,7 @@ class OffloadRuntime:
         predictions = self.policy.before_layer(step)
         if step.predict:
             self.ledger.reader["busy_s"] += time.perf_counter() - t0
-        if layer == 0:  # after the hook: profile seeding belongs to the time of the pass that ended
+        if layer == 0 and not resuming:  # after the hook: seeding belongs to the time of the pass that ended
             self._start_pass(indices.size // indices.shape[-1], phase)
         if self.miss_policy == "skip":
             yield self._route_skipping(layer, indices, phase)
@@ -192,6 +217,7 @@ class OffloadRuntime:
         self._count_lookups(step.phase, layer, ids.size, counts[resident].sum())
         self._touch(cache, uniq[resident], counts[resident])
         missing = uniq[~resident]
+        self._pass_missed |= bool(missing.size)
         if missing.size and step.prefetching:
             missing = self._claim(layer, missing, uniq, counts)
         fits = missing.size <= cache.room(protect=uniq)
@@ -233,6 +259,51 @@ class OffloadRuntime:
         scale = mx.where(kept > 0, weights.sum(axis=-1, keepdims=True) / mx.maximum(kept, 1e-30), 0.0)
         return Route(slots, scale=present * scale)
 
+    # -- optimistic decode passes (`optimistic.py`) -----------------------------------------------
+    def optimistic_ok(self) -> bool:
+        """Whether the next decode pass may run optimistically: exact mode, on-demand loading with nothing
+        watching the routing, and recent decode tokens missed rarely."""
+        return (
+            self.optimistic
+            and self.miss_policy == "load"
+            and self.governor is None
+            and self._nobody_watches()
+            and self.token_miss_rate < OPTIMISTIC_BELOW
+        )
+
+    def begin_optimistic(self):
+        self._speculative = []
+
+    def abort_optimistic(self):
+        self._speculative = None
+
+    def end_optimistic(self, logits: mx.array) -> int | None:
+        """Read the optimistic pass's flags with its logits (its one sync); book the layers before the
+        first that missed as exact mode would have; that layer, or None if none missed."""
+        speculative, self._speculative = self._speculative, None
+        mx.eval(logits, [s[1] for s in speculative], [s[3] for s in speculative])
+        self.host_syncs += 1
+        first_miss = next((s[0] for s in speculative if s[3].item()), None)
+        for layer, indices, phase, _ in speculative:
+            if first_miss is not None and layer >= first_miss:
+                break
+            cache = self.caches[layer]
+            ids = np.array(indices).astype(np.int64)
+            self._after_routing(Step(self._pass_index, layer, phase, None, None, False, False), ids)
+            uniq, counts = np.unique(ids, return_counts=True)
+            self._count_lookups(phase, layer, ids.size, ids.size)
+            self._touch(cache, uniq, counts)
+        self._pass_missed = first_miss is not None
+        self.optimistic_passes += 1
+        self.optimistic_misses += self._pass_missed
+        return first_miss
+
+    def begin_resume(self, layer: int):
+        self._resume_from = layer
+
+    def end_resume(self):
+        self._resume_from = None
+
     def _nobody_watches(self) -> bool:
         """No policy hook and no recording needs the routing (so a full cache need not know it)."""
         return self._recording is None and type(self.policy) is OnDemand
@@ -240,6 +311,9 @@ class OffloadRuntime:
     # -- between passes --------------------------------------------------------------------------
     def _between_passes(self):
         self.settle()
+        if self.phase == "decode" and self.clock:  # the pass that ended: did it miss anywhere
+            w = MISS_RATE_WEIGHT
+            self.token_miss_rate = (1 - w) * self.token_miss_rate + w * float(self._pass_missed)
         now = time.perf_counter()
         if self.governor is not None:  # between tokens: the cooperative install point
             self.governor.end_token(self.phase, now - self._pass_started if self._pass_started else None)
@@ -248,6 +322,7 @@ class OffloadRuntime:
 
     def _start_pass(self, tokens: int, phase: str):
         self.phase = phase
+        self._pass_missed = False
         self.clock += 1
         self._prompt_passes += 1
         self.ledger.count_forward(phase, tokens)
@@ -263,6 +338,7 @@ class OffloadRuntime:
             return
         deferred, self._deferred = self._deferred, []
         mx.eval([indices for _, indices, _ in deferred])
+        self.host_syncs += 1
         for layer, indices, phase in deferred:
             cache = self.caches[layer]
             ids = np.array(indices).astype(np.int64)
@@ -289,8 +365,10 @@ class OffloadRuntime:
             t0 = time.perf_counter()
             mx.eval(lazy)
             self.ledger.reader["busy_s"] += time.perf_counter() - t0
+            self.host_syncs += 2
         else:
             mx.eval(indices, lazy)
+            self.host_syncs += 1
 
     def _after_routing(self, step: Step, ids: np.ndarray):
         if self._recording:

@@ -8,9 +8,11 @@ import struct
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import od_moe_tokens, reference_tokens
+from od_moe import runtime as runtime_module
 from od_moe.errors import UserError
 from od_moe.governor import PrefetchSettings
 from od_moe.store import ExpertStore
@@ -85,6 +87,24 @@ def test_family_matches_mlx_lm(family, fraction):
     if "biased-routing" in features:  # the score corrections were drawn at random, not left at zero
         biases = [v for k, v in tree_flatten(engine.model.parameters()) if k.endswith(BIAS_NAMES)]
         assert biases and all(mx.abs(b).max().item() > 0 for b in biases)
+
+
+def test_family_optimistic_passes_match_mlx_lm(family, monkeypatch):
+    """Optimistic decode passes, forced for every decode pass, give stock mlx-lm's tokens in every family.
+    They run wherever every KV cache can be trimmed: always with plain KV caches, never with a hybrid's
+    state caches (sliding-window caches stop being trimmable once they wrap)."""
+    name, path, reference = family
+    monkeypatch.setattr(runtime_module, "OPTIMISTIC_BELOW", 2.0)
+    engine = od_moe.load(str(path), capacity=0.75, prefetch="none")
+    engine.runtime.optimistic = True
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == reference[:1], name
+    stats = engine.stats()
+    passes = stats["optimistic"]["passes"]
+    kinds = {type(c).__name__ for c in make_prompt_cache(engine.model)}
+    if kinds == {"KVCache"}:
+        assert passes == stats["tokens"]["decode"], name  # every decode pass
+    if "hybrid" in FEATURES[name]:
+        assert passes == 0, name
 
 
 def test_dbrx_is_refused_in_one_line(tmp_path):

@@ -1,0 +1,58 @@
+"""Decode passes with one host sync instead of one per partly resident layer.
+
+In exact mode a layer whose experts are not all resident learns its routing before it computes: one host
+round trip per layer, which a fast GPU pays in full (its next kernels are launched only after the sync).
+When recent tokens rarely missed, `OptimisticModel` runs a decode pass without those syncs:
+1. Every partly resident layer computes on its lookup table (an absent expert computes on slot 0: a wrong
+   but finite result) and leaves a lazy flag saying whether any routed expert was absent
+   (`OffloadRuntime.route`).
+2. The flags are read once, with the logits (`OffloadRuntime.end_optimistic`). None set: the pass stands,
+   and its lookups are booked as exact mode books them.
+3. Otherwise the pass is taken back (every KV cache trimmed by its tokens) and run again: the layers
+   before the first that missed compute as they did, with no sync (their inputs, so their routing, are
+   the same) and no booking (done in step 2); from that layer on, the exact path loads what is missing.
+   The tokens and every count are those of exact mode.
+Used for single-token passes, with the on-demand policy, no recording, no prefetch and trimmable KV
+caches; the runtime decides from how often recent decode tokens missed (`OffloadRuntime.optimistic_ok`).
+Not here: the per-layer path (`runtime.py`).
+"""
+
+import mlx.core as mx
+
+
+class OptimisticModel:
+    """The model as mlx-lm's generation loop calls it (`model(inputs, cache=...)`), with optimistic decode
+    passes where the runtime allows them; every other attribute is the model's."""
+
+    def __init__(self, model, runtime):
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "runtime", runtime)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        runtime, tokens = self.runtime, inputs.shape[-1]
+        if (
+            cache is None
+            or tokens != 1
+            or not runtime.optimistic_ok()
+            or not all(hasattr(c, "trim") and c.is_trimmable() for c in cache)
+        ):
+            return self.model(inputs, cache=cache, **kwargs)
+        runtime.begin_optimistic()
+        try:
+            logits = self.model(inputs, cache=cache, **kwargs)
+        except BaseException:
+            runtime.abort_optimistic()
+            raise
+        first_miss = runtime.end_optimistic(logits)
+        if first_miss is None:
+            return logits
+        for c in cache:
+            c.trim(tokens)
+        runtime.begin_resume(first_miss)
+        try:
+            return self.model(inputs, cache=cache, **kwargs)
+        finally:
+            runtime.end_resume()

@@ -1,0 +1,67 @@
+"""Optimistic decode passes (`od_moe/optimistic.py`): one sync per token where nothing misses, a second
+run from the first layer that missed where something does; tokens and counts as in exact mode."""
+
+import pytest
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, slots_hold_their_experts
+from od_moe import runtime as runtime_module
+
+
+def _run(capacity, optimistic, prompts=PROMPTS):
+    engine = od_moe.load(capacity=capacity, prefetch="none")
+    engine.runtime.optimistic = optimistic
+    tokens = od_moe_tokens(engine, prompts, NEW_TOKENS)
+    return engine, tokens, engine.stats()
+
+
+def _counts(stats):
+    decode, io = stats["total"]["decode"], stats["io"]["decode"]
+    layers = [(row["lookups"], row["hits"]) for row in stats["layers"]]
+    return decode["lookups"], decode["hits"], io["experts_loaded"], io["bytes_read"], layers
+
+
+@pytest.mark.parametrize("capacity", [0.875, 0.75])
+def test_optimistic_passes_give_exact_tokens_the_same_counts_and_fewer_syncs(capacity, bundled_reference):
+    _, exact_tokens, exact = _run(capacity, optimistic=False)
+    engine, tokens, stats = _run(capacity, optimistic=True)
+    assert tokens == exact_tokens == bundled_reference
+    assert _counts(stats) == _counts(exact)
+    passes, missed = stats["optimistic"]["passes"], stats["optimistic"]["missed"]
+    assert passes > 0 and 0 < missed < passes  # both ways through: passes that stood and passes run again
+    assert exact["optimistic"]["passes"] == 0
+    assert stats["optimistic"]["host_syncs"] < exact["optimistic"]["host_syncs"]
+    slots_hold_their_experts(engine)
+
+
+def test_tokens_that_keep_missing_turn_optimistic_passes_off():
+    """At 25% nearly every token misses somewhere: after the first decode token, no pass runs
+    optimistically (a second run would cost more than the syncs it saves)."""
+    engine, _, stats = _run(0.25, optimistic=True, prompts=PROMPTS[:1])
+    assert stats["optimistic"]["passes"] <= 1
+    assert stats["optimistic"]["token_miss_rate"] >= runtime_module.OPTIMISTIC_BELOW
+
+
+def test_a_continued_prompt_cache_stays_exact(bundled_reference):
+    """Optimistic passes take back the KV entries of a pass that missed (trimming every layer's cache):
+    a conversation continued on the same prompt cache gives stock mlx-lm's tokens."""
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from od_moe import backend
+
+    model, tokenizer = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
+    model.set_dtype(backend.compute_dtype("auto"))
+    engine = od_moe.load(capacity=0.875, prefetch="none")
+    engine.runtime.optimistic = True
+    engine.runtime.token_miss_rate = 0.0  # start optimistic at once
+    theirs, ours = make_prompt_cache(model), make_prompt_cache(engine.model)
+    for prompt in PROMPTS[:2]:
+        want = [
+            r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, prompt_cache=theirs)
+        ]
+        got = [r.token for r in engine.stream_generate(prompt, max_tokens=24, prompt_cache=ours)]
+        assert got == want
+        assert [c.offset for c in ours] == [c.offset for c in theirs]
+    assert engine.stats()["optimistic"]["missed"] > 0

@@ -269,6 +269,7 @@ class OffloadRuntime:
             and self.governor is None
             and self._nobody_watches()
             and self.token_miss_rate < OPTIMISTIC_BELOW
+            and not all(c.is_full() for c in self.caches)  # then no layer syncs anyway
         )
 
     def begin_optimistic(self):
@@ -281,6 +282,8 @@ class OffloadRuntime:
         """Read the optimistic pass's flags with its logits (its one sync); book the layers before the
         first that missed as exact mode would have; that layer, or None if none missed."""
         speculative, self._speculative = self._speculative, None
+        if not speculative:  # every layer was fully resident: nothing to check, and no sync
+            return None
         mx.eval(logits, [s[1] for s in speculative], [s[3] for s in speculative])
         self.host_syncs += 1
         first_miss = next((s[0] for s in speculative if s[3].item()), None)

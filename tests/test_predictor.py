@@ -36,7 +36,7 @@ def _docs(names):
 
 @pytest.fixture(scope="module")
 def engine():
-    return od_moe.load(capacity="25%")  # recording works while experts are offloaded
+    return od_moe.load(capacity="50%")  # recording works while experts are offloaded
 
 
 @pytest.fixture(scope="module")

@@ -221,9 +221,9 @@ class Engine:
 
     def stats(self, settle: bool = True) -> dict:
         """Demand lookups, hits, misses, hit rate (prefill and decode apart), bytes read, stall seconds,
-        resident experts and capacity, per layer and in total; prefetch; memory. From the live ledger:
-        `settle=False` reads it from any thread without touching MLX (routing not yet accounted for,
-        at most one pass, is left out)."""
+        resident experts and capacity, per layer and in total; prefetch; optimistic passes; memory. From
+        the live ledger: `settle=False` reads it from any thread without touching MLX (routing not yet
+        accounted for, at most one pass, is left out)."""
         runtime = self.runtime
         if settle:
             runtime.settle()

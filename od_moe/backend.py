@@ -5,7 +5,6 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   quantized kernels several times faster than bfloat16, so floating weights are cast to float32 there.
   On GPUs the checkpoint's dtype is kept.
 - Metal reports a recommended working-set size; on Linux the OS reports available memory.
-- A host sync idles a GPU, not the CPU backend: only GPUs run decode passes optimistically.
 - On the CPU and on Metal (unified memory) an array's memory is host memory: expert bytes are written
   into the cache's stacked arrays through a numpy view, with no MLX op. CUDA memory is not written that
   way; the cache falls back to MLX slice updates there, from arrays the reader threads make.
@@ -52,15 +51,6 @@ def cast_floating(array: mx.array, dtype: mx.Dtype | None) -> mx.array:
     if dtype is None or not mx.issubdtype(array.dtype, mx.floating) or array.dtype == dtype:
         return array
     return array.astype(dtype)
-
-
-def syncs_are_costly() -> bool:
-    """True where a host sync idles a device that could run ahead (Metal, CUDA): there, decode passes run
-    optimistically (`optimistic.py`). On the CPU backend the host computes and a sync costs next to
-    nothing, so a pass that missed costs more to run again than the syncs save (bundled model at 87.5%
-    resident, 3 prompts x 64 tokens, two runs: 3.79 and 3.05 s with a sync per layer, 4.52 and 3.28 s
-    optimistic)."""
-    return not is_cpu_backend()
 
 
 def arrays_in_host_memory() -> bool:

@@ -88,7 +88,9 @@ class OffloadRuntime:
         self._pass_index = 0
         self._running_layer: int | None = None  # the layer of the running pass that `route` is at
         self._pass_started: float | None = None
-        self.optimistic = backend.syncs_are_costly()  # may decode passes run optimistically (`optimistic.py`)
+        # may decode passes run optimistically (`optimistic.py`): off until measured on a GPU; on the CPU
+        # backend it is slower (`benchmarks/optimistic.py`: 0.82-0.88x with a sync per layer)
+        self.optimistic = False
         self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer
         self._pass_missed = False
         self._speculative: list | None = None  # optimistic pass: (layer, indices, phase, absent flag)

@@ -133,15 +133,7 @@ def measure(path, batch: int, rounds: int) -> list[dict]:
             )
             want = raw[(proj, name)][:batch].view(np.uint8).reshape(got.shape)
             assert np.array_equal(got, want), f"{variant}: {proj}.{name} differs"
-        per = float(np.median(times)) / batch
-        rows.append(
-            {
-                "variant": variant,
-                "batch": batch,
-                "us/expert": round(1e6 * per, 1),
-                "GB/s": round(layout.expert_nbytes / per / 1e9, 2),
-            }
-        )
+        rows.append(_row(variant, batch, times, layout.expert_nbytes))
     rows.append(_engine_path(path, store, layout, batch, rounds))
     store.close()
     return rows
@@ -169,12 +161,17 @@ def _engine_path(path, store, layout, batch: int, rounds: int) -> dict:
             want = raw[(part.proj, part.name)].view(np.uint8).reshape(got.shape)
             assert np.array_equal(got, want), f"engine: {part.proj}.{part.name} differs"
     engine.close()
+    return _row("engine", batch, times, layout.expert_nbytes)
+
+
+def _row(variant: str, batch: int, times: list[float], expert_nbytes: int) -> dict:
+    """A table row: microseconds per expert (median over rounds) and GB/s."""
     per = float(np.median(times)) / batch
     return {
-        "variant": "engine",
+        "variant": variant,
         "batch": batch,
         "us/expert": round(1e6 * per, 1),
-        "GB/s": round(layout.expert_nbytes / per / 1e9, 2),
+        "GB/s": round(expert_nbytes / per / 1e9, 2),
     }
 
 

@@ -237,7 +237,7 @@ class PredictorPolicy(OnDemand):
         self._fresh: dict[int, tuple] = {}  # layer -> the head's lazy inputs at the running layer
         self._known: dict[int, tuple] = {}  # layer -> the same, evaluated, from its latest routing
         self._members: dict[int, tuple] = {}  # layer -> (ids, P(routed)) predicted for its next run
-        self._estimates: dict[int, tuple] = {}  # layer -> (its inputs, `next_uses`'s answer from them)
+        self._estimates: dict[int, tuple] = {}  # layer -> (known, members, history version, `next_uses`)
 
     def pending(self) -> list[mx.array]:
         return [a for inputs in self._fresh.values() for a in inputs if a is not None]
@@ -262,23 +262,19 @@ class PredictorPolicy(OnDemand):
         cache = self.caches[layer]
         # the runtime asks several times per layer (reads, installs, prefetch requests): the answer only
         # changes with the layer's routing, the predictions for it and its experts' use history
-        inputs = (self._known[layer], self._members.get(layer), cache.history_version)
+        known, members, version = self._known[layer], self._members.get(layer), cache.history_version
         kept = self._estimates.get(layer)
-        if (
-            kept is not None
-            and all(a is b for a, b in zip(kept[0][:2], inputs[:2]))
-            and kept[0][2] == inputs[2]
-        ):
-            return kept[1]
-        x_term, logprobs = self._known[layer]
+        if kept is not None and kept[0] is known and kept[1] is members and kept[2] == version:
+            return kept[3]
+        x_term, logprobs = known
         age, uses = cache.use_history(never=AGE_CAP)
         logprobs = np.zeros(cache.num_experts, np.float32) if logprobs is None else logprobs
         distance = self.head.distances(layer, x_term, features(logprobs, age, uses))
-        if layer in self._members:
-            ids, p = (np.asarray(a) for a in self._members[layer])
+        if members is not None:
+            ids, p = (np.asarray(a) for a in members)
             distance[ids] = np.minimum(distance[ids], p + (1 - p) * distance[ids])
         distance.flags.writeable = False  # shared by every caller until the inputs change
-        self._estimates[layer] = (inputs, distance)
+        self._estimates[layer] = (known, members, version, distance)
         return distance
 
     def before_layer(self, step: Step) -> list[Prediction]:

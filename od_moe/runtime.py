@@ -294,12 +294,7 @@ class OffloadRuntime:
         for layer, indices, phase, _ in speculative:
             if first_miss is not None and layer >= first_miss:
                 break
-            cache = self.caches[layer]
-            ids = np.array(indices).astype(np.int64)
-            self._after_routing(Step(self._pass_index, layer, phase, None, None, False, False), ids)
-            uniq, counts = np.unique(ids, return_counts=True)
-            self._count_lookups(phase, layer, ids.size, ids.size)
-            self._touch(cache, uniq, counts)
+            self._book(layer, indices, phase)  # all resident: nothing absent
         self._pass_missed = first_miss is not None
         self.optimistic_passes += 1
         self.optimistic_misses += self._pass_missed
@@ -347,19 +342,25 @@ class OffloadRuntime:
         mx.eval([indices for _, indices, _ in deferred])
         self.host_syncs += 1
         for layer, indices, phase in deferred:
-            cache = self.caches[layer]
-            ids = np.array(indices).astype(np.int64)
-            self._after_routing(Step(self._pass_index, layer, phase, None, None, False, False), ids)
-            uniq, counts = np.unique(ids, return_counts=True)
-            resident = cache.slot_of[uniq] >= 0
-            self._count_lookups(phase, layer, ids.size, counts[resident].sum())
-            self._touch(cache, uniq[resident], counts[resident])
-            missing = uniq[~resident]
+            missing, uses = self._book(layer, indices, phase)
             if missing.size and self.miss_policy == "skip":
-                most_used_first = missing[np.argsort(-counts[~resident], kind="stable")]
+                cache = self.caches[layer]
+                most_used_first = missing[np.argsort(-uses, kind="stable")]
                 fit = most_used_first[: cache.room()]
                 if fit.size:
                     self.load(cache, np.sort(fit))
+
+    def _book(self, layer: int, indices: mx.array, phase: str) -> tuple[np.ndarray, np.ndarray]:
+        """Account for a layer's routing known after it computed (evaluated `indices`): the policy's hook,
+        lookups and hits, the uses of resident experts; returns the absent experts and their uses."""
+        cache = self.caches[layer]
+        ids = np.array(indices).astype(np.int64)
+        self._after_routing(Step(self._pass_index, layer, phase, None, None, False, False), ids)
+        uniq, counts = np.unique(ids, return_counts=True)
+        resident = cache.slot_of[uniq] >= 0
+        self._count_lookups(phase, layer, ids.size, counts[resident].sum())
+        self._touch(cache, uniq[resident], counts[resident])
+        return uniq[~resident], counts[~resident]
 
     # -- routing known ---------------------------------------------------------------------------
     def _evaluate(self, indices: mx.array, predictions: list[Prediction]):

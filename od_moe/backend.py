@@ -4,6 +4,7 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 - On the CPU backend `GatherMM` (unquantized experts) supports float32 only, and float32 scales make the
   quantized kernels several times faster than bfloat16, so floating weights are cast to float32 there.
   On GPUs the checkpoint's dtype is kept.
+- On a GPU a host sync idles the device, so optimistic decode passes are on there (`optimistic.py`).
 - Metal reports a recommended working-set size; on Linux the OS reports available memory.
 - On the CPU and on Metal (unified memory) an array's memory is host memory: expert bytes are written
   into the cache's stacked arrays through a numpy view, with no MLX op. CUDA memory is not written that
@@ -23,6 +24,13 @@ _UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 def is_cpu_backend() -> bool:
     """True when MLX computes on the CPU (no Metal, no CUDA)."""
     return mx.default_device().type == mx.cpu
+
+
+def syncs_stall_device() -> bool:
+    """True where a host round trip leaves the device idle until the host launches more work (GPUs), so
+    fewer syncs beat computing a pass twice now and then (optimistic decode passes); on the CPU backend
+    the host and the device share the same cores and the second passes cost more than the syncs."""
+    return not is_cpu_backend()
 
 
 def compute_dtype(requested: str = "auto") -> mx.Dtype | None:

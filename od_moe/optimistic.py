@@ -13,9 +13,10 @@ When recent tokens rarely missed, `OptimisticModel` runs a decode pass without t
    the same) and no booking (done in step 2); from that layer on, the exact path loads what is missing.
    The tokens and every count are those of exact mode.
 Used for single-token passes, with the on-demand policy, no recording, no prefetch and trimmable KV
-caches, when `OffloadRuntime.optimistic` is set (off by default: on the CPU backend a sync costs next to
-nothing and the second runs cost more than the syncs saved; `benchmarks/optimistic.py` measures it); the
-runtime then decides from how often recent decode tokens missed (`OffloadRuntime.optimistic_ok`).
+caches, when `OffloadRuntime.optimistic` is set (by default where a sync stalls the device, a GPU: on the
+CPU backend a sync costs little and the second runs cost more than the syncs saved;
+`benchmarks/sync_path.py` measures it); the runtime then decides from how often recent decode tokens
+missed (`OffloadRuntime.optimistic_ok`).
 Not here: the per-layer path (`runtime.py`).
 """
 

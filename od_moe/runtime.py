@@ -54,11 +54,13 @@ STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install
 
 class Route(NamedTuple):
     """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale; in
-    rounds, which routed experts this round computes (`members`)."""
+    rounds, which routed experts this round computes (`members`); `launch`: the host waited for this
+    layer's routing, so its computation should start at once."""
 
     slots: mx.array
     scale: mx.array | None = None
     members: mx.array | None = None
+    launch: bool = False
 
 
 class OffloadRuntime:
@@ -88,9 +90,10 @@ class OffloadRuntime:
         self._pass_index = 0
         self._running_layer: int | None = None  # the layer of the running pass that `route` is at
         self._pass_started: float | None = None
-        # may decode passes run optimistically (`optimistic.py`): off until measured on a GPU; on the CPU
-        # backend it is slower (`benchmarks/optimistic.py`: 0.82-0.88x with a sync per layer)
-        self.optimistic = False
+        # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device
+        # (`benchmarks/sync_path.py`: 1.25x at 87.5% resident on an H100; 0.82-0.88x on the CPU backend)
+        self.optimistic = backend.syncs_stall_device()
+        self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer
         self._pass_missed = False
         self._speculative: list | None = None  # optimistic pass: (layer, indices, phase, absent flag)
@@ -230,7 +233,7 @@ class OffloadRuntime:
             self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
         self._submit(predictions)
         if fits:  # the cache's lookup table is made anew only when its experts changed
-            yield Route(cache.routed_slots(indices))
+            yield Route(cache.routed_slots(indices), launch=self.launch_early)
         else:
             yield from self._rounds(cache, ids, uniq, counts)
 

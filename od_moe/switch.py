@@ -5,7 +5,9 @@ stacked slots instead of E experts. Once per layer the switch asks the runtime f
 routed experts (`OffloadRuntime.route`) and computes on them. The runtime answers with one `Route`, or, when
 a layer needs more distinct experts than it has slots (a long prefill chunk at a small capacity), one
 per round: each round computes the experts that fit and the outputs are merged per routed expert before
-mlx-lm's weighted sum, so the result is the same. In skip mode a route carries a per-expert scale that
+mlx-lm's weighted sum, so the result is the same. After a layer whose routing the host waited for, its
+computation is started at once (`mx.async_eval`), so the device works while the next layer is built
+(`benchmarks/launch.py`). In skip mode a route carries a per-expert scale that
 zeroes missing experts and renormalises the others.
 Not here: lookups, reads, installs or prefetch (`runtime.py`).
 """
@@ -34,4 +36,6 @@ class OffloadedSwitch(nn.Module):
             else:
                 out = y if out is None else mx.where(route.members[..., None], y, out)
                 mx.eval(out)  # the next round overwrites slots this one read
+        if route.launch:  # the device idled while the host synced: it computes while the next layer is built
+            mx.async_eval(out)
         return out

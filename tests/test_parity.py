@@ -65,3 +65,32 @@ def test_generate_and_module_one_liner(bundled_reference):
     assert od_moe.generate(PROMPTS[0], max_tokens=NEW_TOKENS, capacity=16) == text
     responses = list(od_moe.stream_generate(PROMPTS[0], max_tokens=8, capacity=16))
     assert responses[-1].finish_reason == "length" and responses[-1].generation_tokens == 8
+
+
+@pytest.mark.parametrize("launch_early", [True, False])
+def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch, launch_early):
+    """After the host waited for a layer's routing, the switch starts that layer's computation at once
+    (`mx.async_eval`) so the device works while the next layer is built; the tokens stay exact."""
+    import mlx.core as mx
+
+    from od_moe import switch
+
+    launched = []
+
+    class CountingMx:
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def async_eval(self, *arrays):
+            launched.append(len(arrays))
+            return mx.async_eval(*arrays)
+
+    monkeypatch.setattr(switch, "mx", CountingMx())
+    engine = od_moe.load(capacity=0.25, prefetch="none")
+    engine.runtime.launch_early = launch_early
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    if launch_early:  # one per layer that synced and computed in one round
+        assert 0 < len(launched) <= engine.runtime.host_syncs
+        assert len(launched) >= engine.stats()["tokens"]["decode"] * engine.stats()["moe_layers"] // 2
+    else:
+        assert launched == []

@@ -1,8 +1,13 @@
-"""Optimistic decode passes against a sync per layer: the same partly resident engine twice (optimistic
-passes off and forced on), in one process, alternating prompt by prompt (machines are noisy: the ratio is
-the figure). Greedy tokens must agree; the host syncs per decoded token are deterministic.
+"""The per-layer sync path with one of the runtime's switches off and on: the same partly resident engine
+twice, in one process, alternating prompt by prompt (machines are noisy: the ratio is the figure).
+Greedy tokens must agree; host syncs per decoded token are deterministic.
 
-    python benchmarks/optimistic.py [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
+- `--switch optimistic`: optimistic decode passes (`optimistic.py`) against a sync per layer;
+- `--switch launch_early`: a layer the host synced at starts computing at once (`mx.async_eval`), against
+  leaving it to the next sync.
+
+    python benchmarks/sync_path.py [--switch optimistic|launch_early] [--policy none|predictor]
+        [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
 """
 
 import argparse
@@ -10,6 +15,8 @@ import argparse
 import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.report import table
+
+SWITCHES = ("optimistic", "launch_early")
 
 
 def _generate(engine, prompt, max_tokens):
@@ -26,6 +33,8 @@ def _per_token(engine) -> tuple[float, int, int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--switch", choices=SWITCHES, default="optimistic")
+    parser.add_argument("--policy", choices=("none", "predictor"), default="none")
     parser.add_argument(
         "--model", default=str(od_moe.DEFAULT_MODEL), help="an MLX model folder (default: embedded)"
     )
@@ -33,12 +42,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
+    predictor = od_moe.DEFAULT_PREDICTOR if args.policy == "predictor" else None
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
         engines = []
-        for optimistic in (False, True):
-            engine = od_moe.load(args.model, capacity=capacity, prefetch="none")
-            engine.runtime.optimistic = optimistic
+        for on in (False, True):
+            engine = od_moe.load(args.model, capacity=capacity, prefetch=args.policy, predictor=predictor)
+            setattr(engine.runtime, args.switch, on)
             _generate(engine, PROMPTS[0], 8)  # warm-up: kernels, the miss rate
             engine.reset_stats()
             engines.append(engine)
@@ -55,9 +65,12 @@ def main():
         rows.append(
             [f"{capacity:.1%}", mean[0], mean[1], mean[1] / mean[0], sync_a, sync_b, passes, missed, same]
         )
-    title = f"{args.model}, {len(PROMPTS)} prompts x {args.tokens} tokens x {args.rounds} rounds: decode"
-    columns = ["capacity", "tok/s, sync per layer", "tok/s optimistic", "ratio", "syncs/token before"]
-    columns += ["syncs/token optimistic", "optimistic passes", "ran again", "same tokens"]
+    title = (
+        f"{args.model}, policy {args.policy}, {len(PROMPTS)} prompts x {args.tokens} tokens x {args.rounds}"
+        f" rounds: decode with {args.switch} off and on"
+    )
+    columns = ["capacity", "tok/s off", "tok/s on", "ratio", "syncs/token off", "syncs/token on"]
+    columns += ["optimistic passes", "ran again", "same tokens"]
     print(table(columns, rows, title=title))
 
 

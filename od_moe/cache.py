@@ -97,7 +97,12 @@ class LayerCache:
         self.last_use = np.zeros(C, dtype=np.float64)
         self.uses = np.zeros(E, dtype=np.float64)  # decayed use count of every expert, resident or not
         self.used_at = np.zeros(E, dtype=np.float64)  # when `uses` was last brought up to date
-        self.history_version = 0  # counts changes of `uses` and `used_at` (what `use_history` reads)
+        # the routing history the next-use head reads, in tokens (a prefill pass is many): per expert the
+        # token of its last use and its use count decayed to then, as training computes them per token
+        self.tokens_routed = 0
+        self.token_used_at = np.zeros(E, dtype=np.float64)
+        self.token_uses = np.zeros(E, dtype=np.float64)
+        self.history_version = 0  # counts changes of that history (what `use_history` reads)
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
@@ -167,18 +172,37 @@ class LayerCache:
             return 0
         first_uses = int(self.unused_prefetch[slots].sum())
         self.unused_prefetch[slots] = False
-        self.history_version += 1
         self.uses[ids] = self._decayed(ids, clock) + uses
         self.used_at[ids] = clock
         self.last_use[slots] = clock
         return first_uses
 
+    def note_routing(self, ids: np.ndarray):
+        """Add a pass's routing, (tokens, k) expert ids in token order, to the per-token history."""
+        ids = np.asarray(ids).reshape(-1, np.shape(ids)[-1])
+        tokens = ids.shape[0]
+        at = np.broadcast_to(np.arange(tokens)[:, None], ids.shape).reshape(-1)
+        flat = ids.reshape(-1)
+        last = np.full(self.num_experts, -1)
+        np.maximum.at(last, flat, at)
+        used = np.flatnonzero(last >= 0)
+        weight = np.zeros(self.num_experts)  # each use decayed to the expert's last use in this pass
+        np.add.at(weight, flat, 0.5 ** ((last[flat] - at) / LFU_HALF_LIFE))
+        when = self.tokens_routed + last[used]
+        self.token_uses[used] = (
+            self.token_uses[used] * 0.5 ** ((when - self.token_used_at[used]) / LFU_HALF_LIFE) + weight[used]
+        )
+        self.token_used_at[used] = when
+        self.tokens_routed += tokens
+        self.history_version += 1
+
     def use_history(self, never: float) -> tuple[np.ndarray, np.ndarray]:
-        """Per expert, as of the layer's latest use: passes since its last use (`never` if it has no use
-        on record) and its decayed use count (what the predictor's next-use head reads)."""
-        now = float(self.used_at.max())
-        age = np.where(self.uses > 0, now - self.used_at, never)
-        return age, self._decayed(np.arange(self.num_experts), now)
+        """Per expert, as of the layer's latest token: tokens since its last use (`never` if it has no
+        use on record) and its use count decayed to now, per token (what the next-use head reads, as
+        `training.next_use.history` computes it from traces)."""
+        now = float(self.tokens_routed - 1)
+        age = np.where(self.token_uses > 0, now - self.token_used_at, never)
+        return age, self.token_uses * 0.5 ** ((now - self.token_used_at) / LFU_HALF_LIFE)
 
     # -- eviction ------------------------------------------------------------------------------
     def _eviction_order(self, clock: float) -> np.ndarray:

@@ -17,11 +17,17 @@ from od_moe import backend
 from od_moe.cli import main
 from od_moe.errors import UserError
 from od_moe.predictor import PredictorConfig, ShadowPredictor, load_predictor
-from od_moe.predictor.next_use import NextUseHead
+from od_moe.predictor.next_use import AGE_CAP, NextUseHead
 from od_moe.replay import replay_layers
 from od_moe.training.data import Documents, load_documents, split_documents
-from od_moe.training.evaluate import WARM_UP_TOKENS, baselines, evaluate_predictor, next_gate_logits
-from od_moe.training.next_use import fit_next_use, trace_distances
+from od_moe.training.evaluate import (
+    WARM_UP_TOKENS,
+    baselines,
+    evaluate_predictor,
+    multi_hot,
+    next_gate_logits,
+)
+from od_moe.training.next_use import fit_next_use, history, trace_distances
 from od_moe.training.record import TraceSet, record_traces
 from od_moe.training.train import train_predictor
 
@@ -144,6 +150,23 @@ def test_the_next_use_head_evicts_better_than_lru_and_lfu_on_held_out_routing(en
         assert reads["min"] <= reads["next-use"]
         if capacity > 8:  # at 8 slots a token's 8 experts fill the cache: every rule reads alike
             assert reads["next-use"] < min(reads["lru"], reads["lfu"])
+
+
+def test_the_engine_keeps_the_routing_history_the_head_was_trained_on(traces):
+    """The next-use head reads each expert's age and decayed use count: the engine keeps them per token
+    (a prefill pass is many tokens) exactly as training computes them from traces."""
+    held = traces[1].load()
+    ids = held["ids"][:72]
+    num_experts = 64
+    used = multi_hot(ids.reshape(-1, ids.shape[-1]), num_experts).reshape(*ids.shape[:2], num_experts)
+    want_age, want_uses = history(used, np.zeros(len(ids), np.int64))
+    cache = od_moe.load(capacity=0.25).caches[3]
+    passes = [(0, 40)] + [(t, t + 1) for t in range(40, 72)]  # a prompt in one pass, then decode
+    for start, end in passes:
+        cache.note_routing(ids[start:end, 3])
+        age, uses = cache.use_history(never=AGE_CAP)
+        np.testing.assert_allclose(np.minimum(age, AGE_CAP), want_age[end - 1, 3], atol=1e-4)
+        np.testing.assert_allclose(uses, want_uses[end - 1, 3], rtol=1e-4, atol=1e-5)
 
 
 def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):

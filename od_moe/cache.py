@@ -181,6 +181,15 @@ class LayerCache:
         """Add a pass's routing, (tokens, k) expert ids in token order, to the per-token history."""
         ids = np.asarray(ids).reshape(-1, np.shape(ids)[-1])
         tokens = ids.shape[0]
+        if tokens == 1:  # a decode pass: its k distinct experts, each used once, now
+            used, now = ids[0], float(self.tokens_routed)
+            self.token_uses[used] = (
+                self.token_uses[used] * 0.5 ** ((now - self.token_used_at[used]) / LFU_HALF_LIFE) + 1.0
+            )
+            self.token_used_at[used] = now
+            self.tokens_routed += 1
+            self.history_version += 1
+            return
         at = np.broadcast_to(np.arange(tokens)[:, None], ids.shape).reshape(-1)
         flat = ids.reshape(-1)
         last = np.full(self.num_experts, -1)

@@ -252,6 +252,8 @@ class PredictorPolicy(OnDemand):
         self._members.pop(step.layer, None)  # its predictions were for the run that just happened
         if fresh is not None:
             self._known[step.layer] = tuple(None if a is None else np.array(a) for a in fresh)
+        else:
+            self._known.pop(step.layer, None)
 
     def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
         """The next-use head's expected passes until each expert is needed (as of the layer's latest
@@ -279,7 +281,9 @@ class PredictorPolicy(OnDemand):
 
     def before_layer(self, step: Step) -> list[Prediction]:
         c, source = self.predictor.config, step.layer
-        if self.head is not None and step.x is not None:
+        # the head's estimates serve while prefetch runs: where the governor paused it, demand reads cost
+        # too little for either to pay, and eviction falls back to the cache's own rule
+        if self.head is not None and step.x is not None and step.prefetching:
             logprobs = _router_logprobs(step.router) if isinstance(step.router, mx.array) else None
             self._fresh[source] = (self.head.x_term(source, _last_row(step.x))[0], logprobs)
         if not step.predict:

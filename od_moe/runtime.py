@@ -439,7 +439,7 @@ class OffloadRuntime:
         flight and no helper threads, this thread reads them into its own staging, with no hand-off at
         all; otherwise through the reader, which waits for late prefetches (installed here) and
         parallelises the rest."""
-        if self.governor is None and self.read_threads == 1:
+        if self.read_threads == 1 and (self.governor is None or not self.reader.busy):
             staging = self._staging.get(cache.layout.shape_key)
             if staging is None or staging.size < len(ids):
                 staging = self._staging[cache.layout.shape_key] = Staging(

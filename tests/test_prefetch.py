@@ -94,6 +94,26 @@ def test_the_next_use_head_orders_eviction_and_refuses_reads_that_do_not_pay(pre
     assert refused < blind.stats()["io"]["decode"]["bytes_read"]
 
 
+def test_paused_prefetch_leaves_eviction_and_reads_to_the_demand_path(predictor_dir, monkeypatch):
+    """Where the governor paused prefetch (its reads cost too little to pay for predicting), the next-use
+    head is idle too: eviction falls back to the cache's own rule and demand reads skip the reader."""
+    engine = _engine("predictor", predictor_dir, "25%")
+    engine.generate(PROMPTS[0], max_tokens=8)
+    policy, runtime = engine.runtime.policy, engine.runtime
+    assert any(policy.next_uses(runtime._pass_index, layer) is not None for layer in range(8))
+    runtime.governor._set_mode("paused", "gain")
+    runtime.reader.drain()
+    runtime._install_ready({})
+    handed = []
+    fetch = runtime.reader.fetch
+    monkeypatch.setattr(runtime.reader, "fetch", lambda *a, **k: handed.append(a) or fetch(*a, **k))
+    before = engine.stats()["io"]["decode"]["experts_loaded"]
+    engine.generate(PROMPTS[1], max_tokens=8)
+    assert engine.stats()["io"]["decode"]["experts_loaded"] > before  # it read on demand...
+    assert handed == []  # ...on the generation thread
+    assert all(policy.next_uses(runtime._pass_index, layer) is None for layer in range(8))
+
+
 def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(predictor_dir):
     engine = _engine("profile", predictor_dir, "25%")
     engine.generate(PROMPTS[1], max_tokens=NEW_TOKENS)

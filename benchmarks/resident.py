@@ -7,18 +7,11 @@ process, alternating rounds (machines are noisy: the ratio is the figure). Greed
 import argparse
 
 from mlx_lm import load as mlx_lm_load
-from mlx_lm import stream_generate
 
 import od_moe
 from od_moe import backend
-from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.foundation import PROMPTS, stock_decode
 from od_moe.report import table
-
-
-def _decode_tps(model, tokenizer, prompt, max_tokens):
-    """Decode tok/s of one greedy generation, and its tokens."""
-    out = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
-    return out[-1].generation_tps, [r.token for r in out]
 
 
 def main():
@@ -38,13 +31,13 @@ def main():
         stock.set_dtype(dtype)
     engine = od_moe.load(args.model, capacity=1.0, dtype=args.dtype)
     for model in (stock, engine.model):  # warm-up: kernels, caches
-        _decode_tps(model, tokenizer, PROMPTS[0], 8)
+        stock_decode(model, tokenizer, PROMPTS[0], 8)
     rows = []
     for n in range(args.rounds):  # alternate prompt by prompt: drifts of the machine hit both alike
         pairs = [
             (
-                _decode_tps(stock, tokenizer, p, args.tokens),
-                _decode_tps(engine.model, tokenizer, p, args.tokens),
+                stock_decode(stock, tokenizer, p, args.tokens),
+                stock_decode(engine.model, tokenizer, p, args.tokens),
             )
             for p in PROMPTS
         ]

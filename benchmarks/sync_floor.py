@@ -11,11 +11,10 @@ import argparse
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
-from mlx_lm import stream_generate
 
 import od_moe
 from od_moe import backend
-from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.foundation import PROMPTS, stock_decode
 from od_moe.report import table
 from od_moe.surgery import find_moe_blocks
 
@@ -34,11 +33,6 @@ class SyncedSwitch(nn.Module):
         return self.inner(x, indices)
 
 
-def _decode_tps(model, tokenizer, prompt, max_tokens):
-    out = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
-    return out[-1].generation_tps, [r.token for r in out]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -55,7 +49,7 @@ def main():
     blocks = find_moe_blocks(model)
     for block in blocks:
         block.replace_switch(SyncedSwitch(block.switch, syncing))
-    _decode_tps(model, tokenizer, PROMPTS[0], 8)  # warm-up: kernels
+    stock_decode(model, tokenizer, PROMPTS[0], 8)  # warm-up: kernels
     tps = {False: [], True: []}
     same = True
     for _ in range(args.rounds):
@@ -63,7 +57,7 @@ def main():
             runs = {}
             for sync in (False, True):
                 syncing[0] = sync
-                runs[sync] = _decode_tps(model, tokenizer, prompt, args.tokens)
+                runs[sync] = stock_decode(model, tokenizer, prompt, args.tokens)
                 tps[sync].append(runs[sync][0])
             same &= runs[False][1] == runs[True][1]
     stock, synced = (sum(tps[s]) / len(tps[s]) for s in (False, True))

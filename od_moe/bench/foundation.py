@@ -33,6 +33,12 @@ def _decode(generator):
     return tokens, last
 
 
+def stock_decode(model, tokenizer, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
+    """Decode tok/s of one greedy stock mlx-lm generation, and its tokens."""
+    tokens, last = _decode(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    return last.generation_tps, tokens
+
+
 def run_stock(path, prompts, max_tokens):
     """Stock mlx-lm with od-moe's backend cast: tokens, decode tok/s, peak memory."""
     mx.clear_cache()

@@ -4,7 +4,8 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
 - Precision: every `window` decode tokens the precision of that window is checked; below
   `MIN_PRECISION` the experts asked per layer are halved (down to none), above `RECOVER_PRECISION`
   they grow back.
-- Gain (timed): after `first_check` tokens with prefetch on, the demand reads its useful prefetches
+- Gain (timed): after `first_check` tokens with prefetch on (a token later per token of unknown time,
+  as the first after a reset), the demand reads its useful prefetches
   saved (their mean read and install time) are weighed against what it cost the generation thread
   (predicting, queueing, installing). If the saving is smaller, with `MIN_GAIN` of the token time as
   margin (reads from the page cache of a small model), it pauses; while paused, a demand stall worth
@@ -83,6 +84,7 @@ class Governor:
             None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so
         )
         self.gain = None  # the last check of what prefetch hides
+        self._gain_checked = False  # this stretch with prefetch on has had its gain check
         self.backoffs, self.backoff_reason = 0, None
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
@@ -95,10 +97,10 @@ class Governor:
 
     @property
     def measuring(self) -> bool:
-        """True while the first tokens of a stretch with prefetch on are measured: the policy's compute
-        is then timed apart (one more sync per layer)."""
-        s = self.settings
-        return s.timed_checks and self.mode == "on" and self.decode_tokens - self._mode_since < s.first_check
+        """True while a stretch with prefetch on awaits its gain check (its first `first_check` tokens, or
+        more where a token's time was unknown): the policy's compute is then timed apart (one more sync
+        per layer)."""
+        return self.settings.timed_checks and self.mode == "on" and not self._gain_checked
 
     def take(self, candidates: int) -> int:
         """How many of a layer's best `candidates` to read (fewer after precision back-offs)."""
@@ -183,10 +185,12 @@ class Governor:
 
     def _check_gain(self):
         n = self.decode_tokens - self._mode_since
-        if self.mode == "on" and n == self.settings.first_check:
-            gain = self._gain(n)
-            if gain is None:
+        if self.mode == "on" and n >= self.settings.first_check and not self._gain_checked:
+            gain = self._gain(self.settings.first_check)
+            if gain is None:  # a token of unknown time (as after a reset): check at the next, a few times
+                self._gain_checked = n >= 4 * self.settings.first_check
                 return
+            self._gain_checked = True
             self.gain = gain
             if gain["hidden_ms"] < gain["cost_ms"] + MIN_GAIN * gain["token_ms"]:
                 self._back_off(
@@ -237,3 +241,4 @@ class Governor:
 
     def _set_mode(self, mode: str, pause_kind: str | None = None):
         self.mode, self._mode_since, self._pause_kind = mode, self.decode_tokens, pause_kind
+        self._gain_checked = False

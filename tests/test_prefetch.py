@@ -313,6 +313,21 @@ def test_prefetch_pauses_when_the_reads_it_saves_cannot_repay_its_cost(predictor
     assert queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
 
 
+def test_the_gain_check_still_decides_after_the_counts_are_reset(predictor_dir):
+    """After `reset_stats` the first token booked is one of unknown time (the pass before the reset):
+    the gain check waits a token for a clean window instead of never deciding."""
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.governor
+    engine.reset_stats()
+    queue.end_token("decode", None)  # the last pass of the previous prompt, its time unknown
+    queue.end_token("prefill", 0.1)
+    for _ in range(queue.settings.first_check):  # the window of its last two tokens holds that one
+        assert queue.measuring
+        _token(queue, 0.020, useful=10, read_s=1e-4, busy_s=0.003)
+    assert queue.mode == "paused" and queue.backoffs == 1 and not queue.measuring
+    assert "costs 3.00 ms" in queue.backoff_reason
+
+
 def test_the_reader_thread_ends_with_its_engine():
     import gc
     import time

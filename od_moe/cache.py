@@ -181,25 +181,20 @@ class LayerCache:
         """Add a pass's routing, (tokens, k) expert ids in token order, to the per-token history."""
         ids = np.asarray(ids).reshape(-1, np.shape(ids)[-1])
         tokens = ids.shape[0]
-        if tokens == 1:  # a decode pass: its k distinct experts, each used once, now
-            used, now = ids[0], float(self.tokens_routed)
-            self.token_uses[used] = (
-                self.token_uses[used] * 0.5 ** ((now - self.token_used_at[used]) / LFU_HALF_LIFE) + 1.0
-            )
-            self.token_used_at[used] = now
-            self.tokens_routed += 1
-            self.history_version += 1
-            return
-        at = np.broadcast_to(np.arange(tokens)[:, None], ids.shape).reshape(-1)
-        flat = ids.reshape(-1)
-        last = np.full(self.num_experts, -1)
-        np.maximum.at(last, flat, at)
-        used = np.flatnonzero(last >= 0)
-        weight = np.zeros(self.num_experts)  # each use decayed to the expert's last use in this pass
-        np.add.at(weight, flat, 0.5 ** ((last[flat] - at) / LFU_HALF_LIFE))
-        when = self.tokens_routed + last[used]
+        if tokens == 1:  # a decode pass: its k distinct experts, each used once, now (no ufunc.at: fast)
+            used, last, weight = ids[0], 0, 1.0
+        else:
+            at = np.broadcast_to(np.arange(tokens)[:, None], ids.shape).reshape(-1)
+            flat = ids.reshape(-1)
+            latest = np.full(self.num_experts, -1)
+            np.maximum.at(latest, flat, at)
+            used = np.flatnonzero(latest >= 0)
+            weights = np.zeros(self.num_experts)  # each use decayed to the expert's last use in this pass
+            np.add.at(weights, flat, 0.5 ** ((latest[flat] - at) / LFU_HALF_LIFE))
+            last, weight = latest[used], weights[used]
+        when = self.tokens_routed + last
         self.token_uses[used] = (
-            self.token_uses[used] * 0.5 ** ((when - self.token_used_at[used]) / LFU_HALF_LIFE) + weight[used]
+            self.token_uses[used] * 0.5 ** ((when - self.token_used_at[used]) / LFU_HALF_LIFE) + weight
         )
         self.token_used_at[used] = when
         self.tokens_routed += tokens

@@ -243,6 +243,8 @@ class PredictorPolicy(OnDemand):
         return [a for inputs in self._fresh.values() for a in inputs if a is not None]
 
     def after_routing(self, step: Step, ids: np.ndarray):
+        if self.head is not None:  # the history the head reads, kept through pauses too
+            self.caches[step.layer].note_routing(ids)
         fresh = self._fresh.pop(step.layer, None)
         if step.prefetching and isinstance(step.router, mx.array):
             logprobs = fresh[1] if fresh is not None else _router_logprobs(step.router)

@@ -382,7 +382,6 @@ class OffloadRuntime:
             self.host_syncs += 1
 
     def _after_routing(self, step: Step, ids: np.ndarray):
-        self.caches[step.layer].note_routing(ids)
         if self._recording:
             self._recording[-1][step.layer] = ids.reshape(-1, ids.shape[-1])
         self.policy.after_routing(step, ids)

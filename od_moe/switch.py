@@ -7,7 +7,7 @@ a layer needs more distinct experts than it has slots (a long prefill chunk at a
 per round: each round computes the experts that fit and the outputs are merged per routed expert before
 mlx-lm's weighted sum, so the result is the same. After a layer whose routing the host waited for, its
 computation is started at once (`mx.async_eval`), so the device works while the next layer is built
-(`benchmarks/launch.py`). In skip mode a route carries a per-expert scale that
+(`benchmarks/sync_path.py --switch launch_early`). In skip mode a route carries a per-expert scale that
 zeroes missing experts and renormalises the others.
 Not here: lookups, reads, installs or prefetch (`runtime.py`).
 """

@@ -13,6 +13,10 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
 - Cost probe (timed): after `first_probe` tokens, then every `probe_every`, it switches prefetch off for
   `probe_tokens` tokens; if tokens are faster without it (by `COST_MARGIN`), it pauses for
   `pause_tokens`.
+- Read-bound (timed): where the generation thread spent at least `READ_BOUND_ENTER` of the last
+  `read_window` tokens waiting for expert reads, the read path is the bottleneck and every speculative
+  read delays a needed one: only predictions scored `read_bound_score` or more are read (`min_score`),
+  until that share falls below `READ_BOUND_LEAVE`.
 `timed_checks=False` keeps only the precision check (deterministic runs and tests).
 Not here: reading (`reader.py`) or predicting (`policies.py`).
 """
@@ -27,6 +31,7 @@ from .stats import Ledger
 MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
 COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it
 MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to stay on
+READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waiting for reads
 MARKS_KEPT = 64
 
 
@@ -47,6 +52,11 @@ class PrefetchSettings:
     # distance) is lower: on the bundled model's bench prompts at 25% resident, 0.4 read 22.3 experts per
     # token with a decode hit rate of 0.850 where 0 read 27.7 (0.896) and on-demand LRU 22.3 (0.651)
     min_score: float = 0.4
+    # where reads are the bottleneck (see the module docstring): the floor then; on the widened copy at 25%
+    # cold on the CPU, 0.9 read 23.8 experts per token (hit 0.684) where 0.4 read 26.9 (0.797) and
+    # on-demand LRU 27.0 (0.578)
+    read_bound_score: float = 0.9
+    read_window: int = 4  # decode tokens over which the read-bound share is measured
 
 
 # what the governor reports when prefetch is off (no policy reads ahead)
@@ -57,6 +67,8 @@ OFF = {
     "gain": None,
     "backoffs": 0,
     "backoff_reason": None,
+    "read_bound": False,
+    "stall_share": None,
 }
 
 
@@ -86,6 +98,7 @@ class Governor:
         self.gain = None  # the last check of what prefetch hides
         self._gain_checked = False  # this stretch with prefetch on has had its gain check
         self.backoffs, self.backoff_reason = 0, None
+        self.read_bound, self.stall_share = False, None  # the read-bound check's verdict and its measure
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
         self._marks: list[_Mark] = []
@@ -101,6 +114,12 @@ class Governor:
         more where a token's time was unknown): the policy's compute is then timed apart (one more sync
         per layer)."""
         return self.settings.timed_checks and self.mode == "on" and not self._gain_checked
+
+    @property
+    def min_score(self) -> float:
+        """The lowest score of a prediction worth a speculative read now."""
+        s = self.settings
+        return max(s.min_score, s.read_bound_score) if self.read_bound else s.min_score
 
     def take(self, candidates: int) -> int:
         """How many of a layer's best `candidates` to read (fewer after precision back-offs)."""
@@ -130,6 +149,7 @@ class Governor:
         if self.settings.timed_checks:
             self._check_gain()
             self._check_cost()
+            self._check_reads()
 
     def stats(self) -> dict:
         return {
@@ -139,6 +159,8 @@ class Governor:
             "gain": self.gain,
             "backoffs": self.backoffs,
             "backoff_reason": self.backoff_reason,
+            "read_bound": self.read_bound,
+            "stall_share": self.stall_share,
         }
 
     # -- checks -----------------------------------------------------------------------------------
@@ -228,6 +250,22 @@ class Governor:
                 self._set_mode("on")
         elif self.mode == "paused" and n >= s.pause_tokens:
             self._set_mode("on")
+
+    def _check_reads(self):
+        """Whether the read path is the bottleneck: the share of the last `read_window` decode tokens' time
+        the generation thread waited for expert reads (demand reads and late prefetches)."""
+        marks = self._marks[-self.settings.read_window - 1 :]
+        if len(marks) <= self.settings.read_window or any(
+            m.seconds is None or m.mode == "prefill" for m in marks[1:]
+        ):
+            return
+        self.stall_share = (marks[-1].stall_s - marks[0].stall_s) / max(
+            sum(m.seconds for m in marks[1:]), 1e-9
+        )
+        if self.stall_share >= READ_BOUND_ENTER:
+            self.read_bound = True
+        elif self.stall_share < READ_BOUND_LEAVE:
+            self.read_bound = False
 
     def _back_off(self, reason: str, pause: str | None = None):
         """Count a back-off; with `pause` ("gain" or "cost"), pause prefetch for that reason."""

@@ -561,7 +561,7 @@ class OffloadRuntime:
             order = np.argsort(-scores, kind="stable")[: self.governor.take(len(experts))]
             chosen = {int(experts[n]): float(scores[n]) for n in order}
             cache = self.caches[layer]
-            absent = [e for e in chosen if cache.slot_of[e] < 0 and chosen[e] >= self.settings.min_score]
+            absent = [e for e in chosen if cache.slot_of[e] < 0 and chosen[e] >= self.governor.min_score]
             future = self._future(layer) if absent else None
             if future is not None:  # read only what would go in: needed sooner than what it evicts
                 protect = list(chosen) + self.reader.wanted(layer)

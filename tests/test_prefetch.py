@@ -328,6 +328,52 @@ def test_the_gain_check_still_decides_after_the_counts_are_reset(predictor_dir):
     assert "costs 3.00 ms" in queue.backoff_reason
 
 
+def test_where_reads_are_the_bottleneck_only_confident_predictions_are_read(predictor_dir):
+    """Tokens spent mostly waiting for expert reads make the read path the bottleneck: the score floor for
+    speculative reads rises to `read_bound_score`, and falls back once the waits shrink."""
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.governor
+    window = queue.settings.read_window
+    queue.end_token("prefill", 0.1)
+    for _ in range(window):  # 6 of 20 ms waiting: prefetch hides enough
+        _token(queue, 0.020, useful=10, read_s=3e-3, busy_s=0.001, stall_s=0.006)
+    assert not queue.read_bound and queue.min_score == queue.settings.min_score
+    assert queue.stats()["stall_share"] == pytest.approx(0.3)
+    for _ in range(window):  # 14 of 20 ms: the reads are the bottleneck
+        _token(queue, 0.020, useful=10, read_s=3e-3, busy_s=0.001, stall_s=0.014)
+    assert queue.read_bound and queue.min_score == queue.settings.read_bound_score > queue.settings.min_score
+    assert queue.mode == "on"  # still prefetching, only the confident predictions
+    for _ in range(window):  # 8 of 20 ms: between the thresholds, it stays
+        _token(queue, 0.020, useful=10, read_s=3e-3, busy_s=0.001, stall_s=0.008)
+    assert queue.read_bound
+    for _ in range(window):  # 2 of 20 ms: not any more
+        _token(queue, 0.020, useful=10, read_s=3e-3, busy_s=0.001, stall_s=0.002)
+    assert not queue.read_bound and queue.min_score == queue.settings.min_score
+
+
+def test_a_read_bound_runtime_queues_no_prediction_below_the_raised_floor(predictor_dir, monkeypatch):
+    def submitted(read_bound):
+        engine = _engine("predictor", predictor_dir, "25%")
+        engine.runtime.governor.read_bound = read_bound  # no timed checks: the verdict stays
+        asked = []
+        submit = engine.runtime.reader.submit
+        monkeypatch.setattr(
+            engine.runtime.reader,
+            "submit",
+            lambda layer, chosen, absent: (
+                asked.extend(chosen[e] for e in absent) or submit(layer, chosen, absent)
+            ),
+        )
+        engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
+        return asked, engine.stats()["io"]["decode"]["bytes_read"]
+
+    (usual, usual_bytes), (bound, bound_bytes) = submitted(False), submitted(True)
+    floor = PrefetchSettings().read_bound_score
+    assert bound and min(bound) >= floor  # it still reads ahead, what is likely
+    assert any(score < floor for score in usual)  # the usual floor lets less likely ones through
+    assert bound_bytes < usual_bytes
+
+
 def test_the_reader_thread_ends_with_its_engine():
     import gc
     import time

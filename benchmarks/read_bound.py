@@ -1,0 +1,93 @@
+"""The read-bound score floor: the predictor policy with it (the default) against the same policy without
+it and against on-demand loading (`none`), in one process, the three alternating round by round (each
+round: every prompt, a fresh engine each, as `od-moe bench` runs them), governor timed checks on as in
+normal use. Where the generation thread waits for reads most of a token's time, the governor reads only
+predictions scored `read_bound_score` or more; this measures what that does to bytes, hit rate and speed.
+
+Prints per capacity: decode tok/s of each variant and their ratios, experts read per decoded token
+(demand and prefetch) against Belady's MIN for the same routing, the decode hit rate, and the share of
+prompts that ended read-bound. Exact tokens are checked across the three.
+
+    python benchmarks/read_bound.py [--widen 128 --workdir /tmp/odb] [--cold] [--capacities 0.25,0.5]
+        [--rounds 2] [--tokens 16]
+"""
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.prefetch import run_policy
+from od_moe.bench.widen import widen_model
+from od_moe.engine import DEFAULT_MODEL
+from od_moe.governor import PrefetchSettings
+from od_moe.report import table
+
+VARIANTS = {
+    "none": ("none", None),
+    "floor off": ("predictor", replace(PrefetchSettings(), read_bound_score=0.0)),
+    "floor on": ("predictor", PrefetchSettings()),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--widen", type=int, default=0, help="run on a copy with experts this much wider")
+    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="where the widened copy goes")
+    parser.add_argument("--cold", action="store_true", help="every read from the device (O_DIRECT)")
+    parser.add_argument("--capacities", default="0.25,0.5", help="fractions of experts resident")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=16)
+    args = parser.parse_args()
+    path = DEFAULT_MODEL
+    if args.widen:
+        path = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+    rows = []
+    for capacity in (float(c) for c in args.capacities.split(",")):
+        speed = {name: [] for name in VARIANTS}
+        sums = {name: dict(read=0.0, decoded=0, lookups=0, hits=0, bound=0, minimum=0) for name in VARIANTS}
+        tokens = {}
+        for _ in range(args.rounds):
+            for name, (policy, settings) in VARIANTS.items():
+                r = run_policy(
+                    path, PROMPTS, args.tokens, policy, capacity=capacity, cold=args.cold, settings=settings
+                )
+                speed[name].append(r["tok_s"])
+                tokens.setdefault(name, r["tokens"])
+                s = sums[name]
+                for st in r["stats"]:
+                    s["read"] += st["io"]["decode"]["bytes_read"] / r["expert_bytes"]
+                    s["decoded"] += st["tokens"]["decode"]
+                    s["lookups"] += st["total"]["decode"]["lookups"]
+                    s["hits"] += st["total"]["decode"]["hits"]
+                    s["bound"] += bool(st["prefetch"]["read_bound"])
+                s["minimum"] += r["min_reads"]
+        if len({str(t) for t in tokens.values()}) != 1:
+            raise SystemExit(f"tokens differ between the variants at {capacity:.1%}")
+        mean = {name: sum(v) / len(v) for name, v in speed.items()}
+        for name in VARIANTS:
+            s = sums[name]
+            rows.append(
+                [
+                    f"{capacity:.1%}",
+                    name,
+                    mean[name],
+                    mean[name] / mean["none"],
+                    mean[name] / mean["floor off"],
+                    s["read"] / s["decoded"],
+                    s["read"] / s["minimum"] if s["minimum"] else float("nan"),
+                    s["hits"] / s["lookups"],
+                    s["bound"] / (args.rounds * len(PROMPTS)),
+                ]
+            )
+    model = f"widened x{args.widen}" if args.widen else "embedded model"
+    title = (
+        f"{model}, {'cold' if args.cold else 'warm'} reads, {len(PROMPTS)} prompts x {args.tokens} tokens x "
+        f"{args.rounds} rounds: decode"
+    )
+    columns = ["capacity", "variant", "tok/s", "x none", "x floor off", "experts/tok", "x MIN", "hit"]
+    print(table(columns + ["ended read-bound"], rows, title=title))
+
+
+if __name__ == "__main__":
+    main()

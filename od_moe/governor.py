@@ -41,7 +41,7 @@ class PrefetchSettings:
 
     experts_per_layer: int | None = None  # most experts asked per layer ahead; None: the model's top-k
     window: int = 16  # decode tokens per precision check
-    timed_checks: bool = True  # the gain check and the cost probe (they measure wall time)
+    timed_checks: bool = True  # the gain check, the cost probe and the read-bound check (wall time)
     first_check: int = 2
     first_probe: int = 48
     probe_every: int = 48

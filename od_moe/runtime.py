@@ -555,20 +555,22 @@ class OffloadRuntime:
     def _submit(self, predictions: list[Prediction]):
         """Queue the predicted experts that are not resident; the governor says how many per layer, and
         where the policy estimates next uses, only those needed sooner than the experts they would evict."""
+        if not predictions:
+            return
         t0 = time.perf_counter()
+        floor = self.governor.min_score
         for layer, experts, scores in predictions:
             experts, scores = np.asarray(experts), np.asarray(scores)
             order = np.argsort(-scores, kind="stable")[: self.governor.take(len(experts))]
             chosen = {int(experts[n]): float(scores[n]) for n in order}
             cache = self.caches[layer]
-            absent = [e for e in chosen if cache.slot_of[e] < 0 and chosen[e] >= self.governor.min_score]
+            absent = [e for e in chosen if cache.slot_of[e] < 0 and chosen[e] >= floor]
             future = self._future(layer) if absent else None
             if future is not None:  # read only what would go in: needed sooner than what it evicts
                 protect = list(chosen) + self.reader.wanted(layer)
                 absent = _worth(cache, absent, protect, future, self.clock, strict=True)
             self.reader.submit(layer, chosen, absent)
-        if predictions:
-            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+        self.ledger.reader["busy_s"] += time.perf_counter() - t0
 
     def _drain(self):
         """Synchronous prefetch: every read requested so far lands before this layer runs."""

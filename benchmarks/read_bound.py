@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from od_moe.bench.foundation import PROMPTS
-from od_moe.bench.prefetch import run_policy
+from od_moe.bench.prefetch import run_policy, stats_total
 from od_moe.bench.widen import widen_model
 from od_moe.engine import DEFAULT_MODEL
 from od_moe.governor import PrefetchSettings
@@ -44,40 +44,39 @@ def main():
         path = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
-        speed = {name: [] for name in VARIANTS}
-        sums = {name: dict(read=0.0, decoded=0, lookups=0, hits=0, bound=0, minimum=0) for name in VARIANTS}
-        tokens = {}
+        results = {name: [] for name in VARIANTS}
         for _ in range(args.rounds):
             for name, (policy, settings) in VARIANTS.items():
-                r = run_policy(
-                    path, PROMPTS, args.tokens, policy, capacity=capacity, cold=args.cold, settings=settings
+                results[name].append(
+                    run_policy(
+                        path,
+                        PROMPTS,
+                        args.tokens,
+                        policy,
+                        capacity=capacity,
+                        cold=args.cold,
+                        settings=settings,
+                    )
                 )
-                speed[name].append(r["tok_s"])
-                tokens.setdefault(name, r["tokens"])
-                s = sums[name]
-                for st in r["stats"]:
-                    s["read"] += st["io"]["decode"]["bytes_read"] / r["expert_bytes"]
-                    s["decoded"] += st["tokens"]["decode"]
-                    s["lookups"] += st["total"]["decode"]["lookups"]
-                    s["hits"] += st["total"]["decode"]["hits"]
-                    s["bound"] += bool(st["prefetch"]["read_bound"])
-                s["minimum"] += r["min_reads"]
-        if len({str(t) for t in tokens.values()}) != 1:
+        if len({str(runs[0]["tokens"]) for runs in results.values()}) != 1:
             raise SystemExit(f"tokens differ between the variants at {capacity:.1%}")
-        mean = {name: sum(v) / len(v) for name, v in speed.items()}
-        for name in VARIANTS:
-            s = sums[name]
+        speed = {name: sum(r["tok_s"] for r in runs) / len(runs) for name, runs in results.items()}
+        for name, runs in results.items():
+            stats = [s for r in runs for s in r["stats"]]
+            read = stats_total(stats, "io", "decode", "bytes_read") / runs[0]["expert_bytes"]
+            minimum = sum(r["min_reads"] for r in runs)
             rows.append(
                 [
                     f"{capacity:.1%}",
                     name,
-                    mean[name],
-                    mean[name] / mean["none"],
-                    mean[name] / mean["floor off"],
-                    s["read"] / s["decoded"],
-                    s["read"] / s["minimum"] if s["minimum"] else float("nan"),
-                    s["hits"] / s["lookups"],
-                    s["bound"] / (args.rounds * len(PROMPTS)),
+                    speed[name],
+                    speed[name] / speed["none"],
+                    speed[name] / speed["floor off"],
+                    read / stats_total(stats, "tokens", "decode"),
+                    read / minimum if minimum else float("nan"),
+                    stats_total(stats, "total", "decode", "hits")
+                    / stats_total(stats, "total", "decode", "lookups"),
+                    stats_total(stats, "prefetch", "read_bound") / len(stats),
                 ]
             )
     model = f"widened x{args.widen}" if args.widen else "embedded model"

@@ -102,7 +102,8 @@ def run_policy(
     }
 
 
-def _sum(stats, *keys):
+def stats_total(stats, *keys):
+    """The sum over engines' `stats()` of the figure at `keys` (None counts 0)."""
     total = 0
     for s in stats:
         v = s
@@ -115,10 +116,13 @@ def _sum(stats, *keys):
 def _row(model, fraction, reads, miss_policy, policy, result, stock, machine):
     """One row; `machine`: the read bandwidth (for these reads) and install bandwidth measured here."""
     stats = result["stats"]
-    decode = _sum(stats, "tokens", "decode") or 1
-    lookups, hits = _sum(stats, "total", "decode", "lookups"), _sum(stats, "total", "decode", "hits")
+    decode = stats_total(stats, "tokens", "decode") or 1
+    lookups, hits = (
+        stats_total(stats, "total", "decode", "lookups"),
+        stats_total(stats, "total", "decode", "hits"),
+    )
     expert_bytes = result["expert_bytes"]
-    useful, wasted = _sum(stats, "prefetch", "useful"), _sum(stats, "prefetch", "wasted")
+    useful, wasted = stats_total(stats, "prefetch", "useful"), stats_total(stats, "prefetch", "wasted")
     same = [
         sum(a == b for a, b in zip(t, s)) / max(len(s), 1) for t, s in zip(result["tokens"], stock["tokens"])
     ]
@@ -131,21 +135,21 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock, machine):
         "hit_rate": hits / lookups if lookups else None,
         "decode_lookups": lookups,
         "decode_hits": hits,
-        "stall_ms_per_token": _sum(stats, "io", "decode", "stall_s") * 1e3 / decode,
-        "bytes_per_token": _sum(stats, "io", "decode", "bytes_read") / decode,
-        "experts_read_per_token": _sum(stats, "io", "decode", "bytes_read") / expert_bytes / decode,
+        "stall_ms_per_token": stats_total(stats, "io", "decode", "stall_s") * 1e3 / decode,
+        "bytes_per_token": stats_total(stats, "io", "decode", "bytes_read") / decode,
+        "experts_read_per_token": stats_total(stats, "io", "decode", "bytes_read") / expert_bytes / decode,
         "min_experts_read_per_token": result["min_reads"] / decode,
         "reads_over_min": (
-            _sum(stats, "io", "decode", "bytes_read") / expert_bytes / result["min_reads"]
+            stats_total(stats, "io", "decode", "bytes_read") / expert_bytes / result["min_reads"]
             if result["min_reads"]
             else None
         ),
         "tok_s": result["tok_s"],
         "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
         "prefetch_precision": useful / (useful + wasted) if useful + wasted else None,
-        "prefetch_issued": _sum(stats, "prefetch", "issued"),
-        "prefetch_late": _sum(stats, "prefetch", "late"),
-        "prefetch_backoffs": _sum(stats, "prefetch", "backoffs"),
+        "prefetch_issued": stats_total(stats, "prefetch", "issued"),
+        "prefetch_late": stats_total(stats, "prefetch", "late"),
+        "prefetch_backoffs": stats_total(stats, "prefetch", "backoffs"),
         "token_agreement": sum(same) / len(same),
         "exact": result["tokens"] == stock["tokens"],
         "tokens": result["tokens"],
@@ -154,8 +158,8 @@ def _row(model, fraction, reads, miss_policy, policy, result, stock, machine):
 
 
 def _roofline(stats, decode, result, stock, machine) -> dict:
-    read_bytes = _sum(stats, "io", "decode", "bytes_read") / decode
-    install_bytes = _sum(stats, "io", "decode", "experts_loaded") * result["slot_bytes"] / decode
+    read_bytes = stats_total(stats, "io", "decode", "bytes_read") / decode
+    install_bytes = stats_total(stats, "io", "decode", "experts_loaded") * result["slot_bytes"] / decode
     floor_ms, bound = roofline_ms(
         1e3 / stock["tok_s"], read_bytes, machine["read_bw"], install_bytes, machine["install_bw"]
     )

@@ -237,10 +237,14 @@ class PredictorPolicy(OnDemand):
         self._fresh: dict[int, tuple] = {}  # layer -> the head's lazy inputs at the running layer
         self._known: dict[int, tuple] = {}  # layer -> the same, evaluated, from its latest routing
         self._members: dict[int, tuple] = {}  # layer -> (ids, P(routed)) predicted for its next run
-        self._estimates: dict[int, tuple] = {}  # layer -> (known, members, history version, `next_uses`)
+        self._base: dict[int, tuple] = {}  # layer -> (known, history version, the head's distances)
+        self._estimates: dict[int, tuple] = {}  # layer -> (base distances, members, `next_uses`)
 
     def pending(self) -> list[mx.array]:
-        return [a for inputs in self._fresh.values() for a in inputs if a is not None]
+        """The lazy arrays the next-use estimates will read: evaluated with the layer's routing, so that
+        reading them later costs no host sync of its own."""
+        fresh = [a for inputs in self._fresh.values() for a in inputs if a is not None]
+        return fresh + [a for members in self._members.values() for a in members if isinstance(a, mx.array)]
 
     def after_routing(self, step: Step, ids: np.ndarray):
         if self.head is not None:  # the history the head reads, kept through pauses too
@@ -263,22 +267,37 @@ class PredictorPolicy(OnDemand):
         pass with p, so its estimate becomes p + (1 - p) times the head's."""
         if self.head is None or layer not in self._known:
             return None
-        cache = self.caches[layer]
-        # the runtime asks several times per layer (reads, installs, prefetch requests): the answer only
-        # changes with the layer's routing, the predictions for it and its experts' use history
-        known, members, version = self._known[layer], self._members.get(layer), cache.history_version
+        # the runtime asks several times per layer (reads, installs, prefetch requests): the head's answer
+        # changes only with the layer's routing and its experts' use history, once a pass, and the
+        # predictions for the layer (up to one per source layer ahead of it) only adjust a few experts
+        base = self._head_distances(layer)
+        members = self._members.get(layer)
         kept = self._estimates.get(layer)
-        if kept is not None and kept[0] is known and kept[1] is members and kept[2] == version:
-            return kept[3]
+        if kept is not None and kept[0] is base and kept[1] is members:
+            return kept[2]
+        distance = base
+        if members is not None:
+            if isinstance(members[0], mx.array):  # evaluated with the layer that predicted them
+                members = self._members[layer] = tuple(np.array(a) for a in members)
+            ids, p = members
+            distance = base.copy()
+            distance[ids] = np.minimum(distance[ids], p + (1 - p) * distance[ids])
+            distance.flags.writeable = False  # shared by every caller until the inputs change
+        self._estimates[layer] = (base, members, distance)
+        return distance
+
+    def _head_distances(self, layer: int) -> np.ndarray:
+        """The head's expected passes until each expert of `layer` is used again (read-only)."""
+        cache, known = self.caches[layer], self._known[layer]
+        kept = self._base.get(layer)
+        if kept is not None and kept[0] is known and kept[1] == cache.history_version:
+            return kept[2]
         x_term, logprobs = known
         age, uses = cache.use_history(never=AGE_CAP)
         logprobs = np.zeros(cache.num_experts, np.float32) if logprobs is None else logprobs
         distance = self.head.distances(layer, x_term, features(logprobs, age, uses))
-        if members is not None:
-            ids, p = (np.asarray(a) for a in members)
-            distance[ids] = np.minimum(distance[ids], p + (1 - p) * distance[ids])
-        distance.flags.writeable = False  # shared by every caller until the inputs change
-        self._estimates[layer] = (known, members, version, distance)
+        distance.flags.writeable = False
+        self._base[layer] = (known, cache.history_version, distance)
         return distance
 
     def before_layer(self, step: Step) -> list[Prediction]:

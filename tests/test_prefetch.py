@@ -94,6 +94,25 @@ def test_the_next_use_head_orders_eviction_and_refuses_reads_that_do_not_pay(pre
     assert refused < blind.stats()["io"]["decode"]["bytes_read"]
 
 
+def test_the_head_runs_once_per_layer_and_pass_and_its_estimates_stay_current(predictor_dir, monkeypatch):
+    """The runtime asks for next-use estimates many times a layer (reads, installs, every prediction for
+    the layer): the head itself runs at most once per layer and pass, and the estimates it serves are the
+    ones a fresh computation gives."""
+    engine = _engine("predictor", predictor_dir, "25%", min_score=0.0)
+    policy, runtime = engine.runtime.policy, engine.runtime
+    runs, asks = [], []
+    distances, next_uses = policy.head.distances, policy.next_uses
+    monkeypatch.setattr(policy.head, "distances", lambda *a: runs.append(a[0]) or distances(*a))
+    monkeypatch.setattr(policy, "next_uses", lambda *a: asks.append(a) or next_uses(*a))
+    engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
+    passes = engine.stats()["forwards"]
+    assert len(asks) > 2 * len(runs) and len(runs) <= passes * len(engine.caches)
+    for layer in range(len(engine.caches)):
+        served = next_uses(runtime._pass_index, layer)
+        policy._base.clear(), policy._estimates.clear()
+        assert np.array_equal(served, next_uses(runtime._pass_index, layer))
+
+
 def test_paused_prefetch_leaves_eviction_and_reads_to_the_demand_path(predictor_dir, monkeypatch):
     """Where the governor paused prefetch (its reads cost too little to pay for predicting), the next-use
     head is idle too: eviction falls back to the cache's own rule and demand reads skip the reader."""

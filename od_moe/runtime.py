@@ -384,7 +384,10 @@ class OffloadRuntime:
     def _after_routing(self, step: Step, ids: np.ndarray):
         if self._recording:
             self._recording[-1][step.layer] = ids.reshape(-1, ids.shape[-1])
+        t0 = time.perf_counter()
         self.policy.after_routing(step, ids)
+        if step.prefetching:  # the policy's bookkeeping for prefetch: part of what prefetch costs
+            self.ledger.reader["busy_s"] += time.perf_counter() - t0
 
     def _count_lookups(self, phase: str, layer: int, lookups: int, hits: int):
         self.ledger.count_lookups(phase, layer, lookups, hits)
@@ -490,6 +493,7 @@ class OffloadRuntime:
         never evicts an expert predicted for the same run of its layer. A failed read is dropped (booked
         as wasted): a layer that needs the expert reads it on demand, and that read's error, if it fails
         again, fails the request that needs it."""
+        start = time.perf_counter()
         layer = reads[0].layer
         cache = self.caches[layer]
         protect = list(protect) + self.reader.wanted(layer)
@@ -513,15 +517,14 @@ class OffloadRuntime:
                 arrays=_arrays(fresh),
                 next_use=future,
             )
+        t1 = time.perf_counter()
         self._book_install(
-            layer,
-            installed,
-            len(fresh),
-            time.perf_counter() - t0,
-            prefetched=True,
-            refused=len(reads) - len(fresh),
+            layer, installed, len(fresh), t1 - t0, prefetched=True, refused=len(reads) - len(fresh)
         )
         self.reader.recycle(reads)
+        # choosing what goes in is prefetch's cost too; the install itself is booked apart (a demand read
+        # of the same expert would have cost it as well)
+        self.ledger.reader["busy_s"] += (t0 - start) + (time.perf_counter() - t1)
 
     def _install_ready(self, protect: dict[int, Sequence[int]]):
         """Install every finished read, one install (one evaluation) per layer."""

@@ -14,7 +14,7 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late.
 Per phase: tokens; in all: forward passes. The reader's own counters (`READER_FIELDS`): reads issued,
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
-other than installs (`busy_s`: predicting, queueing).
+other than installs (`busy_s`: predicting, queueing, choosing what to install, the policy's bookkeeping).
 Not here: what is done with the figures (the governor decides, the report prints).
 """
 

@@ -4,6 +4,7 @@ failures surface clearly and leave the caches consistent, and the prefetch stati
 import contextlib
 import shutil
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -294,6 +295,33 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
         queue.end_token("decode", 0.020)
     assert queue.mode == "on" and queue.backoffs == 1
     assert queue.stats()["cost_probe"]["off_ms"] == pytest.approx(20.0)
+
+
+def test_what_prefetch_costs_counts_its_bookkeeping_not_only_predicting(predictor_dir, monkeypatch):
+    """The gain check weighs what prefetch costs the generation thread: besides predicting and queueing,
+    the policy's bookkeeping after each routing and choosing which finished reads go in count too."""
+    import od_moe.runtime as runtime_module
+
+    engine = _engine("predictor", predictor_dir, "25%")
+    runtime, policy = engine.runtime, engine.runtime.policy
+    slept = []
+
+    def slow(f, counts=lambda *a: True):
+        def wrapped(*a, **k):
+            if counts(*a):
+                time.sleep(0.002)
+                slept.append(0.002)
+            return f(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        policy, "after_routing", slow(policy.after_routing, lambda step, ids: step.prefetching)
+    )
+    monkeypatch.setattr(runtime_module, "_paying", slow(runtime_module._paying))
+    engine.generate(PROMPTS[0], max_tokens=6)
+    assert len(slept) > 20
+    assert runtime.ledger.reader["busy_s"] >= sum(slept)
 
 
 def _token(queue, seconds, useful=0, read_s=0.0, busy_s=0.0, stall_s=0.0):

@@ -5,11 +5,13 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
   `MIN_PRECISION` the experts asked per layer are halved (down to none), above `RECOVER_PRECISION`
   they grow back.
 - Gain (timed): after `first_check` tokens with prefetch on (a token later per token of unknown time,
-  as the first after a reset), the demand reads its useful prefetches
-  saved (their mean read and install time) are weighed against what it cost the generation thread
-  (predicting, queueing, installing). If the saving is smaller, with `MIN_GAIN` of the token time as
-  margin (reads from the page cache of a small model), it pauses; while paused, a demand stall worth
-  twice that cost brings it back.
+  as the first after a reset), the demand reads its useful prefetches saved are weighed against what it
+  cost the generation thread (predicting, queueing, its bookkeeping, installing). A saved read is priced
+  at what a demand read costs the generation thread per expert in that stretch (batched per layer, so
+  less than one read's latency on a disk that likes a deep queue), else in decode so far, else at the
+  reader's mean read time; plus the mean install time. If the saving is smaller, with `MIN_GAIN` of the
+  token time as margin (reads from the page cache of a small model), it pauses; while paused, a demand
+  stall worth twice that cost brings it back.
 - Cost probe (timed): after `first_probe` tokens, then every `probe_every`, it switches prefetch off for
   `probe_tokens` tokens; if tokens are faster without it (by `COST_MARGIN`), it pauses for
   `pause_tokens`.
@@ -26,13 +28,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .stats import Ledger
+from .stats import PHASES, Ledger
 
 MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
 COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it
 MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to stay on
 READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waiting for reads
 MARKS_KEPT = 64
+_DECODE = PHASES.index("decode")
 
 
 @dataclass
@@ -77,10 +80,23 @@ class _Mark(NamedTuple):  # cumulative counts at the end of a forward pass
     seconds: float | None
     stall_s: float
     useful: float
-    reads: float
+    reads: float  # the reader's completed reads, and their seconds
     read_s: float
+    demand: float  # experts read on the generation thread in decode, and its seconds doing so
+    demand_s: float
     cost_s: float
     per_install_s: float
+
+
+def _per_read(first: _Mark, last: _Mark) -> float:
+    """What one expert read costs the generation thread: a demand read's per expert between the marks, else
+    in all of decode, else the reader's mean read time between them, else of all its reads."""
+    if last.demand > first.demand:
+        return (last.demand_s - first.demand_s) / (last.demand - first.demand)
+    if last.demand:
+        return last.demand_s / last.demand
+    reads = last.reads - first.reads
+    return (last.read_s - first.read_s) / reads if reads else last.read_s / max(last.reads, 1)
 
 
 class Governor:
@@ -137,6 +153,8 @@ class Governor:
                 led.total("prefetch_useful"),
                 led.reader["completed"],
                 led.reader["reader_s"],
+                led.field("experts_read")[_DECODE].sum(),
+                led.field("read_s")[_DECODE].sum(),
                 led.reader["busy_s"] + led.total("prefetch_install_s"),
                 led.total("prefetch_install_s") / max(installs, 1),
             )
@@ -192,9 +210,7 @@ class Governor:
             return None
         first, last = marks[0], marks[-1]
         if self.mode == "on":
-            reads = last.reads - first.reads  # the mean read time of this stretch, else of all reads
-            per_read = (last.read_s - first.read_s) / reads if reads else last.read_s / max(last.reads, 1)
-            hidden = (last.useful - first.useful) * (per_read + last.per_install_s)
+            hidden = (last.useful - first.useful) * (_per_read(first, last) + last.per_install_s)
         else:
             hidden = last.stall_s - first.stall_s
         ms = 1e3 / tokens

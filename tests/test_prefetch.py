@@ -324,11 +324,11 @@ def test_what_prefetch_costs_counts_its_bookkeeping_not_only_predicting(predicto
     assert runtime.ledger.reader["busy_s"] >= sum(slept)
 
 
-def _token(queue, seconds, useful=0, read_s=0.0, busy_s=0.0, stall_s=0.0):
+def _token(queue, seconds, useful=0, read_s=0.0, busy_s=0.0, stall_s=0.0, demand=0):
     """One decode token as the prefetch queue sees it: `useful` prefetches used, each read in `read_s`;
-    `busy_s` of prefetch work on the generation thread; `stall_s` of demand reads."""
+    `busy_s` of prefetch work on the generation thread; `stall_s` of demand reads of `demand` experts."""
     ledger = queue.ledger
-    ledger.add("decode", 0, prefetch_useful=useful, read_s=stall_s)
+    ledger.add("decode", 0, prefetch_useful=useful, read_s=stall_s, experts_read=demand)
     ledger.reader["completed"] += useful
     ledger.reader["reader_s"] += useful * read_s
     ledger.reader["busy_s"] += busy_s
@@ -358,6 +358,28 @@ def test_prefetch_pauses_when_the_reads_it_saves_cannot_repay_its_cost(predictor
         _token(queue, 0.030, useful=10, read_s=3e-3, busy_s=0.003)
     assert queue.mode == "on" and queue.backoffs == 1
     assert queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
+
+
+def test_a_saved_read_is_priced_at_what_demand_reads_cost_the_generation_thread(predictor_dir):
+    """Where the disk likes a deep queue, one read takes long but a layer's misses read together cost the
+    generation thread less per expert: a useful prefetch saves that, not the reader's time for one read.
+    Without demand reads to go by, the reader's mean read time stands in."""
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.governor
+    engine.reset_stats()
+    queue.end_token("prefill", 0.1)
+    for _ in range(queue.settings.first_check):  # reads of 3 ms each, 4 demand misses read in 4 ms
+        _token(queue, 0.040, useful=10, read_s=3e-3, busy_s=0.015, stall_s=0.004, demand=4)
+    assert queue.mode == "paused"
+    assert queue.stats()["gain"]["hidden_ms"] == pytest.approx(10.0)  # 10 saved at 1 ms, not at 3
+    assert "saves 10.00 ms of demand reads per token and costs 15.00 ms" in queue.backoff_reason
+
+    engine.reset_stats()
+    queue.reset()
+    queue.end_token("prefill", 0.1)
+    for _ in range(queue.settings.first_check):  # every expert came from prefetch: no demand read to go by
+        _token(queue, 0.040, useful=10, read_s=3e-3, busy_s=0.015)
+    assert queue.mode == "on" and queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
 
 
 def test_the_gain_check_still_decides_after_the_counts_are_reset(predictor_dir):

@@ -203,8 +203,8 @@ class Governor:
 
     def _gain(self, tokens: int) -> dict | None:
         """Over the last `tokens` tokens, per token in ms: the time prefetch saved the demand path (on: its
-        useful prefetches times the mean read and install time) or could have saved (paused: the demand
-        stall), what it cost the generation thread, and the token time."""
+        useful prefetches times a read's price, `_per_read`, and the mean install time) or could have
+        saved (paused: the demand stall), what it cost the generation thread, and the token time."""
         marks = self._marks[-tokens - 1 :]
         if len(marks) < tokens + 1 or any(m.mode != self.mode or m.seconds is None for m in marks[1:]):
             return None

@@ -5,6 +5,7 @@ process, alternating rounds (machines are noisy: the ratio is the figure). Greed
 """
 
 import argparse
+import statistics
 
 from mlx_lm import load as mlx_lm_load
 
@@ -43,10 +44,10 @@ def main():
         ]
         a, b = (sum(pair[i][0] for pair in pairs) / len(pairs) for i in (0, 1))
         rows.append([n + 1, a, b, b / a, all(x[1] == y[1] for x, y in pairs)])
-    ratios = sorted(r[3] for r in rows)
+    ratios = [r[3] for r in rows]
     mean = [sum(r[i] for r in rows) / len(rows) for i in (1, 2)]
     rows.append(["mean", mean[0], mean[1], mean[1] / mean[0], all(r[4] for r in rows)])
-    rows.append(["median ratio", None, None, ratios[len(ratios) // 2], None])
+    rows.append(["median ratio", None, None, statistics.median(ratios), None])
     title = f"{args.model}, dtype {args.dtype}, {len(PROMPTS)} prompts x {args.tokens} tokens: decode tok/s"
     print(table(["round", "stock mlx-lm", "od-moe 100%", "ratio", "same tokens"], rows, title=title))
 

@@ -23,6 +23,7 @@ from .store import BlockLayout, flat_rows
 
 EVICTION_POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 64.0  # forward passes after which an expert's use count has halved
+FOLD_PASSES = 256  # passes of routing noted at most before they are added to the history (bounds the list)
 
 
 class Installed(NamedTuple):
@@ -103,6 +104,7 @@ class LayerCache:
         self.token_used_at = np.zeros(E, dtype=np.float64)
         self.token_uses = np.zeros(E, dtype=np.float64)
         self.history_version = 0  # counts changes of that history (what `use_history` reads)
+        self._unfolded: list[np.ndarray] = []  # passes noted and not yet added to it
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
@@ -178,8 +180,20 @@ class LayerCache:
         return first_uses
 
     def note_routing(self, ids: np.ndarray):
-        """Add a pass's routing, (tokens, k) expert ids in token order, to the per-token history."""
-        ids = np.asarray(ids).reshape(-1, np.shape(ids)[-1])
+        """Add a pass's routing, (tokens, k) expert ids in token order, to the per-token history. It is
+        folded in when the history is next read (or `FOLD_PASSES` wait): noting a pass costs a list
+        append, which is all it costs while nothing reads the history (prefetch paused)."""
+        self._unfolded.append(np.asarray(ids).reshape(-1, np.shape(ids)[-1]))
+        self.history_version += 1
+        if len(self._unfolded) >= FOLD_PASSES:
+            self._fold()
+
+    def _fold(self):
+        """Add the passes noted since the last fold to the history, as one pass of their tokens in order."""
+        if not self._unfolded:
+            return
+        ids = self._unfolded[0] if len(self._unfolded) == 1 else np.concatenate(self._unfolded)
+        self._unfolded = []
         tokens = ids.shape[0]
         if tokens == 1:  # a decode pass: its k distinct experts, each used once, now (no ufunc.at: fast)
             used, last, weight = ids[0], 0, 1.0
@@ -198,12 +212,12 @@ class LayerCache:
         )
         self.token_used_at[used] = when
         self.tokens_routed += tokens
-        self.history_version += 1
 
     def use_history(self, never: float) -> tuple[np.ndarray, np.ndarray]:
         """Per expert, as of the layer's latest token: tokens since its last use (`never` if it has no
         use on record) and its use count decayed to now, per token (what the next-use head reads, as
         `training.next_use.history` computes it from traces)."""
+        self._fold()
         now = float(self.tokens_routed - 1)
         age = np.where(self.token_uses > 0, now - self.token_used_at, never)
         return age, self.token_uses * 0.5 ** ((now - self.token_used_at) / LFU_HALF_LIFE)

@@ -167,6 +167,16 @@ def test_the_engine_keeps_the_routing_history_the_head_was_trained_on(traces):
         age, uses = cache.use_history(never=AGE_CAP)
         np.testing.assert_allclose(np.minimum(age, AGE_CAP), want_age[end - 1, 3], atol=1e-4)
         np.testing.assert_allclose(uses, want_uses[end - 1, 3], rtol=1e-4, atol=1e-5)
+    # read only now and then (as while prefetch is paused): the passes noted in between count the same
+    other = od_moe.load(capacity=0.25).caches[3]
+    for n, (start, end) in enumerate(passes):
+        version = other.history_version
+        other.note_routing(ids[start:end, 3])
+        assert other.history_version > version  # what the head computed from the history is stale
+        if n % 10 == 9 or end == len(ids):
+            age, uses = other.use_history(never=AGE_CAP)
+            np.testing.assert_allclose(np.minimum(age, AGE_CAP), want_age[end - 1, 3], atol=1e-4)
+            np.testing.assert_allclose(uses, want_uses[end - 1, 3], rtol=1e-4, atol=1e-5)
 
 
 def test_save_and_load_give_identical_predictions(trained, engine, tmp_path):

@@ -16,7 +16,7 @@ from collections import Counter
 
 from od_moe import policies, runtime
 from od_moe.bench.foundation import PROMPTS
-from od_moe.bench.prefetch import run_policy
+from od_moe.bench.prefetch import run_policy, stats_total
 from od_moe.engine import DEFAULT_MODEL
 from od_moe.governor import PrefetchSettings
 from od_moe.predictor import next_use
@@ -65,7 +65,7 @@ def main():
         result = run_policy(
             DEFAULT_MODEL, PROMPTS, args.tokens, "predictor", capacity=args.capacity, settings=settings
         )
-        decoded = sum(s["tokens"]["decode"] for s in result["stats"])
+        decoded = stats_total(result["stats"], "tokens", "decode")
         column = {"tok/s": result["tok_s"]}
         column.update(
             {f"{name} ms": seconds[name] * 1e3 / decoded for names in STEPS.values() for name in names}

@@ -28,14 +28,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .stats import PHASES, Ledger
+from .stats import Ledger
 
 MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
 COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it
 MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to stay on
 READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waiting for reads
 MARKS_KEPT = 64
-_DECODE = PHASES.index("decode")
 
 
 @dataclass
@@ -153,8 +152,8 @@ class Governor:
                 led.total("prefetch_useful"),
                 led.reader["completed"],
                 led.reader["reader_s"],
-                led.field("experts_read")[_DECODE].sum(),
-                led.field("read_s")[_DECODE].sum(),
+                led.total("experts_read", "decode"),
+                led.total("read_s", "decode"),
                 led.reader["busy_s"] + led.total("prefetch_install_s"),
                 led.total("prefetch_install_s") / max(installs, 1),
             )

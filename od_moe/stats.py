@@ -74,9 +74,10 @@ class Ledger:
         self.forwards += 1
         self.tokens[phase] += tokens
 
-    def total(self, name: str) -> float:
-        """One layer field summed over phases and layers."""
-        return float(self.layers[:, :, _FIELD[name]].sum())
+    def total(self, name: str, phase: str | None = None) -> float:
+        """One layer field summed over layers, in one phase or (None) in both."""
+        rows = self.layers if phase is None else self.layers[_PHASE[phase]]
+        return float(rows[..., _FIELD[name]].sum())
 
     def snapshot(self) -> "Ledger":
         """A copy that no longer changes (safe to read from any thread)."""

@@ -15,8 +15,12 @@ microseconds per expert (median over rounds) and GB/s:
   instead of managed memory on CUDA), then as `flat`;
 - `engine`: `LayerCache.install` itself on the MLX path (what CUDA runs): one flat array per expert made
   beforehand (as the reader threads make them), stacked, per part a view of its columns and one scatter
-  (a slice update for one expert), evaluated.
-On the CPU and Metal the engine writes through numpy views instead (`host`, timed for reference).
+  (a slice update for one expert), evaluated; `make us` is the reader's part, making those arrays from
+  the read bytes (in buffers MLX recycles from the round before, as in a running engine);
+- `engine-staged`: the same with the arrays `backend.stage_for_device` keeps in host memory mapped for
+  the GPU (CUDA managed memory: neither the host's writes nor the GPU's read migrate pages). After
+  `engine`, whose buffers it then advises once: the advice stays with the memory.
+On the CPU and Metal the engine writes through numpy views instead (`install` there takes no made arrays).
 
     python benchmarks/installs.py [--model PATH] [--widen 128] [--batch 1,8] [--rounds 7]
 """
@@ -32,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 import od_moe
+from od_moe import backend
 from od_moe.bench.widen import widen_model
 from od_moe.report import table
 from od_moe.store import ExpertStore, Staging, flat_rows
@@ -134,44 +139,53 @@ def measure(path, batch: int, rounds: int) -> list[dict]:
             want = raw[(proj, name)][:batch].view(np.uint8).reshape(got.shape)
             assert np.array_equal(got, want), f"{variant}: {proj}.{name} differs"
         rows.append(_row(variant, batch, times, layout.expert_nbytes))
-    rows.append(_engine_path(path, store, layout, batch, rounds))
+    rows.append(_engine_path(path, store, layout, batch, rounds, staged=False))
+    rows.append(_engine_path(path, store, layout, batch, rounds, staged=True))
     store.close()
     return rows
 
 
-def _engine_path(path, store, layout, batch: int, rounds: int) -> dict:
-    """The `engine` variant: two sets of `batch` experts installed in turn into a cache of `batch` slots."""
+def _engine_path(path, store, layout, batch: int, rounds: int, staged: bool) -> dict:
+    """The `engine` variants: two sets of `batch` experts installed in turn into a cache of `batch` slots."""
     engine = od_moe.load(str(path), capacity=batch, prefetch="none", dtype="model")  # the checkpoint's bytes
     cache = engine.caches[0]
     cache.host_writes = False
     sets = [np.arange(batch) + batch * n for n in range(2)]
     raws = [store.read(layout, ids, Staging(layout, batch)) for ids in sets]
-    times = []
+    times, make_times = [], []
+    stage = backend.stage_for_device if staged else (lambda a: a)
     for r in range(rounds + 1):
         ids, raw = sets[r % 2], raws[r % 2]
-        made = [mx.array(row) for row in flat_rows(layout, raw, batch)]
-        mx.eval(made)
         t0 = time.perf_counter()
+        made = [stage(mx.array(row)) for row in flat_rows(layout, raw, batch)]
+        mx.eval(made)
+        t1 = time.perf_counter()
         slots = cache.install(ids, raw, clock=r, arrays=made).slots
         mx.eval(list(cache.stacked_arrays().values()))
+        del made  # back to MLX's buffer cache, for the next round's arrays
         if r:
-            times.append(time.perf_counter() - t0)
+            make_times.append(t1 - t0)
+            times.append(time.perf_counter() - t1)
         for part in layout.parts:
             got = np.array(cache.projections[part.proj][part.name][mx.array(slots)].view(mx.uint8))
             want = raw[(part.proj, part.name)].view(np.uint8).reshape(got.shape)
             assert np.array_equal(got, want), f"engine: {part.proj}.{part.name} differs"
     engine.close()
-    return _row("engine", batch, times, layout.expert_nbytes)
+    return _row("engine-staged" if staged else "engine", batch, times, layout.expert_nbytes, make_times)
 
 
-def _row(variant: str, batch: int, times: list[float], expert_nbytes: int) -> dict:
-    """A table row: microseconds per expert (median over rounds) and GB/s."""
+def _row(variant: str, batch: int, times: list[float], expert_nbytes: int, make_times=None) -> dict:
+    """A table row: microseconds per expert (median over rounds) and GB/s; with the reader's part
+    (`make_times`), also that and the GB/s of both together."""
     per = float(np.median(times)) / batch
+    make = None if make_times is None else float(np.median(make_times)) / batch
     return {
         "variant": variant,
         "batch": batch,
         "us/expert": round(1e6 * per, 1),
         "GB/s": round(expert_nbytes / per / 1e9, 2),
+        "make us": "-" if make is None else round(1e6 * make, 1),
+        "GB/s with make": "-" if make is None else round(expert_nbytes / (per + make) / 1e9, 2),
     }
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import backend
 from .stats import Ledger
 from .store import BlockLayout, ExpertStore, Staging, flat_rows
 
@@ -274,7 +275,7 @@ class Reader:
         try:
             r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
             if self.make_arrays:
-                r.arrays = mx.array(flat_rows(self.layouts[r.layer], r.raw, 1)[0])
+                r.arrays = backend.stage_for_device(mx.array(flat_rows(self.layouts[r.layer], r.raw, 1)[0]))
         except BaseException as e:  # raised on the generation thread when taken
             r.error = e
         with self._lock:

@@ -225,3 +225,48 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
     assert not od_moe.load(capacity="25%").stats()["direct_io"]  # "auto": the bundled model fits in memory
     with pytest.raises(UserError, match="direct_io"):
         od_moe.load(capacity=8, direct_io="yes")
+
+
+class _Advise:
+    """cudaMemAdvise as a recording fake: returns an error at call number `fail_at`."""
+
+    def __init__(self, fail_at=None):
+        self.argtypes, self.calls, self.fail_at = None, [], fail_at
+
+    def __call__(self, address, nbytes, advice, where):
+        where = where if isinstance(where, int) else (where.type, where.id)
+        self.calls.append((address, nbytes, advice, where))
+        return 1 if len(self.calls) == self.fail_at else 0
+
+
+class _Runtime:
+    def __init__(self, fail_at=None):
+        self.cudaMemAdvise, self.cleared = _Advise(fail_at), 0
+
+    def cudaGetLastError(self):
+        self.cleared += 1
+        return 0
+
+
+def test_cuda_staging_hints_advise_each_large_buffer_once_and_stand_down_on_an_error():
+    """`backend.stage_for_device`'s CUDA hints (host-preferred, device-mapped managed memory), through a
+    recording runtime: one pair of advices per buffer, none for small arrays, the CUDA 12 signature where
+    the runtime is older, and on an error no further calls, the runtime's last error cleared (MLX checks
+    it after its launches) and the array returned as it was."""
+    from od_moe import backend
+
+    runtime = _Runtime()
+    hints = backend._ManagedStaging(runtime)
+    big, small = mx.array(np.zeros(hints.MIN_BYTES, np.uint8)), mx.array(np.zeros(1024, np.uint8))
+    assert hints.apply(big) is big and hints.apply(big) is big and hints.apply(small) is small
+    address = np.array(big, copy=False).__array_interface__["data"][0]
+    assert runtime.cudaMemAdvise.calls == [(address, big.nbytes, 3, (2, 0)), (address, big.nbytes, 5, (1, 0))]
+    old = _Runtime()
+    backend._ManagedStaging(old, version=12080).apply(big)
+    assert [c[2:] for c in old.cudaMemAdvise.calls] == [(3, -1), (5, 0)]  # cudaCpuDeviceId, device 0
+    failing = _Runtime(fail_at=2)
+    hints = backend._ManagedStaging(failing)
+    other = mx.array(np.ones(hints.MIN_BYTES, np.uint8))
+    assert hints.apply(big) is big and hints.apply(other) is other
+    assert len(failing.cudaMemAdvise.calls) == 2 and failing.cleared == 1 and hints.on is False
+    assert backend.stage_for_device(big) is big  # this CPU backend: host memory, nothing to advise

@@ -76,7 +76,11 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     seconds = 0.0
     for n, ids in enumerate(batches):
         raw = raws[int(ids[0])]
-        arrays = [mx.array(row) for row in flat_rows(cache.layout, raw, experts)] if made else None
+        arrays = None
+        if made:  # as the reader threads make them
+            arrays = [
+                backend.stage_for_device(mx.array(row)) for row in flat_rows(cache.layout, raw, experts)
+            ]
         mx.eval(arrays)
         t0 = time.perf_counter()
         cache.install(ids, raw, clock=n, arrays=arrays)

@@ -264,7 +264,7 @@ class Reader:
         with self._lock:
             for i, r in enumerate(batch):
                 r.error = error
-                r.raw = None if raw is None else {k: v[i : i + 1] for k, v in raw.items()}
+                r.raw = None if raw is None else raw.rows(i, i + 1)
                 key = (layer, r.expert)
                 del self._reading[key]
                 self._ready[key] = r

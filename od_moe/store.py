@@ -123,9 +123,27 @@ class BlockLayout:
         return sum(p.nbytes for p in self.parts)
 
 
+class ExpertBytes(dict):
+    """Experts read: per part (`(proj, name)`), their rows (row i = the i-th expert asked for); `flat`:
+    the same bytes as one (experts, expert bytes) uint8 array, each row an expert's parts back to back
+    in `layout.parts` order (staging holds them that way)."""
+
+    def __init__(self, parts: dict, flat: np.ndarray):
+        super().__init__(parts)
+        self.flat = flat
+
+    def rows(self, start: int, stop: int) -> "ExpertBytes":
+        return ExpertBytes({k: v[start:stop] for k, v in self.items()}, self.flat[start:stop])
+
+
 def flat_rows(layout: BlockLayout, raw, count: int) -> np.ndarray:
     """The bytes of `count` experts as one (count, expert bytes) uint8 array, each row its expert's parts
-    back to back in `layout.parts` order: what one host-to-device copy carries (`LayerCache.install`)."""
+    back to back in `layout.parts` order: what one host-to-device copy carries (`LayerCache.install`).
+    Bytes read into staging are already laid out so (`ExpertBytes.flat`, no copy); per-expert rows
+    gathered from several reads are copied."""
+    made = getattr(raw, "flat", None)
+    if made is not None and len(made) >= count:
+        return made[:count]
     flat = np.empty((count, layout.expert_nbytes), dtype=np.uint8)
     start = 0
     for part in layout.parts:
@@ -137,14 +155,18 @@ def flat_rows(layout: BlockLayout, raw, count: int) -> np.ndarray:
 
 
 class Staging:
-    """Preallocated numpy buffers for a batch of up to `size` experts of one layout."""
+    """Preallocated host memory for a batch of up to `size` experts of one layout: one row per expert,
+    its parts back to back (`flat`), and per part a view of its columns (`buffers`), which reads fill.
+    A row is what a host-to-device copy of one expert carries, with no gathering of parts."""
 
     def __init__(self, layout: BlockLayout, size: int):
         self.size = size
-        self.buffers = {
-            (p.proj, p.name): np.empty((size, *p.shape), dtype=RAW_NUMPY_DTYPES[p.dtype])
-            for p in layout.parts
-        }
+        self.flat = np.empty((size, layout.expert_nbytes), dtype=np.uint8)
+        self.buffers, start = {}, 0
+        for p in layout.parts:
+            columns = self.flat[:, start : start + p.nbytes]
+            self.buffers[(p.proj, p.name)] = columns.view(RAW_NUMPY_DTYPES[p.dtype]).reshape(size, *p.shape)
+            start += p.nbytes
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
@@ -327,14 +349,14 @@ class ExpertStore:
                 end = start + 1
                 while end < n and files[end] == files[start] and offsets[end] == offsets[end - 1] + size:
                     end += 1
-                view = memoryview(buf[start:end].reshape(-1).view(np.uint8))
+                views = [memoryview(buf[j].reshape(-1).view(np.uint8)) for j in range(start, end)]
                 try:
-                    self._pread_exact(int(files[start]), view, int(offsets[start]))
+                    self._pread_exact(int(files[start]), views, int(offsets[start]))
                 except OSError as e:
                     raise self.read_error(layout, ids[start:end], e, int(files[start])) from e
                 start = end
             out[(part.proj, part.name)] = buf[:n]
-        return out
+        return ExpertBytes(out, staging.flat[:n])
 
     def read_error(
         self, layout: BlockLayout, ids: Sequence[int], error: BaseException, file_index: int | None = None
@@ -354,30 +376,31 @@ class ExpertStore:
             "again) and send the request again"
         )
 
-    def _pread_exact(self, file_index: int, view: memoryview, offset: int):
+    def _pread_exact(self, file_index: int, views: list[memoryview], offset: int):
+        """Fill `views` in turn from the file's bytes at `offset` (one `preadv` when nothing is short)."""
         if self._direct is not None:
             fd, aligned = self._direct[file_index]
             if aligned:
-                return self._pread_aligned(file_index, fd, view, offset)
+                return self._pread_aligned(fd, views, offset)
         else:
             fd = self._fds[file_index]
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
+        total, done = sum(len(v) for v in views), 0
+        while done < total:
+            got = os.preadv(fd, _after(views, done), offset + done)
             if got <= 0:
                 raise OSError(f"short read at byte {offset + done}: the file is truncated or unreadable")
             done += got
         if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
 
-    def _pread_aligned(self, file_index: int, fd: int, view: memoryview, offset: int):
-        """O_DIRECT: read the aligned span around [offset, offset + len(view)) through the bounce buffer."""
+    def _pread_aligned(self, fd: int, views: list[memoryview], offset: int):
+        """O_DIRECT: read the aligned span around the bytes `views` take through the bounce buffer."""
         bounce = getattr(self._bounce, "buffer", None)
         if bounce is None:
             raw = np.empty(BOUNCE_BYTES + DIRECT_ALIGN, dtype=np.uint8)
             start = -raw.ctypes.data % DIRECT_ALIGN
             bounce = self._bounce.buffer = memoryview(raw[start : start + BOUNCE_BYTES])
-        end = offset + len(view)
+        end = offset + sum(len(v) for v in views)
         pos = offset - offset % DIRECT_ALIGN
         while pos < end:
             span = min(BOUNCE_BYTES, -(-(end - pos) // DIRECT_ALIGN) * DIRECT_ALIGN)
@@ -385,7 +408,13 @@ class ExpertStore:
             lo, hi = max(offset, pos), min(end, pos + max(got, 0))
             if got <= 0 or (got < span and hi < end):
                 raise OSError(f"short read at byte {max(pos, offset)}: the file is truncated or unreadable")
-            view[lo - offset : hi - offset] = bounce[lo - pos : hi - pos]
+            at = lo - offset
+            for view in _after(views, at):  # the bounce's bytes, spread over the views they belong to
+                take = min(len(view), hi - lo)
+                view[:take] = bounce[lo - pos : lo - pos + take]
+                lo += take
+                if lo == hi:
+                    break
             pos += span
 
     def drop_page_cache(self):
@@ -395,3 +424,15 @@ class ExpertStore:
         for fd in self._fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return True
+
+
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """`views` without their first `skip` bytes (as if they were one buffer)."""
+    out = []
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        out.append(view[skip:])
+        skip = 0
+    return out

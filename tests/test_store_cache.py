@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import od_moe
+from od_moe import store as store_module
 from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
 from od_moe.store import ExpertStore, Staging, flat_rows
@@ -27,6 +28,21 @@ def test_store_reads_exactly_the_expert_rows():
         if part.dtype == "BF16":
             got = got.view(mx.bfloat16)
         assert mx.array_equal(got, expected)
+
+
+def test_staging_holds_each_expert_as_one_row_of_its_parts_back_to_back():
+    """What a read leaves in staging is already the flat row a host-to-device copy carries: the same
+    bytes `flat_rows` gathers part by part from per-expert rows, with no copy of its own."""
+    store = ExpertStore(od_moe.DEFAULT_MODEL)
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    layout = store.block_layout("model.layers.5.mlp.switch_mlp", parts, 64)
+    staging = Staging(layout, 8)
+    raw = store.read(layout, [12, 13, 2], staging)
+    gathered = flat_rows(layout, {k: [np.array(row) for row in v] for k, v in raw.items()}, 3)
+    made = flat_rows(layout, raw, 3)
+    assert np.shares_memory(made, staging.flat) and np.array_equal(made, gathered)
+    one = raw.rows(2, 3)  # a reader's share of a batched read
+    assert np.array_equal(flat_rows(layout, one, 1), gathered[2:])
 
 
 @pytest.mark.parametrize("dtype", ["auto", "model"])
@@ -207,7 +223,7 @@ def test_memory_budget_bounds_the_cache_and_peak_memory():
     assert stats["peak_bytes"] - base < stats["non_expert_bytes"] + all_experts
 
 
-def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_reference):
+def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_reference, monkeypatch):
     from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 
     buffered, direct = ExpertStore(od_moe.DEFAULT_MODEL), ExpertStore(od_moe.DEFAULT_MODEL)
@@ -217,6 +233,12 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
     for ids in ([0], [63], [5, 6, 7, 40, 62], list(range(16))):  # unaligned starts, runs, the file's tail
         a, b = buffered.read(layout, ids, Staging(layout, 16)), direct.read(layout, ids, Staging(layout, 16))
         assert all(np.array_equal(a[k], b[k]) for k in a)
+    monkeypatch.setattr(store_module, "BOUNCE_BYTES", 2 * store_module.DIRECT_ALIGN)
+    small = ExpertStore(od_moe.DEFAULT_MODEL)  # a run of experts spread over many bounce-buffer spans
+    assert small.use_direct_io(True)
+    ids = list(range(3, 19))
+    a, b = buffered.read(layout, ids, Staging(layout, 16)), small.read(layout, ids, Staging(layout, 16))
+    assert all(np.array_equal(a[k], b[k]) for k in a) and np.array_equal(a.flat, b.flat)
     engine = od_moe.load(capacity="25%", direct_io=True)
     assert (
         engine.stats()["direct_io"]

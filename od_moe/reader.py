@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import backend
+from .device_rows import GROW, DeviceRows, Row
 from .stats import Ledger
 from .store import BlockLayout, ExpertStore, Staging, flat_rows
 
@@ -60,6 +61,7 @@ class Read:
     raw: dict | None = None
     arrays: mx.array | None = None  # raw's bytes as one flat MLX array, where the reader makes it
     staging: Staging | None = None
+    row: Row | None = None  # where `staging` is an MLX array's memory (`device_rows.py`)
     error: BaseException | None = None
 
     @property
@@ -79,6 +81,7 @@ class Reader:
     ):
         self.store, self.layouts, self.ledger = store, layouts, ledger
         self.make_arrays = make_arrays
+        self.rows = DeviceRows() if make_arrays else None  # reads straight into MLX memory (CUDA)
         self.max_inflight_bytes = max(max_inflight_bytes, max(layout.expert_nbytes for layout in layouts))
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # reader threads wait here for requests
@@ -150,7 +153,7 @@ class Reader:
             self._wanted.clear()
             while self._reading:
                 self._done.wait()
-        self.recycle(self.take_ready())
+        self.recycle(self.take_ready(), installed=False)
 
     # -- generation thread: prefetch ----------------------------------------------------------------
     def submit(self, layer: int, wanted: dict[int, float], fetch: Sequence[int]):
@@ -196,10 +199,15 @@ class Reader:
                 self._work.notify_all()
         return reads
 
-    def recycle(self, reads: list[Read]):
-        """The reads' bytes are in their slots (or not wanted): their buffers may be reused."""
+    def recycle(self, reads: list[Read], installed: bool = True):
+        """The reads' bytes are in their slots (or not wanted): their buffers may be reused, those that
+        are MLX memory once the installs' copies from them surely ran (`installed`: any may have)."""
         with self._lock:
             for r in reads:
+                if r.row is not None:
+                    self.rows.give_back(self.layouts[r.layer], r.row, installed)
+                    r.row = r.staging = None
+                    continue
                 spare = self._spare.setdefault(self.layouts[r.layer].shape_key, [])
                 if r.staging is not None and len(spare) < self._keep_spare:  # batched reads have none
                     spare.append(r.staging)
@@ -246,8 +254,13 @@ class Reader:
         if not r.demand:
             self._inflight_bytes += r.nbytes
             self.ledger.reader["issued"] += 1
-        spare = self._spare.get(self.layouts[r.layer].shape_key)
-        r.staging = spare.pop() if spare else Staging(self.layouts[r.layer], 1)
+        layout = self.layouts[r.layer]
+        r.row = self.rows.reserve(layout) if self.rows is not None else None
+        if r.row is None:
+            spare = self._spare.get(layout.shape_key)
+            r.staging = spare.pop() if spare else Staging(layout, 1)
+        elif r.row is not GROW:
+            r.staging = r.row.staging
 
     def _read_batch(self, layer: int, batch: list[Read]):
         """Demand reads of one layer in one `ExpertStore.read` (the calling thread, no helpers)."""
@@ -272,10 +285,17 @@ class Reader:
     def _read(self, key, r: Read):
         """Do the read (no lock held), then file it as ready."""
         t0 = time.perf_counter()
+        layout = self.layouts[r.layer]
         try:
-            r.raw = self.store.read(self.layouts[r.layer], [r.expert], r.staging)
-            if self.make_arrays:
-                r.arrays = backend.stage_for_device(mx.array(flat_rows(self.layouts[r.layer], r.raw, 1)[0]))
+            if r.row is GROW:
+                r.row = None  # until made
+                r.row = self.rows.make(layout)
+                r.staging = r.row.staging if r.row is not None else Staging(layout, 1)
+            r.raw = self.store.read(layout, [r.expert], r.staging)
+            if r.row is not None:
+                r.arrays = r.row.array  # the bytes were read into it
+            elif self.make_arrays:
+                r.arrays = backend.stage_for_device(mx.array(flat_rows(layout, r.raw, 1)[0]))
         except BaseException as e:  # raised on the generation thread when taken
             r.error = e
         with self._lock:

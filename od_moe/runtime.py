@@ -293,6 +293,7 @@ class OffloadRuntime:
             return None
         mx.eval(logits, [s[1] for s in speculative], [s[3] for s in speculative])
         self.host_syncs += 1
+        self._synced()
         first_miss = next((s[0] for s in speculative if s[3].item()), None)
         for layer, indices, phase, _ in speculative:
             if first_miss is not None and layer >= first_miss:
@@ -331,6 +332,8 @@ class OffloadRuntime:
         self.clock += 1
         self._prompt_passes += 1
         self.ledger.count_forward(phase, tokens)
+        if self._reader is not None and self._reader.rows is not None:
+            self._reader.rows.begin_pass(phase == "decode")
         if self._recording is not None:
             self._recording.append({})
 
@@ -380,6 +383,12 @@ class OffloadRuntime:
         else:
             mx.eval(indices, lazy)
             self.host_syncs += 1
+        self._synced()
+
+    def _synced(self):
+        """A host sync returned: staging rows whose installs surely ran may be read into again."""
+        if self._reader is not None and self._reader.rows is not None:
+            self._reader.rows.synced()
 
     def _after_routing(self, step: Step, ids: np.ndarray):
         if self._recording:

@@ -159,9 +159,11 @@ class Staging:
     its parts back to back (`flat`), and per part a view of its columns (`buffers`), which reads fill.
     A row is what a host-to-device copy of one expert carries, with no gathering of parts."""
 
-    def __init__(self, layout: BlockLayout, size: int):
+    def __init__(self, layout: BlockLayout, size: int, flat: np.ndarray | None = None):
+        """`flat`: memory of its own for the rows, (size, expert bytes) uint8 (an MLX array's, read into
+        directly: `device_rows.py`)."""
         self.size = size
-        self.flat = np.empty((size, layout.expert_nbytes), dtype=np.uint8)
+        self.flat = np.empty((size, layout.expert_nbytes), dtype=np.uint8) if flat is None else flat
         self.buffers, start = {}, 0
         for p in layout.parts:
             columns = self.flat[:, start : start + p.nbytes]

@@ -292,3 +292,31 @@ def test_cuda_staging_hints_advise_each_large_buffer_once_and_stand_down_on_an_e
     assert hints.apply(big) is big and hints.apply(other) is other
     assert len(failing.cudaMemAdvise.calls) == 2 and failing.cleared == 1 and hints.on is False
     assert backend.stage_for_device(big) is big  # this CPU backend: host memory, nothing to advise
+
+
+def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync():
+    """Staging rows that are MLX memory (`device_rows.py`, CUDA's read path): a row installed from is
+    handed out again only after a host sync made once the second decode pass after it began (prefill
+    passes do not count); one given back unused is free at once; past the bound, numpy staging."""
+    from od_moe.device_rows import GROW, DeviceRows
+
+    store = ExpertStore(od_moe.DEFAULT_MODEL)
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    layout = store.block_layout("model.layers.1.mlp.switch_mlp", parts, 64)
+    rows = DeviceRows(max_bytes=2 * layout.expert_nbytes)
+    assert rows.reserve(layout) is GROW
+    row = rows.make(layout)
+    raw = store.read(layout, [17], row.staging)  # read straight into the MLX array's memory
+    assert np.array_equal(
+        np.array(row.array), flat_rows(layout, {k: np.array(v) for k, v in raw.items()}, 1)[0]
+    )
+    assert rows.reserve(layout) is GROW and rows.reserve(layout) is None  # the bound: two rows
+    rows.give_back(layout, row)
+    for decode in (True, False, False, True):  # decode pass n + 1, two prefill passes, then n + 2
+        rows.synced()
+        assert rows.reserve(layout) is None, decode
+        rows.begin_pass(decode)
+    rows.synced()
+    assert rows.reserve(layout) is row
+    rows.give_back(layout, row, installed=False)
+    assert rows.reserve(layout) is row

@@ -55,7 +55,7 @@ def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0)
             reads, _ = reader.fetch(layer, ids)
             seconds += time.perf_counter() - t0
             nbytes += sum(r.nbytes for r in reads)
-            reader.recycle(reads)
+            reader.recycle(reads, installed=False)
         reader.close()
         by_depth[depth] = nbytes / seconds
     store.close()

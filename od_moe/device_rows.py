@@ -1,0 +1,111 @@
+"""Staging that is already an MLX array: where MLX arrays are not host memory (CUDA), reads land in the
+memory the device copies from, with no host copy between.
+
+On CUDA the bytes of an expert reach the cache's slots through an MLX array made from host bytes
+(`mx.array`), a copy that holds Python's GIL, so the reader threads made arrays one at a time and
+waited for one another. Here the reader reads straight into rows of MLX arrays it keeps (host-preferred,
+device-mapped managed memory, `backend.stage_for_device`), written through numpy views of their memory,
+and installs copy from those arrays.
+
+When a row may be written again: an install's copy from a row is lazy, and MLX cannot say when it ran.
+The engine's decode passes can. A decode pass computes every MoE layer on its slots and ends in the token
+the next pass starts from, so a row installed from before decode pass n+1 began has been copied once
+that pass is done; and a host sync made after decode pass n+2 began returns only after that (the device
+runs in order, and pass n+2 depends on pass n+1's token). So a row given back while decode pass n (or a
+prefill after it) ran is handed out again only after a sync made once decode pass n+2 began (`begin_pass`,
+`synced`). Prefill passes do not count: a chunk's last layers feed nothing the next chunk's syncs wait
+for. Rows given back unused (never installed from) are free at once.
+
+Bounded: rows in use or cooling take at most `max_bytes`; past that, reads use numpy staging and a copy,
+as before. Not here: reading (`store.py`), the read queue (`reader.py`), installing (`cache.py`).
+"""
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend
+from .store import BlockLayout, Staging
+
+DEVICE_ROW_BYTES = 128 * 2**20  # about two decode passes of reads at 25% of the widened x128 model
+PASSES_APART = 2  # a row given back in decode pass n is written again after a sync in decode pass n + 2
+
+
+@dataclass
+class Row:
+    """One expert's bytes as a flat uint8 MLX array, and the staging whose `flat` is its memory."""
+
+    array: mx.array
+    staging: Staging
+
+
+GROW = object()  # `reserve`'s answer where a new row may be made (by the reading thread, `make`)
+
+
+class DeviceRows:
+    """The rows of MLX memory the reader threads read into, by expert shape, and those cooling."""
+
+    def __init__(self, max_bytes: int = DEVICE_ROW_BYTES):
+        self.max_bytes = max_bytes
+        self.bytes = 0  # rows made (in use, cooling or free)
+        self.epoch = 0  # decode passes begun
+        self.works = True  # False once MLX memory proved not writable from the host
+        self._free: dict[tuple, list[Row]] = {}
+        self._cooling: deque[tuple[int, tuple, Row]] = deque()
+        self._lock = threading.Lock()
+
+    def reserve(self, layout: BlockLayout):
+        """A free row for an expert of `layout`; else `GROW` (its bytes counted: `make` it); else None
+        (the bound is reached, or rows do not work here: use numpy staging)."""
+        with self._lock:
+            free = self._free.get(layout.shape_key)
+            if free:
+                return free.pop()
+            if not self.works or self.bytes + layout.expert_nbytes > self.max_bytes:
+                return None
+            self.bytes += layout.expert_nbytes
+            return GROW
+
+    def make(self, layout: BlockLayout) -> Row | None:
+        """A new row (after `reserve` said `GROW`); None where the host cannot write MLX memory."""
+        try:
+            array = backend.stage_for_device(mx.array(np.zeros(layout.expert_nbytes, dtype=np.uint8)))
+            view = np.array(array, copy=False)
+        except (TypeError, ValueError, RuntimeError, MemoryError):
+            view = None
+        if view is None or not view.flags.writeable or view.shape != (layout.expert_nbytes,):
+            with self._lock:
+                self.works = False
+                self.bytes -= layout.expert_nbytes
+            return None
+        return Row(array, Staging(layout, 1, flat=view[None]))
+
+    def give_back(self, layout: BlockLayout, row: Row, installed: bool = True):
+        """A read is done with `row`: free now if nothing was installed from it, else after the wait."""
+        with self._lock:
+            if installed:
+                self._cooling.append((self.epoch, layout.shape_key, row))
+            else:
+                self._free.setdefault(layout.shape_key, []).append(row)
+
+    def begin_pass(self, decode: bool):
+        """The engine starts a forward pass (only decode passes count)."""
+        self.epoch += decode
+
+    def synced(self):
+        """A host sync returned: rows given back two decode passes ago are free."""
+        with self._lock:
+            while self._cooling and self._cooling[0][0] <= self.epoch - PASSES_APART:
+                _, key, row = self._cooling.popleft()
+                self._free.setdefault(key, []).append(row)
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {
+                "bytes": self.bytes,
+                "free": sum(len(v) for v in self._free.values()),
+                "cooling": len(self._cooling),
+            }

@@ -7,13 +7,13 @@
   scores) and those of them to read (`fetch`: not resident). They supersede the layer's earlier
   requests (made from farther back, so less accurate): those not started are withdrawn, and only
   `wanted` is kept from eviction when reads are installed (`wanted(layer)`).
-- The threads do file I/O (`ExpertStore.read` into staging buffers from a bounded pool) and, with
-  `make_arrays` (CUDA, where arrays are device memory), make each read's bytes one flat MLX array
-  (`flat_rows`): creating an array from host bytes is a host copy into memory MLX allocates, with no
-  computation and no stream, so it is safe beside the generation thread's work, and on CUDA it is most
-  of an install's cost. One expert at a time, demand first, then best score, while the prefetched
-  bytes read and not yet taken stay under `max_inflight_bytes`. Several threads keep several reads
-  in flight: SSDs need queue depth.
+- The threads do file I/O (`ExpertStore.read` into staging buffers from a bounded pool). With
+  `make_arrays` (CUDA, where arrays are device memory) each read's bytes must become one flat MLX array
+  (`flat_rows`'s row): they are read straight into one (`device_rows.py`: rows of MLX memory, reused once
+  their installs surely ran), or, past the rows' bound, copied into a new one (`mx.array`, which holds
+  the GIL). One expert at a time, demand first, then best score, while the prefetched bytes read and not
+  yet taken stay under `max_inflight_bytes`. Several threads keep several reads in flight: SSDs need
+  queue depth.
 - `withdraw(layer)`: the layer is running; prefetch requests for it never started are useless now.
 - `take_ready()`: every finished prefetch, for the generation thread to install.
 - `drain()`: wait until nothing is being read (with `synchronous` prefetch: reads then always arrive
@@ -122,7 +122,8 @@ class Reader:
             mine = [k for k in keys if k in self._pending and self._pending[k].demand]
             if len(self._threads) > 1 and len(mine) > 1:
                 self._work.notify_all()  # helpers; a single read is faster without a hand-off
-            elif mine:  # no helpers needed: one batched read, contiguous experts in one preadv
+            elif mine and self.rows is None:  # no helpers: one batched read, neighbours in one preadv
+                # (with rows, each expert is read into its own MLX array below: no copy on this thread)
                 batch = [self._pending.pop(k) for k in mine]
                 self._reading.update(zip(mine, batch))
                 mine = []

@@ -5,8 +5,9 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
   `MIN_PRECISION` the experts asked per layer are halved (down to none), above `RECOVER_PRECISION`
   they grow back.
 - Gain (timed): after `first_check` tokens with prefetch on (a token later per token of unknown time,
-  as the first after a reset), the demand reads its useful prefetches saved are weighed against what it
-  cost the generation thread (predicting, queueing, its bookkeeping, installing). A saved read is priced
+  as the first after a reset, or of a one-off cost such as kernels compiling on first use), the demand
+  reads its useful prefetches saved are weighed against what it cost the generation thread (predicting,
+  queueing, its bookkeeping, installing). A saved read is priced
   at what a demand read costs the generation thread per expert in that stretch (batched per layer, so
   less than one read's latency on a disk that likes a deep queue), else in decode so far, else at the
   reader's mean read time; plus the mean install time. If the saving is smaller, with `MIN_GAIN` of the
@@ -33,6 +34,10 @@ from .stats import Ledger
 MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
 COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it
 MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to stay on
+# a measuring token this many times slower than another of its window carries a one-off (the predictor's
+# kernels compiling on first use: 15.3 s over two tokens on the H100 against about 0.1 s after): the gain
+# check waits for a window without it
+ONE_OFF = 10
 READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waiting for reads
 MARKS_KEPT = 64
 
@@ -207,6 +212,9 @@ class Governor:
         marks = self._marks[-tokens - 1 :]
         if len(marks) < tokens + 1 or any(m.mode != self.mode or m.seconds is None for m in marks[1:]):
             return None
+        times = [m.seconds for m in marks[1:]]
+        if self.mode == "on" and max(times) > ONE_OFF * min(times):
+            return None  # a one-off in the window (see ONE_OFF): wait for a clean one
         first, last = marks[0], marks[-1]
         if self.mode == "on":
             hidden = (last.useful - first.useful) * (_per_read(first, last) + last.per_install_s)

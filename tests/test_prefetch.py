@@ -397,6 +397,22 @@ def test_the_gain_check_still_decides_after_the_counts_are_reset(predictor_dir):
     assert "costs 3.00 ms" in queue.backoff_reason
 
 
+def test_a_one_off_cost_in_the_first_tokens_does_not_decide_the_gain_check(predictor_dir):
+    """The predictor's kernels compile on first use, inside prefetch's timed work (15.3 s over the two
+    measuring tokens of a process's first prompt on the H100): the check waits for a window without such a
+    token instead of pausing on it."""
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.governor
+    engine.reset_stats()
+    queue.end_token("prefill", 0.1)
+    _token(queue, 15.0, useful=10, read_s=3e-3, busy_s=14.9)  # compiling
+    for _ in range(queue.settings.first_check):  # then 30 ms saved per token for 3 ms of work
+        assert queue.measuring and queue.mode == "on"
+        _token(queue, 0.030, useful=10, read_s=3e-3, busy_s=0.003)
+    assert queue.mode == "on" and queue.backoffs == 0 and not queue.measuring
+    assert queue.stats()["gain"]["cost_ms"] == pytest.approx(3.0)
+
+
 def test_where_reads_are_the_bottleneck_only_confident_predictions_are_read(predictor_dir):
     """Tokens spent mostly waiting for expert reads make the read path the bottleneck: the score floor for
     speculative reads rises to `read_bound_score`, and falls back once the waits shrink."""

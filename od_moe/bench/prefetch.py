@@ -95,6 +95,7 @@ def run_policy(
     return {
         "tokens": tokens,
         "tok_s": sum(tps) / len(tps),
+        "prompt_tok_s": tps,
         "stats": stats,
         "expert_bytes": expert_bytes,
         "slot_bytes": slot_bytes,

@@ -1,0 +1,69 @@
+"""The governor's verdict per prompt against what the tokens cost: the predictor policy and on-demand
+loading (`none`) alternating round by round in one process, each prompt a fresh engine (as `od-moe bench`
+runs them), governor timed checks on as in normal use.
+
+Prints per round and prompt: both policies' decode tok/s, and the predictor's verdict:
+its mode at the end, and the gain check's estimate (ms per token saved by useful prefetches, its cost on
+the generation thread, the measuring tokens' time). A verdict of "on" is right where the predictor's
+tokens are faster than none's; an estimate saving more than none's whole token is an overestimate.
+Exact tokens are checked between the two.
+
+    python benchmarks/verdicts.py [--widen 128 --workdir /tmp/odb] [--cold] [--capacity 0.25]
+        [--rounds 2] [--tokens 16]
+"""
+
+import argparse
+from pathlib import Path
+
+from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.prefetch import run_policy
+from od_moe.bench.widen import widen_model
+from od_moe.engine import DEFAULT_MODEL
+from od_moe.report import table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--widen", type=int, default=0, help="run on a copy with experts this much wider")
+    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="where the widened copy goes")
+    parser.add_argument("--cold", action="store_true", help="every read from the device (O_DIRECT)")
+    parser.add_argument("--capacity", type=float, default=0.25, help="fraction of experts resident")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=16)
+    args = parser.parse_args()
+    path = DEFAULT_MODEL
+    if args.widen:
+        path = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+    rows = []
+    for n in range(args.rounds):
+        runs = {
+            policy: run_policy(path, PROMPTS, args.tokens, policy, capacity=args.capacity, cold=args.cold)
+            for policy in ("none", "predictor")
+        }
+        if runs["none"]["tokens"] != runs["predictor"]["tokens"]:
+            raise SystemExit(f"round {n}: the predictor's tokens differ from none's")
+        for i, stats in enumerate(runs["predictor"]["stats"]):
+            gain = stats["prefetch"]["gain"] or {}
+            rows.append(
+                [
+                    n,
+                    i,
+                    runs["none"]["prompt_tok_s"][i],
+                    runs["predictor"]["prompt_tok_s"][i],
+                    stats["prefetch"]["mode"],
+                    gain.get("hidden_ms", float("nan")),
+                    gain.get("cost_ms", float("nan")),
+                    gain.get("token_ms", float("nan")),
+                ]
+            )
+    model = f"widened x{args.widen}" if args.widen else "embedded model"
+    title = (
+        f"{model}, {args.capacity:.1%} resident, {'cold' if args.cold else 'warm'} reads, {len(PROMPTS)} "
+        f"prompts x {args.tokens} tokens: decode tok/s and the predictor's gain check (ms per token)"
+    )
+    columns = ["round", "prompt", "none tok/s", "predictor tok/s", "mode", "saved", "cost", "measuring token"]
+    print(table(columns, rows, title=title))
+
+
+if __name__ == "__main__":
+    main()

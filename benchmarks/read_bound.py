@@ -14,11 +14,10 @@ prompts that ended read-bound. Exact tokens are checked across the three.
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
 
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import run_policy, stats_total
-from od_moe.bench.widen import widen_model
+from od_moe.bench.widen import add_copy_options, model_for
 from od_moe.engine import DEFAULT_MODEL
 from od_moe.governor import PrefetchSettings
 from od_moe.report import table
@@ -32,16 +31,12 @@ VARIANTS = {
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--widen", type=int, default=0, help="run on a copy with experts this much wider")
-    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="where the widened copy goes")
-    parser.add_argument("--cold", action="store_true", help="every read from the device (O_DIRECT)")
+    add_copy_options(parser)
     parser.add_argument("--capacities", default="0.25,0.5", help="fractions of experts resident")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
-    path = DEFAULT_MODEL
-    if args.widen:
-        path = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+    path = model_for(args, DEFAULT_MODEL)
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
         results = {name: [] for name in VARIANTS}

@@ -13,27 +13,22 @@ Exact tokens are checked between the two.
 """
 
 import argparse
-from pathlib import Path
 
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import run_policy
-from od_moe.bench.widen import widen_model
+from od_moe.bench.widen import add_copy_options, model_for
 from od_moe.engine import DEFAULT_MODEL
 from od_moe.report import table
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--widen", type=int, default=0, help="run on a copy with experts this much wider")
-    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="where the widened copy goes")
-    parser.add_argument("--cold", action="store_true", help="every read from the device (O_DIRECT)")
+    add_copy_options(parser)
     parser.add_argument("--capacity", type=float, default=0.25, help="fraction of experts resident")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
-    path = DEFAULT_MODEL
-    if args.widen:
-        path = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+    path = model_for(args, DEFAULT_MODEL)
     rows = []
     for n in range(args.rounds):
         runs = {

@@ -101,11 +101,3 @@ class DeviceRows:
             while self._cooling and self._cooling[0][0] <= self.epoch - PASSES_APART:
                 _, key, row = self._cooling.popleft()
                 self._free.setdefault(key, []).append(row)
-
-    def counts(self) -> dict:
-        with self._lock:
-            return {
-                "bytes": self.bytes,
-                "free": sum(len(v) for v in self._free.values()),
-                "cooling": len(self._cooling),
-            }

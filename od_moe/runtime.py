@@ -332,8 +332,8 @@ class OffloadRuntime:
         self.clock += 1
         self._prompt_passes += 1
         self.ledger.count_forward(phase, tokens)
-        if self._reader is not None and self._reader.rows is not None:
-            self._reader.rows.begin_pass(phase == "decode")
+        if self._rows is not None:
+            self._rows.begin_pass(phase == "decode")
         if self._recording is not None:
             self._recording.append({})
 
@@ -385,10 +385,15 @@ class OffloadRuntime:
             self.host_syncs += 1
         self._synced()
 
+    @property
+    def _rows(self):
+        """The reader's rows of MLX memory (`device_rows.py`), where reads land in them."""
+        return self._reader.rows if self._reader is not None else None
+
     def _synced(self):
         """A host sync returned: staging rows whose installs surely ran may be read into again."""
-        if self._reader is not None and self._reader.rows is not None:
-            self._reader.rows.synced()
+        if self._rows is not None:
+            self._rows.synced()
 
     def _after_routing(self, step: Step, ids: np.ndarray):
         if self._recording:

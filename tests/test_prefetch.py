@@ -382,6 +382,32 @@ def test_a_saved_read_is_priced_at_what_demand_reads_cost_the_generation_thread(
     assert queue.mode == "on" and queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
 
 
+def test_a_saved_read_is_priced_at_demand_reads_no_prefetch_competed_with(predictor_dir):
+    """Demand reads beside prefetch reads wait for the disk, the CPU and the GIL they share: priced by
+    them, useful prefetches seemed to save more than a token without prefetch took (H100, widened copy at
+    25%, warm reads). Demand reads in passes without prefetch reads (prefill, paused decode) set the
+    price where they are cheaper."""
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.governor
+    engine.reset_stats()
+    queue.ledger.add("prefill", 0, experts_read=8, read_s=0.008)  # alone: 1 ms per expert
+    queue.end_token("prefill", 0.1)
+    for _ in range(queue.settings.first_check):  # beside prefetch reads: 3 ms per expert
+        _token(queue, 0.040, useful=10, read_s=3e-3, busy_s=0.015, stall_s=0.012, demand=4)
+    assert queue.mode == "paused"
+    assert queue.stats()["gain"]["hidden_ms"] == pytest.approx(10.0)  # 10 saved at 1 ms, not at 3
+    for _ in range(queue.settings.probe_tokens):  # paused decode counts as well: now 2 ms per expert
+        _token(queue, 0.030, stall_s=0.003, demand=1)
+    queue._set_mode("on")
+    for _ in range(queue.settings.first_check):  # no demand read in the stretch: that price alone
+        _token(queue, 0.040, useful=10, read_s=3e-3, busy_s=0.015)
+    assert queue.mode == "on" and queue.stats()["gain"]["hidden_ms"] == pytest.approx(20.0)
+    queue._set_mode("on")
+    for _ in range(queue.settings.first_check):  # cheaper beside prefetch than alone: the lower price
+        _token(queue, 0.040, useful=10, read_s=3e-3, busy_s=0.015, stall_s=0.002, demand=4)
+    assert queue.mode == "paused" and queue.stats()["gain"]["hidden_ms"] == pytest.approx(5.0)
+
+
 def test_the_gain_check_still_decides_after_the_counts_are_reset(predictor_dir):
     """After `reset_stats` the first token booked is one of unknown time (the pass before the reset):
     the gain check waits a token for a clean window instead of never deciding."""

@@ -13,6 +13,9 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   the GPU's read of it, and the host's next write into the recycled buffer, each fault. `stage_for_device`
   asks the driver to keep such an array's pages in host memory, mapped for the GPU, so neither side faults
   (the one call to the CUDA runtime od-moe makes, through ctypes; MLX does the same for its small pool).
+  The advice stays with the memory when MLX recycles the buffer, so only buffers od-moe keeps are advised,
+  and `unstage` takes the advice back before they go: a recycled host-preferred buffer under the
+  slots or activations of a later engine slowed its decode (H100, widened x128 at 25%).
 Nothing else in od-moe asks which backend it is on.
 """
 
@@ -81,7 +84,7 @@ class _ManagedStaging:
     leaving the arrays as MLX made them."""
 
     MIN_BYTES = 256 * 1024  # the bundled model's 20 KB experts gained nothing: per-operation latency
-    PREFERRED_LOCATION, ACCESSED_BY = 3, 5  # cudaMemoryAdvise
+    PREFERRED_LOCATION, ACCESSED_BY = 3, 5  # cudaMemoryAdvise (each one more: unset)
     HOST, DEVICE = 2, 1  # cudaMemLocationType
 
     class Location(ctypes.Structure):
@@ -137,18 +140,39 @@ class _ManagedStaging:
             self.advised[address] = array.nbytes
         return array
 
+    def release(self, array: mx.array):
+        """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
+        if not self.on or array.nbytes < self.MIN_BYTES:
+            return
+        address = np.array(array, copy=False).__array_interface__["data"][0]
+        with self.lock:
+            nbytes = self.advised.pop(address, 0)
+            if not nbytes:
+                return
+            for advice, where in ((self.PREFERRED_LOCATION + 1, self.host), (self.ACCESSED_BY + 1, self.gpu)):
+                if self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
+                    self.runtime.cudaGetLastError()
+
 
 _managed_staging = _ManagedStaging()
 
 
 def stage_for_device(array: mx.array) -> mx.array:
     """`array`, made from host bytes to be copied into device memory, kept where neither the host's
-    writes nor the device's read of it migrate pages (CUDA managed memory); unchanged elsewhere.
+    writes nor the device's read of it migrate pages (CUDA managed memory); unchanged elsewhere. For
+    arrays the caller keeps and writes again: `unstage` each before letting it go.
     On the H100 (MLX 0.32.4), `benchmarks/installs.py`: a 2.65 MB expert made from read bytes and copied
     into a cache slot took 1,089 + 1,422 us as MLX leaves it and 284 + 534 us with the hint."""
     if arrays_in_host_memory():
         return array
     return _managed_staging.apply(array)
+
+
+def unstage(array: mx.array):
+    """Undo `stage_for_device` for an array that is no longer needed, so that MLX recycles its buffer as
+    any other (call it once nothing still computing reads the array)."""
+    if not arrays_in_host_memory():
+        _managed_staging.release(array)
 
 
 def host_view(array: mx.array) -> np.ndarray | None:

@@ -17,10 +17,13 @@ prefill after it) ran is handed out again only after a sync made once decode pas
 for. Rows given back unused (never installed from) are free at once.
 
 Bounded: rows in use or cooling take at most `max_bytes`; past that, reads use numpy staging and a copy,
-as before. Not here: reading (`store.py`), the read queue (`reader.py`), installing (`cache.py`).
+as before. `release` (the reader closing, or the rows collected) takes back the rows' memory hints, so
+MLX recycles their buffers as any other.
+Not here: reading (`store.py`), the read queue (`reader.py`), installing (`cache.py`).
 """
 
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -56,15 +59,19 @@ class DeviceRows:
         self._free: dict[tuple, list[Row]] = {}
         self._cooling: deque[tuple[int, tuple, Row]] = deque()
         self._lock = threading.Lock()
+        self._made: list[mx.array] = []  # every row's array, to release
+        self._release = weakref.finalize(self, _release, self._made)
 
     def reserve(self, layout: BlockLayout):
         """A free row for an expert of `layout`; else `GROW` (its bytes counted: `make` it); else None
         (the bound is reached, or rows do not work here: use numpy staging)."""
         with self._lock:
+            if not self.works:
+                return None
             free = self._free.get(layout.shape_key)
             if free:
                 return free.pop()
-            if not self.works or self.bytes + layout.expert_nbytes > self.max_bytes:
+            if self.bytes + layout.expert_nbytes > self.max_bytes:
                 return None
             self.bytes += layout.expert_nbytes
             return GROW
@@ -81,7 +88,21 @@ class DeviceRows:
                 self.works = False
                 self.bytes -= layout.expert_nbytes
             return None
+        with self._lock:
+            released = not self._release.alive
+            if not released:
+                self._made.append(array)
+        if released:  # made while the reader closed: nothing will release it later
+            backend.unstage(array)
         return Row(array, Staging(layout, 1, flat=view[None]))
+
+    def release(self):
+        """No more rows: take back the memory hints of those made (the reader is closing)."""
+        with self._lock:
+            self.works = False
+            self._free.clear()
+            self._cooling.clear()
+        self._release()
 
     def give_back(self, layout: BlockLayout, row: Row, installed: bool = True):
         """A read is done with `row`: free now if nothing was installed from it, else after the wait."""
@@ -101,3 +122,9 @@ class DeviceRows:
             while self._cooling and self._cooling[0][0] <= self.epoch - PASSES_APART:
                 _, key, row = self._cooling.popleft()
                 self._free.setdefault(key, []).append(row)
+
+
+def _release(arrays: list[mx.array]):
+    for array in arrays:
+        backend.unstage(array)
+    arrays.clear()

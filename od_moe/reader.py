@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import backend
 from .device_rows import GROW, DeviceRows, Row
 from .stats import Ledger
 from .store import BlockLayout, ExpertStore, Staging, flat_rows
@@ -235,6 +234,8 @@ class Reader:
             self._stop = True
             self._work.notify_all()
             self._done.notify_all()
+        if self.rows is not None:
+            self.rows.release()
 
     @property
     def closed(self) -> bool:
@@ -296,7 +297,7 @@ class Reader:
             if r.row is not None:
                 r.arrays = r.row.array  # the bytes were read into it
             elif self.make_arrays:
-                r.arrays = backend.stage_for_device(mx.array(flat_rows(layout, r.raw, 1)[0]))
+                r.arrays = mx.array(flat_rows(layout, r.raw, 1)[0])  # not advised: MLX recycles it
         except BaseException as e:  # raised on the generation thread when taken
             r.error = e
         with self._lock:

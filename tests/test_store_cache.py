@@ -11,6 +11,8 @@ import od_moe
 from od_moe import store as store_module
 from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
+from od_moe.reader import Reader
+from od_moe.stats import Ledger
 from od_moe.store import ExpertStore, Staging, flat_rows
 
 
@@ -294,6 +296,31 @@ def test_cuda_staging_hints_advise_each_large_buffer_once_and_stand_down_on_an_e
     assert backend.stage_for_device(big) is big  # this CPU backend: host memory, nothing to advise
 
 
+def test_cuda_staging_hints_are_taken_back_from_a_buffer_before_mlx_recycles_it():
+    """`backend.unstage`: the advice stays with a buffer MLX recycles (for slots or activations of a later
+    engine, where host-preferred memory slows the GPU), so each advised buffer is unset once, and only
+    those advised."""
+    from od_moe import backend
+
+    runtime = _Runtime()
+    hints = backend._ManagedStaging(runtime)
+    big, other = mx.array(np.zeros(hints.MIN_BYTES, np.uint8)), mx.array(np.ones(hints.MIN_BYTES, np.uint8))
+    address = np.array(big, copy=False).__array_interface__["data"][0]
+    hints.apply(big)
+    hints.release(big)
+    hints.release(big)
+    hints.release(other)  # never advised
+    assert [c[2:] for c in runtime.cudaMemAdvise.calls] == [
+        (3, (2, 0)),
+        (5, (1, 0)),
+        (4, (2, 0)),
+        (6, (1, 0)),
+    ]
+    assert {c[:2] for c in runtime.cudaMemAdvise.calls} == {(address, big.nbytes)}
+    hints.apply(big)  # advised again after a release
+    assert len(runtime.cudaMemAdvise.calls) == 6
+
+
 def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync():
     """Staging rows that are MLX memory (`device_rows.py`, CUDA's read path): a row installed from is
     handed out again only after a host sync made once the second decode pass after it began (prefill
@@ -320,3 +347,37 @@ def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync
     assert rows.reserve(layout) is row
     rows.give_back(layout, row, installed=False)
     assert rows.reserve(layout) is row
+
+
+def test_device_rows_take_back_their_memory_hints_when_the_reader_closes_or_they_are_collected(monkeypatch):
+    """Rows are MLX arrays advised host-preferred on CUDA (`backend.stage_for_device`); MLX recycles their
+    buffers once they go, so the advice is taken back first: when the reader closes, or when rows nobody
+    closed are collected. After `release` no row is handed out."""
+    from od_moe import backend
+    from od_moe.device_rows import GROW, DeviceRows
+
+    unstaged = []
+    monkeypatch.setattr(backend, "unstage", lambda array: unstaged.append(id(array)))
+    store = ExpertStore(od_moe.DEFAULT_MODEL)
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    layout = store.block_layout("model.layers.1.mlp.switch_mlp", parts, 64)
+    reader = Reader(store, [layout], Ledger(1), threads=1, make_arrays=True)
+    rows = reader.rows
+    made = []
+    for _ in range(2):
+        assert rows.reserve(layout) is GROW
+        made.append(rows.make(layout))
+    rows.give_back(layout, made[0], installed=False)
+    reader.close()
+    assert sorted(unstaged) == sorted(id(r.array) for r in made)
+    assert rows.reserve(layout) is None  # released: numpy staging from here
+    reader.close()
+    assert len(unstaged) == 2  # once
+
+    unstaged.clear()
+    rows = DeviceRows()
+    assert rows.reserve(layout) is GROW
+    array_id = id(rows.make(layout).array)
+    del rows
+    gc.collect()
+    assert unstaged == [array_id]

@@ -77,7 +77,7 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     for n, ids in enumerate(batches):
         raw = raws[int(ids[0])]
         arrays = None
-        if made:  # as the reader threads make them
+        if made:  # as the reader threads make them (their rows)
             arrays = [
                 backend.stage_for_device(mx.array(row)) for row in flat_rows(cache.layout, raw, experts)
             ]
@@ -87,6 +87,8 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
         mx.eval(list(cache.stacked_arrays().values()))  # MLX writes are lazy: the layer would evaluate them
         if n:  # the first install warms the path up
             seconds += time.perf_counter() - t0
+        for array in arrays or ():
+            backend.unstage(array)
     nbytes = cache.slot_nbytes * experts * repeats
     engine.close()
     return nbytes / seconds

@@ -4,7 +4,8 @@ runs them), governor timed checks on as in normal use.
 
 Prints per round and prompt: both policies' decode tok/s, and the predictor's verdict:
 its mode at the end, and the gain check's estimate (ms per token saved by useful prefetches, its cost on
-the generation thread, the measuring tokens' time). A verdict of "on" is right where the predictor's
+the generation thread, the measuring tokens' time; the useful prefetches per token and the price of one
+saved read in ms, install included). A verdict of "on" is right where the predictor's
 tokens are faster than none's; an estimate saving more than none's whole token is an overestimate.
 Exact tokens are checked between the two.
 
@@ -49,6 +50,8 @@ def main():
                     gain.get("hidden_ms", float("nan")),
                     gain.get("cost_ms", float("nan")),
                     gain.get("token_ms", float("nan")),
+                    gain.get("useful", float("nan")),
+                    gain.get("read_price_ms", float("nan")),
                 ]
             )
     model = f"widened x{args.widen}" if args.widen else "embedded model"
@@ -56,7 +59,18 @@ def main():
         f"{model}, {args.capacity:.1%} resident, {'cold' if args.cold else 'warm'} reads, {len(PROMPTS)} "
         f"prompts x {args.tokens} tokens: decode tok/s and the predictor's gain check (ms per token)"
     )
-    columns = ["round", "prompt", "none tok/s", "predictor tok/s", "mode", "saved", "cost", "measuring token"]
+    columns = [
+        "round",
+        "prompt",
+        "none tok/s",
+        "predictor tok/s",
+        "mode",
+        "saved",
+        "cost",
+        "measuring token",
+        "useful",
+        "price",
+    ]
     print(table(columns, rows, title=title))
 
 

@@ -4,17 +4,19 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
 - Precision: every `window` decode tokens the precision of that window is checked; below
   `MIN_PRECISION` the experts asked per layer are halved (down to none), above `RECOVER_PRECISION`
   they grow back.
+- Baseline (timed): after a reset, the first `baseline_tokens` decode tokens run with prefetch paused, so
+  that what demand reads cost alone is known before prefetch is judged.
 - Gain (timed): after `first_check` tokens with prefetch on (a token later per token of unknown time,
   as the first after a reset, or of a one-off cost such as kernels compiling on first use), the demand
   reads its useful prefetches saved are weighed against what it cost the generation thread (predicting,
   queueing, its bookkeeping, installing). A saved read is priced at what a demand read costs the
   generation thread per expert (batched per layer, so less than one read's latency on a disk that likes a
-  deep queue) where no prefetch read competed with it (prefill, paused decode), or in that stretch if
-  that is less; without such reads, in that stretch, else in decode so far, else at the reader's mean
-  read time; plus the mean install time. Demand reads beside prefetch reads wait for the disk, the CPU
-  and the GIL they share, so pricing by them alone counted more saved than a token without prefetch
-  took (H100, widened x128 at 25%, warm: 33.6-59.2 ms saved per token against 29.5-55.7 ms tokens).
-  If the saving is smaller, with `MIN_GAIN` of the
+  deep queue) in decode with prefetch paused (the baseline and later pauses), or in that stretch if that
+  is less; without such reads, in that stretch, else in decode so far, else at the reader's mean read
+  time; plus the mean install time. Demand reads beside prefetch reads wait for the disk, the CPU and
+  the GIL they share, and prefill's read more at once: priced by either, prefetch seemed to save more
+  than a whole token without it took (H100, widened x128 at 25%, warm: 30.7-59.2 ms saved per token
+  against 27-56 ms tokens). If the saving is smaller, with `MIN_GAIN` of the
   token time as margin (reads from the page cache of a small model), it pauses; while paused, a demand
   stall worth twice that cost brings it back.
 - Cost probe (timed): after `first_probe` tokens, then every `probe_every`, it switches prefetch off for
@@ -44,7 +46,6 @@ MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to
 ONE_OFF = 10
 READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waiting for reads
 MARKS_KEPT = 64
-QUIET = ("prefill", "paused")  # passes whose demand reads no prefetch read competed with
 
 
 @dataclass
@@ -53,7 +54,8 @@ class PrefetchSettings:
 
     experts_per_layer: int | None = None  # most experts asked per layer ahead; None: the model's top-k
     window: int = 16  # decode tokens per precision check
-    timed_checks: bool = True  # the gain check, the cost probe and the read-bound check (wall time)
+    timed_checks: bool = True  # the baseline, the gain check, the cost probe and the read-bound check
+    baseline_tokens: int = 2  # decode tokens after a reset with prefetch paused (with `timed_checks`)
     first_check: int = 2
     first_probe: int = 48
     probe_every: int = 48
@@ -93,16 +95,16 @@ class _Mark(NamedTuple):  # cumulative counts at the end of a forward pass
     read_s: float
     demand: float  # experts read on the generation thread in decode, and its seconds doing so
     demand_s: float
-    quiet: float  # the same in passes without prefetch reads (`QUIET`) since the reset
+    quiet: float  # the same in decode with prefetch paused, since the reset
     quiet_s: float
     cost_s: float
     per_install_s: float
 
 
 def _per_read(first: _Mark, last: _Mark) -> float:
-    """What one expert read costs the generation thread: a demand read's per expert where no prefetch read
-    competed (or between the marks, if less); without those, between the marks, else in all of decode,
-    else the reader's mean read time between them, else of all its reads."""
+    """What one expert read costs the generation thread: a demand read's per expert in decode with prefetch
+    paused (or between the marks, if less); without those, between the marks, else in all of decode, else
+    the reader's mean read time between them, else of all its reads."""
     if last.demand > first.demand:
         stretch = (last.demand_s - first.demand_s) / (last.demand - first.demand)
         return min(stretch, last.quiet_s / last.quiet) if last.quiet else stretch
@@ -124,7 +126,8 @@ class Governor:
         self.per_layer = self.per_layer_max
         self.mode, self._mode_since, self.probe = "on", 0, None
         self._pause_kind = (
-            None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so
+            None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so;
+            # "baseline": the first tokens after a reset
         )
         self.gain = None  # the last check of what prefetch hides
         self._gain_checked = False  # this stretch with prefetch on has had its gain check
@@ -133,8 +136,10 @@ class Governor:
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
         self._marks: list[_Mark] = []
-        self._quiet = (0.0, 0.0)  # demand experts and seconds in passes without prefetch reads
-        self._demand_all = self._demand_totals()  # ...counted from here
+        self._quiet = (0.0, 0.0)  # demand experts and seconds in decode with prefetch paused
+        self._demand = self._demand_totals()  # ...counted from here
+        if self.settings.timed_checks and self.settings.baseline_tokens > 0:
+            self._set_mode("paused", "baseline")
 
     @property
     def active(self) -> bool:
@@ -163,11 +168,9 @@ class Governor:
         led = self.ledger
         installs = led.total("prefetch_installed")
         mode = self.mode if phase == "decode" else phase
-        demand_all, self._demand_all = self._demand_all, self._demand_totals()
-        if mode in QUIET:
-            self._quiet = tuple(
-                q + now - before for q, now, before in zip(self._quiet, self._demand_all, demand_all)
-            )
+        before, self._demand = self._demand, self._demand_totals()
+        if mode == "paused":
+            self._quiet = tuple(q + now - was for q, now, was in zip(self._quiet, self._demand, before))
         self._marks.append(
             _Mark(
                 mode,
@@ -236,13 +239,14 @@ class Governor:
         if self.mode == "on" and max(times) > ONE_OFF * min(times):
             return None  # a one-off in the window (see ONE_OFF): wait for a clean one
         first, last = marks[0], marks[-1]
-        if self.mode == "on":
-            hidden = (last.useful - first.useful) * (_per_read(first, last) + last.per_install_s)
-        else:
-            hidden = last.stall_s - first.stall_s
+        useful = last.useful - first.useful
+        price = _per_read(first, last) + last.per_install_s
+        hidden = useful * price if self.mode == "on" else last.stall_s - first.stall_s
         ms = 1e3 / tokens
         return {
             "tokens": tokens,
+            "useful": useful / tokens,
+            "read_price_ms": price * 1e3,
             "hidden_ms": hidden * ms,
             "cost_ms": (last.cost_s - first.cost_s) * ms,
             "token_ms": sum(m.seconds for m in marks[1:]) * ms,
@@ -264,6 +268,8 @@ class Governor:
                     f"paused until the demand stall grows",
                     pause="gain",
                 )
+        elif self.mode == "paused" and self._pause_kind == "baseline" and n >= self.settings.baseline_tokens:
+            self._set_mode("on")
         elif self.mode == "paused" and self._pause_kind == "gain" and n >= self.settings.probe_tokens:
             stall = self._gain(self.settings.probe_tokens)
             if stall is not None and stall["hidden_ms"] > max(
@@ -318,8 +324,8 @@ class Governor:
             self._set_mode("paused", pause)
 
     def _demand_totals(self) -> tuple[float, float]:
-        """Experts read on the generation thread in all passes, and its seconds doing so."""
-        return self.ledger.total("experts_read"), self.ledger.total("read_s")
+        """Experts read on the generation thread in decode, and its seconds doing so."""
+        return self.ledger.total("experts_read", "decode"), self.ledger.total("read_s", "decode")
 
     def _token_seconds(self, mode: str) -> list[float]:
         return [m.seconds for m in self._marks if m.mode == mode and m.seconds is not None]

@@ -4,8 +4,8 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
 - Precision: every `window` decode tokens the precision of that window is checked; below
   `MIN_PRECISION` the experts asked per layer are halved (down to none), above `RECOVER_PRECISION`
   they grow back.
-- Baseline (timed): after a reset, the first `baseline_tokens` decode tokens run with prefetch paused, so
-  that what demand reads cost alone is known before prefetch is judged.
+- Baseline (timed, off by default): after a reset, the first `baseline_tokens` decode tokens run with
+  prefetch paused, so that what demand reads cost alone is known before prefetch is first judged.
 - Gain (timed): after `first_check` tokens with prefetch on (a token later per token of unknown time,
   as the first after a reset, or of a one-off cost such as kernels compiling on first use), the demand
   reads its useful prefetches saved are weighed against what it cost the generation thread (predicting,
@@ -55,7 +55,11 @@ class PrefetchSettings:
     experts_per_layer: int | None = None  # most experts asked per layer ahead; None: the model's top-k
     window: int = 16  # decode tokens per precision check
     timed_checks: bool = True  # the baseline, the gain check, the cost probe and the read-bound check
-    baseline_tokens: int = 2  # decode tokens after a reset with prefetch paused (with `timed_checks`)
+    # decode tokens after a reset with prefetch paused (with `timed_checks`), to price saved reads by demand
+    # reads alone from the first gain check on. Off by default: on the H100 (widened x128, 25%, 2 rounds
+    # against 0) 2 tokens took the predictor from 0.95 / 0.62 to 0.87 / 0.97 of none with warm reads, but
+    # from 0.95 / 1.01 to 0.87 / 0.88 with cold reads, and the oracle from 53.1 / 41.7 to 38.5 / 40.1 tok/s
+    baseline_tokens: int = 0
     first_check: int = 2
     first_probe: int = 48
     probe_every: int = 48

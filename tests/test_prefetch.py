@@ -270,7 +270,6 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
         predictor_dir,
         "25%",
         self_checks=True,
-        baseline_tokens=0,
         first_check=10**9,  # the probe alone
         first_probe=16,
         probe_every=16,
@@ -337,7 +336,7 @@ def _token(queue, seconds, useful=0, read_s=0.0, busy_s=0.0, stall_s=0.0, demand
 
 
 def test_prefetch_pauses_when_the_reads_it_saves_cannot_repay_its_cost(predictor_dir):
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, baseline_tokens=0)
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.governor
     engine.reset_stats()
     queue.end_token("prefill", 0.1)
@@ -365,7 +364,7 @@ def test_a_saved_read_is_priced_at_what_demand_reads_cost_the_generation_thread(
     """Where the disk likes a deep queue, one read takes long but a layer's misses read together cost the
     generation thread less per expert: a useful prefetch saves that, not the reader's time for one read.
     Without demand reads to go by, the reader's mean read time stands in."""
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, baseline_tokens=0)
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.governor
     engine.reset_stats()
     queue.end_token("prefill", 0.1)
@@ -383,12 +382,12 @@ def test_a_saved_read_is_priced_at_what_demand_reads_cost_the_generation_thread(
     assert queue.mode == "on" and queue.stats()["gain"]["hidden_ms"] == pytest.approx(30.0)
 
 
-def test_prefetch_starts_paused_and_prices_a_saved_read_at_demand_reads_alone(predictor_dir):
+def test_a_baseline_starts_prefetch_paused_and_prices_a_saved_read_at_demand_reads_alone(predictor_dir):
     """Demand reads beside prefetch reads wait for the disk, the CPU and the GIL they share: priced by
     them, useful prefetches seemed to save more than a token without prefetch took (H100, widened copy at
-    25%, warm reads). So the first decode tokens run with prefetch paused, and demand reads in paused
-    decode set the price where they are cheaper."""
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    25%, warm reads). With a baseline the first decode tokens run with prefetch paused, and demand reads in
+    paused decode set the price where they are cheaper."""
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, baseline_tokens=2)
     queue = engine.runtime.governor
     engine.reset_stats()
     queue.ledger.add("prefill", 0, experts_read=8, read_s=0.080)  # prefill's reads do not count
@@ -416,7 +415,7 @@ def test_prefetch_starts_paused_and_prices_a_saved_read_at_demand_reads_alone(pr
 def test_the_gain_check_still_decides_after_the_counts_are_reset(predictor_dir):
     """After `reset_stats` the first token booked is one of unknown time (the pass before the reset):
     the gain check waits a token for a clean window instead of never deciding."""
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, baseline_tokens=0)
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.governor
     engine.reset_stats()
     queue.end_token("decode", None)  # the last pass of the previous prompt, its time unknown
@@ -432,7 +431,7 @@ def test_a_one_off_cost_in_the_first_tokens_does_not_decide_the_gain_check(predi
     """The predictor's kernels compile on first use, inside prefetch's timed work (15.3 s over the two
     measuring tokens of a process's first prompt on the H100): the check waits for a window without such a
     token instead of pausing on it."""
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, baseline_tokens=0)
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.governor
     engine.reset_stats()
     queue.end_token("prefill", 0.1)
@@ -447,7 +446,7 @@ def test_a_one_off_cost_in_the_first_tokens_does_not_decide_the_gain_check(predi
 def test_where_reads_are_the_bottleneck_only_confident_predictions_are_read(predictor_dir):
     """Tokens spent mostly waiting for expert reads make the read path the bottleneck: the score floor for
     speculative reads rises to `read_bound_score`, and falls back once the waits shrink."""
-    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True, baseline_tokens=0)
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.governor
     window = queue.settings.read_window
     queue.end_token("prefill", 0.1)

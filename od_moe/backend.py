@@ -79,9 +79,9 @@ def arrays_in_host_memory() -> bool:
 
 class _ManagedStaging:
     """CUDA managed-memory hints for host-made arrays that the GPU reads once (expert bytes on their way
-    into the cache): preferred location the host, accessed by the device. Each buffer is advised once (MLX
-    recycles its buffers, and the advice stays with the memory); an error turns the hints off for good,
-    leaving the arrays as MLX made them."""
+    into the cache): preferred location the host, accessed by the device. Each buffer is advised once, and
+    its advice taken back (`release`) before MLX may recycle it: the advice stays with the memory. An
+    error turns the hints off for good, leaving the arrays as MLX made them."""
 
     MIN_BYTES = 256 * 1024  # the bundled model's 20 KB experts gained nothing: per-operation latency
     PREFERRED_LOCATION, ACCESSED_BY = 3, 5  # cudaMemoryAdvise (each one more: unset)

@@ -360,9 +360,8 @@ class LayerCache:
         if arrays is not None and all(a is not None for a in arrays):
             flat = arrays[0][None] if n == 1 else mx.stack(arrays)
         else:
-            flat = mx.array(
-                flat_rows(self.layout, raw, n)
-            )  # not advised (`backend.unstage`): MLX recycles it
+            # not advised for the device (`backend.stage_for_device`): MLX recycles its buffer
+            flat = mx.array(flat_rows(self.layout, raw, n))
         index = int(slots[0]) if n == 1 else mx.array(slots.astype(np.int32))
         start = 0
         for part in self.layout.parts:

@@ -33,8 +33,9 @@ import numpy as np
 from . import backend
 from .store import BlockLayout, Staging
 
-DEVICE_ROW_BYTES = 256 * 2**20  # about three decode passes of reads at 25% of the widened x128 model: 128 MiB
-# left 22% of its decode reads to copies (CPU count), and the H100 decoded at 25.4 tok/s against 35.6 (none)
+# about three decode passes of reads at 25% of the widened x128 model; at 128 MiB 22% of its decode reads
+# went to copies (this CPU, CUDA path forced) and the H100 decoded at 25.4 tok/s against 35.6 (none, warm)
+DEVICE_ROW_BYTES = 256 * 2**20
 PASSES_APART = 2  # a row given back in decode pass n is written again after a sync in decode pass n + 2
 
 

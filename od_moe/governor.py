@@ -15,8 +15,9 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
   is less; without such reads, in that stretch, else in decode so far, else at the reader's mean read
   time; plus the mean install time. Demand reads beside prefetch reads wait for the disk, the CPU and
   the GIL they share, and prefill's read more at once: priced by either, prefetch seemed to save more
-  than a whole token without it took (H100, widened x128 at 25%, warm: 30.7-59.2 ms saved per token
-  against 27-56 ms tokens). If the saving is smaller, with `MIN_GAIN` of the
+  than a whole token without it took (H100, widened x128 at 25%, warm: by the stretch's reads 33.6-59.2
+  ms saved per token against 29.5-55.7 ms tokens; by prefill's, 40.7 against 27.6). If the saving is
+  smaller, with `MIN_GAIN` of the
   token time as margin (reads from the page cache of a small model), it pauses; while paused, a demand
   stall worth twice that cost brings it back.
 - Cost probe (timed): after `first_probe` tokens, then every `probe_every`, it switches prefetch off for
@@ -183,8 +184,7 @@ class Governor:
                 led.total("prefetch_useful"),
                 led.reader["completed"],
                 led.reader["reader_s"],
-                led.total("experts_read", "decode"),
-                led.total("read_s", "decode"),
+                *self._demand,
                 *self._quiet,
                 led.reader["busy_s"] + led.total("prefetch_install_s"),
                 led.total("prefetch_install_s") / max(installs, 1),

@@ -14,7 +14,12 @@ that pass is done; and a host sync made after decode pass n+2 began returns only
 runs in order, and pass n+2 depends on pass n+1's token). So a row given back while decode pass n (or a
 prefill after it) ran is handed out again only after a sync made once decode pass n+2 began (`begin_pass`,
 `synced`). Prefill passes do not count: a chunk's last layers feed nothing the next chunk's syncs wait
-for. Rows given back unused (never installed from) are free at once.
+for. Rows given back unused (never installed from) are free at once. Sooner, within one pass: a row a
+demand read installed into the layer about to compute is copied once that layer has computed, and a host
+sync of a later layer's routing in the same pass waits for that (it depends on the layer's output), so
+such a row (`give_back(layer=...)`) is free after that sync (`synced(layer)`); prefill's many reads then
+reuse a few rows instead of going to copies. One the pass's later syncs did not free (the last layer's)
+waits as above.
 
 Bounded: rows in use or cooling take at most `max_bytes`; past that, reads use numpy staging and a copy,
 as before. `release` (the reader closing, or the rows collected) takes back the rows' memory hints, so
@@ -57,9 +62,11 @@ class DeviceRows:
         self.max_bytes = max_bytes
         self.bytes = 0  # rows made (in use, cooling or free)
         self.epoch = 0  # decode passes begun
+        self.passes = 0  # passes begun (prefill too)
         self.works = True  # False once MLX memory proved not writable from the host
         self._free: dict[tuple, list[Row]] = {}
         self._cooling: deque[tuple[int, tuple, Row]] = deque()
+        self._after_layer: list[tuple[int, tuple, Row]] = []  # this pass: (layer, key, row), see `synced`
         self._lock = threading.Lock()
         self._made: list[mx.array] = []  # every row's array, to release
         self._release = weakref.finalize(self, _release, self._made)
@@ -104,26 +111,45 @@ class DeviceRows:
             self.works = False
             self._free.clear()
             self._cooling.clear()
+            self._after_layer.clear()
         self._release()
 
-    def give_back(self, layout: BlockLayout, row: Row, installed: bool = True):
-        """A read is done with `row`: free now if nothing was installed from it, else after the wait."""
+    def give_back(self, layout: BlockLayout, row: Row, installed: bool = True, layer: int | None = None):
+        """A read is done with `row`: free now if nothing was installed from it, else after the wait;
+        `layer`: it was installed only into that MoE layer, which computes next in this pass."""
         with self._lock:
-            if installed:
-                self._cooling.append((self.epoch, layout.shape_key, row))
-            else:
+            if not installed:
                 self._free.setdefault(layout.shape_key, []).append(row)
+            elif layer is not None:
+                self._after_layer.append((layer, layout.shape_key, row))
+            else:
+                self._cooling.append((self.epoch, layout.shape_key, row))
 
     def begin_pass(self, decode: bool):
-        """The engine starts a forward pass (only decode passes count)."""
-        self.epoch += decode
+        """The engine starts a forward pass (only decode passes count toward `PASSES_APART`)."""
+        with self._lock:
+            # what no later layer's sync freed in the pass that ended waits as if given back in it
+            self._cooling.extend((self.epoch, key, row) for _, key, row in self._after_layer)
+            self._after_layer.clear()
+            self.epoch += decode
+            self.passes += 1
 
-    def synced(self):
-        """A host sync returned: rows given back two decode passes ago are free."""
+    def synced(self, layer: int | None = None):
+        """A host sync returned: rows given back two decode passes ago are free; with `layer` (the sync
+        evaluated that MoE layer's routing, in this pass), so are rows installed into earlier layers of
+        this pass."""
         with self._lock:
             while self._cooling and self._cooling[0][0] <= self.epoch - PASSES_APART:
                 _, key, row = self._cooling.popleft()
                 self._free.setdefault(key, []).append(row)
+            if layer is not None and self._after_layer:
+                waiting = []
+                for entry in self._after_layer:
+                    if entry[0] < layer:
+                        self._free.setdefault(entry[1], []).append(entry[2])
+                    else:
+                        waiting.append(entry)
+                self._after_layer = waiting
 
 
 def _release(arrays: list[mx.array]):

@@ -199,13 +199,15 @@ class Reader:
                 self._work.notify_all()
         return reads
 
-    def recycle(self, reads: list[Read], installed: bool = True):
+    def recycle(self, reads: list[Read], installed: bool = True, computing: bool = False):
         """The reads' bytes are in their slots (or not wanted): their buffers may be reused, those that
-        are MLX memory once the installs' copies from them surely ran (`installed`: any may have)."""
+        are MLX memory once the installs' copies from them surely ran (`installed`: any may have;
+        `computing`: installed only into their layer, which computes next in this pass)."""
         with self._lock:
             for r in reads:
                 if r.row is not None:
-                    self.rows.give_back(self.layouts[r.layer], r.row, installed)
+                    layer = r.layer if computing else None
+                    self.rows.give_back(self.layouts[r.layer], r.row, installed, layer)
                     r.row = r.staging = None
                     continue
                 spare = self._spare.setdefault(self.layouts[r.layer].shape_key, [])

@@ -213,7 +213,7 @@ class OffloadRuntime:
 
     def _route_exact(self, step: Step, indices: mx.array, predictions: list[Prediction]) -> Iterator[Route]:
         layer, cache = step.layer, self.caches[step.layer]
-        self._evaluate(indices, predictions)
+        self._evaluate(layer, indices, predictions)
         ids = np.array(indices).astype(np.int64)
         self._after_routing(step, ids)
         uniq, counts = np.unique(ids, return_counts=True)
@@ -229,7 +229,7 @@ class OffloadRuntime:
             missing = self._claim(layer, missing, uniq, counts)
         fits = missing.size <= cache.room(protect=uniq)
         if missing.size and fits:
-            self.load(cache, missing, protect=uniq)
+            self.load(cache, missing, protect=uniq, computing=True)
             self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
         self._submit(predictions)
         if fits:  # the cache's lookup table is made anew only when its experts changed
@@ -245,7 +245,7 @@ class OffloadRuntime:
             missing = remaining[cache.slot_of[remaining] < 0]
             to_load = missing[: cache.room(protect=resident)]
             if to_load.size:
-                self.load(cache, to_load, protect=resident)
+                self.load(cache, to_load, protect=resident, computing=True)
             group = np.concatenate([resident, to_load])
             self._touch(cache, group, counts[np.searchsorted(uniq, group)])
             yield Route(cache.slots_for(ids), members=mx.array(np.isin(ids, group)))
@@ -369,7 +369,7 @@ class OffloadRuntime:
         return uniq[~resident], counts[~resident]
 
     # -- routing known ---------------------------------------------------------------------------
-    def _evaluate(self, indices: mx.array, predictions: list[Prediction]):
+    def _evaluate(self, layer: int, indices: mx.array, predictions: list[Prediction]):
         """Evaluate a layer's routing with the predictions made at it (one sync); while the governor
         measures what prefetch costs, the predictions' compute is timed apart (a second sync)."""
         lazy = [a for p in predictions for a in (p.experts, p.scores) if isinstance(a, mx.array)]
@@ -383,17 +383,18 @@ class OffloadRuntime:
         else:
             mx.eval(indices, lazy)
             self.host_syncs += 1
-        self._synced()
+        self._synced(layer)
 
     @property
     def _rows(self):
         """The reader's rows of MLX memory (`device_rows.py`), where reads land in them."""
         return self._reader.rows if self._reader is not None else None
 
-    def _synced(self):
-        """A host sync returned: staging rows whose installs surely ran may be read into again."""
+    def _synced(self, layer: int | None = None):
+        """A host sync returned (of MoE layer `layer`'s routing, where given): staging rows whose installs
+        surely ran may be read into again."""
         if self._rows is not None:
-            self._rows.synced()
+            self._rows.synced(layer)
 
     def _after_routing(self, step: Step, ids: np.ndarray):
         if self._recording:
@@ -412,9 +413,10 @@ class OffloadRuntime:
             self.ledger.add(self.phase, cache.layer, prefetch_useful=first_uses)
 
     # -- reads and installs ----------------------------------------------------------------------
-    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
+    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), computing=False):
         """Read experts `ids` of `cache`'s layer and install them, now; prefetches of them already in flight
-        are waited for, not read twice."""
+        are waited for, not read twice. `computing`: the layer computes next in this pass, on these
+        installs (the routing path), so their staging rows are free after a later layer's sync."""
         ids = np.asarray(ids, dtype=np.int64)
         layout = cache.layout
         chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // layout.expert_nbytes))
@@ -442,13 +444,13 @@ class OffloadRuntime:
                     next_use=self._future(cache.layer),
                 )
             finally:
-                self.reader.recycle(reads)
+                self.reader.recycle(reads, computing=computing)
             self._book_install(
                 cache.layer, installed, len(experts), time.perf_counter() - t1, prefetched=False
             )
         refused = ids[cache.slot_of[ids] < 0]  # late prefetches that found no slot: read them as demand
         if refused.size:
-            self.load(cache, refused, protect)
+            self.load(cache, refused, protect, computing)
 
     def _read(self, cache: LayerCache, ids: np.ndarray, keep: list) -> tuple[list[int], dict, list[Read]]:
         """Demand reads of `ids`: (experts read, their bytes by part, reads to recycle). With nothing in

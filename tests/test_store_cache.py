@@ -349,6 +349,34 @@ def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync
     assert rows.reserve(layout) is row
 
 
+def test_device_rows_installed_into_the_computing_layer_are_free_after_a_later_layers_sync():
+    """A demand read installed into the layer about to compute: the sync of a later layer's routing in the
+    same pass depends on that layer's output, so the row is free after it, not after the layer's own sync
+    or a sync with no layer; one no later layer's sync freed waits two decode passes like the others."""
+    from od_moe.device_rows import GROW, DeviceRows
+
+    store = ExpertStore(od_moe.DEFAULT_MODEL)
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    layout = store.block_layout("model.layers.1.mlp.switch_mlp", parts, 64)
+    rows = DeviceRows(max_bytes=layout.expert_nbytes)
+    rows.begin_pass(decode=False)
+    assert rows.reserve(layout) is GROW
+    row = rows.make(layout)
+    rows.give_back(layout, row, layer=3)
+    rows.synced(3)
+    rows.synced()
+    assert rows.reserve(layout) is None
+    rows.synced(4)
+    assert rows.reserve(layout) is row
+    rows.give_back(layout, row, layer=7)  # the last MoE layer: no later sync in this pass
+    rows.begin_pass(decode=True)
+    rows.synced(0)
+    assert rows.reserve(layout) is None  # another pass's layer 0 depends on none of it
+    rows.begin_pass(decode=True)
+    rows.synced(0)
+    assert rows.reserve(layout) is row  # a sync once the second decode pass after it began
+
+
 def test_device_rows_take_back_their_memory_hints_when_the_reader_closes_or_they_are_collected(monkeypatch):
     """Rows are MLX arrays advised host-preferred on CUDA (`backend.stage_for_device`); MLX recycles their
     buffers once they go, so the advice is taken back first: when the reader closes, or when rows nobody
@@ -356,6 +384,7 @@ def test_device_rows_take_back_their_memory_hints_when_the_reader_closes_or_they
     from od_moe import backend
     from od_moe.device_rows import GROW, DeviceRows
 
+    gc.collect()  # rows other tests left are released before the count starts
     unstaged = []
     monkeypatch.setattr(backend, "unstage", lambda array: unstaged.append(id(array)))
     store = ExpertStore(od_moe.DEFAULT_MODEL)

@@ -413,7 +413,9 @@ class OffloadRuntime:
             self.ledger.add(self.phase, cache.layer, prefetch_useful=first_uses)
 
     # -- reads and installs ----------------------------------------------------------------------
-    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), computing=False):
+    def load(
+        self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), computing: bool = False
+    ):
         """Read experts `ids` of `cache`'s layer and install them, now; prefetches of them already in flight
         are waited for, not read twice. `computing`: the layer computes next in this pass, on these
         installs (the routing path), so their staging rows are free after a later layer's sync."""

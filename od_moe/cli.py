@@ -1,5 +1,5 @@
-"""The `od-moe` command line: `generate`, `serve`, `bench`, `train-predictor`, `eval-predictor` and
-`inspect`.
+"""The `od-moe` command line: `generate`, `serve`, `bench`, `train-predictor`, `eval-predictor`,
+`inspect` and `pack`.
 
 User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2; an
 expert that cannot be read while generating (the model's files changed) prints one line and exits with 1.
@@ -188,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print the report as JSON")
     _capacity_arg(ev)
 
+    pk = sub.add_parser(
+        "pack", help="write a copy of the experts with each expert contiguous: one read per expert"
+    )
+    pk.add_argument("model", nargs="?", help="model folder (default: the embedded tiny Qwen3-MoE)")
+    pk.add_argument(
+        "--out",
+        help="the packed file to write (default: MODEL/od-moe-packed/experts.safetensors, which load() "
+        "finds; elsewhere, pass its path as load(packed=...))",
+    )
+
     ins = sub.add_parser("inspect", help="what loading a model would do, without loading its weights")
     ins.add_argument("model", nargs="?", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
     ins.add_argument(
@@ -350,6 +360,20 @@ def cmd_inspect(args):
     print(json.dumps(report, indent=1) if args.json else format_inspection(report))
 
 
+def cmd_pack(args):
+    from .engine import load
+    from .packed import pack
+    from .progress import byte_progress
+
+    engine = load(args.model, capacity=1, prefetch="none", packed=False)  # the layouts, no expert read
+    store, layouts = engine.runtime.store, [c.layout for c in engine.caches]
+    engine.close()
+    total = sum(layout.num_experts * layout.expert_nbytes for layout in layouts)
+    with byte_progress("packing experts", total) as bar:
+        out = pack(store, layouts, args.out, progress=bar.update)
+    print(f"packed the experts of {len(layouts)} MoE blocks ({total / 2**20:.1f} MiB) into {out}")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -375,6 +399,8 @@ def main(argv=None) -> int:
             cmd_eval_predictor(args)
         elif args.command == "inspect":
             cmd_inspect(args)
+        elif args.command == "pack":
+            cmd_pack(args)
         elif args.command == "bench":
             from .bench.cli import run
 

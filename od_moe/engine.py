@@ -23,6 +23,8 @@ from .capacity import resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 from .optimistic import OptimisticModel
+from .packed import default_path as default_packed_path
+from .packed import use_packed
 from .policies import make_policy
 from .progress import byte_progress
 from .reader import read_threads_for
@@ -248,6 +250,7 @@ class Engine:
             "tokens": ledger.tokens,
             "io": io_by_phase(ledger),
             "direct_io": runtime.store.direct_io,
+            "packed_experts": str(runtime.store.packed) if runtime.store.packed else None,
             "forwards": ledger.forwards,
             "layers": layers,
             "total": totals(layers),
@@ -295,6 +298,7 @@ def load(
     prefetch: str | None = None,
     direct_io: bool | str = "auto",
     read_threads: int | None = None,
+    packed: bool | str = "auto",
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -312,6 +316,8 @@ def load(
         pages would only push out the expert cache).
     read_threads: expert reads in flight at once (demand and prefetch); None: 4 for experts of 1 MiB or
         more (SSDs read faster with a few in flight), 1 for smaller ones.
+    packed: read experts from packed rows (`od-moe pack`, one request per expert): "auto" (where the model
+        folder has them), True (required), False, or the path of a packed file.
     """
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
@@ -321,6 +327,7 @@ def load(
     target_dtype = backend.compute_dtype(dtype)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = ExpertStore(path)  # validates every safetensors header against its file first
+    _use_packed(store, path, packed)
     if direct_io not in (True, False, "auto"):
         raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
     if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
@@ -378,6 +385,20 @@ def load(
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
+
+
+def _use_packed(store: ExpertStore, path: Path, packed):
+    """Read from packed experts as `load`'s `packed` says (before any layout is made)."""
+    if packed is True or packed == "auto":
+        where = default_packed_path(path)
+    elif packed is False:
+        return
+    elif isinstance(packed, (str, Path)):
+        where = Path(packed).expanduser()
+    else:
+        raise UserError(f"packed must be True, False, 'auto' or a file path, got {packed!r}")
+    if not use_packed(store, where) and packed != "auto":
+        raise UserError(f"no packed experts at {where}: make them with `od-moe pack --model {path}`")
 
 
 def _attach_predictor(engine: Engine, predictor):

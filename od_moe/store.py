@@ -111,6 +111,7 @@ class BlockLayout:
     num_experts: int
     parts: list[ExpertPart]
     layout: str  # "mlx" or "hf"
+    packed: tuple[int, int] | None = None  # (file index, offset of expert 0's row) in packed experts
 
     @cached_property
     def shape_key(self) -> tuple:
@@ -239,6 +240,8 @@ class ExpertStore:
                     i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"])
                 )
         self.weights_digest = digest.hexdigest()
+        self.checkpoint_files = len(self.files)  # the files after them hold packed experts (`packed.py`)
+        self._packed: dict[str, tuple] = {}  # module path -> (offset, shape) of its packed rows (last file)
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
         self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
         self._bounce = threading.local()
@@ -260,7 +263,20 @@ class ExpertStore:
     @property
     def nbytes(self) -> int:
         """Size of the model's safetensors files."""
-        return sum(p.stat().st_size for p in self.files)
+        return sum(p.stat().st_size for p in self.files[: self.checkpoint_files])
+
+    def use_packed(self, path, rows: dict[str, tuple[int, tuple]]):
+        """Read experts from packed rows (`packed.py`): `rows` maps a block's module path to the offset of
+        its expert 0 in the file at `path` and the shape (experts, expert bytes) of its rows. Call before
+        `block_layout` and `use_direct_io`."""
+        self.files.append(Path(path))
+        self._fds.append(os.open(path, os.O_RDONLY))
+        self._packed = dict(rows)
+
+    @property
+    def packed(self) -> Path | None:
+        """The packed experts file in use, if any."""
+        return self.files[-1] if self._packed else None
 
     def use_direct_io(self, on: bool) -> bool:
         """Turn page-cache-bypassing reads on or off; returns whether they are on (off where unsupported)."""
@@ -303,7 +319,17 @@ class ExpertStore:
                             f"the experts of {module_path} are stored as {part.dtype}, which od-moe cannot "
                             "read exactly: convert the model with mlx_lm.convert (MLX layout) first"
                         )
-                return BlockLayout(module_path, num_experts, found, kind)
+                layout = BlockLayout(module_path, num_experts, found, kind)
+                if self._packed:
+                    offset, shape = self._packed.get(module_path, (0, None))
+                    if shape != (num_experts, layout.expert_nbytes):
+                        raise UserError(
+                            f"the packed experts in {self.files[-1]} do not hold {module_path} as this "
+                            f"model has it: run `od-moe pack --model {self.model_dir}` again, or delete "
+                            f"{self.files[-1]}"
+                        )
+                    layout.packed = (len(self.files) - 1, offset)
+                return layout
         raise UserError(
             f"cannot find the expert weights of {module_path} in {self.model_dir}: expected stacked tensors "
             f"'{module_path}.<proj>.weight' (MLX layout) or '{parent}.experts.<e>.<proj>.weight' (Hugging "
@@ -348,7 +374,8 @@ class ExpertStore:
     ) -> dict[tuple[str, str], np.ndarray]:
         """Read the experts `ids` (at most `staging.size`) into `staging`; returns views, row i = ids[i].
 
-        Consecutive experts that lie back to back in a file are read with one `preadv`.
+        Consecutive experts that lie back to back in a file are read with one `preadv`; from packed
+        experts, each expert (or run of consecutive ones) is one request straight into its staging row.
         Raises `ExpertReadError` naming the file when it cannot be read or is shorter than its header says.
         """
         n = len(ids)
@@ -356,6 +383,10 @@ class ExpertStore:
             raise ValueError(f"read of {n} experts exceeds the staging size {staging.size}")
         out = {}
         ids = np.asarray(ids, dtype=np.int64)
+        if layout.packed is not None:
+            self._read_packed(layout, ids, staging)
+            parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
+            return ExpertBytes(parts, staging.flat[:n])
         for part in layout.parts:
             buf = staging.buffers[(part.proj, part.name)]
             size = part.nbytes
@@ -374,13 +405,29 @@ class ExpertStore:
             out[(part.proj, part.name)] = buf[:n]
         return ExpertBytes(out, staging.flat[:n])
 
+    def _read_packed(self, layout: BlockLayout, ids: np.ndarray, staging: Staging):
+        file_index, base = layout.packed
+        size, n, start = layout.expert_nbytes, len(ids), 0
+        while start < n:
+            end = start + 1
+            while end < n and ids[end] == ids[end - 1] + 1:
+                end += 1
+            rows = memoryview(staging.flat[start:end].reshape(-1))
+            try:
+                self._pread_exact(file_index, [rows], base + int(ids[start]) * size)
+            except OSError as e:
+                raise self.read_error(layout, ids[start:end], e, file_index) from e
+            start = end
+
     def read_error(
         self, layout: BlockLayout, ids: Sequence[int], error: BaseException, file_index: int | None = None
     ) -> ExpertReadError:
         """The one-line error for a failed read of experts `ids` of `layout` (from `file_index`, else
         from the files that hold them): which experts, which file, why, and what to do."""
         ids = np.asarray(ids, dtype=np.int64)
-        if file_index is None:
+        if file_index is None and layout.packed is not None:
+            indices = [layout.packed[0]]
+        elif file_index is None:
             indices = sorted({int(f) for p in layout.parts for f in p.files[ids]})
         else:
             indices = [file_index]

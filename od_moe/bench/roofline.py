@@ -21,16 +21,15 @@ import numpy as np
 from .. import backend, load
 from ..reader import Reader
 from ..stats import Ledger
-from ..store import ExpertStore, Staging, flat_rows
+from ..store import Staging, flat_rows
 
 DEPTHS = (1, 2, 4, 8)
 
 
 def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0) -> dict:
     """Bytes per second of whole-expert reads by the engine's reader at each depth; and the best."""
-    store = ExpertStore(path)
     engine = load(str(path), capacity=1, prefetch="none")  # layouts only: one slot per layer
-    layouts = [c.layout for c in engine.caches]
+    store, layouts = engine.runtime.store, [c.layout for c in engine.caches]  # packed where the engine's are
     engine.close()
     if cold:
         store.use_direct_io(True)

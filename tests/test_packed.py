@@ -1,0 +1,97 @@
+"""Packed experts (`od-moe pack`): the same bytes, one read request per expert, the same tokens as stock
+mlx-lm; a packed file that does not fit the model is refused with what to do."""
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, slots_hold_their_experts
+from od_moe.cli import main
+from od_moe.errors import UserError
+from od_moe.store import Staging
+
+
+@pytest.fixture(scope="module")
+def packed_model(tmp_path_factory):
+    """A copy of the bundled model folder with its experts packed where `load()` looks."""
+    folder = tmp_path_factory.mktemp("packed") / "model"
+    shutil.copytree(od_moe.DEFAULT_MODEL, folder)
+    assert main(["pack", str(folder)]) == 0
+    return folder
+
+
+def test_packed_reads_give_the_checkpoints_bytes_in_one_request_per_run(packed_model, monkeypatch):
+    packed = od_moe.load(str(packed_model), capacity=4)
+    plain = od_moe.load(str(packed_model), capacity=4, packed=False)
+    assert packed.stats()["packed_experts"] == str(packed_model / "od-moe-packed" / "experts.safetensors")
+    assert plain.stats()["packed_experts"] is None
+    calls, real = [], os.preadv
+
+    def counted(fd, views, offset):
+        calls.append(len(views))
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    ids = [0, 1, 2, 9, 33, 63]  # runs: 0-2, 9, 33, 63
+    for p_cache, u_cache in zip(packed.caches, plain.caches):
+        p_layout, u_layout = p_cache.layout, u_cache.layout
+        assert p_layout.packed is not None and u_layout.packed is None
+        calls.clear()
+        got = packed.runtime.store.read(p_layout, ids, Staging(p_layout, 8))
+        assert calls == [1, 1, 1, 1]  # one request per run of consecutive experts, into the staging rows
+        want = plain.runtime.store.read(u_layout, ids, Staging(u_layout, 8))
+        assert np.array_equal(got.flat, want.flat)
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_generation_from_packed_experts_matches_mlx_lm(packed_model, bundled_reference):
+    engine = od_moe.load(str(packed_model), capacity=0.25)
+    assert engine.runtime.store.packed is not None
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    assert engine.stats()["total"]["experts_loaded"] > 0
+    slots_hold_their_experts(engine, packed_model)
+
+
+def test_packed_experts_made_from_other_weights_are_refused(packed_model, tmp_path):
+    packed_file = packed_model / "od-moe-packed" / "experts.safetensors"
+    stale = tmp_path / "stale.safetensors"
+    raw = packed_file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"]["weights_digest"] = "0" * 64
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    stale.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + n :])
+    with pytest.raises(UserError, match="not made from these weights.*od-moe pack"):
+        od_moe.load(str(packed_model), capacity=4, packed=str(stale))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(UserError, match="truncated"):
+        od_moe.load(str(packed_model), capacity=4, packed=str(truncated))
+    with pytest.raises(UserError, match="no packed experts at .*od-moe pack"):
+        od_moe.load(str(packed_model), capacity=4, packed=str(tmp_path / "missing.safetensors"))
+    with pytest.raises(UserError, match="no packed experts"):
+        od_moe.load(capacity=4, packed=True)  # the embedded model ships none
+    with pytest.raises(UserError, match="packed must be"):
+        od_moe.load(capacity=4, packed=3)
+
+
+def test_pack_command_writes_where_asked_and_says_what_to_do_on_bad_input(tmp_path, capsys):
+    out = tmp_path / "elsewhere" / "experts.safetensors"
+    assert main(["pack", "--out", str(out)]) == 0
+    assert out.is_file() and not (out.parent / "experts.safetensors.partial").exists()
+    engine = od_moe.load(capacity=4, packed=str(out))
+    assert engine.runtime.store.packed == out
+    capsys.readouterr()
+    assert main(["pack", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("od-moe: error:") and len(err.strip().splitlines()) == 1
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    assert main(["pack", "--out", str(blocked / "experts.safetensors")]) == 2  # a file where a folder goes
+    assert "cannot write packed experts" in capsys.readouterr().err

@@ -38,8 +38,9 @@ import numpy as np
 import od_moe
 from od_moe import backend
 from od_moe.bench.widen import widen_model
+from od_moe.layout import Staging, flat_rows
 from od_moe.report import table
-from od_moe.store import ExpertStore, Staging, flat_rows
+from od_moe.store import ExpertStore
 
 MX_OF = {"U32": mx.uint32, "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U8": mx.uint8}
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backend
-from .store import BlockLayout, flat_rows
+from .layout import BlockLayout, flat_rows
 
 EVICTION_POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 64.0  # forward passes after which an expert's use count has halved

@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backend
-from .store import BlockLayout, Staging
+from .layout import BlockLayout, Staging
 
 # about three decode passes of reads at 25% of the widened x128 model; at 128 MiB 22% of its decode reads
 # went to copies (this CPU, CUDA path forced) and the H100 decoded at 25.4 tok/s against 35.6 (none, warm)

@@ -20,7 +20,8 @@ import struct
 from pathlib import Path
 
 from .errors import UserError
-from .store import BlockLayout, ExpertStore, Staging, _read_header
+from .layout import BlockLayout, Staging
+from .store import ExpertStore, _read_header
 
 PACKED_DIR = "od-moe-packed"
 PACKED_FILE = "experts.safetensors"

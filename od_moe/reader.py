@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .device_rows import GROW, DeviceRows, Row
+from .layout import BlockLayout, Staging, flat_rows
 from .stats import Ledger
-from .store import BlockLayout, ExpertStore, Staging, flat_rows
+from .store import ExpertStore
 
 MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory
 # Reads in flight at once for large experts: SSDs read faster at depth 4 (1.38 -> 1.91 GB/s for 2.65 MB

@@ -36,11 +36,12 @@ from . import backend
 from .cache import Installed, LayerCache
 from .errors import ExpertReadError
 from .governor import Governor, PrefetchSettings
+from .layout import Staging
 from .policies import OnDemand, Prediction, Step
 from .reader import READ_THREADS, Read, Reader
 from .routing import routing_weights
 from .stats import Ledger
-from .store import ExpertStore, Staging
+from .store import ExpertStore
 
 MISS_POLICIES = ("load", "skip")
 # decode passes run optimistically (`optimistic.py`) while the share of recent decode tokens that missed

@@ -13,7 +13,7 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, slots_hold_their_experts
 from od_moe.cli import main
 from od_moe.errors import UserError
-from od_moe.store import Staging
+from od_moe.layout import Staging
 
 
 @pytest.fixture(scope="module")

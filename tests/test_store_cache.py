@@ -11,9 +11,10 @@ import od_moe
 from od_moe import store as store_module
 from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
+from od_moe.layout import Staging, flat_rows
 from od_moe.reader import Reader
 from od_moe.stats import Ledger
-from od_moe.store import ExpertStore, Staging, flat_rows
+from od_moe.store import ExpertStore
 
 
 def test_store_reads_exactly_the_expert_rows():
@@ -416,7 +417,7 @@ def test_staging_starts_mid_page_so_installs_do_not_copy_onto_aliasing_addresses
     """Copies whose destination sits a few bytes past the source modulo 4 KiB ran at a tenth of the speed
     on this CPU, and numpy's large arrays (16 bytes into a page) against MLX's (24) are just that: staging
     rows start `STAGING_PAGE_OFFSET` bytes into a page, and read into them gives the same bytes."""
-    from od_moe.store import STAGING_PAGE_OFFSET, host_rows
+    from od_moe.layout import STAGING_PAGE_OFFSET, host_rows
 
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}

@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import backend, load
+from ..layout import Staging, flat_rows
 from ..reader import Reader
 from ..stats import Ledger
-from ..store import Staging, flat_rows
 
 DEPTHS = (1, 2, 4, 8)
 

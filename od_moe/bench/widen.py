@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..layout import RAW_NUMPY_DTYPES
 from ..progress import byte_progress
-from ..store import RAW_NUMPY_DTYPES, ExpertStore
+from ..store import ExpertStore
 
 EXPERT_PROJECTIONS = (".switch_mlp.gate_proj.", ".switch_mlp.up_proj.", ".switch_mlp.down_proj.")
 

@@ -28,6 +28,7 @@ from .capacity import (
     working_nbytes,
 )
 from .errors import UserError
+from .packed import default_path as default_packed_path
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore
 from .surgery import offloadable_blocks, top_k_of, weight_nbytes
@@ -134,6 +135,7 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
         memory_budget={"bytes": given, "auto": memory_budget in (None, "auto"), **bought},
         budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
+        packed=str(default_packed_path(path)) if default_packed_path(path).is_file() else None,
     )
     if capacity is not None:
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
@@ -161,6 +163,7 @@ def engine_capabilities(engine) -> dict:
                 "predictor": engine.predictor is not None,
                 "expert_bytes": engine.caches[0].slot_nbytes,
                 "non_expert_bytes": engine.non_expert_nbytes,
+                "packed_experts": engine.runtime.store.packed is not None,
             }
             _computed[engine] = report
         return _computed[engine]
@@ -204,4 +207,6 @@ def format_inspection(report: dict) -> str:
     p = report["predictor"]
     state = "fits" if p["fits"] else "does not fit: " + str(p["reason"])
     lines.append(f"predictor  {p['path']}: {state}" if p["present"] else f"predictor  {p['reason']}")
+    packed = report["packed"]
+    lines.append(f"packed     {packed}" if packed else "packed     none (`od-moe pack`: one read per expert)")
     return "\n".join(lines)

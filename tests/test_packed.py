@@ -95,3 +95,12 @@ def test_pack_command_writes_where_asked_and_says_what_to_do_on_bad_input(tmp_pa
     blocked.write_text("x")
     assert main(["pack", "--out", str(blocked / "experts.safetensors")]) == 2  # a file where a folder goes
     assert "cannot write packed experts" in capsys.readouterr().err
+
+
+def test_inspect_reports_packed_experts(packed_model):
+    from od_moe.preflight import format_inspection, inspect_model
+
+    report = inspect_model(str(packed_model))
+    assert report["packed"] == str(packed_model / "od-moe-packed" / "experts.safetensors")
+    assert f"packed     {report['packed']}" in format_inspection(report)
+    assert inspect_model()["packed"] is None  # the embedded model ships none

@@ -350,6 +350,7 @@ class OraclePolicy(OnDemand):
         self.trace, self.num_layers, self.lookahead = trace, num_layers, lookahead
         self.num_experts = num_experts
         self._next: dict[int, np.ndarray] = {}  # layer -> `first_uses` table of the trace
+        self._needed: dict[tuple[int, int], np.ndarray] = {}  # (forward, layer) -> its distinct experts
 
     def next_uses(self, forward: int, layer: int) -> np.ndarray | None:
         """From the trace: the oracle evicts as Belady's MIN does."""
@@ -367,9 +368,11 @@ class OraclePolicy(OnDemand):
             forward, layer = divmod(step.layer + d, self.num_layers)  # past the last layer: the next pass
             if step.forward + forward >= len(self.trace):
                 break
-            ids = self.trace[step.forward + forward].get(layer)
-            if ids is not None:
-                uniq = np.unique(ids)
+            key = (step.forward + forward, layer)
+            uniq = self._needed.get(key)
+            if uniq is None and layer in self.trace[key[0]]:  # each is predicted from 4 layers: once
+                uniq = self._needed[key] = np.unique(self.trace[key[0]][layer])
+            if uniq is not None:
                 out.append(Prediction(layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
         return out
 

@@ -361,13 +361,10 @@ def cmd_inspect(args):
 
 
 def cmd_pack(args):
-    from .engine import load
-    from .packed import pack
+    from .packed import model_layouts, pack
     from .progress import byte_progress
 
-    engine = load(args.model, capacity=1, prefetch="none", packed=False)  # the layouts, no expert read
-    store, layouts = engine.runtime.store, [c.layout for c in engine.caches]
-    engine.close()
+    store, layouts = model_layouts(args.model)
     total = sum(layout.num_experts * layout.expert_nbytes for layout in layouts)
     with byte_progress("packing experts", total) as bar:
         out = pack(store, layouts, args.out, progress=bar.update)

@@ -104,3 +104,9 @@ def test_inspect_reports_packed_experts(packed_model):
     assert report["packed"] == str(packed_model / "od-moe-packed" / "experts.safetensors")
     assert f"packed     {report['packed']}" in format_inspection(report)
     assert inspect_model()["packed"] is None  # the embedded model ships none
+
+
+def test_bench_pack_needs_the_prefetch_grids_widened_model(capsys):
+    assert main(["bench", "--pack", "--foundation"]) == 2
+    assert main(["bench", "--pack", "--widen", "0"]) == 2
+    assert "--pack packs the prefetch grid's widened model" in capsys.readouterr().err

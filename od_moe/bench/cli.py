@@ -49,6 +49,12 @@ def add_arguments(parser):
         help="draw hit rate, tok/s and bytes read per token against capacity for each policy into PATH "
         "(.png or .svg; needs matplotlib: pip install 'od-moe[bench]'); the rows go beside it as .json",
     )
+    add(
+        "--pack",
+        action="store_true",
+        help="pack the widened model's experts first (`od-moe pack`) if they are not; a widened model "
+        "packed before is read packed either way (the grid says which)",
+    )
     add("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
     add("--capacities", default="1,0.5,0.25,0.125", help="with --foundation: fractions of experts resident")
 
@@ -73,6 +79,8 @@ def run(args):
             raise UserError("--plot draws the prefetch grid: leave out --foundation")
         check_path(args.plot)
         require_matplotlib()
+    if args.pack and (args.foundation or not args.widen):
+        raise UserError("--pack packs the prefetch grid's widened model: leave out --foundation, --widen 0")
     if args.foundation:
         result = run_foundation(
             capacities, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer
@@ -91,6 +99,7 @@ def run(args):
             printer,
             predictor_dir=args.predictor,
             deterministic=args.deterministic,
+            pack=args.pack,
         )
     if args.plot:
         from .plots import plot_rows

@@ -23,6 +23,9 @@ import mlx.core as mx
 from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
 from ..governor import PrefetchSettings
+from ..packed import default_path as default_packed_path
+from ..packed import model_layouts
+from ..packed import pack as pack_experts
 from ..predictor import load_predictor
 from ..replay import Tally, replay_recording
 from ..report import table
@@ -208,9 +211,10 @@ def run_prefetch_grid(
     printer=print,
     predictor_dir=None,
     deterministic: bool = False,
+    pack: bool = False,
 ):
     """The grid (`GRIDS`); `deterministic`: prefetch with `DETERMINISTIC` settings (its timings then
-    mean little)."""
+    mean little); `pack`: the widened model's experts packed (`od-moe pack`) and read from there."""
     say = printer or (lambda *_: None)
     settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:
@@ -222,7 +226,12 @@ def run_prefetch_grid(
     if widen:
         t0 = time.perf_counter()
         wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
+        if pack and not default_packed_path(wide).is_file():
+            pack_experts(*model_layouts(str(wide)))
+        packed = default_packed_path(wide)
+        source = f"packed rows ({packed})" if packed.is_file() else "the checkpoint's arrays"
         say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
+        say(f"widened model experts read from {source}")
     for model, path, n_tokens, fractions, temps, misses, policy_set in _plan(
         grid, max_tokens, wide, widened_tokens
     ):

@@ -14,12 +14,13 @@ The cost is disk space: a second copy of the experts (the checkpoint stays what 
 reading (`store.py`), or what an engine does with the bytes.
 """
 
+import contextlib
 import json
 import os
 import struct
 from pathlib import Path
 
-from .errors import UserError
+from .errors import ExpertReadError, UserError
 from .layout import BlockLayout, Staging
 from .store import ExpertStore, _read_header
 
@@ -51,9 +52,9 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
         offset += nbytes
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors: data starts 8-byte aligned
+    partial = out.with_name(out.name + ".partial")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(out.name + ".partial")
         with open(partial, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)) + encoded)
             for layout in layouts:
@@ -65,8 +66,16 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
                     if progress is not None:
                         progress(len(ids) * layout.expert_nbytes)
         os.replace(partial, out)
+    except ExpertReadError:  # the checkpoint, not the destination: its own message says what to do
+        raise
     except OSError as e:
-        raise UserError(f"cannot write packed experts to {out} ({e.strerror or e}): choose another place")
+        raise UserError(
+            f"cannot write packed experts to {out} ({e.strerror or e}): choose another place (--out, then "
+            "load(packed=that file))"
+        )
+    finally:
+        with contextlib.suppress(OSError):  # renamed when whole; else nothing half-written is left
+            partial.unlink(missing_ok=True)
     return out
 
 

@@ -110,3 +110,17 @@ def test_bench_pack_needs_the_prefetch_grids_widened_model(capsys):
     assert main(["bench", "--pack", "--foundation"]) == 2
     assert main(["bench", "--pack", "--widen", "0"]) == 2
     assert "--pack packs the prefetch grid's widened model" in capsys.readouterr().err
+
+
+def test_a_pack_that_cannot_read_the_checkpoint_leaves_nothing_behind(tmp_path):
+    from od_moe.errors import ExpertReadError
+    from od_moe.packed import model_layouts, pack
+
+    folder = tmp_path / "model"
+    shutil.copytree(od_moe.DEFAULT_MODEL, folder)
+    store, layouts = model_layouts(str(folder))
+    weights = next(folder.glob("*.safetensors"))
+    os.truncate(weights, weights.stat().st_size // 2)  # the checkpoint shrank after it was indexed
+    with pytest.raises(ExpertReadError, match="cannot read expert"):
+        pack(store, layouts, tmp_path / "out" / "experts.safetensors")
+    assert not any((tmp_path / "out").iterdir())  # no packed file, no partial one

@@ -79,11 +79,12 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
     return out
 
 
-def model_layouts(model=None) -> tuple[ExpertStore, list[BlockLayout]]:
-    """The store and MoE block layouts of a model folder (None: the embedded model), for `pack`."""
+def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayout]]:
+    """The store and MoE block layouts of a model folder (None: the embedded model), for `pack` (and the
+    bench's read measurement, which reads as the engine would: `packed` as `load` takes it)."""
     from .engine import load  # the engine reads packed experts: imported here, not at the top
 
-    engine = load(model, capacity=1, prefetch="none", packed=False)  # the layouts; no expert is read
+    engine = load(model, capacity=1, prefetch="none", packed=packed)  # the layouts; no expert is read
     engine.close()
     return engine.runtime.store, [c.layout for c in engine.caches]
 
@@ -96,15 +97,11 @@ def use_packed(store: ExpertStore, path) -> bool:
         return False
     data_start, header = _read_header(path)
     meta = header.pop("__metadata__", None) or {}
+    redo = store.repack_advice(path)
     if meta.get("format") != FORMAT or meta.get("weights_digest") != store.weights_digest:
-        raise UserError(f"the packed experts in {path} were not made from these weights: {redo(store, path)}")
+        raise UserError(f"the packed experts in {path} were not made from these weights: {redo}")
     if max((data_start + e["data_offsets"][1] for e in header.values()), default=0) > path.stat().st_size:
-        raise UserError(f"the packed experts in {path} are truncated: {redo(store, path)}")
+        raise UserError(f"the packed experts in {path} are truncated: {redo}")
     rows = {module: (data_start + e["data_offsets"][0], tuple(e["shape"])) for module, e in header.items()}
     store.use_packed(path, rows)
     return True
-
-
-def redo(store: ExpertStore, path) -> str:
-    """What to do about packed experts that do not fit the model."""
-    return f"run `od-moe pack --model {store.model_dir}` again, or delete {path}"

@@ -126,7 +126,6 @@ class ExpertStore:
                     i, data_start + start, end - start, meta["dtype"], tuple(meta["shape"])
                 )
         self.weights_digest = digest.hexdigest()
-        self.checkpoint_files = len(self.files)  # the files after them hold packed experts (`packed.py`)
         self._packed: dict[str, tuple] = {}  # module path -> (offset, shape) of its packed rows (last file)
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
         self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
@@ -148,16 +147,24 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        """Size of the model's safetensors files."""
-        return sum(p.stat().st_size for p in self.files[: self.checkpoint_files])
+        """Size of the model's safetensors files (packed experts are a copy: not counted)."""
+        checkpoint = self.files[:-1] if self.packed is not None else self.files
+        return sum(p.stat().st_size for p in checkpoint)
 
     def use_packed(self, path, rows: dict[str, tuple[int, tuple]]):
         """Read experts from packed rows (`packed.py`): `rows` maps a block's module path to the offset of
-        its expert 0 in the file at `path` and the shape (experts, expert bytes) of its rows. Call before
-        `block_layout` and `use_direct_io`."""
+        its expert 0 in the file at `path` and the shape (experts, expert bytes) of its rows. Layouts made
+        before this call keep reading the checkpoint."""
+        direct = self.direct_io
+        self.use_direct_io(False)  # reopened below with the packed file among them
         self.files.append(Path(path))
         self._fds.append(os.open(path, os.O_RDONLY))
         self._packed = dict(rows)
+        self.use_direct_io(direct)
+
+    def repack_advice(self, path) -> str:
+        """What to do about packed experts at `path` that do not fit this model."""
+        return f"run `od-moe pack --model {self.model_dir}` again, or delete {path}"
 
     @property
     def packed(self) -> Path | None:
@@ -210,9 +217,8 @@ class ExpertStore:
                     offset, shape = self._packed.get(module_path, (0, None))
                     if shape != (num_experts, layout.expert_nbytes):
                         raise UserError(
-                            f"the packed experts in {self.files[-1]} do not hold {module_path} as this "
-                            f"model has it: run `od-moe pack --model {self.model_dir}` again, or delete "
-                            f"{self.files[-1]}"
+                            f"the packed experts in {self.packed} do not hold {module_path} as this model "
+                            f"has it: {self.repack_advice(self.packed)}"
                         )
                     layout.packed = (len(self.files) - 1, offset)
                 return layout
@@ -267,43 +273,29 @@ class ExpertStore:
         n = len(ids)
         if n > staging.size:
             raise ValueError(f"read of {n} experts exceeds the staging size {staging.size}")
-        out = {}
         ids = np.asarray(ids, dtype=np.int64)
-        if layout.packed is not None:
-            self._read_packed(layout, ids, staging)
-            parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
-            return ExpertBytes(parts, staging.flat[:n])
-        for part in layout.parts:
-            buf = staging.buffers[(part.proj, part.name)]
-            size = part.nbytes
-            files, offsets = part.files[ids], part.offsets[ids]
-            start = 0
-            while start < n:
-                end = start + 1
-                while end < n and files[end] == files[start] and offsets[end] == offsets[end - 1] + size:
-                    end += 1
-                views = [memoryview(buf[j].reshape(-1).view(np.uint8)) for j in range(start, end)]
-                try:
-                    self._pread_exact(int(files[start]), views, int(offsets[start]))
-                except OSError as e:
-                    raise self.read_error(layout, ids[start:end], e, int(files[start])) from e
-                start = end
-            out[(part.proj, part.name)] = buf[:n]
-        return ExpertBytes(out, staging.flat[:n])
+        if layout.packed is not None:  # expert i's row is staging row i: a run of experts is one span
+            file_index, base = layout.packed
+            files, size = np.full(n, file_index), layout.expert_nbytes
+            for start, end in _runs(files, base + ids * size, size):
+                views = [memoryview(staging.flat[start:end].reshape(-1))]
+                self._read_run(layout, ids[start:end], file_index, views, base + int(ids[start]) * size)
+        else:  # one request per run of experts per array
+            for part in layout.parts:
+                buf = staging.buffers[(part.proj, part.name)]
+                files, offsets = part.files[ids], part.offsets[ids]
+                for start, end in _runs(files, offsets, part.nbytes):
+                    views = [memoryview(buf[j].reshape(-1).view(np.uint8)) for j in range(start, end)]
+                    self._read_run(layout, ids[start:end], int(files[start]), views, int(offsets[start]))
+        parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
+        return ExpertBytes(parts, staging.flat[:n])
 
-    def _read_packed(self, layout: BlockLayout, ids: np.ndarray, staging: Staging):
-        file_index, base = layout.packed
-        size, n, start = layout.expert_nbytes, len(ids), 0
-        while start < n:
-            end = start + 1
-            while end < n and ids[end] == ids[end - 1] + 1:
-                end += 1
-            rows = memoryview(staging.flat[start:end].reshape(-1))
-            try:
-                self._pread_exact(file_index, [rows], base + int(ids[start]) * size)
-            except OSError as e:
-                raise self.read_error(layout, ids[start:end], e, file_index) from e
-            start = end
+    def _read_run(self, layout: BlockLayout, ids: np.ndarray, file_index: int, views: list, offset: int):
+        """One request: the bytes at `offset` into `views`, a failure named as `read_error` names it."""
+        try:
+            self._pread_exact(file_index, views, offset)
+        except OSError as e:
+            raise self.read_error(layout, ids, e, file_index) from e
 
     def read_error(
         self, layout: BlockLayout, ids: Sequence[int], error: BaseException, file_index: int | None = None
@@ -373,6 +365,18 @@ class ExpertStore:
         for fd in self._fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return True
+
+
+def _runs(files: np.ndarray, offsets: np.ndarray, size: int):
+    """(start, end) of each run of consecutive entries that lie back to back (`size` bytes apart) in one
+    file: each is read with one request."""
+    n, start = len(offsets), 0
+    while start < n:
+        end = start + 1
+        while end < n and files[end] == files[start] and offsets[end] == offsets[end - 1] + size:
+            end += 1
+        yield start, end
+        start = end
 
 
 def _after(views: list[memoryview], skip: int) -> list[memoryview]:

@@ -124,3 +124,26 @@ def test_a_pack_that_cannot_read_the_checkpoint_leaves_nothing_behind(tmp_path):
     with pytest.raises(ExpertReadError, match="cannot read expert"):
         pack(store, layouts, tmp_path / "out" / "experts.safetensors")
     assert not any((tmp_path / "out").iterdir())  # no packed file, no partial one
+
+
+def test_packed_reads_through_direct_io_give_the_same_bytes(packed_model):
+    """Direct I/O turned on before or after the packed file is taken: every file, the packed one too, is
+    read past the page cache (where the file system allows it) and the bytes are the checkpoint's."""
+    from od_moe.packed import default_path, use_packed
+    from od_moe.store import ExpertStore
+
+    plain = od_moe.load(str(packed_model), capacity=4, packed=False)
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    module = plain.caches[2].layout.module_path
+    want = plain.runtime.store.read(plain.caches[2].layout, [3, 4, 50], Staging(plain.caches[2].layout, 3))
+    for direct_first in (True, False):
+        store = ExpertStore(packed_model)
+        if direct_first:
+            store.use_direct_io(True)
+        assert use_packed(store, default_path(packed_model))
+        direct = store.use_direct_io(True)
+        assert direct == ExpertStore(packed_model).use_direct_io(True)  # as the file system allows
+        assert store._direct is None or len(store._direct) == len(store.files)
+        layout = store.block_layout(module, parts, 64)
+        got = store.read(layout, [3, 4, 50], Staging(layout, 3))
+        assert layout.packed is not None and np.array_equal(got.flat, want.flat)

@@ -226,9 +226,9 @@ def run_prefetch_grid(
     if widen:
         t0 = time.perf_counter()
         wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
-        if pack and not default_packed_path(wide).is_file():
-            pack_experts(*model_layouts(str(wide)))
         packed = default_packed_path(wide)
+        if pack and not packed.is_file():
+            pack_experts(*model_layouts(str(wide)))
         source = f"packed rows ({packed})" if packed.is_file() else "the checkpoint's arrays"
         say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
         say(f"widened model experts read from {source}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import backend, load
 from ..layout import Staging, flat_rows
+from ..packed import model_layouts
 from ..reader import Reader
 from ..stats import Ledger
 
@@ -28,9 +29,7 @@ DEPTHS = (1, 2, 4, 8)
 
 def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0) -> dict:
     """Bytes per second of whole-expert reads by the engine's reader at each depth; and the best."""
-    engine = load(str(path), capacity=1, prefetch="none")  # layouts only: one slot per layer
-    store, layouts = engine.runtime.store, [c.layout for c in engine.caches]  # packed where the engine's are
-    engine.close()
+    store, layouts = model_layouts(str(path), packed="auto")  # packed where the engine's reads are
     if cold:
         store.use_direct_io(True)
         store.drop_after_read = True

@@ -277,16 +277,15 @@ class ExpertStore:
         if layout.packed is not None:  # expert i's row is staging row i: a run of experts is one span
             file_index, base = layout.packed
             files, size = np.full(n, file_index), layout.expert_nbytes
-            for start, end in _runs(files, base + ids * size, size):
+            for start, end in _runs(files.tolist(), (base + ids * size).tolist(), size):
                 views = [memoryview(staging.flat[start:end].reshape(-1))]
                 self._read_run(layout, ids[start:end], file_index, views, base + int(ids[start]) * size)
         else:  # one request per run of experts per array
             for part in layout.parts:
-                buf = staging.buffers[(part.proj, part.name)]
-                files, offsets = part.files[ids], part.offsets[ids]
+                views = staging.row_views[(part.proj, part.name)]
+                files, offsets = part.files[ids].tolist(), part.offsets[ids].tolist()
                 for start, end in _runs(files, offsets, part.nbytes):
-                    views = [memoryview(buf[j].reshape(-1).view(np.uint8)) for j in range(start, end)]
-                    self._read_run(layout, ids[start:end], int(files[start]), views, int(offsets[start]))
+                    self._read_run(layout, ids[start:end], files[start], views[start:end], offsets[start])
         parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
         return ExpertBytes(parts, staging.flat[:n])
 
@@ -325,7 +324,10 @@ class ExpertStore:
                 return self._pread_aligned(fd, views, offset)
         else:
             fd = self._fds[file_index]
-        total, done = sum(len(v) for v in views), 0
+        total = sum(len(v) for v in views)
+        done = os.preadv(fd, views, offset)  # all of it, but for a short read
+        if done <= 0 and total:
+            raise OSError(f"short read at byte {offset}: the file is truncated or unreadable")
         while done < total:
             got = os.preadv(fd, _after(views, done), offset + done)
             if got <= 0:
@@ -367,7 +369,7 @@ class ExpertStore:
         return True
 
 
-def _runs(files: np.ndarray, offsets: np.ndarray, size: int):
+def _runs(files: list[int], offsets: list[int], size: int):
     """(start, end) of each run of consecutive entries that lie back to back (`size` bytes apart) in one
     file: each is read with one request."""
     n, start = len(offsets), 0

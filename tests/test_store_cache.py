@@ -33,6 +33,34 @@ def test_store_reads_exactly_the_expert_rows():
         assert mx.array_equal(got, expected)
 
 
+def test_reads_cut_short_by_the_os_resume_where_they_stopped(monkeypatch):
+    """`preadv` may return fewer bytes than asked (a signal, a network file system): the read goes on
+    from where it stopped, across the run's rows, and the bytes are those of an uninterrupted read."""
+    store = ExpertStore(od_moe.DEFAULT_MODEL)
+    parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
+    layout = store.block_layout("model.layers.3.mlp.switch_mlp", parts, 64)
+    ids = [7, 8, 9, 31]  # a run of three rows and one alone
+    whole = store.read(layout, ids, Staging(layout, 4))
+    expected = {key: np.array(rows) for key, rows in whole.items()}
+    real, calls = store_module.os.preadv, []
+
+    def short(fd, views, offset):  # at most 1000 bytes per call
+        calls.append(offset)
+        room, cut = 1000, []
+        for view in views:
+            cut.append(view[:room])
+            room -= len(cut[-1])
+            if not room:
+                break
+        return real(fd, cut, offset)
+
+    monkeypatch.setattr(store_module.os, "preadv", short)
+    got = store.read(layout, ids, Staging(layout, 4))
+    assert len(calls) > 2 * len(layout.parts)
+    for key, rows in expected.items():
+        assert np.array_equal(got[key], rows)
+
+
 def test_staging_holds_each_expert_as_one_row_of_its_parts_back_to_back():
     """What a read leaves in staging is already the flat row a host-to-device copy carries: the same
     bytes `flat_rows` gathers part by part from per-expert rows, with no copy of its own."""

@@ -4,23 +4,30 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
 
 - `--switch optimistic`: optimistic decode passes (`optimistic.py`) against a sync per layer;
 - `--switch launch_early`: a layer the host synced at starts computing at once (`mx.async_eval`), against
-  leaving it to the next sync.
+  leaving it to the next sync;
+- `--switch split_on_miss`: a decode layer that misses computes its resident experts while the missing
+  ones are read, against reading them first (on by default on the CPU backend).
+`--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).
 
-    python benchmarks/sync_path.py [--switch optimistic|launch_early] [--policy none|predictor]
-        [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
+    python benchmarks/sync_path.py [--switch optimistic|launch_early|split_on_miss]
+        [--policy none|predictor] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
+        [--cold]
 """
 
 import argparse
 
 import od_moe
 from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.prefetch import _predictor_for
 from od_moe.report import table
 
-SWITCHES = ("optimistic", "launch_early")
+SWITCHES = ("optimistic", "launch_early", "split_on_miss")
 
 
-def _generate(engine, prompt, max_tokens):
+def _generate(engine, prompt, max_tokens, cold=False):
     """Decode tok/s of one greedy generation, and its tokens."""
+    if cold:
+        engine.runtime.store.drop_page_cache()
     out = list(engine.stream_generate(prompt, max_tokens=max_tokens))
     return out[-1].generation_tps, [r.token for r in out]
 
@@ -41,13 +48,19 @@ def main():
     parser.add_argument("--capacities", default="0.75,0.875", help="fractions of experts resident")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--cold", action="store_true", help="every read from the device (direct I/O)")
     args = parser.parse_args()
-    predictor = od_moe.DEFAULT_PREDICTOR if args.policy == "predictor" else None
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
         engines = []
         for on in (False, True):
+            predictor = None
+            if args.policy == "predictor":  # the bundled predictor, tied to this model (or its widened copy)
+                predictor = _predictor_for(od_moe.load(args.model, capacity=capacity).identity)
             engine = od_moe.load(args.model, capacity=capacity, prefetch=args.policy, predictor=predictor)
+            if args.cold:
+                engine.runtime.store.use_direct_io(True)
+                engine.runtime.store.drop_after_read = True
             setattr(engine.runtime, args.switch, on)
             _generate(engine, PROMPTS[0], 8)  # warm-up: kernels, the miss rate
             engine.reset_stats()
@@ -56,7 +69,7 @@ def main():
         same = True
         for _ in range(args.rounds):  # alternate prompt by prompt: drifts of the machine hit both alike
             for p in PROMPTS:
-                (a, x), (b, y) = (_generate(e, p, args.tokens) for e in engines)
+                (a, x), (b, y) = (_generate(e, p, args.tokens, args.cold) for e in engines)
                 tps[0].append(a)
                 tps[1].append(b)
                 same &= x == y
@@ -67,7 +80,7 @@ def main():
         )
     title = (
         f"{args.model}, policy {args.policy}, {len(PROMPTS)} prompts x {args.tokens} tokens x {args.rounds}"
-        f" rounds: decode with {args.switch} off and on"
+        f" rounds, {'cold' if args.cold else 'warm'} reads: decode with {args.switch} off and on"
     )
     columns = ["capacity", "tok/s off", "tok/s on", "ratio", "syncs/token off", "syncs/token on"]
     columns += ["optimistic passes", "ran again", "same tokens"]

@@ -285,6 +285,7 @@ class LayerCache:
         clock: float = 0.0,
         arrays: list[mx.array | None] | None = None,
         next_use: np.ndarray | None = None,
+        synchronize: bool = True,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
@@ -293,6 +294,8 @@ class LayerCache:
         already made into flat MLX arrays by a reader thread (`flat_rows`'s rows; None for rows it did
         not make), used where the backend needs MLX copies. `next_use`: where the future is known,
         passes until each expert of the layer is needed again (victims are chosen as `choose_slots` says).
+        `synchronize=False`: the caller knows that no computation in flight reads the slots this install
+        may take, so host writes need not wait for the device first.
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
         elsewhere with MLX writes that the layer's computation evaluates (`_write_mlx`). Either way the
@@ -306,7 +309,7 @@ class LayerCache:
         slots = self.choose_slots(
             len(ids), protect=list(protect) + ids.tolist(), clock=clock, next_use=next_use
         )
-        if not (self.host_writes and self._write_host(slots, raw)):
+        if not (self.host_writes and self._write_host(slots, raw, synchronize)):
             self.host_writes = False
             self._write_mlx(slots, raw, arrays)
         evicted = self.expert_in_slot[slots]
@@ -333,7 +336,7 @@ class LayerCache:
             kept = self._views[(part.proj, part.name)] = (array, backend.host_view(array))
         return kept[1]
 
-    def _write_host(self, slots: np.ndarray, raw) -> bool:
+    def _write_host(self, slots: np.ndarray, raw, synchronize: bool = True) -> bool:
         """Copy expert bytes into the slots' memory through numpy views; False where that is impossible."""
         writes = []
         for part in self.layout.parts:
@@ -343,7 +346,8 @@ class LayerCache:
             if view is None or any(r is None for r in rows):
                 return False
             writes.append((view, [r.view(view.dtype) for r in rows]))
-        mx.synchronize()  # nothing still computing may read the rows about to change
+        if synchronize:
+            mx.synchronize()  # nothing still computing may read the rows about to change
         for view, rows in writes:
             for slot, row in zip(slots.tolist(), rows):
                 view[slot] = row

@@ -9,7 +9,9 @@ the slots it gets back. One decoded token, top to bottom:
 3. Exact mode: the layer's routing and the predictions are evaluated together (the layer's one sync);
    `after_routing` hooks run; finished reads are installed; lookups and hits are counted; misses are
    claimed from the reader if being read ("late"), else read and installed here; the predictions are
-   queued for the reader; the slots go back to the switch (in rounds when they do not all fit).
+   queued for the reader; the slots go back to the switch (in rounds when they do not all fit). On the
+   CPU backend a decode layer that misses first hands back its resident experts, which compute while
+   the missing ones are read (`_split`).
    A layer whose experts are all resident only counts its lookups (its ids are its slots when the cache
    holds experts in id order) unless a hook or a recording needs the routing; such layers and skip
    mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
@@ -38,7 +40,7 @@ from .errors import ExpertReadError
 from .governor import Governor, PrefetchSettings
 from .layout import Staging
 from .policies import OnDemand, Prediction, Step
-from .reader import READ_THREADS, Read, Reader
+from .reader import READ_THREADS, SMALL_EXPERT_BYTES, Read, Reader
 from .routing import routing_weights
 from .stats import Ledger
 from .store import ExpertStore
@@ -56,12 +58,16 @@ STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install
 class Route(NamedTuple):
     """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale; in
     rounds, which routed experts this round computes (`members`); `launch`: the host waited for this
-    layer's routing, so its computation should start at once."""
+    layer's routing, so its computation should start at once. `lanes`: a round of a decode token that
+    computes only the routed experts at these positions (`slots` holds theirs alone), started at once:
+    the runtime reads the next round's experts meanwhile; the switch puts the rounds' outputs back in
+    routing order."""
 
     slots: mx.array
     scale: mx.array | None = None
     members: mx.array | None = None
     launch: bool = False
+    lanes: np.ndarray | None = None
 
 
 class OffloadRuntime:
@@ -95,6 +101,13 @@ class OffloadRuntime:
         # (`benchmarks/sync_path.py`: 1.25x at 87.5% resident on an H100; 0.82-0.88x on the CPU backend)
         self.optimistic = backend.syncs_stall_device()
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
+        # a decode layer that misses computes its resident experts while the missing ones are read
+        # (`_split`): on the CPU backend, where compute is slow, for experts large enough that reading
+        # them takes time (`benchmarks/sync_path.py --switch split_on_miss`: widened x128 at 25% cold,
+        # 1.18x with none and 1.15x with the predictor; the bundled model's 20 KB experts from the page
+        # cache, 0.95x at 25% and 0.97x at 50%, the second round's launch costing more than it hides)
+        large = max(c.layout.expert_nbytes for c in caches) >= SMALL_EXPERT_BYTES
+        self.split_on_miss = large and not backend.syncs_stall_device()
         self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer
         self._pass_missed = False
         self._speculative: list | None = None  # optimistic pass: (layer, indices, phase, absent flag)
@@ -229,6 +242,9 @@ class OffloadRuntime:
         if missing.size and step.prefetching:
             missing = self._claim(layer, missing, uniq, counts)
         fits = missing.size <= cache.room(protect=uniq)
+        if self.split_on_miss and fits and 0 < missing.size < uniq.size and ids.size == ids.shape[-1]:
+            yield from self._split(cache, indices, ids, uniq, counts, missing, predictions)
+            return
         if missing.size and fits:
             self.load(cache, missing, protect=uniq, computing=True)
             self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
@@ -237,6 +253,19 @@ class OffloadRuntime:
             yield Route(cache.routed_slots(indices), launch=self.launch_early)
         else:
             yield from self._rounds(cache, ids, uniq, counts)
+
+    def _split(self, cache: LayerCache, indices, ids, uniq, counts, missing, predictions) -> Iterator[Route]:
+        """A decode token's layer that misses, in two rounds: its resident experts compute while the
+        missing ones are read and installed (into slots the first round does not read: the routed
+        experts are protected, so no copy waits for the device), then the missing ones compute. Each
+        routed expert's output is computed once, as in one round, so the result is the same."""
+        absent = np.isin(ids.reshape(-1), missing)
+        here, later = np.flatnonzero(~absent), np.flatnonzero(absent)
+        yield Route(cache.routed_slots(_take_lanes(indices, here)), lanes=here)
+        self.load(cache, missing, protect=uniq, computing=True, synchronize=False)
+        self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
+        self._submit(predictions)
+        yield Route(cache.routed_slots(_take_lanes(indices, later)), launch=self.launch_early, lanes=later)
 
     def _rounds(self, cache: LayerCache, ids, uniq, counts) -> Iterator[Route]:
         """More distinct experts than slots: compute in rounds over the experts that fit."""
@@ -415,18 +444,24 @@ class OffloadRuntime:
 
     # -- reads and installs ----------------------------------------------------------------------
     def load(
-        self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), computing: bool = False
+        self,
+        cache: LayerCache,
+        ids: Sequence[int],
+        protect: Sequence[int] = (),
+        computing: bool = False,
+        synchronize: bool = True,
     ):
         """Read experts `ids` of `cache`'s layer and install them, now; prefetches of them already in flight
         are waited for, not read twice. `computing`: the layer computes next in this pass, on these
-        installs (the routing path), so their staging rows are free after a later layer's sync."""
+        installs (the routing path), so their staging rows are free after a later layer's sync.
+        `synchronize=False`: nothing in flight reads the slots these installs may take (`_split`)."""
         ids = np.asarray(ids, dtype=np.int64)
         layout = cache.layout
         chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // layout.expert_nbytes))
         keep = list(protect) + ids.tolist()
         for start in range(0, len(ids), chunk):
             t0 = time.perf_counter()
-            experts, raw, reads = self._read(cache, ids[start : start + chunk], keep)
+            experts, raw, reads = self._read(cache, ids[start : start + chunk], keep, synchronize)
             t1 = time.perf_counter()
             if not experts:
                 continue
@@ -445,6 +480,7 @@ class OffloadRuntime:
                     clock=self.clock,
                     arrays=_arrays(reads),
                     next_use=self._future(cache.layer),
+                    synchronize=synchronize,
                 )
             finally:
                 self.reader.recycle(reads, computing=computing)
@@ -453,9 +489,11 @@ class OffloadRuntime:
             )
         refused = ids[cache.slot_of[ids] < 0]  # late prefetches that found no slot: read them as demand
         if refused.size:
-            self.load(cache, refused, protect, computing)
+            self.load(cache, refused, protect, computing, synchronize)
 
-    def _read(self, cache: LayerCache, ids: np.ndarray, keep: list) -> tuple[list[int], dict, list[Read]]:
+    def _read(
+        self, cache: LayerCache, ids: np.ndarray, keep: list, synchronize: bool = True
+    ) -> tuple[list[int], dict, list[Read]]:
         """Demand reads of `ids`: (experts read, their bytes by part, reads to recycle). With nothing in
         flight and no helper threads, this thread reads them into its own staging, with no hand-off at
         all; otherwise through the reader, which waits for late prefetches (installed here) and
@@ -472,7 +510,7 @@ class OffloadRuntime:
                 self._failed(cache.layout, ids, e)
         t0 = time.perf_counter()
         reads, late = self.reader.fetch(cache.layer, ids)
-        self._take_late(cache.layer, late, 0.0 if reads else time.perf_counter() - t0, keep)
+        self._take_late(cache.layer, late, 0.0 if reads else time.perf_counter() - t0, keep, synchronize)
         failed = [r for r in reads if r.error is not None]
         if failed:
             self.reader.recycle(reads)
@@ -507,7 +545,7 @@ class OffloadRuntime:
         counts = {f"{kind}installed": count, f"{kind}install_s": seconds}
         self.ledger.add(self.phase, layer, evictions=evictions, prefetch_wasted=unused + refused, **counts)
 
-    def _install_prefetched(self, reads: list[Read], protect: Sequence[int]):
+    def _install_prefetched(self, reads: list[Read], protect: Sequence[int], synchronize: bool = True):
         """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch
         never evicts an expert predicted for the same run of its layer. A failed read is dropped (booked
         as wasted): a layer that needs the expert reads it on demand, and that read's error, if it fails
@@ -535,6 +573,7 @@ class OffloadRuntime:
                 clock=self.clock - 0.5,
                 arrays=_arrays(fresh),
                 next_use=future,
+                synchronize=synchronize,
             )
         t1 = time.perf_counter()
         self._book_install(
@@ -555,11 +594,13 @@ class OffloadRuntime:
         for layer, reads in by_layer.items():
             self._install_prefetched(reads, protect.get(layer, ()))
 
-    def _take_late(self, layer: int, late: list[Read], waited_s: float, protect: Sequence[int]):
+    def _take_late(
+        self, layer: int, late: list[Read], waited_s: float, protect: Sequence[int], synchronize: bool = True
+    ):
         """Book and install prefetches a demand miss found in flight (`waited_s` for them)."""
         if late:
             self.ledger.add(self.phase, layer, wait_s=waited_s, prefetch_late=len(late))
-            self._install_prefetched(late, protect)
+            self._install_prefetched(late, protect, synchronize)
 
     def _claim(self, layer: int, missing: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Late prefetches: wait for misses being read instead of reading them twice; the rest."""
@@ -619,6 +660,11 @@ def _worth(cache: LayerCache, experts, protect, future: np.ndarray, clock: float
             break
         worth.append(e)
     return worth
+
+
+def _take_lanes(indices: mx.array, lanes: np.ndarray) -> mx.array:
+    """The routed expert ids at positions `lanes` of the last axis."""
+    return mx.take(indices, mx.array(lanes.astype(np.int32)), axis=-1)
 
 
 def _rows(reads: list[Read]) -> dict:

@@ -7,13 +7,16 @@ a layer needs more distinct experts than it has slots (a long prefill chunk at a
 per round: each round computes the experts that fit and the outputs are merged per routed expert before
 mlx-lm's weighted sum, so the result is the same. After a layer whose routing the host waited for, its
 computation is started at once (`mx.async_eval`), so the device works while the next layer is built
-(`benchmarks/sync_path.py --switch launch_early`). In skip mode a route carries a per-expert scale that
-zeroes missing experts and renormalises the others.
+(`benchmarks/sync_path.py --switch launch_early`). A decode token's layer that misses may come in two
+rounds of positions (`Route.lanes`): its resident experts, started at once so that they compute while the
+runtime reads the missing ones, then those; the outputs are put back in routing order. In skip mode a
+route carries a per-expert scale that zeroes missing experts and renormalises the others.
 Not here: lookups, reads, installs or prefetch (`runtime.py`).
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 class OffloadedSwitch(nn.Module):
@@ -26,16 +29,24 @@ class OffloadedSwitch(nn.Module):
         object.__setattr__(self, "runtime", runtime)  # a plain attribute, not a child module
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        out = None
+        out, lanes = None, []
         for route in self.runtime.route(self.layer, x, indices):
             y = self.inner(x, route.slots)
             if route.scale is not None:
                 y = y * route.scale[..., None].astype(y.dtype)
-            if route.members is None:
+            if route.lanes is not None:  # computes now, while the runtime reads the next round's experts
+                mx.async_eval(y)
+                lanes.append((route.lanes, y))
+            elif route.members is None:
                 out = y
             else:
                 out = y if out is None else mx.where(route.members[..., None], y, out)
                 mx.eval(out)  # the next round overwrites slots this one read
+        if lanes:  # each routed expert's output back at its position
+            order = np.argsort(np.concatenate([at for at, _ in lanes]))
+            out = mx.take(
+                mx.concatenate([y for _, y in lanes], axis=-2), mx.array(order.astype(np.int32)), axis=-2
+            )
         if route.launch:  # the device idled while the host synced: it computes while the next layer is built
             mx.async_eval(out)
         return out

@@ -86,6 +86,7 @@ def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch)
 
     monkeypatch.setattr(switch, "mx", CountingMx())
     engine = od_moe.load(capacity=0.25, prefetch="none")
+    engine.runtime.split_on_miss = False  # its rounds start at once whatever `launch_early` says
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
     stats = engine.stats()
     assert 0 < len(launched) <= engine.runtime.host_syncs  # one per layer that synced, in one round
@@ -94,3 +95,54 @@ def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch)
     count = len(launched)
     assert od_moe_tokens(engine, PROMPTS[1:2], 8) == [bundled_reference[1][:8]]
     assert len(launched) == count
+
+
+@pytest.mark.parametrize("prefetch", ["none", "predictor"])
+def test_a_missing_layer_computes_its_resident_experts_while_the_rest_are_read(
+    prefetch, bundled_reference, monkeypatch
+):
+    """On the CPU backend a decode layer with large experts that misses comes back in two rounds: the
+    resident experts, started before the missing ones are read (their installs do not wait for the
+    device), then the missing ones; every routed expert is computed once and the tokens are stock
+    mlx-lm's."""
+    from od_moe.cache import LayerCache
+
+    events, real_install = [], LayerCache.install
+
+    def install(self, *args, synchronize=True, **kwargs):
+        events.append(("install", self.layer, synchronize))
+        return real_install(self, *args, synchronize=synchronize, **kwargs)
+
+    monkeypatch.setattr(LayerCache, "install", install)
+    from od_moe import runtime as runtime_module
+
+    predictor = od_moe.DEFAULT_PREDICTOR if prefetch == "predictor" else None
+    assert not od_moe.load(capacity=0.25).runtime.split_on_miss  # 20 KB experts: nothing to hide
+    monkeypatch.setattr(runtime_module, "SMALL_EXPERT_BYTES", 1)  # as if they were large
+    engine = od_moe.load(capacity=0.25, prefetch=prefetch, predictor=predictor)
+    assert engine.runtime.split_on_miss  # on the CPU backend
+    real_route = engine.runtime.route
+
+    def route(layer, x, indices):
+        for r in real_route(layer, x, indices):
+            if r.lanes is not None:
+                events.append(("lanes", layer, tuple(r.lanes.tolist()), r.slots.shape[-1]))
+            yield r
+
+    monkeypatch.setattr(engine.runtime, "route", route)
+    assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
+    rounds = [e for e in events if e[0] == "lanes"]
+    assert rounds and all(e[3] == len(e[2]) for e in rounds)  # each round computes its positions only
+    for first, second in zip(rounds[::2], rounds[1::2]):  # together, every routed position once
+        assert first[1] == second[1] and sorted(first[2] + second[2]) == list(range(engine.top_k))
+    between, inside = [], False  # the misses' installs, made while the first round computes
+    for e in events:
+        if e[0] == "lanes":
+            inside = not inside
+        elif inside:
+            between.append(e)
+    assert between and not any(e[2] for e in between)
+    engine.runtime.split_on_miss = False
+    events.clear()
+    assert od_moe_tokens(engine, PROMPTS[2:], NEW_TOKENS) == bundled_reference[2:]
+    assert not [e for e in events if e[0] == "lanes"]

@@ -215,3 +215,34 @@ def test_the_server_fails_the_request_reports_it_and_serves_the_next_exactly(mon
         srv.shutdown()
         app.worker.shutdown()
     slots_hold_their_experts(engine)
+
+
+def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request(
+    monkeypatch, bundled_reference
+):
+    """A decode layer split in two rounds (`OffloadRuntime._split`) whose missing experts cannot be read:
+    its resident experts are already computing; the request fails with the read's error, nothing of the
+    read is installed, and the engine serves stock tokens once the file reads again."""
+    from od_moe import runtime as runtime_module
+
+    engine = od_moe.load(capacity="25%", prefetch="none")
+    engine.runtime.split_on_miss = True
+    failed_in_split, real_split = [], runtime_module.OffloadRuntime._split
+
+    def split(self, *args, **kwargs):
+        try:
+            yield from real_split(self, *args, **kwargs)
+        except ExpertReadError:
+            failed_in_split.append(self.phase)
+            raise
+
+    monkeypatch.setattr(runtime_module.OffloadRuntime, "_split", split)
+    with monkeypatch.context() as failing:
+        _fail_reads(failing, lambda layout, ids: engine.runtime.phase == "decode")
+        with pytest.raises(ExpertReadError, match="Input/output error"):
+            engine.generate(PROMPTS[0], max_tokens=TOKENS)
+    assert failed_in_split == ["decode"]
+    slots_hold_their_experts(engine)
+    assert od_moe_tokens(engine, [PROMPTS[1]], TOKENS)[0] == bundled_reference[1][:TOKENS]
+    slots_hold_their_experts(engine)
+    invariants(engine.stats())

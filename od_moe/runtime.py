@@ -105,7 +105,8 @@ class OffloadRuntime:
         # (`_split`): on the CPU backend, where compute is slow, for experts large enough that reading
         # them takes time (`benchmarks/sync_path.py --switch split_on_miss`: widened x128 at 25% cold,
         # 1.18x with none and 1.15x with the predictor; the bundled model's 20 KB experts from the page
-        # cache, 0.95x at 25% and 0.97x at 50%, the second round's launch costing more than it hides)
+        # cache, 0.95x at 25% and 0.97x at 50%, the second round's launch costing more than it hides; on
+        # the H100, where compute is short and launches dear, 0.84x warm and 0.88x cold on the widened copy)
         large = max(c.layout.expert_nbytes for c in caches) >= SMALL_EXPERT_BYTES
         self.split_on_miss = large and not backend.syncs_stall_device()
         self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer

@@ -50,13 +50,13 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--cold", action="store_true", help="every read from the device (direct I/O)")
     args = parser.parse_args()
+    predictor = None
+    if args.policy == "predictor":  # the bundled predictor, tied to this model (or its widened copy)
+        predictor = _predictor_for(od_moe.load(args.model, capacity=1).identity)
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
         engines = []
         for on in (False, True):
-            predictor = None
-            if args.policy == "predictor":  # the bundled predictor, tied to this model (or its widened copy)
-                predictor = _predictor_for(od_moe.load(args.model, capacity=capacity).identity)
             engine = od_moe.load(args.model, capacity=capacity, prefetch=args.policy, predictor=predictor)
             if args.cold:
                 engine.runtime.store.use_direct_io(True)

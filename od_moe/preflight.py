@@ -135,7 +135,7 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
         memory_budget={"bytes": given, "auto": memory_budget in (None, "auto"), **bought},
         budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
-        packed=str(default_packed_path(path)) if default_packed_path(path).is_file() else None,
+        packed=_packed_file(path),
     )
     if capacity is not None:
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
@@ -145,6 +145,12 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
 
 _computed = weakref.WeakKeyDictionary()  # engine -> its capabilities
 _lock = threading.Lock()
+
+
+def _packed_file(path) -> str | None:
+    """The packed experts `load()` would find in the model folder, if any."""
+    packed = default_packed_path(path)
+    return str(packed) if packed.is_file() else None
 
 
 def engine_capabilities(engine) -> dict:

@@ -247,8 +247,7 @@ class OffloadRuntime:
             yield from self._split(cache, indices, ids, uniq, counts, missing, predictions)
             return
         if missing.size and fits:
-            self.load(cache, missing, protect=uniq, computing=True)
-            self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
+            self._load_missing(cache, missing, uniq, counts)
         self._submit(predictions)
         if fits:  # the cache's lookup table is made anew only when its experts changed
             yield Route(cache.routed_slots(indices), launch=self.launch_early)
@@ -263,10 +262,15 @@ class OffloadRuntime:
         absent = np.isin(ids.reshape(-1), missing)
         here, later = np.flatnonzero(~absent), np.flatnonzero(absent)
         yield Route(cache.routed_slots(_take_lanes(indices, here)), lanes=here)
-        self.load(cache, missing, protect=uniq, computing=True, synchronize=False)
-        self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
+        self._load_missing(cache, missing, uniq, counts, synchronize=False)
         self._submit(predictions)
         yield Route(cache.routed_slots(_take_lanes(indices, later)), launch=self.launch_early, lanes=later)
+
+    def _load_missing(self, cache: LayerCache, missing, uniq, counts, synchronize: bool = True):
+        """Read and install a layer's missing routed experts (the routed ones protected) and count their
+        uses, as the computation about to run makes them."""
+        self.load(cache, missing, protect=uniq, computing=True, synchronize=synchronize)
+        self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
 
     def _rounds(self, cache: LayerCache, ids, uniq, counts) -> Iterator[Route]:
         """More distinct experts than slots: compute in rounds over the experts that fit."""

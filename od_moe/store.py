@@ -276,8 +276,8 @@ class ExpertStore:
         ids = np.asarray(ids, dtype=np.int64)
         if layout.packed is not None:  # expert i's row is staging row i: a run of experts is one span
             file_index, base = layout.packed
-            files, size = np.full(n, file_index), layout.expert_nbytes
-            for start, end in _runs(files.tolist(), (base + ids * size).tolist(), size):
+            size = layout.expert_nbytes
+            for start, end in _runs([file_index] * n, (base + ids * size).tolist(), size):
                 views = [memoryview(staging.flat[start:end].reshape(-1))]
                 self._read_run(layout, ids[start:end], file_index, views, base + int(ids[start]) * size)
         else:  # one request per run of experts per array
@@ -324,12 +324,9 @@ class ExpertStore:
                 return self._pread_aligned(fd, views, offset)
         else:
             fd = self._fds[file_index]
-        total = sum(len(v) for v in views)
-        done = os.preadv(fd, views, offset)  # all of it, but for a short read
-        if done <= 0 and total:
-            raise OSError(f"short read at byte {offset}: the file is truncated or unreadable")
-        while done < total:
-            got = os.preadv(fd, _after(views, done), offset + done)
+        total, done = sum(len(v) for v in views), 0
+        while done < total:  # one request, but for a short read
+            got = os.preadv(fd, _after(views, done) if done else views, offset + done)
             if got <= 0:
                 raise OSError(f"short read at byte {offset + done}: the file is truncated or unreadable")
             done += got

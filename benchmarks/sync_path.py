@@ -6,11 +6,14 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
 - `--switch launch_early`: a layer the host synced at starts computing at once (`mx.async_eval`), against
   leaving it to the next sync;
 - `--switch split_on_miss`: a decode layer that misses computes its resident experts while the missing
-  ones are read, against reading them first (on by default on the CPU backend).
+  ones are read, against reading them first (on by default on the CPU backend);
+- `--switch optimistic_prefetch`: optimistic decode passes while a policy that predicts on the host
+  prefetches (`--policy oracle`), against a sync per layer.
+`--policy oracle` records each prompt's routing once and replays it in both engines.
 `--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).
 
-    python benchmarks/sync_path.py [--switch optimistic|launch_early|split_on_miss]
-        [--policy none|predictor] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
+    python benchmarks/sync_path.py [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch]
+        [--policy none|predictor|oracle] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
         [--cold]
 """
 
@@ -21,11 +24,13 @@ from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.report import table
 
-SWITCHES = ("optimistic", "launch_early", "split_on_miss")
+SWITCHES = ("optimistic", "launch_early", "split_on_miss", "optimistic_prefetch")
 
 
-def _generate(engine, prompt, max_tokens, cold=False):
-    """Decode tok/s of one greedy generation, and its tokens."""
+def _generate(engine, prompt, max_tokens, cold=False, trace=None):
+    """Decode tok/s of one greedy generation, and its tokens; `trace`: the oracle's routing of `prompt`."""
+    if trace is not None:
+        engine.configure_prefetch("oracle", oracle_trace=trace)
     if cold:
         engine.runtime.store.drop_page_cache()
     out = list(engine.stream_generate(prompt, max_tokens=max_tokens))
@@ -41,7 +46,7 @@ def _per_token(engine) -> tuple[float, int, int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--switch", choices=SWITCHES, default="optimistic")
-    parser.add_argument("--policy", choices=("none", "predictor"), default="none")
+    parser.add_argument("--policy", choices=("none", "predictor", "oracle"), default="none")
     parser.add_argument(
         "--model", default=str(od_moe.DEFAULT_MODEL), help="an MLX model folder (default: embedded)"
     )
@@ -55,21 +60,26 @@ def main():
         predictor = _predictor_for(od_moe.load(args.model, capacity=1).identity)
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
+        traces = dict.fromkeys(PROMPTS)
+        if args.policy == "oracle":  # routing does not depend on what is resident: one recording serves
+            recorder = od_moe.load(args.model, capacity=capacity)
+            traces = {p: recorder.record_routing(p, max(args.tokens, 8)) for p in PROMPTS}
         engines = []
         for on in (False, True):
-            engine = od_moe.load(args.model, capacity=capacity, prefetch=args.policy, predictor=predictor)
+            prefetch = "none" if args.policy == "oracle" else args.policy
+            engine = od_moe.load(args.model, capacity=capacity, prefetch=prefetch, predictor=predictor)
             if args.cold:
                 engine.runtime.store.use_direct_io(True)
                 engine.runtime.store.drop_after_read = True
             setattr(engine.runtime, args.switch, on)
-            _generate(engine, PROMPTS[0], 8)  # warm-up: kernels, the miss rate
+            _generate(engine, PROMPTS[0], 8, trace=traces[PROMPTS[0]])  # warm-up: kernels, the miss rate
             engine.reset_stats()
             engines.append(engine)
         tps = [[], []]
         same = True
         for _ in range(args.rounds):  # alternate prompt by prompt: drifts of the machine hit both alike
             for p in PROMPTS:
-                (a, x), (b, y) = (_generate(e, p, args.tokens, args.cold) for e in engines)
+                (a, x), (b, y) = (_generate(e, p, args.tokens, args.cold, traces[p]) for e in engines)
                 tps[0].append(a)
                 tps[1].append(b)
                 same &= x == y

@@ -7,13 +7,16 @@ When recent tokens rarely missed, `OptimisticModel` runs a decode pass without t
    but finite result) and leaves a lazy flag saying whether any routed expert was absent
    (`OffloadRuntime.route`).
 2. The flags are read once, with the logits (`OffloadRuntime.end_optimistic`). None set: the pass stands,
-   and its lookups are booked as exact mode books them.
+   and its lookups are booked (and recorded, where the routing is being recorded) as exact mode books
+   them.
 3. Otherwise the pass is taken back (every KV cache trimmed by its tokens) and run again: the layers
    before the first that missed compute as they did, with no sync (their inputs, so their routing, are
    the same) and no booking (done in step 2); from that layer on, the exact path loads what is missing.
    The tokens and every count are those of exact mode.
-Used for single-token passes, with the on-demand policy, no recording, no prefetch and trimmable KV
-caches, when `OffloadRuntime.optimistic` is set (by default where a sync stalls the device, a GPU: on the
+Used for single-token passes with trimmable KV caches, with the on-demand policy (and, where
+`OffloadRuntime.optimistic_prefetch` is set, with a policy that prefetches from predictions made on the
+host, the oracle: each layer queues its predictions for the layers' next run), when
+`OffloadRuntime.optimistic` is set (by default where a sync stalls the device, a GPU: on the
 CPU backend a sync costs little and the second runs cost more than the syncs saved;
 `benchmarks/sync_path.py` measures it); the runtime then decides from how often recent decode tokens
 missed (`OffloadRuntime.optimistic_ok`).

@@ -12,6 +12,9 @@ Hooks, called by the runtime on the generation thread:
 - `next_uses(forward, layer)`: passes until each expert of the layer is needed again, where the policy
   knows or estimates it (else None); the runtime evicts the farthest first and reads or installs a
   prefetch only when it is needed sooner than what it would evict.
+`optimistic_passes`: whether decode passes may run optimistically with the policy (`optimistic.py`):
+its predictions are host values (queued with no sync) and its `after_routing` may learn a pass's routing
+once the pass has computed.
 Policies:
 - `none`: on-demand loading with the cache's eviction.
 - `profile`: router discovery; the prompt's own routing, counted during prefill, seeds every layer's
@@ -61,6 +64,9 @@ class Step:
     router: object  # the layer's router logits (None where not tapped or not one projection)
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
+    # an optimistic pass (`optimistic.py`) builds all its layers before any read could land: predictions
+    # are wanted for the layers' next run after this pass, for this layer and those before it
+    next_pass: bool = False
 
 
 def _softmax_topk(scores: mx.array, k: int):
@@ -90,6 +96,7 @@ def experts_at_distance(k: int, d: int) -> int:
 
 class OnDemand:
     name = "none"
+    optimistic_passes = True
 
     def prompt_start(self, prompt):
         pass
@@ -114,6 +121,7 @@ class ProfilePolicy(OnDemand):
     """Router discovery: count the prompt's routing, seed the caches with it after prefill."""
 
     name = "profile"
+    optimistic_passes = False  # seeds the caches at the first decode pass
 
     def __init__(self, caches, top_k: int, load: Callable):
         self.caches, self.top_k, self.load = caches, top_k, load
@@ -155,6 +163,7 @@ class ProfilePolicy(OnDemand):
 
 class NextGatePolicy(OnDemand):
     name = "next-gate"
+    optimistic_passes = False  # predicts with lazy arrays
 
     def __init__(self, routers, per_layer: int, top_k: int):
         self.weights, self.biases = mx.array(routers[0]), mx.array(routers[1])
@@ -227,6 +236,7 @@ class PredictorPolicy(OnDemand):
     that has a next-use head, it also estimates when each expert is needed next (`next_uses`)."""
 
     name = "predictor"
+    optimistic_passes = False  # predicts with lazy arrays
 
     def __init__(self, predictor, per_layer: int, lens: NextTokenLens | None = None, caches=None):
         self.predictor, self.per_layer, self.lens = predictor, per_layer, lens
@@ -363,9 +373,14 @@ class OraclePolicy(OnDemand):
         return self._next[layer][forward + 1] - forward
 
     def before_layer(self, step: Step) -> list[Prediction]:
-        out = []
-        for d in range(1, self.lookahead + 1) if step.predict else ():
-            forward, layer = divmod(step.layer + d, self.num_layers)  # past the last layer: the next pass
+        if not step.predict:
+            return []
+        out, n = [], self.num_layers
+        # distances in layers: the next `lookahead` layers, or in an optimistic pass the next pass's layers
+        # up to this one (each predicted from `lookahead` layers); the nearest ranks first
+        first, nearest = (n - self.lookahead + 1, n - step.layer) if step.next_pass else (1, 1)
+        for d in range(max(first, nearest), first + self.lookahead):
+            forward, layer = divmod(step.layer + d, n)  # past the last layer: the next pass
             if step.forward + forward >= len(self.trace):
                 break
             key = (step.forward + forward, layer)
@@ -373,7 +388,7 @@ class OraclePolicy(OnDemand):
             if uniq is None and layer in self.trace[key[0]]:  # each is predicted from 4 layers: once
                 uniq = self._needed[key] = np.unique(self.trace[key[0]][layer])
             if uniq is not None:
-                out.append(Prediction(layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
+                out.append(Prediction(layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - first))))
         return out
 
 

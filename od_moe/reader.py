@@ -190,11 +190,16 @@ class Reader:
         with self._lock:
             return sorted(self._wanted.get(layer, ()))
 
-    def take_ready(self) -> list[Read]:
-        """Every finished prefetch (the caller installs or discards them, then `recycle`s them)."""
+    def take_ready(self, after: int | None = None) -> list[Read]:
+        """Every finished prefetch (the caller installs or discards them, then `recycle`s them); with
+        `after`, only those of later layers (the others stay ready)."""
         with self._lock:
-            reads = list(self._ready.values())
-            self._ready.clear()
+            if after is None:
+                reads = list(self._ready.values())
+                self._ready.clear()
+            else:
+                keys = [k for k in self._ready if k[0] > after]
+                reads = [self._ready.pop(k) for k in keys]
             self._inflight_bytes -= sum(r.nbytes for r in reads)
             if self._pending:  # room for more prefetch reads
                 self._work.notify_all()

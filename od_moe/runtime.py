@@ -100,6 +100,13 @@ class OffloadRuntime:
         # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device
         # (`benchmarks/sync_path.py`: 1.25x at 87.5% resident on an H100; 0.82-0.88x on the CPU backend)
         self.optimistic = backend.syncs_stall_device()
+        # optimistic passes also while a policy prefetches, if it predicts on the host (the oracle): its
+        # predictions queued at each layer for the layers' next run, no sync (`_prefetch_optimistic`).
+        # Off: on the H100 (`benchmarks/sync_path.py --switch optimistic_prefetch --policy oracle`, 2
+        # rounds) the bundled model ran at 1.099x at 25% (5 optimistic passes: the governor paused
+        # prefetch) and 0.975x at 50%; the widened copy at 25% at 0.791x warm, reads slower than a pass
+        # arriving late (42 of 77 passes ran again), and 1.073x cold with no optimistic pass at all
+        self.optimistic_prefetch = False
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         # a decode layer that misses computes its resident experts while the missing ones are read
         # (`_split`): on the CPU backend, where compute is slow, for experts large enough that reading
@@ -191,6 +198,8 @@ class OffloadRuntime:
         if self._speculative is not None:  # optimistic: no sync; a lazy flag says if anything was absent
             if layer == 0:
                 self._start_pass(indices.size // indices.shape[-1], phase)
+            if self.governor is not None:
+                self._prefetch_optimistic(layer, x, phase)
             absent = mx.logical_not(cache.resident_mask()[indices]).any()
             self._speculative.append((layer, indices, phase, absent))
             yield Route(cache.routed_slots(indices))
@@ -303,16 +312,47 @@ class OffloadRuntime:
 
     # -- optimistic decode passes (`optimistic.py`) -----------------------------------------------
     def optimistic_ok(self) -> bool:
-        """Whether the next decode pass may run optimistically: exact mode, on-demand loading with nothing
-        watching the routing, and recent decode tokens missed rarely."""
+        """Whether the next decode pass may run optimistically: exact mode, a policy that allows it (with
+        prefetch: `optimistic_prefetch`, not synchronous), and recent decode tokens missed rarely. A
+        recording learns the pass's routing with its flags."""
         return (
             self.optimistic
             and self.miss_policy == "load"
-            and self.governor is None
-            and self._nobody_watches()
+            and self.policy.optimistic_passes
+            and (self.governor is None or self.optimistic_prefetch)
+            and not (self.settings is not None and self.settings.synchronous)
             and self.token_miss_rate < OPTIMISTIC_BELOW
             and not all(c.is_full() for c in self.caches)  # then no layer syncs anyway
         )
+
+    def _prefetch_optimistic(self, layer: int, x: mx.array, phase: str):
+        """Prefetch at a layer of an optimistic pass, with no sync. The pass is built before any read
+        could land, so the policy predicts the layers' next run after this pass (`Step.next_pass`). Reads
+        of the experts predicted for this layer that are under way are waited for (as exact mode waits for
+        late ones), finished reads of this layer and the later ones installed, the layer's requests not
+        started withdrawn, and the predictions (host values) queued. Only this layer and later ones take
+        installs: this pass has not built their computation yet, so it sees the install and nothing
+        built before it reads their slots, where an earlier layer's computation is built and not run (a
+        host write would change what it reads, an MLX write would copy its whole stack). Their routing,
+        unknown here, is not protected beyond the predictions: an install that evicts a routed expert
+        shows in that layer's flag, and the pass runs again from it."""
+        if not (self.governor.active or self.reader.busy):
+            return
+        tap = self.taps[layer]
+        router = tap.logits if tap is not None else None
+        step = Step(self._pass_index, layer, phase, x, router, self.governor.active, True, next_pass=True)
+        t0 = time.perf_counter()
+        predictions = self.policy.before_layer(step)
+        self.ledger.reader["busy_s"] += time.perf_counter() - t0
+        wanted = self.reader.wanted(layer)
+        absent = [e for e in wanted if self.caches[layer].slot_of[e] < 0]
+        if absent:
+            t0 = time.perf_counter()
+            _, late = self.reader.fetch(layer, absent, read=False)
+            self._take_late(layer, late, time.perf_counter() - t0, wanted)
+        self._install_ready({layer: wanted}, after=layer - 1)
+        self.reader.withdraw(layer)
+        self._submit(predictions)
 
     def begin_optimistic(self):
         self._speculative = []
@@ -589,11 +629,11 @@ class OffloadRuntime:
         # of the same expert would have cost it as well)
         self.ledger.reader["busy_s"] += (t0 - start) + (time.perf_counter() - t1)
 
-    def _install_ready(self, protect: dict[int, Sequence[int]]):
-        """Install every finished read, one install (one evaluation) per layer."""
+    def _install_ready(self, protect: dict[int, Sequence[int]], after: int | None = None):
+        """Install every finished read (with `after`, those of later layers), one install per layer."""
         by_layer: dict[int, list[Read]] = {}
         for r in sorted(
-            self.reader.take_ready(), key=lambda r: (-r.score, r.layer, r.expert)
+            self.reader.take_ready(after), key=lambda r: (-r.score, r.layer, r.expert)
         ):  # threads finish in any order
             by_layer.setdefault(r.layer, []).append(r)
         for layer, reads in by_layer.items():

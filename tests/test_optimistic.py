@@ -1,9 +1,12 @@
 """Optimistic decode passes (`od_moe/optimistic.py`): one sync per token where nothing misses, a second
 run from the first layer that missed where something does; tokens and counts as in exact mode."""
 
+import numpy as np
+
 import od_moe
-from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, slots_hold_their_experts
+from conftest import NEW_TOKENS, PROMPTS, consistent, invariants, od_moe_tokens, slots_hold_their_experts
 from od_moe import runtime as runtime_module
+from od_moe.governor import PrefetchSettings
 
 TOKENS = NEW_TOKENS // 2  # the first half of the reference's greedy tokens
 
@@ -64,3 +67,50 @@ def test_a_continued_prompt_cache_stays_exact(bundled_reference):
         assert got == want
         assert [c.offset for c in ours] == [c.offset for c in theirs]
     assert engine.stats()["optimistic"]["missed"] > 0
+
+
+def test_optimistic_passes_record_the_routing_exact_mode_records():
+    """A recording (the bench's, for Belady's MIN) no longer keeps passes exact: the flags' sync gives it
+    each optimistic pass's routing, and a pass that ran again its later layers', as exact mode records."""
+    recordings = []
+    for optimistic in (False, True):
+        engine = od_moe.load(capacity=0.875, prefetch="none")
+        engine.runtime.optimistic = optimistic
+        engine.runtime.token_miss_rate = 0.0
+        engine.runtime.start_recording()
+        od_moe_tokens(engine, PROMPTS[:2], TOKENS)
+        recordings.append(engine.runtime.stop_recording())
+        passes = engine.stats()["optimistic"]
+    assert passes["passes"] > passes["missed"] > 0
+    exact, optimistic = recordings
+    assert len(exact) == len(optimistic)
+    for a, b in zip(exact, optimistic):
+        assert sorted(a) == sorted(b)
+        assert all(np.array_equal(a[layer], b[layer]) for layer in a)
+
+
+def test_optimistic_passes_with_oracle_prefetch_give_exact_tokens(bundled_reference):
+    """With `optimistic_prefetch`, the oracle's predictions are queued at each layer of an optimistic pass
+    for the layers' next run: stock tokens, prefetches installed, most passes standing, fewer syncs."""
+    syncs = []
+    for optimistic in (False, True):
+        installed, stood, ran = 0, 0, 0
+        for prompt, expected in zip(PROMPTS, bundled_reference):
+            trace = od_moe.load(capacity="25%", prefetch="none").record_routing(prompt, TOKENS)
+            engine = od_moe.load(capacity="25%", prefetch="none")
+            engine.configure_prefetch(
+                "oracle", oracle_trace=trace, settings=PrefetchSettings(timed_checks=False)
+            )
+            engine.runtime.optimistic = engine.runtime.optimistic_prefetch = optimistic
+            assert od_moe_tokens(engine, [prompt], TOKENS)[0] == expected[:TOKENS]
+            stats = engine.stats()
+            invariants(stats)
+            for cache in engine.caches:
+                consistent(cache)
+            installed += stats["prefetch"]["installed"]
+            ran += stats["optimistic"]["passes"]
+            stood += stats["optimistic"]["passes"] - stats["optimistic"]["missed"]
+        syncs.append(stats["optimistic"]["host_syncs"])
+        assert installed > 0
+    assert ran > 0 and stood > ran / 2
+    assert syncs[1] < syncs[0] / 2

@@ -8,13 +8,17 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
 - `--switch split_on_miss`: a decode layer that misses computes its resident experts while the missing
   ones are read, against reading them first (on by default on the CPU backend);
 - `--switch optimistic_prefetch`: optimistic decode passes while a policy that predicts on the host
-  prefetches (`--policy oracle`), against a sync per layer.
-`--policy oracle` records each prompt's routing once and replays it in both engines.
+  prefetches (`--policy oracle`), against a sync per layer;
+- `--switch start_installs`: MLX writes into the caches (CUDA) start computing at once, against leaving
+  them to the computation that reads the slots.
+`--policy oracle` records each prompt's routing once and replays it in both engines. `--with SWITCH`
+turns another switch on in both; `--no-self-checks` keeps prefetch from pausing itself.
 `--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).
 
-    python benchmarks/sync_path.py [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch]
+    python benchmarks/sync_path.py
+        [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch|start_installs]
         [--policy none|predictor|oracle] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
-        [--cold]
+        [--cold] [--with SWITCH] [--no-self-checks]
 """
 
 import argparse
@@ -22,15 +26,16 @@ import argparse
 import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
+from od_moe.governor import PrefetchSettings
 from od_moe.report import table
 
-SWITCHES = ("optimistic", "launch_early", "split_on_miss", "optimistic_prefetch")
+SWITCHES = ("optimistic", "launch_early", "split_on_miss", "optimistic_prefetch", "start_installs")
 
 
-def _generate(engine, prompt, max_tokens, cold=False, trace=None):
+def _generate(engine, prompt, max_tokens, cold=False, trace=None, settings=None):
     """Decode tok/s of one greedy generation, and its tokens; `trace`: the oracle's routing of `prompt`."""
     if trace is not None:
-        engine.configure_prefetch("oracle", oracle_trace=trace)
+        engine.configure_prefetch("oracle", oracle_trace=trace, settings=settings)
     if cold:
         engine.runtime.store.drop_page_cache()
     out = list(engine.stream_generate(prompt, max_tokens=max_tokens))
@@ -54,10 +59,24 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--cold", action="store_true", help="every read from the device (direct I/O)")
+    parser.add_argument(
+        "--with",
+        dest="also",
+        choices=SWITCHES,
+        action="append",
+        default=[],
+        help="another switch, on in both engines (repeatable)",
+    )
+    parser.add_argument(
+        "--no-self-checks",
+        action="store_true",
+        help="prefetch never pauses itself (the governor's timed checks off)",
+    )
     args = parser.parse_args()
     predictor = None
     if args.policy == "predictor":  # the bundled predictor, tied to this model (or its widened copy)
         predictor = _predictor_for(od_moe.load(args.model, capacity=1).identity)
+    settings = PrefetchSettings(timed_checks=False) if args.no_self_checks else None
     rows = []
     for capacity in (float(c) for c in args.capacities.split(",")):
         traces = dict.fromkeys(PROMPTS)
@@ -68,18 +87,24 @@ def main():
         for on in (False, True):
             prefetch = "none" if args.policy == "oracle" else args.policy
             engine = od_moe.load(args.model, capacity=capacity, prefetch=prefetch, predictor=predictor)
+            if settings is not None and args.policy == "predictor":
+                engine.configure_prefetch("predictor", settings=settings)
             if args.cold:
                 engine.runtime.store.use_direct_io(True)
                 engine.runtime.store.drop_after_read = True
+            for other in args.also:
+                setattr(engine.runtime, other, True)
             setattr(engine.runtime, args.switch, on)
-            _generate(engine, PROMPTS[0], 8, trace=traces[PROMPTS[0]])  # warm-up: kernels, the miss rate
+            _generate(engine, PROMPTS[0], 8, trace=traces[PROMPTS[0]], settings=settings)  # warm-up
             engine.reset_stats()
             engines.append(engine)
         tps = [[], []]
         same = True
         for _ in range(args.rounds):  # alternate prompt by prompt: drifts of the machine hit both alike
             for p in PROMPTS:
-                (a, x), (b, y) = (_generate(e, p, args.tokens, args.cold, traces[p]) for e in engines)
+                (a, x), (b, y) = (
+                    _generate(e, p, args.tokens, args.cold, traces[p], settings) for e in engines
+                )
                 tps[0].append(a)
                 tps[1].append(b)
                 same &= x == y
@@ -92,6 +117,10 @@ def main():
         f"{args.model}, policy {args.policy}, {len(PROMPTS)} prompts x {args.tokens} tokens x {args.rounds}"
         f" rounds, {'cold' if args.cold else 'warm'} reads: decode with {args.switch} off and on"
     )
+    if args.also:
+        title += f" ({', '.join(args.also)} on in both)"
+    if args.no_self_checks:
+        title += ", prefetch never paused"
     columns = ["capacity", "tok/s off", "tok/s on", "ratio", "syncs/token off", "syncs/token on"]
     columns += ["optimistic passes", "ran again", "same tokens"]
     print(table(columns, rows, title=title))

@@ -103,9 +103,11 @@ class OffloadRuntime:
         # optimistic passes also while a policy prefetches, if it predicts on the host (the oracle): its
         # predictions queued at each layer for the layers' next run, no sync (`_prefetch_optimistic`).
         # Off: on the H100 (`benchmarks/sync_path.py --switch optimistic_prefetch --policy oracle`, 2
-        # rounds) the bundled model ran at 1.099x at 25% (5 optimistic passes: the governor paused
-        # prefetch) and 0.975x at 50%; the widened copy at 25% at 0.791x warm, reads slower than a pass
-        # arriving late (42 of 77 passes ran again), and 1.073x cold with no optimistic pass at all
+        # rounds) the bundled model ran 1.33x faster at 25% and 50% with prefetch never paused
+        # (`--no-self-checks`; 1.57 and 1.52 syncs a token against 8.24); the widened copy at 25% warm
+        # 0.934x, its reads slower than a pass arriving late (32 of 80 passes ran again). Earlier, with
+        # installs left lazy and the governor's checks on: bundled 1.099x (25%; it paused prefetch) and
+        # 0.975x (50%), widened 0.791x warm (42 of 77 ran again) and 1.073x cold (no optimistic pass)
         self.optimistic_prefetch = False
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         # a decode layer that misses computes its resident experts while the missing ones are read
@@ -131,6 +133,16 @@ class OffloadRuntime:
         self.policy, self.settings, self.governor = policy, settings, None
         if settings is not None:
             self.governor = Governor(settings, self.ledger, settings.experts_per_layer or experts_per_layer)
+
+    @property
+    def start_installs(self) -> bool:
+        """Whether MLX writes into the caches start computing at once (`LayerCache.start_installs`)."""
+        return all(c.start_installs for c in self.caches)
+
+    @start_installs.setter
+    def start_installs(self, on: bool):
+        for cache in self.caches:
+            cache.start_installs = on
 
     @property
     def reader(self) -> Reader:

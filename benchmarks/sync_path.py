@@ -9,8 +9,8 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
   ones are read, against reading them first (on by default on the CPU backend);
 - `--switch optimistic_prefetch`: optimistic decode passes while a policy that predicts on the host
   prefetches (`--policy oracle`), against a sync per layer;
-- `--switch start_installs`: MLX writes into the caches (CUDA) start computing at once, against leaving
-  them to the computation that reads the slots.
+- `--switch start_installs`: MLX writes into the caches (CUDA) made during an optimistic pass start
+  computing at once, against leaving them to the pass's evaluation (with `--with optimistic_prefetch`).
 `--policy oracle` records each prompt's routing once and replays it in both engines. `--with SWITCH`
 turns another switch on in both; `--no-self-checks` keeps prefetch from pausing itself.
 `--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).

@@ -108,9 +108,6 @@ class LayerCache:
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
         self.host_writes = True  # False once the backend or a dtype rules out numpy writes
-        # MLX writes start computing as soon as they are made (`mx.async_eval`), not with the computation
-        # that reads the slots next: see `_write_mlx`
-        self.start_installs = True
         self._views = {}  # (proj, part) -> (stacked array, its numpy view)
         self._changed()
 
@@ -289,6 +286,7 @@ class LayerCache:
         arrays: list[mx.array | None] | None = None,
         next_use: np.ndarray | None = None,
         synchronize: bool = True,
+        start: bool = False,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
@@ -298,7 +296,8 @@ class LayerCache:
         not make), used where the backend needs MLX copies. `next_use`: where the future is known,
         passes until each expert of the layer is needed again (victims are chosen as `choose_slots` says).
         `synchronize=False`: the caller knows that no computation in flight reads the slots this install
-        may take, so host writes need not wait for the device first.
+        may take, so host writes need not wait for the device first. `start`: MLX writes start computing
+        at once (`_write_mlx`).
 
         Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
         elsewhere with MLX writes that the layer's computation evaluates (`_write_mlx`). Either way the
@@ -314,7 +313,7 @@ class LayerCache:
         )
         if not (self.host_writes and self._write_host(slots, raw, synchronize)):
             self.host_writes = False
-            self._write_mlx(slots, raw, arrays)
+            self._write_mlx(slots, raw, arrays, start)
         evicted = self.expert_in_slot[slots]
         unused = int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
@@ -356,18 +355,15 @@ class LayerCache:
                 view[slot] = row
         return True
 
-    def _write_mlx(self, slots: np.ndarray, raw, arrays=None):
+    def _write_mlx(self, slots: np.ndarray, raw, arrays=None, start: bool = False):
         """Put expert bytes into the slots with MLX operations (backends without host-visible memory): one
         (experts, bytes) array for the whole install (stacked from the reader's flat arrays where it made
         them all, else one host-to-device copy of the rows), then per part a view of its columns written
-        with one slice update (one expert) or one scatter. No host sync: with `start_installs` the writes
-        start computing at once (`mx.async_eval`), else the computation that reads the slots evaluates
-        them. Left in the graph of an optimistic pass (`optimistic.py`), they cost it more than they cost
-        apart: on the H100, the bundled model at 25% with the oracle prefetching in optimistic passes ran
-        1.281x faster with them started at once (`benchmarks/sync_path.py --switch start_installs --policy
-        oracle --with optimistic_prefetch --no-self-checks`), 1.050x at 50%; with a sync per layer, which
-        evaluates a layer's installs with it anyway, 0.95-1.03x (noise). The array holds its own copy of
-        the bytes, so staging may be reused at once."""
+        with one slice update (one expert) or one scatter. No host sync: with `start` the writes start
+        computing at once (`mx.async_eval`), else the computation that reads the slots evaluates them
+        (the runtime starts those made during an optimistic pass, whose one evaluation they would slow:
+        `OffloadRuntime.start_installs`). The array holds its own copy of the bytes, so staging may be
+        reused at once."""
         n = len(slots)
         if arrays is not None and all(a is not None for a in arrays):
             flat = arrays[0][None] if n == 1 else mx.stack(arrays)
@@ -385,7 +381,7 @@ class LayerCache:
             stacked = module[part.name]
             stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
             start += part.nbytes
-        if self.start_installs:
+        if start:
             mx.async_eval([self.projections[p.proj][p.name] for p in self.layout.parts])
 
     def forget_prefetches(self):

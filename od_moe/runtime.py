@@ -109,6 +109,14 @@ class OffloadRuntime:
         # installs left lazy and the governor's checks on: bundled 1.099x (25%; it paused prefetch) and
         # 0.975x (50%), widened 0.791x warm (42 of 77 ran again) and 1.073x cold (no optimistic pass)
         self.optimistic_prefetch = False
+        # MLX writes made during an optimistic pass start computing at once (`LayerCache._write_mlx`): left
+        # in the pass's one evaluation they slow it more than they cost apart. On the H100 (scratch
+        # `passes.py`, the oracle prefetching in optimistic passes, bundled model at 25%) that evaluation
+        # took 3.7 ms with no install in the pass and 19.1 ms with 15 experts installed;
+        # `benchmarks/sync_path.py --switch start_installs --policy oracle --with optimistic_prefetch
+        # --no-self-checks` gave 1.281x at 25% and 1.050x at 50%. In exact mode a layer's launch evaluates
+        # its installs with it anyway (`--switch start_installs`, a sync per layer: 0.95-1.03x, noise)
+        self.start_installs = True
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         # a decode layer that misses computes its resident experts while the missing ones are read
         # (`_split`): on the CPU backend, where compute is slow, for experts large enough that reading
@@ -133,16 +141,6 @@ class OffloadRuntime:
         self.policy, self.settings, self.governor = policy, settings, None
         if settings is not None:
             self.governor = Governor(settings, self.ledger, settings.experts_per_layer or experts_per_layer)
-
-    @property
-    def start_installs(self) -> bool:
-        """Whether MLX writes into the caches start computing at once (`LayerCache.start_installs`)."""
-        return all(c.start_installs for c in self.caches)
-
-    @start_installs.setter
-    def start_installs(self, on: bool):
-        for cache in self.caches:
-            cache.start_installs = on
 
     @property
     def reader(self) -> Reader:
@@ -631,6 +629,7 @@ class OffloadRuntime:
                 arrays=_arrays(fresh),
                 next_use=future,
                 synchronize=synchronize,
+                start=self.start_installs and self._speculative is not None,
             )
         t1 = time.perf_counter()
         self._book_install(

@@ -17,7 +17,9 @@ the slots it gets back. One decoded token, top to bottom:
    mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
    missing experts out and loads them then. An optimistic decode pass (`optimistic.py`) does not sync
    at partly resident layers either: each leaves a lazy flag, read once with the logits
-   (`end_optimistic`), and a pass that missed runs again from its first missing layer (`begin_resume`).
+   (`end_optimistic`), and a pass that missed runs again from its first missing layer (`begin_resume`);
+   with `optimistic_prefetch`, a policy that predicts on the host queues its predictions at each layer
+   for the layers' next run (`_prefetch_optimistic`).
 Where the policy knows when each expert is needed next (`next_uses`: the oracle), reads and installs evict
 the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if it is needed no
 later than the one it would evict. Every count is booked in the ledger (`stats.py`) here, once. A demand

@@ -371,16 +371,16 @@ class LayerCache:
             # not advised for the device (`backend.stage_for_device`): MLX recycles its buffer
             flat = mx.array(flat_rows(self.layout, raw, n))
         index = int(slots[0]) if n == 1 else mx.array(slots.astype(np.int32))
-        start = 0
+        offset = 0
         for part in self.layout.parts:
             key = (part.proj, part.name)
-            rows = flat[:, start : start + part.nbytes].view(SAME_BYTES[part.dtype]).reshape(n, *part.shape)
+            rows = flat[:, offset : offset + part.nbytes].view(SAME_BYTES[part.dtype]).reshape(n, *part.shape)
             if rows.dtype != self.targets[key]:
                 rows = rows.astype(self.targets[key])
             module = self.projections[part.proj]
             stacked = module[part.name]
             stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
-            start += part.nbytes
+            offset += part.nbytes
         if start:
             mx.async_eval([self.projections[p.proj][p.name] for p in self.layout.parts])
 

@@ -12,7 +12,7 @@ When recent tokens rarely missed, `OptimisticModel` runs a decode pass without t
 3. Otherwise the pass is taken back (every KV cache trimmed by its tokens) and run again: the layers
    before the first that missed compute as they did, with no sync (their inputs, so their routing, are
    the same) and no booking (done in step 2); from that layer on, the exact path loads what is missing.
-   The tokens and every count are those of exact mode.
+   The tokens, and with the on-demand policy every count, are those of exact mode.
 Used for single-token passes with trimmable KV caches, with the on-demand policy (and, where
 `OffloadRuntime.optimistic_prefetch` is set, with a policy that prefetches from predictions made on the
 host, the oracle: each layer queues its predictions for the layers' next run), when

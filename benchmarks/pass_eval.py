@@ -77,15 +77,11 @@ def main():
     stood = np.array([entry[:3] for entry in log if entry[3]], dtype=float).reshape(-1, 3)
     rows = []
     for low, high in BINS:
-        rows_in = stood[(stood[:, 2] >= low) & (stood[:, 2] < high)]
-        if len(rows_in):
-            build, evaluate, installs = (
-                1e3 * rows_in[:, 0].mean(),
-                1e3 * rows_in[:, 1].mean(),
-                rows_in[:, 2],
-            )
-            rows.append([f"{low}-{high - 1}" if high < 10**9 else f"{low}+", len(rows_in), installs.mean()])
-            rows[-1] += [build, evaluate]
+        group = stood[(stood[:, 2] >= low) & (stood[:, 2] < high)]
+        if len(group):
+            label = f"{low}-{high - 1}" if high < 10**9 else f"{low}+"
+            build_ms, evaluation_ms = 1e3 * group[:, 0].mean(), 1e3 * group[:, 1].mean()
+            rows.append([label, len(group), group[:, 2].mean(), build_ms, evaluation_ms])
     title = (
         f"{args.model} at {args.capacity:.1%}, oracle prefetch in optimistic passes, {len(tps)} prompts x "
         f"{args.tokens} tokens, installs started at once: {args.start_installs}; decode "

@@ -85,9 +85,8 @@ def main():
             traces = {p: recorder.record_routing(p, max(args.tokens, 8)) for p in PROMPTS}
         engines = []
         for on in (False, True):
-            prefetch = "none" if args.policy == "oracle" else args.policy
-            engine = od_moe.load(args.model, capacity=capacity, prefetch=prefetch, predictor=predictor)
-            if settings is not None and args.policy == "predictor":
+            engine = od_moe.load(args.model, capacity=capacity, prefetch="none", predictor=predictor)
+            if args.policy == "predictor":  # the oracle is configured per prompt (`_generate`)
                 engine.configure_prefetch("predictor", settings=settings)
             if args.cold:
                 engine.runtime.store.use_direct_io(True)

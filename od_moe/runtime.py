@@ -359,9 +359,7 @@ class OffloadRuntime:
         wanted = self.reader.wanted(layer)
         absent = [e for e in wanted if self.caches[layer].slot_of[e] < 0]
         if absent:
-            t0 = time.perf_counter()
-            _, late = self.reader.fetch(layer, absent, read=False)
-            self._take_late(layer, late, time.perf_counter() - t0, wanted)
+            self._await_late(layer, absent, wanted)
         self._install_ready({layer: wanted}, after=layer - 1)
         self.reader.withdraw(layer)
         self._submit(predictions)
@@ -660,13 +658,18 @@ class OffloadRuntime:
             self.ledger.add(self.phase, layer, wait_s=waited_s, prefetch_late=len(late))
             self._install_prefetched(late, protect, synchronize)
 
+    def _await_late(self, layer: int, ids, protect: Sequence[int]) -> bool:
+        """Wait for the prefetches of `ids` being read (instead of reading them twice) and install them;
+        whether there were any."""
+        t0 = time.perf_counter()
+        _, late = self.reader.fetch(layer, ids, read=False)
+        self._take_late(layer, late, time.perf_counter() - t0, protect)
+        return bool(late)
+
     def _claim(self, layer: int, missing: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Late prefetches: wait for misses being read instead of reading them twice; the rest."""
-        t0 = time.perf_counter()
-        _, late = self.reader.fetch(layer, missing, read=False)
-        if not late:
+        if not self._await_late(layer, missing, uniq):
             return missing
-        self._take_late(layer, late, time.perf_counter() - t0, uniq)
         cache = self.caches[layer]
         still = missing[cache.slot_of[missing] < 0]
         arrived = np.setdiff1d(missing, still)

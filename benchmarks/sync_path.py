@@ -11,12 +11,15 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
   prefetches (`--policy oracle`), against a sync per layer;
 - `--switch start_installs`: MLX writes into the caches (CUDA) made during an optimistic pass start
   computing at once, against leaving them to the pass's evaluation (with `--with optimistic_prefetch`).
+- `--switch copy_installs`: installs copy the read bytes into the slots (numpy views of host memory;
+  on CUDA the runtime's copies from pinned staging), against MLX writes from arrays the reader threads
+  make (CUDA's path without the runtime's copies).
 `--policy oracle` records each prompt's routing once and replays it in both engines. `--with SWITCH`
 turns another switch on in both; `--no-self-checks` keeps prefetch from pausing itself.
 `--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).
 
     python benchmarks/sync_path.py
-        [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch|start_installs]
+        [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch|start_installs|copy_installs]
         [--policy none|predictor|oracle] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
         [--cold] [--with SWITCH] [--no-self-checks]
 """
@@ -29,7 +32,14 @@ from od_moe.bench.prefetch import _predictor_for
 from od_moe.governor import PrefetchSettings
 from od_moe.report import table
 
-SWITCHES = ("optimistic", "launch_early", "split_on_miss", "optimistic_prefetch", "start_installs")
+SWITCHES = (
+    "optimistic",
+    "launch_early",
+    "split_on_miss",
+    "optimistic_prefetch",
+    "start_installs",
+    "copy_installs",
+)
 
 
 def _generate(engine, prompt, max_tokens, cold=False, trace=None, settings=None):

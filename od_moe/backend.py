@@ -7,25 +7,26 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 - On a GPU a host sync idles the device, so optimistic decode passes are on there (`optimistic.py`).
 - Metal reports a recommended working-set size; on Linux the OS reports available memory.
 - On the CPU and on Metal (unified memory) an array's memory is host memory: expert bytes are written
-  into the cache's stacked arrays through a numpy view, with no MLX op. CUDA memory is not written that
-  way; the cache falls back to MLX slice updates there, from arrays the reader threads make.
-- On CUDA an array made from host bytes is managed memory, which migrates page by page on first touch:
-  the GPU's read of it, and the host's next write into the recycled buffer, each fault. `stage_for_device`
-  asks the driver to keep such an array's pages in host memory, mapped for the GPU, so neither side faults
-  (the one call to the CUDA runtime od-moe makes, through ctypes; MLX does the same for its small pool).
-  The advice stays with the memory when MLX recycles the buffer, so only buffers od-moe keeps are advised,
-  and `unstage` takes the advice back before they go: a recycled host-preferred buffer under the
-  slots or activations of a later engine slowed its decode (H100, widened x128 at 25%).
+  into the cache's stacked arrays through a numpy view, with no MLX op. On CUDA the runtime copies them
+  there (`cuda.DeviceCopies`: `cudaMemcpyAsync` from pinned staging into the managed memory MLX computes
+  on), also with no MLX op; where that is unavailable, the cache falls back to MLX slice updates, from
+  arrays the reader threads make.
+- That fallback's arrays are managed memory made from host bytes, which migrates page by page on first
+  touch: `stage_for_device` asks the driver to keep such an array's pages in host memory, mapped for the
+  GPU, so neither side faults. The advice stays with the memory when MLX recycles the buffer, so only
+  buffers od-moe keeps are advised, and `unstage` takes the advice back before they go: a recycled
+  host-preferred buffer under the slots or activations of a later engine slowed its decode (H100,
+  widened x128 at 25%).
 Nothing else in od-moe asks which backend it is on.
 """
 
-import ctypes
 import os
 import sys
-import threading
 
 import mlx.core as mx
 import numpy as np
+
+from . import cuda
 
 _UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
@@ -77,84 +78,8 @@ def arrays_in_host_memory() -> bool:
     return not (mx.default_device().type == mx.gpu and not mx.metal.is_available())
 
 
-class _ManagedStaging:
-    """CUDA managed-memory hints for host-made arrays that the GPU reads once (expert bytes on their way
-    into the cache): preferred location the host, accessed by the device. Each buffer is advised once, and
-    its advice taken back (`release`) before MLX may recycle it: the advice stays with the memory. An
-    error turns the hints off for good, leaving the arrays as MLX made them."""
-
-    MIN_BYTES = 256 * 1024  # the bundled model's 20 KB experts gained nothing: per-operation latency
-    PREFERRED_LOCATION, ACCESSED_BY = 3, 5  # cudaMemoryAdvise (each one more: unset)
-    HOST, DEVICE = 2, 1  # cudaMemLocationType
-
-    class Location(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-    def __init__(self, runtime=None, version: int = 13000, device: int = 0):
-        self.device = device  # MLX computes on the first GPU
-        self.on = None  # None: the runtime not looked for yet
-        self.advised: dict[int, int] = {}  # buffer address -> bytes advised
-        self.lock = threading.Lock()
-        if runtime is not None:
-            self._use(runtime, version)
-
-    def _use(self, runtime, version: int):
-        """CUDA 13 takes a location where CUDA 12 took a device number (the host: cudaCpuDeviceId, -1)."""
-        if version >= 13000:
-            self.host, self.gpu = self.Location(self.HOST, 0), self.Location(self.DEVICE, self.device)
-        else:
-            self.host, self.gpu = -1, self.device
-        runtime.cudaMemAdvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, type(self.gpu)]
-        self.runtime, self.on = runtime, True
-
-    def _find_runtime(self):
-        """The CUDA runtime MLX loaded into this process."""
-        try:
-            with open("/proc/self/maps") as maps:
-                path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
-            runtime = ctypes.CDLL(path or "libcudart.so.13")
-            version = ctypes.c_int()
-            if runtime.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
-                raise OSError("no CUDA runtime version")
-        except OSError:
-            self.on = False
-            return
-        self._use(runtime, version.value)
-
-    def apply(self, array: mx.array) -> mx.array:
-        if self.on is False or array.nbytes < self.MIN_BYTES:
-            return array
-        address = np.array(array, copy=False).__array_interface__["data"][0]  # made from host bytes: no copy
-        with self.lock:
-            if self.on is None:
-                self._find_runtime()
-            if not self.on or self.advised.get(address, 0) >= array.nbytes:
-                return array
-            for advice, where in ((self.PREFERRED_LOCATION, self.host), (self.ACCESSED_BY, self.gpu)):
-                if self.runtime.cudaMemAdvise(address, array.nbytes, advice, where) != 0:
-                    # not managed memory (MLX's pinned fallback) or an old driver: leave it to MLX, and
-                    # clear the error, which MLX would otherwise find after its next kernel launch
-                    self.runtime.cudaGetLastError()
-                    self.on = False
-                    return array
-            self.advised[address] = array.nbytes
-        return array
-
-    def release(self, array: mx.array):
-        """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
-        if not self.on or array.nbytes < self.MIN_BYTES:
-            return
-        address = np.array(array, copy=False).__array_interface__["data"][0]
-        with self.lock:
-            nbytes = self.advised.pop(address, 0)
-            if not nbytes:
-                return
-            for advice, where in ((self.PREFERRED_LOCATION + 1, self.host), (self.ACCESSED_BY + 1, self.gpu)):
-                if self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
-                    self.runtime.cudaGetLastError()
-
-
-_managed_staging = _ManagedStaging()
+_managed_staging = cuda.ManagedStaging()
+_copies = cuda.DeviceCopies()
 
 
 def stage_for_device(array: mx.array) -> mx.array:
@@ -175,15 +100,23 @@ def unstage(array: mx.array):
         _managed_staging.release(array)
 
 
-def host_view(array: mx.array) -> np.ndarray | None:
-    """A writable numpy view of an evaluated, row-contiguous array's memory, as unsigned integers of the
-    same item size (so bfloat16 works too), or None where the memory cannot be written from the host.
+def copies_into_arrays() -> bool:
+    """True where bytes read into host memory go into the cache's arrays with no MLX operation: written
+    through numpy views (CPU, Metal), or copied by the CUDA runtime (`cuda.DeviceCopies`) while that works.
+    Elsewhere installs are MLX writes from arrays the reader threads make (`Reader(make_arrays=True)`)."""
+    return arrays_in_host_memory() or (_copies.available() and _copies.trusted is not False)
 
-    Writes through the view change the array behind MLX's back: the caller must make sure no pending
-    computation reads the rows it writes (`mx.synchronize()` first).
+
+def row_writer(array: mx.array):
+    """What writes rows of an evaluated, row-contiguous array from host bytes (`writer[i] = row`, rows as
+    unsigned integers of the array's item size, so bfloat16 works too): a numpy view of its memory where
+    that is host memory, a `cuda.RowWriter` on CUDA, else None.
+
+    Writes change the array behind MLX's back: the caller must make sure no pending computation reads the
+    rows it writes (`mx.synchronize()` first), and call `rows_written()` after a batch of writes.
     """
     if not arrays_in_host_memory():
-        return None
+        return _copies.writer(array) if copies_into_arrays() else None
     bits = _UINT_OF_SIZE.get(array.dtype.size)
     if bits is None:
         return None
@@ -198,6 +131,25 @@ def host_view(array: mx.array) -> np.ndarray | None:
         if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(array.shape)
         else None
     )
+
+
+def rows_written(check: tuple[mx.array, int, np.ndarray] | None = None) -> bool:
+    """After a batch of `row_writer` writes: on CUDA, issue the copies and wait for them, so that MLX work
+    launched from now on reads their bytes. `check` (array, row, the bytes written there): until one such
+    check has passed, the row is read back through MLX, and a mismatch (memory the device does not see at
+    that address) turns the copies off for good. Returns False where the rows must be written again through
+    MLX (the copies failed or were not seen)."""
+    if arrays_in_host_memory():
+        return True
+    try:
+        _copies.flush()
+    except cuda.CopyError:
+        return False
+    if check is not None and _copies.trusted is None:
+        array, row, written = check
+        seen = np.array(array[row].reshape(-1).view(mx.uint8))
+        _copies.trusted = bool(np.array_equal(seen, written.reshape(-1).view(np.uint8)))
+    return _copies.trusted is not False
 
 
 def available_memory_bytes() -> int:

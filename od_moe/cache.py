@@ -18,7 +18,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from . import backend
+from . import backend, cuda
 from .layout import BlockLayout, flat_rows
 
 EVICTION_POLICIES = ("lru", "lfu")
@@ -107,8 +107,8 @@ class LayerCache:
         self._unfolded: list[np.ndarray] = []  # passes noted and not yet added to it
         self.unused_prefetch = np.zeros(C, dtype=bool)  # installed by prefetch, not used yet
         self.arrived_by_prefetch = np.zeros(C, dtype=bool)  # who put the expert there (for display)
-        self.host_writes = True  # False once the backend or a dtype rules out numpy writes
-        self._views = {}  # (proj, part) -> (stacked array, its numpy view)
+        self.host_writes = True  # False once the backend or a dtype rules out writes from host bytes
+        self._writers = {}  # (proj, part) -> (stacked array, what writes its rows from host bytes)
         self._changed()
 
     # -- state ---------------------------------------------------------------------------------
@@ -299,9 +299,10 @@ class LayerCache:
         may take, so host writes need not wait for the device first. `start`: MLX writes start computing
         at once (`_write_mlx`).
 
-        Where MLX memory is host memory (CPU, Metal) the bytes are copied straight into the slots' rows;
-        elsewhere with MLX writes that the layer's computation evaluates (`_write_mlx`). Either way the
-        staging buffers may be reused as soon as this returns.
+        The bytes are copied straight into the slots' rows where the backend allows (host memory on the
+        CPU and Metal, the CUDA runtime's copies: `backend.row_writer`); elsewhere with MLX writes that the
+        layer's computation evaluates (`_write_mlx`). Either way the staging buffers may be reused as soon
+        as this returns.
         """
         ids = np.asarray(ids, dtype=np.int64)
         if np.any(self.slot_of[ids] >= 0):
@@ -330,30 +331,40 @@ class LayerCache:
     def _changed(self):
         self._lookup = self._resident = self._full = self._identity = None
 
-    def _host_view(self, part) -> np.ndarray | None:
-        """The numpy view of a part's stacked array, kept while that array stays the module's."""
+    def _row_writer(self, part):
+        """What writes a part's stacked array from host bytes (`backend.row_writer`), kept while that array
+        stays the module's."""
         array = self.projections[part.proj][part.name]
-        kept = self._views.get((part.proj, part.name))
+        kept = self._writers.get((part.proj, part.name))
         if kept is None or kept[0] is not array:
-            kept = self._views[(part.proj, part.name)] = (array, backend.host_view(array))
+            kept = self._writers[(part.proj, part.name)] = (array, backend.row_writer(array))
         return kept[1]
 
     def _write_host(self, slots: np.ndarray, raw, synchronize: bool = True) -> bool:
-        """Copy expert bytes into the slots' memory through numpy views; False where that is impossible."""
+        """Copy expert bytes into the slots' memory with no MLX operation (numpy views of host memory, or
+        the CUDA runtime's copies); False where that is impossible, or failed (nothing half-written stays:
+        the caller writes every slot again through MLX)."""
         writes = []
         for part in self.layout.parts:
             key = (part.proj, part.name)
-            view = self._host_view(part)
+            writer = self._row_writer(part)
             rows = [_host_bits(raw[key][j], part.dtype, self.targets[key]) for j in range(len(slots))]
-            if view is None or any(r is None for r in rows):
+            if writer is None or any(r is None for r in rows):
                 return False
-            writes.append((view, [r.view(view.dtype) for r in rows]))
+            writes.append((writer, [np.ascontiguousarray(r).view(writer.dtype) for r in rows]))
         if synchronize:
             mx.synchronize()  # nothing still computing may read the rows about to change
-        for view, rows in writes:
-            for slot, row in zip(slots.tolist(), rows):
-                view[slot] = row
-        return True
+        try:
+            for writer, rows in writes:
+                for slot, row in zip(slots.tolist(), rows):
+                    writer[slot] = row
+        except cuda.CopyError:
+            backend.rows_written()
+            return False
+        first = self.layout.parts[0]
+        return backend.rows_written(
+            (self.projections[first.proj][first.name], int(slots[0]), writes[0][1][0])
+        )
 
     def _write_mlx(self, slots: np.ndarray, raw, arrays=None, start: bool = False):
         """Put expert bytes into the slots with MLX operations (backends without host-visible memory): one

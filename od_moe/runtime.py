@@ -88,6 +88,15 @@ class OffloadRuntime:
         self.taps: list = [None] * len(caches)  # RouterTaps where router outputs are needed
         self.policy = OnDemand()
         self._reader: Reader | None = None
+        # installs copy read bytes into the slots (numpy views of host memory); on CUDA the runtime's
+        # copies (`cuda.DeviceCopies`) can do the same but stay off: on the H100 an install of a widened
+        # expert took 0.50 ms that way against 2.39 ms as an MLX write from a host-made array (scratch
+        # `probe2.py`), yet decode with them ran 0.87-1.06x of MLX writes (`benchmarks/sync_path.py
+        # --switch copy_installs`: above 1 only for the oracle in exact mode, 1.06x on both models at 25%;
+        # none 0.92-1.00x; the oracle with optimistic passes 0.95-0.96x; widened cold 0.87x). The
+        # per-layer path there waits on the host, and the copies move install work off the GPU, where lazy
+        # MLX writes overlap the host's work, onto the host
+        self.copy_installs = backend.arrays_in_host_memory()
         self.governor: Governor | None = None
         self.settings: PrefetchSettings | None = None
         self.clock = 0  # forward passes so far: the time of cache uses
@@ -153,9 +162,26 @@ class OffloadRuntime:
                 [c.layout for c in self.caches],
                 self.ledger,
                 self.read_threads,
-                make_arrays=not backend.arrays_in_host_memory(),
+                make_arrays=not (self.copy_installs and backend.copies_into_arrays()),
             )
         return self._reader
+
+    @property
+    def copy_installs(self) -> bool:
+        """Installs copy the read bytes into the slots where the backend allows (`backend.row_writer`:
+        numpy views of host memory, the CUDA runtime's copies); off, they are MLX writes from arrays the
+        reader threads make (`benchmarks/sync_path.py --switch copy_installs`). Set it before the engine
+        reads."""
+        return self._copy_installs
+
+    @copy_installs.setter
+    def copy_installs(self, on: bool):
+        self._copy_installs = on
+        for cache in self.caches:
+            cache.host_writes = on
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def close(self):
         """Stop prefetching and the reader threads (demand reads start them again)."""

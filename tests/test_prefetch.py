@@ -570,6 +570,7 @@ def test_device_copy_path_gives_exact_tokens(monkeypatch, bundled_reference):
     """The CUDA install path, taken on any backend: reader threads make the MLX arrays of what they read
     and installs are MLX slice updates from them (no numpy writes)."""
     monkeypatch.setattr(od_moe.backend, "arrays_in_host_memory", lambda: False)
+    monkeypatch.setattr(od_moe.backend, "copies_into_arrays", lambda: False)  # no CUDA runtime's copies
     engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4)
     engine.configure_prefetch("next-gate", settings=PrefetchSettings(timed_checks=False))
     assert engine.runtime.reader.make_arrays

@@ -1,0 +1,232 @@
+"""The CUDA runtime calls od-moe makes itself, through ctypes, beside MLX's CUDA backend.
+
+MLX's CUDA arrays are managed memory: one address the host and the device both use. Two things MLX's own
+API does slowly for expert bytes read from disk, done here with the runtime MLX already loaded:
+- `DeviceCopies`: host bytes copied straight into rows of an evaluated MLX array (a cache slot) with
+  `cudaMemcpyAsync`, no MLX operation at all, from staging registered as pinned memory. On an H100 (MLX
+  0.32.4, scratch `memcpy_probe.py`) a 2.65 MB expert went in in 0.104 ms from pinned staging (25.5 GB/s;
+  30.8 GB/s for 8 at once) and 0.359 ms from pageable memory, where an MLX slice update from a host-made
+  array took 2.3 ms and one from a host-preferred managed row about 0.8 ms. The copies run on the legacy
+  default stream; `flush` issues and waits for them, so MLX work launched after it reads the new bytes,
+  and the caller makes sure, as for host writes on the CPU, that no computation in flight reads the rows
+  being written. Off by default (`OffloadRuntime.copy_installs`): see there what it measured.
+- `ManagedStaging`: memory advice for host-made arrays the device reads once (`backend.stage_for_device`),
+  used where copies are unavailable (the fallback install path through MLX arrays).
+Any error turns the feature off for good and clears the runtime's error state (MLX checks it after its
+launches); callers then fall back to MLX operations. Not here: which backend is running (`backend.py`).
+"""
+
+import ctypes
+import threading
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+HOST_TO_DEVICE = 1  # cudaMemcpyKind
+_lock = threading.Lock()
+_runtime: list = []  # [(runtime, version)] once looked for; [None] where none was found
+
+
+def find_runtime():
+    """The CUDA runtime MLX loaded into this process and its version, or None."""
+    with _lock:
+        if not _runtime:
+            try:
+                with open("/proc/self/maps") as maps:
+                    path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+                runtime = ctypes.CDLL(path or "libcudart.so.13")
+                version = ctypes.c_int()
+                if runtime.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+                    raise OSError("no CUDA runtime version")
+                _runtime.append((runtime, version.value))
+            except OSError:
+                _runtime.append(None)
+        return _runtime[0]
+
+
+def address_of(array: mx.array) -> int:
+    """Where an array's memory starts (it is evaluated first). MLX's CUDA arrays are managed memory, so
+    this is the address the device uses too."""
+    bits = _UINT_OF_SIZE.get(array.dtype.size, mx.uint8)
+    raw = array if array.dtype == bits else array.view(bits)  # shares the buffer
+    mx.eval(raw)
+    return np.array(raw, copy=False).__array_interface__["data"][0]
+
+
+class CopyError(RuntimeError):
+    """A CUDA copy call failed: copies are off from now on, and the caller writes through MLX instead."""
+
+
+class RowWriter:
+    """Rows of one evaluated MLX array, written from host bytes by `DeviceCopies` (`writer[i] = row`, as a
+    numpy view is written on backends whose arrays are host memory); the copies start at `flush`."""
+
+    def __init__(self, copies: "DeviceCopies", array: mx.array):
+        self.copies = copies
+        self.address = address_of(array)
+        self.shape = tuple(array.shape)
+        self.dtype = np.dtype(f"uint{8 * array.dtype.size}")
+        self.row_nbytes = array.nbytes // array.shape[0]
+
+    def __setitem__(self, index: int, row: np.ndarray):
+        if row.nbytes != self.row_nbytes or not row.flags.c_contiguous:
+            raise ValueError(f"a row of {self.row_nbytes} contiguous bytes, not {row.nbytes}")
+        if not 0 <= index < self.shape[0]:
+            raise IndexError(index)
+        self.copies.queue(self.address + index * self.row_nbytes, row)
+
+
+class DeviceCopies:
+    """Host-to-device copies into MLX arrays: queued row by row and issued at `flush`, their host buffers
+    pinned on first use. One call per row: an install of the bundled model's 20 KB experts is nine copies,
+    about 17 us each on the H100 (`cudaMemcpyBatchAsync` as CUDA 13 declares it returned an error there)."""
+
+    def __init__(self, runtime=None):
+        self.on = None if runtime is None else True  # None: the runtime not looked for yet
+        self.runtime = runtime
+        self.queued: list[tuple[int, np.ndarray]] = []  # (destination address, host row) not issued yet
+        self.pinned: set[int] = set()  # addresses of the host buffers registered
+        # None until a copy was read back through MLX (`backend.rows_written`); False: the device did not
+        # see it (the address the buffer protocol gave is not the memory MLX computes on), copies off
+        self.trusted = None
+        if runtime is not None:
+            self._declare()
+
+    def available(self) -> bool:
+        if self.on is None:
+            found = find_runtime()
+            self.on = found is not None
+            if found is not None:
+                self.runtime = found[0]
+                self._declare()
+        return self.on
+
+    def _declare(self):
+        runtime, pointer, size = self.runtime, ctypes.c_void_p, ctypes.c_size_t
+        runtime.cudaMemcpyAsync.argtypes = [pointer, pointer, size, ctypes.c_int, pointer]
+        runtime.cudaStreamSynchronize.argtypes = [pointer]
+        runtime.cudaHostRegister.argtypes = [pointer, size, ctypes.c_uint]
+        runtime.cudaHostUnregister.argtypes = [pointer]
+
+    def writer(self, array: mx.array) -> RowWriter | None:
+        """A writer of `array`'s rows, or None where copies are unavailable."""
+        return RowWriter(self, array) if self.available() else None
+
+    def queue(self, address: int, row: np.ndarray):
+        if not self.on:
+            raise CopyError("CUDA copies are off")
+        self.queued.append((address, row))
+
+    def flush(self):
+        """Issue the copies queued and wait for them: MLX work launched after this reads their bytes, and
+        their host buffers may be written again. On an error nothing queued stays queued."""
+        queued, self.queued = self.queued, []
+        if not queued:
+            return
+        for _, row in queued:
+            self._pin(row)
+        for address, row in queued:
+            code = self.runtime.cudaMemcpyAsync(address, row.ctypes.data, row.nbytes, HOST_TO_DEVICE, None)
+            if code != 0:
+                self._failed("cudaMemcpyAsync", code)
+        code = self.runtime.cudaStreamSynchronize(None)
+        if code != 0:
+            self._failed("cudaStreamSynchronize", code)
+
+    def _failed(self, call: str, code: int):
+        self.runtime.cudaStreamSynchronize(None)  # no copy still lands after the caller's MLX writes
+        self.runtime.cudaGetLastError()
+        self.on = False
+        raise CopyError(f"{call} returned CUDA error {code}")
+
+    def _pin(self, row: np.ndarray):
+        """Register the host buffer a row lies in as pinned memory while it lives (copies from it then run
+        at the bus's speed; from pageable memory the driver stages them through a buffer of its own):
+        staging is allocated once and reused, so this happens once per buffer. A failure leaves it
+        pageable."""
+        buffer = row
+        while isinstance(buffer.base, np.ndarray):
+            buffer = buffer.base
+        address = buffer.ctypes.data
+        if address in self.pinned or not buffer.flags.owndata:
+            return
+        if self.runtime.cudaHostRegister(address, buffer.nbytes, 0) != 0:
+            self.runtime.cudaGetLastError()
+            return
+        self.pinned.add(address)
+        weakref.finalize(buffer, self._unpin, address)
+
+    def _unpin(self, address: int):
+        self.pinned.discard(address)
+        self.runtime.cudaHostUnregister(address)
+
+
+class ManagedStaging:
+    """CUDA managed-memory hints for host-made arrays that the GPU reads once (expert bytes on their way
+    into the cache): preferred location the host, accessed by the device. Each buffer is advised once, and
+    its advice taken back (`release`) before MLX may recycle it: the advice stays with the memory. An
+    error turns the hints off for good, leaving the arrays as MLX made them."""
+
+    # the bundled model's 20 KB experts gain nothing: per-operation latency (advised too, its rows gave
+    # 0.967x and 0.934x with the oracle at 25% and 50% on the H100, scratch `ab_minb.py`)
+    MIN_BYTES = 256 * 1024
+    PREFERRED_LOCATION, ACCESSED_BY = 3, 5  # cudaMemoryAdvise (each one more: unset)
+    HOST, DEVICE = 2, 1  # cudaMemLocationType
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    def __init__(self, runtime=None, version: int = 13000, device: int = 0):
+        self.device = device  # MLX computes on the first GPU
+        self.on = None  # None: the runtime not looked for yet
+        self.advised: dict[int, int] = {}  # buffer address -> bytes advised
+        self.lock = threading.Lock()
+        if runtime is not None:
+            self._use(runtime, version)
+
+    def _use(self, runtime, version: int):
+        """CUDA 13 takes a location where CUDA 12 took a device number (the host: cudaCpuDeviceId, -1)."""
+        if version >= 13000:
+            self.host, self.gpu = self.Location(self.HOST, 0), self.Location(self.DEVICE, self.device)
+        else:
+            self.host, self.gpu = -1, self.device
+        runtime.cudaMemAdvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, type(self.gpu)]
+        self.runtime, self.on = runtime, True
+
+    def apply(self, array: mx.array) -> mx.array:
+        if self.on is False or array.nbytes < self.MIN_BYTES:
+            return array
+        address = np.array(array, copy=False).__array_interface__["data"][0]  # made from host bytes: no copy
+        with self.lock:
+            if self.on is None:
+                found = find_runtime()
+                if found is None:
+                    self.on = False
+                else:
+                    self._use(*found)
+            if not self.on or self.advised.get(address, 0) >= array.nbytes:
+                return array
+            for advice, where in ((self.PREFERRED_LOCATION, self.host), (self.ACCESSED_BY, self.gpu)):
+                if self.runtime.cudaMemAdvise(address, array.nbytes, advice, where) != 0:
+                    # not managed memory (MLX's pinned fallback) or an old driver: leave it to MLX, and
+                    # clear the error, which MLX would otherwise find after its next kernel launch
+                    self.runtime.cudaGetLastError()
+                    self.on = False
+                    return array
+            self.advised[address] = array.nbytes
+        return array
+
+    def release(self, array: mx.array):
+        """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
+        if not self.on:
+            return
+        address = np.array(array, copy=False).__array_interface__["data"][0]
+        with self.lock:
+            nbytes = self.advised.pop(address, 0)
+            if not nbytes:
+                return
+            for advice, where in ((self.PREFERRED_LOCATION + 1, self.host), (self.ACCESSED_BY + 1, self.gpu)):
+                if self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
+                    self.runtime.cudaGetLastError()

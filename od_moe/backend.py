@@ -28,8 +28,6 @@ import numpy as np
 
 from . import cuda
 
-_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
 
 def is_cpu_backend() -> bool:
     """True when MLX computes on the CPU (no Metal, no CUDA)."""
@@ -117,18 +115,13 @@ def row_writer(array: mx.array):
     """
     if not arrays_in_host_memory():
         return _copies.writer(array) if copies_into_arrays() else None
-    bits = _UINT_OF_SIZE.get(array.dtype.size)
-    if bits is None:
-        return None
-    raw = array if array.dtype == bits else array.view(bits)  # shares the buffer
-    mx.eval(raw)
-    try:
-        view = np.array(raw, copy=False)
-    except (TypeError, ValueError, RuntimeError):
-        return None
+    view = cuda.numpy_view(array)
     return (
         view
-        if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(array.shape)
+        if view is not None
+        and view.flags.writeable
+        and view.flags.c_contiguous
+        and view.shape == tuple(array.shape)
         else None
     )
 

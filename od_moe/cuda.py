@@ -46,13 +46,27 @@ def find_runtime():
         return _runtime[0]
 
 
-def address_of(array: mx.array) -> int:
-    """Where an array's memory starts (it is evaluated first). MLX's CUDA arrays are managed memory, so
-    this is the address the device uses too."""
-    bits = _UINT_OF_SIZE.get(array.dtype.size, mx.uint8)
+def numpy_view(array: mx.array) -> np.ndarray | None:
+    """An array's memory as a numpy array of unsigned integers of its item size (so bfloat16 works too),
+    evaluated first; None where MLX gives no such view. No copy: writes through it change the array."""
+    bits = _UINT_OF_SIZE.get(array.dtype.size)
+    if bits is None:
+        return None
     raw = array if array.dtype == bits else array.view(bits)  # shares the buffer
     mx.eval(raw)
-    return np.array(raw, copy=False).__array_interface__["data"][0]
+    try:
+        return np.array(raw, copy=False)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def address_of(array: mx.array) -> int:
+    """Where an array's memory starts. MLX's CUDA arrays are managed memory, so this is the address the
+    device uses too."""
+    view = numpy_view(array)
+    if view is None:
+        raise CopyError(f"no view of a {array.dtype} array's memory")
+    return view.__array_interface__["data"][0]
 
 
 class CopyError(RuntimeError):
@@ -111,8 +125,14 @@ class DeviceCopies:
         runtime.cudaHostUnregister.argtypes = [pointer]
 
     def writer(self, array: mx.array) -> RowWriter | None:
-        """A writer of `array`'s rows, or None where copies are unavailable."""
-        return RowWriter(self, array) if self.available() else None
+        """A writer of `array`'s rows, or None where copies are unavailable (or MLX gives no view of the
+        array's memory)."""
+        if not self.available():
+            return None
+        try:
+            return RowWriter(self, array)
+        except CopyError:
+            return None
 
     def queue(self, address: int, row: np.ndarray):
         if not self.on:

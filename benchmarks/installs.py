@@ -19,8 +19,10 @@ microseconds per expert (median over rounds) and GB/s:
   the read bytes (in buffers MLX recycles from the round before, as in a running engine);
 - `engine-staged`: the same with the arrays `backend.stage_for_device` keeps in host memory mapped for
   the GPU (CUDA managed memory: neither the host's writes nor the GPU's read migrate pages). After
-  `engine`, whose buffers it then advises once: the advice stays with the memory.
-On the CPU and Metal the engine writes through numpy views instead (`install` there takes no made arrays).
+  `engine`, whose buffers it then advises once: the advice stays with the memory;
+- `engine-host`: `LayerCache.install` writing from the read bytes with no MLX operation: numpy views of
+  host memory (what the CPU and Metal run), or on CUDA the runtime's copies from pinned staging
+  (`OffloadRuntime.copy_installs`, off by default there), the wait for them included.
 
     python benchmarks/installs.py [--model PATH] [--widen 128] [--batch 1,8] [--rounds 7]
 """
@@ -140,25 +142,27 @@ def measure(path, batch: int, rounds: int) -> list[dict]:
             want = raw[(proj, name)][:batch].view(np.uint8).reshape(got.shape)
             assert np.array_equal(got, want), f"{variant}: {proj}.{name} differs"
         rows.append(_row(variant, batch, times, layout.expert_nbytes))
-    rows.append(_engine_path(path, store, layout, batch, rounds, staged=False))
-    rows.append(_engine_path(path, store, layout, batch, rounds, staged=True))
+    for mode in ("engine", "engine-staged", "engine-host"):
+        rows.append(_engine_path(path, store, layout, batch, rounds, mode))
     store.close()
     return rows
 
 
-def _engine_path(path, store, layout, batch: int, rounds: int, staged: bool) -> dict:
+def _engine_path(path, store, layout, batch: int, rounds: int, mode: str) -> dict:
     """The `engine` variants: two sets of `batch` experts installed in turn into a cache of `batch` slots."""
     engine = od_moe.load(str(path), capacity=batch, prefetch="none", dtype="model")  # the checkpoint's bytes
+    engine.runtime.copy_installs = mode == "engine-host"
     cache = engine.caches[0]
-    cache.host_writes = False
     sets = [np.arange(batch) + batch * n for n in range(2)]
     raws = [store.read(layout, ids, Staging(layout, batch)) for ids in sets]
     times, make_times = [], []
-    stage = backend.stage_for_device if staged else (lambda a: a)
+    stage = backend.stage_for_device if mode == "engine-staged" else (lambda a: a)
     for r in range(rounds + 1):
         ids, raw = sets[r % 2], raws[r % 2]
         t0 = time.perf_counter()
-        made = [stage(mx.array(row)) for row in flat_rows(layout, raw, batch)]
+        made = (
+            None if mode == "engine-host" else [stage(mx.array(row)) for row in flat_rows(layout, raw, batch)]
+        )
         mx.eval(made)
         t1 = time.perf_counter()
         slots = cache.install(ids, raw, clock=r, arrays=made).slots
@@ -170,9 +174,13 @@ def _engine_path(path, store, layout, batch: int, rounds: int, staged: bool) -> 
         for part in layout.parts:
             got = np.array(cache.projections[part.proj][part.name][mx.array(slots)].view(mx.uint8))
             want = raw[(part.proj, part.name)].view(np.uint8).reshape(got.shape)
-            assert np.array_equal(got, want), f"engine: {part.proj}.{part.name} differs"
+            assert np.array_equal(got, want), f"{mode}: {part.proj}.{part.name} differs"
+    if mode == "engine-host" and not cache.host_writes:
+        mode += " (fell back to MLX writes)"
     engine.close()
-    return _row("engine-staged" if staged else "engine", batch, times, layout.expert_nbytes, make_times)
+    return _row(
+        mode, batch, times, layout.expert_nbytes, None if mode.startswith("engine-host") else make_times
+    )
 
 
 def _row(variant: str, batch: int, times: list[float], expert_nbytes: int, make_times=None) -> dict:

@@ -358,8 +358,7 @@ class LayerCache:
             for writer, rows in writes:
                 for slot, row in zip(slots.tolist(), rows):
                     writer[slot] = row
-        except cuda.CopyError:
-            backend.rows_written()
+        except cuda.CopyError:  # copies went off since (a failed install): nothing of this one was queued
             return False
         first = self.layout.parts[0]
         return backend.rows_written(

@@ -14,12 +14,15 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
 - `--switch copy_installs`: installs copy the read bytes into the slots (numpy views of host memory;
   on CUDA the runtime's copies from pinned staging), against MLX writes from arrays the reader threads
   make (CUDA's path without the runtime's copies).
+- `--switch wait_for_predicted`: in an optimistic pass a layer waits for every read predicted for it (those
+  not started too), against only those under way (with `--with optimistic_prefetch --policy oracle`).
 `--policy oracle` records each prompt's routing once and replays it in both engines. `--with SWITCH`
 turns another switch on in both; `--no-self-checks` keeps prefetch from pausing itself.
 `--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).
 
     python benchmarks/sync_path.py
-        [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch|start_installs|copy_installs]
+        [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch|start_installs|copy_installs|
+                  wait_for_predicted]
         [--policy none|predictor|oracle] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
         [--cold] [--with SWITCH] [--no-self-checks]
 """
@@ -39,6 +42,7 @@ SWITCHES = (
     "optimistic_prefetch",
     "start_installs",
     "copy_installs",
+    "wait_for_predicted",
 )
 
 

@@ -64,8 +64,8 @@ class Step:
     router: object  # the layer's router logits (None where not tapped or not one projection)
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
-    # an optimistic pass (`optimistic.py`) builds all its layers before any read could land: predictions
-    # are wanted for the layers' next run after this pass, for this layer and those before it
+    # an optimistic pass (`optimistic.py`): predictions are wanted also for the next run after this pass
+    # of this layer and those before it (this pass has built them)
     next_pass: bool = False
 
 
@@ -375,20 +375,26 @@ class OraclePolicy(OnDemand):
     def before_layer(self, step: Step) -> list[Prediction]:
         if not step.predict:
             return []
-        out, n = [], self.num_layers
-        # distances in layers: the next `lookahead` layers, or in an optimistic pass the next pass's layers
-        # up to this one (each predicted from `lookahead` layers); the nearest ranks first
-        first, nearest = (n - self.lookahead + 1, n - step.layer) if step.next_pass else (1, 1)
-        for d in range(max(first, nearest), first + self.lookahead):
-            forward, layer = divmod(step.layer + d, n)  # past the last layer: the next pass
-            if step.forward + forward >= len(self.trace):
-                break
-            key = (step.forward + forward, layer)
-            uniq = self._needed.get(key)
-            if uniq is None and layer in self.trace[key[0]]:  # each is predicted from 4 layers: once
-                uniq = self._needed[key] = np.unique(self.trace[key[0]][layer])
-            if uniq is not None:
-                out.append(Prediction(layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - first))))
+        # distances in layers: the next `lookahead` layers; in an optimistic pass also the next pass's
+        # layers up to this one, each predicted from `lookahead` layers (the pass has built them); the
+        # nearest of each ranks first
+        n, ahead = self.num_layers, self.lookahead
+        spans = [(1, 1)]
+        if step.next_pass:
+            spans.append((n - ahead + 1, max(n - step.layer, ahead + 1)))
+        out = []
+        for first, nearest in spans:
+            for d in range(max(first, nearest), first + ahead):
+                forward, layer = divmod(step.layer + d, n)  # past the last layer: the next pass
+                if step.forward + forward >= len(self.trace):
+                    break
+                key = (step.forward + forward, layer)
+                uniq = self._needed.get(key)
+                if uniq is None and layer in self.trace[key[0]]:  # each is predicted from 4 layers: once
+                    uniq = self._needed[key] = np.unique(self.trace[key[0]][layer])
+                if uniq is not None:
+                    scores = np.full(len(uniq), DISTANCE_DISCOUNT ** (d - first))
+                    out.append(Prediction(layer, uniq, scores))
         return out
 
 

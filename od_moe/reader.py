@@ -23,6 +23,7 @@ Not here: installing (`runtime.py`), what to predict (`policies.py`) or how much
 """
 
 import math
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ def read_threads_for(expert_nbytes: int) -> int:
 
 
 DEMAND = math.inf  # the score of a demand read: before any prefetch
+HURRIED = sys.float_info.max  # a prefetch a layer about to run waits for: before any other prefetch
 
 
 @dataclass
@@ -104,11 +106,14 @@ class Reader:
             thread.start()
 
     # -- generation thread: demand ------------------------------------------------------------------
-    def fetch(self, layer: int, experts: Sequence[int], read: bool = True) -> tuple[list[Read], list[Read]]:
+    def fetch(
+        self, layer: int, experts: Sequence[int], read: bool = True, hurry: bool = False
+    ) -> tuple[list[Read], list[Read]]:
         """Read `experts` of `layer` now and wait for them: the calling thread reads them itself, the
         reader threads help when there are several (before any prefetch). Returns the demand reads, and the
-        prefetches of them that were already being read or were read ("late"). With `read=False` only the
-        late ones are waited for; pending prefetches of the others are withdrawn."""
+        prefetches of them that were already being read or were read ("late"). With `read=False` only
+        prefetches are waited for: those under way, and with `hurry` also those not started, read now
+        ahead of any other prefetch (they stay prefetches); without it those are withdrawn."""
         keys = [(layer, int(e)) for e in experts]
         batch = []
         with self._lock:
@@ -117,12 +122,15 @@ class Reader:
                     continue
                 if read:
                     self._pending[key] = Read(layer, key[1], DEMAND, self.layouts[layer].expert_nbytes)
+                elif hurry and key in self._pending:
+                    self._pending[key].score = HURRIED
                 else:
                     self._pending.pop(key, None)
-            mine = [k for k in keys if k in self._pending and self._pending[k].demand]
+            mine = [k for k in keys if k in self._pending and (self._pending[k].demand or hurry)]
             if len(self._threads) > 1 and len(mine) > 1:
                 self._work.notify_all()  # helpers; a single read is faster without a hand-off
-            elif mine and self.rows is None:  # no helpers: one batched read, neighbours in one preadv
+            elif mine and self.rows is None and not hurry:  # no helpers: one batched demand read,
+                # neighbours in one preadv
                 # (with rows, each expert is read into its own MLX array below: no copy on this thread)
                 batch = [self._pending.pop(k) for k in mine]
                 self._reading.update(zip(mine, batch))
@@ -132,7 +140,7 @@ class Reader:
         for key in mine:
             with self._lock:
                 r = self._pending.get(key)
-                if r is None or not r.demand:
+                if r is None or not (r.demand or hurry):
                     continue
                 self._start(key, r)
             self._read(key, r)

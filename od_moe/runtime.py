@@ -19,7 +19,8 @@ the slots it gets back. One decoded token, top to bottom:
    at partly resident layers either: each leaves a lazy flag, read once with the logits
    (`end_optimistic`), and a pass that missed runs again from its first missing layer (`begin_resume`);
    with `optimistic_prefetch`, a policy that predicts on the host queues its predictions at each layer
-   for the layers' next run (`_prefetch_optimistic`).
+   for the layers ahead and the layers' next run, and each layer waits for the reads predicted for it
+   (`_prefetch_optimistic`).
 Where the policy knows when each expert is needed next (`next_uses`: the oracle), reads and installs evict
 the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if it is needed no
 later than the one it would evict. Every count is booked in the ledger (`stats.py`) here, once. A demand
@@ -112,14 +113,20 @@ class OffloadRuntime:
         # (`benchmarks/sync_path.py`: 1.25x at 87.5% resident on an H100; 0.82-0.88x on the CPU backend)
         self.optimistic = backend.syncs_stall_device()
         # optimistic passes also while a policy prefetches, if it predicts on the host (the oracle): its
-        # predictions queued at each layer for the layers' next run, no sync (`_prefetch_optimistic`).
-        # Off: on the H100 (`benchmarks/sync_path.py --switch optimistic_prefetch --policy oracle`, 2
-        # rounds) the bundled model ran 1.33x faster at 25% and 50% with prefetch never paused
-        # (`--no-self-checks`; 1.57 and 1.52 syncs a token against 8.24); the widened copy at 25% warm
-        # 0.934x, its reads slower than a pass arriving late (32 of 80 passes ran again). Earlier, with
-        # installs left lazy and the governor's checks on: bundled 1.099x (25%; it paused prefetch) and
-        # 0.975x (50%), widened 0.791x warm (42 of 77 ran again) and 1.073x cold (no optimistic pass)
+        # predictions queued at each layer, no sync (`_prefetch_optimistic`). Off: on the H100
+        # (`benchmarks/sync_path.py --switch optimistic_prefetch --policy oracle`, 2 rounds, exact tokens)
+        # the widened copy at 25% warm ran at 0.729x of a sync per layer (12 of 97 passes ran again: the
+        # pass waits for reads with the device idle, where synced layers compute while later ones are
+        # read), 0.999x cold (no pass ran optimistically); the bundled model 1.032x / 0.973x at 25% / 50%
+        # (the governor's checks paused prefetch: 7 and 27 optimistic passes), 1.113x / 1.083x with
+        # prefetch never paused (`--no-self-checks`). Each layer of such a pass also starting at once
+        # (tried): widened 1.202x of not starting, yet 0.795x of a sync per layer; bundled 0.712x / 1.068x
         self.optimistic_prefetch = False
+        # in an optimistic pass a layer waits for every read predicted for it, those not started too (read
+        # at once, ahead of other prefetches), not only those under way: a predicted expert that is absent
+        # makes the pass run again. H100, widened 25% warm, `--switch wait_for_predicted --with
+        # optimistic_prefetch --policy oracle --rounds 2 --tokens 16`: 1.139x (42.31 against 37.14 tok/s)
+        self.wait_for_predicted = True
         # MLX writes made during an optimistic pass start computing at once (`LayerCache._write_mlx`): left
         # in the pass's one evaluation they slow it more than they cost apart. On the H100 (scratch
         # `passes.py`, the oracle prefetching in optimistic passes, bundled model at 25%) that evaluation
@@ -364,16 +371,17 @@ class OffloadRuntime:
         )
 
     def _prefetch_optimistic(self, layer: int, x: mx.array, phase: str):
-        """Prefetch at a layer of an optimistic pass, with no sync. The pass is built before any read
-        could land, so the policy predicts the layers' next run after this pass (`Step.next_pass`). Reads
-        of the experts predicted for this layer that are under way are waited for (as exact mode waits for
-        late ones), finished reads of this layer and the later ones installed, the layer's requests not
-        started withdrawn, and the predictions (host values) queued. Only this layer and later ones take
-        installs: this pass has not built their computation yet, so it sees the install and nothing
-        built before it reads their slots, where an earlier layer's computation is built and not run (a
-        host write would change what it reads, an MLX write would copy its whole stack). Their routing,
-        unknown here, is not protected beyond the predictions: an install that evicts a routed expert
-        shows in that layer's flag, and the pass runs again from it."""
+        """Prefetch at a layer of an optimistic pass, with no sync. The policy predicts the layers ahead
+        in this pass and, as this pass has built the layers up to this one, their next run after it
+        (`Step.next_pass`). Reads of the experts predicted for this layer are waited for (with
+        `wait_for_predicted`, those not started too: read at once), finished reads of this layer and the
+        later ones installed, the layer's requests not started withdrawn, and the predictions (host
+        values) queued. Only this layer and later ones take installs: this pass has not built their
+        computation yet, so it sees the install and nothing built before it reads their slots, where an
+        earlier layer's computation is built and not run (a host write would change what it reads, an MLX
+        write would copy its whole stack). Their routing, unknown here, is not protected beyond the
+        predictions: an install that evicts a routed expert shows in that layer's flag, and the pass runs
+        again from it."""
         if not (self.governor.active or self.reader.busy):
             return
         tap = self.taps[layer]
@@ -385,7 +393,7 @@ class OffloadRuntime:
         wanted = self.reader.wanted(layer)
         absent = [e for e in wanted if self.caches[layer].slot_of[e] < 0]
         if absent:
-            self._await_late(layer, absent, wanted)
+            self._await_late(layer, absent, wanted, hurry=self.wait_for_predicted)
         self._install_ready({layer: wanted}, after=layer - 1)
         self.reader.withdraw(layer)
         self._submit(predictions)
@@ -684,11 +692,11 @@ class OffloadRuntime:
             self.ledger.add(self.phase, layer, wait_s=waited_s, prefetch_late=len(late))
             self._install_prefetched(late, protect, synchronize)
 
-    def _await_late(self, layer: int, ids, protect: Sequence[int]) -> bool:
-        """Wait for the prefetches of `ids` being read (instead of reading them twice) and install them;
-        whether there were any."""
+    def _await_late(self, layer: int, ids, protect: Sequence[int], hurry: bool = False) -> bool:
+        """Wait for the prefetches of `ids` being read (instead of reading them twice; with `hurry` also
+        those not started) and install them; whether there were any."""
         t0 = time.perf_counter()
-        _, late = self.reader.fetch(layer, ids, read=False)
+        _, late = self.reader.fetch(layer, ids, read=False, hurry=hurry)
         self._take_late(layer, late, time.perf_counter() - t0, protect)
         return bool(late)
 

@@ -93,8 +93,10 @@ def test_optimistic_passes_record_the_routing_exact_mode_records():
 @pytest.mark.parametrize("mlx_writes", [False, True])
 def test_optimistic_passes_with_oracle_prefetch_give_exact_tokens(mlx_writes, bundled_reference):
     """With `optimistic_prefetch`, the oracle's predictions are queued at each layer of an optimistic pass
-    for the layers' next run: stock tokens, prefetches installed, most passes standing, fewer syncs. With
-    MLX writes (CUDA's install path), those made in an optimistic pass start computing at once."""
+    for the layers ahead and their next run: stock tokens, prefetches installed, fewer syncs, and no pass
+    runs again (each layer waits for the reads predicted for it, `wait_for_predicted`, and the oracle
+    predicts every routed expert). With MLX writes (CUDA's install path), those made in an optimistic pass
+    start computing at once."""
     syncs = []
     prompts = PROMPTS[:1] if mlx_writes else PROMPTS
     for optimistic in (False, True):
@@ -114,6 +116,7 @@ def test_optimistic_passes_with_oracle_prefetch_give_exact_tokens(mlx_writes, bu
             for cache in engine.caches:
                 consistent(cache)
             installed += stats["prefetch"]["installed"]
+            assert stats["optimistic"]["missed"] == 0
             ran += stats["optimistic"]["passes"]
             stood += stats["optimistic"]["passes"] - stats["optimistic"]["missed"]
         syncs.append(stats["optimistic"]["host_syncs"])

@@ -218,7 +218,7 @@ class ManagedStaging:
     def apply(self, array: mx.array) -> mx.array:
         if self.on is False or array.nbytes < self.MIN_BYTES:
             return array
-        address = np.array(array, copy=False).__array_interface__["data"][0]  # made from host bytes: no copy
+        address = address_of(array)
         with self.lock:
             if self.on is None:
                 found = find_runtime()
@@ -242,7 +242,7 @@ class ManagedStaging:
         """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
         if not self.on:
             return
-        address = np.array(array, copy=False).__array_interface__["data"][0]
+        address = address_of(array)
         with self.lock:
             nbytes = self.advised.pop(address, 0)
             if not nbytes:

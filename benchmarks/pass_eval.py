@@ -67,8 +67,8 @@ def main():
         runtime.optimistic = runtime.optimistic_prefetch = True
         runtime.start_installs = args.start_installs == "on"
         runtime.token_miss_rate = 0.0
-        for cache in engine.caches:
-            cache.host_writes = cache.host_writes and not args.mlx_writes
+        if args.mlx_writes:
+            runtime.copy_installs = False
         first = len(log)
         out = list(engine.stream_generate(prompt, max_tokens=args.tokens))
         tps.append(out[-1].generation_tps)

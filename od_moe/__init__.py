@@ -10,7 +10,17 @@ A bounded cache of experts stays resident per MoE layer; the rest are read from 
     od_moe.generate("import os", max_tokens=16)  # one-liner on the embedded default
 """
 
+import os
 from collections.abc import Generator
+
+# predictor/ and training/ sit beside this folder in a source checkout and install as od_moe.predictor and
+# od_moe.training (pyproject's package-dir). Run from a checkout (`python3 -m od_moe` there puts the checkout
+# ahead of any installed copy on sys.path), this folder has neither: they are found beside it instead.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(__path__[0], "predictor")) and os.path.isfile(
+    os.path.join(_checkout, "predictor", "__init__.py")
+):
+    __path__.append(_checkout)
 
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load
 from .errors import ExpertReadError, UserError

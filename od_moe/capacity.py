@@ -63,13 +63,17 @@ def parse_capacity(text: str | int | float | None) -> int | float | None:
     s = str(text).strip()
     try:
         if s.endswith("%"):
-            return float(s[:-1]) / 100
-        return int(s) if re.fullmatch(r"[0-9]+", s) else float(s)
+            percent = float(s[:-1])
+        else:
+            return int(s) if re.fullmatch(r"[0-9]+", s) else float(s)
     except ValueError:
         raise UserError(
             f"cannot read capacity {text!r}: give a count of experts (16), a fraction (0.25) or a "
             "percentage (25%)"
         )
+    if not 0 < percent <= 100:  # 200% is not 2 experts: a percentage is a share of the layer's experts
+        raise UserError(f"capacity {s} is not a share of a layer's experts: give a percentage in (0%, 100%]")
+    return percent / 100
 
 
 def kv_nbytes_per_token(model) -> int:

@@ -247,6 +247,10 @@ def test_capacity_parsing_and_errors():
     for bad in (0, 65, -1, 1.5, "abc", "0%"):
         with pytest.raises(UserError):
             resolve_capacity(bad, None, **kw)
+    assert resolve_capacity("100%", None, **kw) == 64
+    for over in ("150%", "200%", "300%", "100.5%"):  # a percentage over 100% is never a count of experts
+        with pytest.raises(UserError, match=r"percentage in \(0%, 100%\]"):
+            resolve_capacity(over, None, **kw)
     with pytest.raises(UserError, match="too small"):
         resolve_capacity(None, "10KB", **kw)
     with pytest.raises(UserError, match="either"):

@@ -73,14 +73,14 @@ def main():
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    mib = 2**20
+    mb = 10**6
     longest = rows[0]["context"]
     print(f"Bundled model, {len(PROMPTS)} prompts x {args.tokens} greedy tokens (longest context {longest})")
-    print("| budget MiB | capacity | prefetch  | peak MiB | peak/budget | load peak/budget |")
+    print("| budget MB  | capacity | prefetch  | peak MB  | peak/budget | load peak/budget |")
     print("|------------|----------|-----------|----------|-------------|------------------|")
     for r in rows:
         print(
-            f"| {r['budget'] / mib:10.2f} | {r['capacity']:8d} | {r['policy']:9} | {r['peak'] / mib:8.2f} "
+            f"| {r['budget'] / mb:10.2f} | {r['capacity']:8d} | {r['policy']:9} | {r['peak'] / mb:8.2f} "
             f"| {r['peak'] / r['budget']:11.3f} | {r['load_peak'] / r['budget']:16.3f} |"
         )
 

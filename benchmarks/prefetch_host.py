@@ -65,7 +65,7 @@ def main():
         result = run_policy(
             DEFAULT_MODEL, PROMPTS, args.tokens, "predictor", capacity=args.capacity, settings=settings
         )
-        decoded = stats_total(result["stats"], "tokens", "decode")
+        decoded = stats_total(result["stats"], "positions", "decode")
         column = {"tok/s": result["tok_s"]}
         column.update(
             {f"{name} ms": seconds[name] * 1e3 / decoded for names in STEPS.values() for name in names}

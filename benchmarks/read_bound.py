@@ -67,7 +67,7 @@ def main():
                     speed[name],
                     speed[name] / speed["none"],
                     speed[name] / speed["floor off"],
-                    read / stats_total(stats, "tokens", "decode"),
+                    read / stats_total(stats, "positions", "decode"),
                     read / minimum if minimum else float("nan"),
                     stats_total(stats, "total", "decode", "hits")
                     / stats_total(stats, "total", "decode", "lookups"),

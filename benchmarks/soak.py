@@ -213,9 +213,9 @@ def main():
 
     third = max(1, len(memory) // 3)
     first, last = memory[:third], memory[-third:]
-    mib = 2**20
-    first_mib = sum(m for _, m in first) / len(first) / mib
-    last_mib = sum(m for _, m in last) / len(last) / mib
+    mb = 10**6
+    first_mb = sum(m for _, m in first) / len(first) / mb
+    last_mb = sum(m for _, m in last) / len(last) / mb
     r = health["requests"]
     print(
         f"soak: {args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}, capacity "
@@ -229,9 +229,9 @@ def main():
         f"active {r['active']}, queued {r['queued']}"
     )
     print(
-        f"server RSS: first third of the soak {first_mib:.1f} MiB, last third {last_mib:.1f} MiB "
-        f"(change {last_mib - first_mib:+.1f} MiB), max {max(m for _, m in memory) / mib:.1f} MiB, "
-        f"{len(memory)} samples; MLX peak {health['memory'].get('peak_bytes', 0) / mib:.1f} MiB"
+        f"server RSS: first third of the soak {first_mb:.1f} MB, last third {last_mb:.1f} MB "
+        f"(change {last_mb - first_mb:+.1f} MB), max {max(m for _, m in memory) / mb:.1f} MB, "
+        f"{len(memory)} samples; MLX peak {health['memory'].get('peak_bytes', 0) / mb:.1f} MB"
     )
     print(f"greedy answers equal to the sequential ones, after the soak too: {not failures}")
     print(f"server process exit status after SIGTERM: {proc.returncode}")

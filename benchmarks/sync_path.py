@@ -59,7 +59,7 @@ def _generate(engine, prompt, max_tokens, cold=False, trace=None, settings=None)
 def _per_token(engine) -> tuple[float, int, int]:
     stats = engine.stats()
     ran = stats["optimistic"]
-    return ran["host_syncs"] / max(stats["tokens"]["decode"], 1), ran["passes"], ran["missed"]
+    return ran["host_syncs"] / max(stats["positions"]["decode"], 1), ran["passes"], ran["missed"]
 
 
 def main():

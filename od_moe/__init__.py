@@ -22,9 +22,9 @@ if not os.path.isdir(os.path.join(__path__[0], "predictor")) and os.path.isfile(
 ):
     __path__.append(_checkout)
 
-from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load
-from .errors import ExpertReadError, UserError
-from .governor import PrefetchSettings
+from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load  # noqa: E402 (after the path above)
+from .errors import ExpertReadError, UserError  # noqa: E402
+from .governor import PrefetchSettings  # noqa: E402
 
 __all__ = [
     "load",

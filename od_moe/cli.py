@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8080)
     _capacity_arg(srv)
     _direct_io_arg(srv)
-    srv.add_argument("--max-tokens", type=int, default=4096, help="the most tokens one request may generate")
+    srv.add_argument(
+        "--max-tokens",
+        type=int,
+        help="the most tokens one request may ask for (default: the model's maximum positions; every "
+        "generation stops where prompt and completion fill them)",
+    )
     srv.add_argument(
         "--max-input-tokens",
         type=int,
@@ -277,6 +282,12 @@ def cmd_generate(args):
     for response in engine.stream_generate(args.prompt, **sampling):
         print(response.text, end="", flush=True)
     print()
+    if response.finish_reason == "length" and response.generation_tokens < args.max_tokens:
+        print(
+            f"od-moe: stopped after {response.generation_tokens} tokens: prompt and completion fill the "
+            f"model's {engine.max_positions} positions",
+            file=sys.stderr,
+        )
     if args.save_snapshot:
         engine.save_snapshot(args.save_snapshot)
     if args.stats:
@@ -363,12 +374,13 @@ def cmd_inspect(args):
 def cmd_pack(args):
     from .packed import model_layouts, pack
     from .progress import byte_progress
+    from .units import format_bytes
 
     store, layouts = model_layouts(args.model)
     total = sum(layout.num_experts * layout.expert_nbytes for layout in layouts)
     with byte_progress("packing experts", total) as bar:
         out = pack(store, layouts, args.out, progress=bar.update)
-    print(f"packed the experts of {len(layouts)} MoE blocks ({total / 2**20:.1f} MiB) into {out}")
+    print(f"packed the experts of {len(layouts)} MoE blocks ({format_bytes(total)}) into {out}")
 
 
 def main(argv=None) -> int:

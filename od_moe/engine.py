@@ -9,6 +9,7 @@ per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
 import hashlib
+import json
 from collections.abc import Generator
 from pathlib import Path
 
@@ -69,6 +70,20 @@ def resolve_model_path(model: str | None) -> Path:
     )
 
 
+def max_positions(model_path: Path, fallback: int = 16384) -> int:
+    """The longest sequence, prompt and generated tokens together, the model was made for (its config's
+    maximum positions; `fallback` where the config names none)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return fallback
+    for c in (config, config.get("text_config") or {}):
+        value = c.get("max_position_embeddings") or c.get("max_sequence_length")
+        if isinstance(value, int) and value > 0:
+            return value
+    return fallback
+
+
 def model_identity(path: Path, store: ExpertStore) -> str:
     """A digest of the model's config and safetensors headers: what a snapshot or predictor is tied to."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
@@ -103,6 +118,7 @@ class Engine:
         self.policy_name = "none"
         self.load_peak_bytes = 0
         self._routers = None
+        self.max_positions = max_positions(model_path)
 
     @property
     def caches(self) -> list[LayerCache]:
@@ -145,6 +161,8 @@ class Engine:
         """Yield mlx-lm `GenerationResponse`s for `prompt` (text or token ids).
 
         kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`).
+        Generation stops at the model's maximum positions (`max_positions`, prompt and reused cache
+        included), with finish reason "length"; a prompt that leaves no room is a `UserError`.
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
         and a `prompt_cache` passed in is trimmed back to what it held before (where its caches can be
         trimmed; others must be made anew).
@@ -155,12 +173,25 @@ class Engine:
         sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
-        self.runtime.start_prompt(prompt)
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
-        try:
-            yield from mlx_lm.stream_generate(
-                self.forward, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
+        prompt = self._encode(prompt)
+        context = max([o for o in held if o is not None], default=0) + len(prompt)
+        if context >= self.max_positions:
+            raise UserError(
+                f"the prompt has {context} tokens and this model takes at most {self.max_positions} "
+                "positions, prompt and completion together: shorten it"
             )
+        max_tokens = min(max_tokens, self.max_positions - context)
+        self.runtime.start_prompt(prompt)
+        ledger, counted = self.runtime.ledger, 0
+        try:
+            for response in mlx_lm.stream_generate(
+                self.forward, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
+            ):
+                # the last response repeats the count of the one before (it carries the finish reason)
+                ledger.count_generated(response.generation_tokens - counted)
+                counted = response.generation_tokens
+                yield response
         except ExpertReadError:  # layers before the failed one took the pass's tokens: take them back
             for c, offset in zip(kwargs.get("prompt_cache") or (), held):
                 if offset is not None and c.offset > offset and c.is_trimmable():
@@ -168,6 +199,14 @@ class Engine:
             raise
         finally:
             self.runtime.settle()
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of `prompt`, encoded as `mlx_lm.stream_generate` encodes text (a BOS token added
+        unless the text starts with one)."""
+        if not isinstance(prompt, str):
+            return prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+        bos = self.tokenizer.bos_token
+        return self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
 
     def generate(
         self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, **kwargs
@@ -247,7 +286,9 @@ class Engine:
             "moe_layers": len(self.caches),
             "capacity": self.capacity,
             "capacity_fraction": self.capacity / self.num_experts,
-            "tokens": ledger.tokens,
+            # positions the model computed (decode: passes) and tokens given to callers: see stats.py
+            "positions": ledger.positions,
+            "generated_tokens": ledger.generated,
             "io": io_by_phase(ledger),
             "direct_io": runtime.store.direct_io,
             "packed_experts": str(runtime.store.packed) if runtime.store.packed else None,

@@ -32,6 +32,7 @@ from .packed import default_path as default_packed_path
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore
 from .surgery import offloadable_blocks, top_k_of, weight_nbytes
+from .units import format_bytes as _size
 
 FRACTIONS = (0.125, 0.25, 0.5, 1.0)  # the capacities whose budgets every report lists
 
@@ -173,13 +174,6 @@ def engine_capabilities(engine) -> dict:
             }
             _computed[engine] = report
         return _computed[engine]
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def format_inspection(report: dict) -> str:

@@ -3,12 +3,14 @@ widened model, reading every expert at load, snapshots).
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line at every tenth of the way, unless
 made with `tty_only` (steps that also run inside other commands, tests and benchmarks: those stay quiet
-off a terminal). `byte_progress` is such a bar in MiB for steps that move bytes, drawn only for steps
+off a terminal). `byte_progress` is such a bar in MB for steps that move bytes, drawn only for steps
 large enough to take a while.
 """
 
 import sys
 import time
+
+from .units import MB
 
 LONG_BYTES = 256 * 2**20  # steps that move fewer bytes than this are over too soon to need a bar
 
@@ -23,7 +25,7 @@ class Progress:
         tty_only: bool = False,
         scale: int = 1,
     ):
-        """`scale`: counts are shown divided by it (bytes counted, MiB shown: `scale=2**20`)."""
+        """`scale`: counts are shown divided by it (bytes counted, MB shown: `scale=units.MB`)."""
         self.label, self.total, self.unit, self.scale = label, max(int(total), 1), unit, scale
         self.stream = stream or sys.stderr
         self.done, self.start = 0, time.perf_counter()
@@ -72,8 +74,8 @@ class Progress:
 
 
 def byte_progress(label: str, nbytes: int, stream=None) -> Progress:
-    """A bar in MiB for a step that moves `nbytes` (count bytes with `update`): drawn on a terminal only,
+    """A bar in MB for a step that moves `nbytes` (count bytes with `update`): drawn on a terminal only,
     and only when the step moves at least `LONG_BYTES`."""
-    bar = Progress(label, nbytes, "MiB", stream, tty_only=True, scale=2**20)
+    bar = Progress(label, nbytes, "MB", stream, tty_only=True, scale=MB)
     bar.silent = bar.silent or nbytes < LONG_BYTES
     return bar

@@ -2,6 +2,8 @@
 
 from collections.abc import Sequence
 
+from .units import MB
+
 
 def table(headers: Sequence[str], rows: list[Sequence], title: str | None = None) -> str:
     """A left-aligned first column, right-aligned others, in a markdown-compatible pipe table."""
@@ -31,8 +33,8 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def mib(n: int) -> float:
-    return n / 2**20
+def mb(n: int) -> float:
+    return n / MB
 
 
 def format_stats(stats: dict, response=None) -> str:
@@ -46,7 +48,7 @@ def format_stats(stats: dict, response=None) -> str:
             d["misses"],
             d["hit_rate"],
             d["decode"]["hit_rate"],
-            mib(d["bytes_read"]),
+            mb(d["bytes_read"]),
             d["stall_s"] * 1e3,
         ]
 
@@ -54,19 +56,18 @@ def format_stats(stats: dict, response=None) -> str:
     head = (
         f"capacity {stats['capacity']}/{stats['num_experts']} experts per layer "
         f"({stats['capacity_fraction']:.1%}), miss policy {stats['miss_policy']}, "
-        f"eviction {stats['eviction']}, tokens prefill {stats['tokens']['prefill']} decode "
-        f"{stats['tokens']['decode']}"
+        f"eviction {stats['eviction']}; {passes_line(stats)}"
     )
     out = [
         head,
-        table(["layer", "lookups", "hits", "misses", "hit rate", "decode hit", "MiB read", "stall ms"], rows),
+        table(["layer", "lookups", "hits", "misses", "hit rate", "decode hit", "MB read", "stall ms"], rows),
     ]
     out.append(prefetch_line(stats["prefetch"]))
     mem = stats["memory"]
     out.append(
-        f"peak memory {mib(mem['peak_bytes']):.1f} MiB (expert cache {mib(mem['expert_cache_bytes']):.1f} "
-        "MiB, "
-        f"non-expert weights {mib(mem['non_expert_bytes']):.1f} MiB)"
+        f"peak memory {mb(mem['peak_bytes']):.1f} MB (expert cache {mb(mem['expert_cache_bytes']):.1f} "
+        "MB, "
+        f"non-expert weights {mb(mem['non_expert_bytes']):.1f} MB)"
     )
     if response is not None:
         out.append(
@@ -83,7 +84,25 @@ def prefetch_line(p: dict) -> str:
     precision = "-" if p.get("precision") is None else f"{p['precision']:.3f}"
     return (
         f"prefetch {p.get('policy')}: {p.get('issued', 0)} experts read ahead "
-        f"({mib(p.get('bytes_read', 0)):.1f} MiB), {p.get('useful', 0)} used before eviction "
+        f"({mb(p.get('bytes_read', 0)):.1f} MB), {p.get('useful', 0)} used before eviction "
         f"(precision {precision}), {p.get('late', 0)} late, {p.get('wasted', 0)} wasted, "
-        f"{p.get('backoffs', 0)} back-offs"
+        f"{backoffs_text(p.get('backoffs', 0), p.get('backoff_reason'))}"
     )
+
+
+def passes_line(stats: dict) -> str:
+    """What the model ran, apart from what the caller got: mlx-lm computes one token ahead of the one it
+    yields, so N generated tokens take N + 1 decode passes, and that pass's reads are real."""
+    positions = stats["positions"]
+    return (
+        f"model ran {positions['prefill']} prefill positions and {positions['decode']} decode passes "
+        f"for {stats['generated_tokens']} generated tokens"
+    )
+
+
+def backoffs_text(n: int, reason: str | None) -> str:
+    """The governor's back-offs: the times it cut the experts read ahead or paused prefetch."""
+    if not n:
+        return "no back-offs (the governor never cut or paused prefetch)"
+    plural = "back-off" if n == 1 else "back-offs"
+    return f"{n} {plural} (the governor cut or paused prefetch; last: {reason})"

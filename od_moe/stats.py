@@ -12,7 +12,10 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
 - prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late.
-Per phase: tokens; in all: forward passes. The reader's own counters (`READER_FIELDS`): reads issued,
+Per phase: positions run through the model (a prefill chunk's prompt positions; one a decode pass). In
+all: forward passes, and tokens generated (given to the caller). mlx-lm computes one token ahead of the
+one it yields, so N generated tokens take N + 1 decode passes: the extra pass reads experts too, and its
+reads are booked like any other's. The reader's own counters (`READER_FIELDS`): reads issued,
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
 other than installs (`busy_s`: predicting, queueing, choosing what to install, the policy's bookkeeping).
 Not here: what is done with the figures (the governor decides, the report prints).
@@ -54,8 +57,9 @@ class Ledger:
 
     def reset(self):
         self.layers = np.zeros((len(PHASES), self.num_layers, len(LAYER_FIELDS)))
-        self.tokens = dict.fromkeys(PHASES, 0)
+        self.positions = dict.fromkeys(PHASES, 0)
         self.forwards = 0
+        self.generated = 0
         self.reader = dict.fromkeys(READER_FIELDS, 0)
 
     def add(self, phase: str, layer: int, **counts):
@@ -70,9 +74,13 @@ class Ledger:
         row[_LOOKUPS] += lookups
         row[_HITS] += hits
 
-    def count_forward(self, phase: str, tokens: int):
+    def count_forward(self, phase: str, positions: int):
         self.forwards += 1
-        self.tokens[phase] += tokens
+        self.positions[phase] += positions
+
+    def count_generated(self, tokens: int):
+        """Tokens given to the caller (not the passes that computed them)."""
+        self.generated += tokens
 
     def total(self, name: str, phase: str | None = None) -> float:
         """One layer field summed over layers, in one phase or (None) in both."""
@@ -84,7 +92,8 @@ class Ledger:
         copy = Ledger.__new__(Ledger)
         copy.num_layers = self.num_layers
         copy.layers = self.layers.copy()
-        copy.tokens, copy.forwards, copy.reader = dict(self.tokens), self.forwards, dict(self.reader)
+        copy.positions, copy.forwards, copy.reader = dict(self.positions), self.forwards, dict(self.reader)
+        copy.generated = self.generated
         return copy
 
     def field(self, name: str) -> np.ndarray:

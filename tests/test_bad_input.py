@@ -181,14 +181,14 @@ def test_hang_up_during_a_long_prefill_stops_it(server):
     base, engine, app = server
     tokens = engine.tokenizer.encode("value = compute(value) + 1\n" * 300)[:1600]
     before = dict(app.worker.counters)
-    prefilled = engine.stats(settle=False)["tokens"]["prefill"]
+    prefilled = engine.stats(settle=False)["positions"]["prefill"]
     body = json.dumps({"prompt": tokens, "max_tokens": 8, "stream": True}).encode()
     sock = post_completion(base, body)
     assert wait_for(lambda: app.worker.active == 1, 30)
     sock.close()
     assert wait_for(lambda: app.worker.counters["cancelled"] == before["cancelled"] + 1, 5)
     assert wait_for(lambda: app.worker.active == 0, 2)
-    assert engine.stats(settle=False)["tokens"]["prefill"] - prefilled < len(tokens) // 2
+    assert engine.stats(settle=False)["positions"]["prefill"] - prefilled < len(tokens) // 2
     assert app.worker.counters["completed"] == before["completed"]
     good(base)
 

@@ -33,6 +33,12 @@ def test_generate_streams_text_and_stats(capsys):
     assert out.strip()
     assert "capacity 16/64" in err and "hit rate" in err and "| all" in err
     assert re.search(r"^prefetch predictor: \d+ experts read ahead .* \(precision [0-9.]+\)", err, re.M), err
+    # passes and tokens apart: 16 tokens given out took 17 decode passes (mlx-lm computes one ahead)
+    assert "model ran 8 prefill positions and 17 decode passes for 16 generated tokens" in err, err
+    assert "generation 16 tokens" in err
+    # one unit convention (decimal), and a back-off count that reads as English and says what it is
+    assert "| MB read |" in err and "MiB" not in err and "KiB" not in err
+    assert re.search(r"(no back-offs|, 1 back-off \(|, (\d{2,}|[02-9]) back-offs \()the governor", err), err
 
 
 def test_console_script_runs_on_the_embedded_default():
@@ -52,6 +58,8 @@ def test_console_script_runs_on_the_embedded_default():
         (["generate", "--prompt", "x", "--capacity", "0"], "capacity must be between 1 and 64"),
         (["generate", "--prompt", "x", "--capacity", "65"], "capacity must be between 1 and 64"),
         (["generate", "--prompt", "x", "--capacity", "lots"], "cannot read capacity"),
+        (["generate", "--prompt", "x", "--capacity", "200%"], "give a percentage in (0%, 100%]"),
+        (["generate", "--prompt", "x", "--capacity", "150%"], "give a percentage in (0%, 100%]"),
         (["generate", "--prompt", "x", "--memory-budget", "1KB"], "too small"),
         (["generate", "--prompt", "x", "--memory-budget", "plenty"], "cannot read memory size"),
         (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be a positive integer"),

@@ -102,7 +102,7 @@ def test_family_optimistic_passes_match_mlx_lm(family, monkeypatch):
     passes = stats["optimistic"]["passes"]
     kinds = {type(c).__name__ for c in make_prompt_cache(engine.model)}
     if kinds == {"KVCache"}:
-        assert passes == stats["tokens"]["decode"], name  # every decode pass
+        assert passes == stats["positions"]["decode"], name  # every decode pass
     if "hybrid" in FEATURES[name]:
         assert passes == 0, name
 

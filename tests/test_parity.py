@@ -13,7 +13,7 @@ def test_load_mode_matches_mlx_lm(bundled_reference, fraction):
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     stats = engine.stats()
     total = stats["total"]
-    tokens = stats["tokens"]["prefill"] + stats["tokens"]["decode"]
+    tokens = stats["positions"]["prefill"] + stats["positions"]["decode"]
     assert (
         total["lookups"] == tokens * stats["moe_layers"] * stats["top_k"] == total["hits"] + total["misses"]
     )
@@ -90,7 +90,7 @@ def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch)
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
     stats = engine.stats()
     assert 0 < len(launched) <= engine.runtime.host_syncs  # one per layer that synced, in one round
-    assert len(launched) >= stats["tokens"]["decode"] * stats["moe_layers"] // 2
+    assert len(launched) >= stats["positions"]["decode"] * stats["moe_layers"] // 2
     engine.runtime.launch_early = False
     count = len(launched)
     assert od_moe_tokens(engine, PROMPTS[1:2], 8) == [bundled_reference[1][:8]]

@@ -22,7 +22,7 @@ def test_the_bench_draws_its_rows_and_writes_them_beside_the_plot(deterministic_
     for r in runs:  # every run is a point of its policy's line, in every panel
         assert (r["capacity"], r["hit_rate"]) in lines["hit_rate"][r["policy"]]
         assert (r["capacity"], r["tok_s"]) in lines["tok_s"][r["policy"]]
-        assert (r["capacity"], r["bytes_per_token"] / 1024) in lines["kib_per_token"][r["policy"]]
+        assert (r["capacity"], r["bytes_per_token"] / 1000) in lines["kb_per_token"][r["policy"]]
     for panel in lines.values():  # capacities increase along each line
         assert all([x for x, _ in p] == sorted({x for x, _ in p}) for p in panel.values())
     stock = next(r["tok_s"] for r in rows if r["policy"] == "stock mlx-lm")

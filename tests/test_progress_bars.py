@@ -17,7 +17,7 @@ class Terminal(io.StringIO):
 
 def bar_ends(text: str, label: str) -> tuple[str, str]:
     """The last (done, total) a bar labelled `label` drew."""
-    found = re.findall(re.escape(label) + r" \[#*\s*\] ([\d,]+)/([\d,]+) MiB", text)
+    found = re.findall(re.escape(label) + r" \[#*\s*\] ([\d,]+)/([\d,]+) MB", text)
     assert found, f"no {label!r} bar in {text!r}"
     return found[-1]
 
@@ -28,7 +28,7 @@ def test_widening_loading_and_snapshots_draw_bars_to_their_end(monkeypatch, tmp_
     monkeypatch.setattr(progress, "LONG_BYTES", 0)  # every step long enough for a bar
     widen_model(od_moe.DEFAULT_MODEL, tmp_path / "wide", 2)
     done, total = bar_ends(terminal.getvalue(), "widening x2")
-    assert done == total and int(total.replace(",", "")) >= 13  # MiB: more than the bundled model
+    assert done == total and int(total.replace(",", "")) >= 13  # MB: more than the bundled model
 
     engine = od_moe.load(capacity="100%")  # fully resident: every expert is read at load
     done, total = bar_ends(terminal.getvalue(), "reading experts")

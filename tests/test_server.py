@@ -165,7 +165,7 @@ def test_health_is_live_during_a_generation(server):
             if line.startswith(b"data: {"):
                 _, health = call(base, "/health")
                 c = health["expert_cache_stats"]
-                seen.append((health["requests"]["active"], c["tokens"]["decode"], c["decode_lookups"]))
+                seen.append((health["requests"]["active"], c["decode_passes"], c["decode_lookups"]))
     during = [s for s in seen if s[0] == 1]
     assert len(during) >= 10
     assert all(b[1] >= a[1] and b[2] >= a[2] for a, b in zip(during, during[1:]))  # never backwards
@@ -235,11 +235,11 @@ def test_prompt_cache_reuse_gives_cold_tokens_and_prefills_less(server):
     )
     second = first + engine.tokenizer.encode("        data = json.load(f)\n")
     call(base, "/v1/completions", {"prompt": first, "max_tokens": 6, "temperature": 0})
-    prefilled = call(base, "/health")[1]["expert_cache_stats"]["tokens"]["prefill"]
+    prefilled = call(base, "/health")[1]["expert_cache_stats"]["prefill_positions"]
     status, warm = call(base, "/v1/completions", {"prompt": second, "max_tokens": 16, "temperature": 0})
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert status == 200 and cached >= len(first)
-    prefill_now = call(base, "/health")[1]["expert_cache_stats"]["tokens"]["prefill"]
+    prefill_now = call(base, "/health")[1]["expert_cache_stats"]["prefill_positions"]
     # mlx-lm runs the last prompt token with the first decode step, so a cold request prefills len - 1
     assert prefill_now - prefilled == len(second) - cached - 1 < len(second) - 1
     call(base, "/v1/completions", {"prompt": "@@@", "max_tokens": 2})  # shares no prefix with `second`

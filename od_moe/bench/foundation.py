@@ -20,7 +20,8 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from .. import backend, load
 from ..capacity import budget_for, working_nbytes
 from ..engine import DEFAULT_MODEL
-from ..report import mib, table
+from ..report import mb, table
+from ..units import KB, MB
 from .widen import widen_model
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):"]
@@ -94,7 +95,7 @@ def run_od_moe(path, prompts, max_tokens, cold=False, **load_kwargs):
 
 def _row(model, capacity_fraction, result, stock, budget=None):
     stats = result["stats"]
-    decode_tokens = max(stats["tokens"]["decode"], 1)
+    decode_passes = max(stats["positions"]["decode"], 1)
     io = stats["io"]["decode"]
     peak = max(stats["memory"]["peak_bytes"], result["load_peak_bytes"])
     return {
@@ -106,9 +107,9 @@ def _row(model, capacity_fraction, result, stock, budget=None):
         "reads": "cold" if budget is not None else "warm",
         "hit_rate": stats["total"]["decode"]["hit_rate"],
         "prefill_hit_rate": stats["total"]["prefill"]["hit_rate"],
-        "bytes_per_token": io["bytes_read"] / decode_tokens,
-        "stall_ms_per_token": io["stall_s"] * 1e3 / decode_tokens,
-        "install_ms_per_token": io["install_s"] * 1e3 / decode_tokens,
+        "bytes_per_token": io["bytes_read"] / decode_passes,
+        "stall_ms_per_token": io["stall_s"] * 1e3 / decode_passes,
+        "install_ms_per_token": io["install_s"] * 1e3 / decode_passes,
         "tok_s": result["tok_s"],
         "tok_s_ratio_resident": result["tok_s"] / stock["tok_s"],
         "peak_bytes": peak,
@@ -136,9 +137,9 @@ def run_foundation(capacities, max_tokens, widen, widened_tokens, workdir: Path,
                 "decode hit",
                 "decode tok/s",
                 "x stock",
-                "KiB read/tok",
+                "kB read/tok",
                 "stall ms/tok",
-                "peak MiB",
+                "peak MB",
             ],
             [
                 [
@@ -148,9 +149,9 @@ def run_foundation(capacities, max_tokens, widen, widened_tokens, workdir: Path,
                     r.get("hit_rate"),
                     r["tok_s"],
                     r["tok_s_ratio_resident"],
-                    None if "bytes_per_token" not in r else r["bytes_per_token"] / 1024,
+                    None if "bytes_per_token" not in r else r["bytes_per_token"] / KB,
                     r.get("stall_ms_per_token"),
-                    mib(r["peak_bytes"]),
+                    mb(r["peak_bytes"]),
                 ]
                 for r in rows
             ],
@@ -186,13 +187,13 @@ def _run_widened(path, factor, capacities, max_tokens, say):
                 "capacity",
                 "exact",
                 "decode hit",
-                "MiB read/tok",
+                "MB read/tok",
                 "stall ms/tok",
                 "install ms/tok",
                 "tok/s",
                 "x resident",
-                "peak MiB",
-                "budget MiB",
+                "peak MB",
+                "budget MB",
                 "peak/budget",
             ],
             [
@@ -200,19 +201,19 @@ def _run_widened(path, factor, capacities, max_tokens, say):
                     r.get("policy") or f"{r['capacity']:.1%}",
                     r["exact"],
                     r.get("hit_rate"),
-                    None if "bytes_per_token" not in r else mib(r["bytes_per_token"]),
+                    None if "bytes_per_token" not in r else mb(r["bytes_per_token"]),
                     r.get("stall_ms_per_token"),
                     r.get("install_ms_per_token"),
                     r["tok_s"],
                     r["tok_s_ratio_resident"],
-                    mib(r["peak_bytes"]),
-                    None if not r.get("budget_bytes") else mib(r["budget_bytes"]),
+                    mb(r["peak_bytes"]),
+                    None if not r.get("budget_bytes") else mb(r["budget_bytes"]),
                     None if not r.get("budget_bytes") else r["peak_bytes"] / r["budget_bytes"],
                 ]
                 for r in rows
             ],
             title=(
-                f"Widened model (experts x{factor}: {expert_disk / 2**20:.2f} MiB each on disk), "
+                f"Widened model (experts x{factor}: {expert_disk / MB:.2f} MB each on disk), "
                 f"{max_tokens} tokens "
                 f"per prompt, cold reads, memory budget sized per capacity; stock compute "
                 f"{1e3 / stock['tok_s']:.0f} ms/token"

@@ -2,7 +2,7 @@
 
 One row of panels per (model, read temperature, miss policy) of the grid, each with one line per prefetch
 policy against capacity: decode hit rate, decode tok/s (stock mlx-lm fully resident as a dashed line)
-and KiB read per decoded token (Belady's MIN for the same routing as a dashed line). PNG or SVG, from the
+and kB read per decoded token (Belady's MIN for the same routing as a dashed line). PNG or SVG, from the
 file name. matplotlib is a benchmark extra (`pip install 'od-moe[bench]'`), imported only here and only
 when asked for. Not here: running the grid (`prefetch.py`).
 """
@@ -11,12 +11,13 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
+from ..units import KB
 
 FORMATS = (".png", ".svg")
 PANELS = (
     ("hit_rate", "decode hit rate"),
     ("tok_s", "decode tok/s"),
-    ("kib_per_token", "KiB read per token"),
+    ("kb_per_token", "kB read per token"),
 )
 
 
@@ -41,7 +42,7 @@ def check_path(path) -> Path:
 
 def series(rows: list[dict]) -> dict:
     """{(model, reads, miss policy): {"lines": {panel: {policy: [(capacity, value), ...]}}, "stock": tok/s,
-    "min": [(capacity, KiB)]}} from the grid's rows, capacities in increasing order."""
+    "min": [(capacity, kB)]}} from the grid's rows, capacities in increasing order."""
     groups, stock = {}, {}
     for r in rows:
         if r.get("policy") == "stock mlx-lm":
@@ -55,14 +56,14 @@ def series(rows: list[dict]) -> dict:
         values = {
             "hit_rate": r["hit_rate"],
             "tok_s": r["tok_s"],
-            "kib_per_token": r["bytes_per_token"] / 1024,
+            "kb_per_token": r["bytes_per_token"] / KB,
         }
         for key, value in values.items():
             if value is not None:
                 group["lines"][key].setdefault(r["policy"], []).append((r["capacity"], value))
         if r["experts_read_per_token"]:  # MIN's experts in bytes: the bytes of one expert read
-            expert_kib = r["bytes_per_token"] / 1024 / r["experts_read_per_token"]
-            group["min"].setdefault(r["capacity"], r["min_experts_read_per_token"] * expert_kib)
+            expert_kb = r["bytes_per_token"] / KB / r["experts_read_per_token"]
+            group["min"].setdefault(r["capacity"], r["min_experts_read_per_token"] * expert_kb)
     out = {}
     for key, group in groups.items():
         lines = {k: {p: sorted(v) for p, v in by_policy.items()} for k, by_policy in group["lines"].items()}
@@ -88,7 +89,7 @@ def plot_rows(rows: list[dict], path, title: str = "od-moe bench") -> dict:
                 ax.plot(xs, ys, marker="o", label=policy)
             if key == "tok_s" and group["stock"]:
                 ax.axhline(group["stock"], color="black", linestyle="--", linewidth=1, label="resident")
-            if key == "kib_per_token" and group["min"]:
+            if key == "kb_per_token" and group["min"]:
                 xs, ys = zip(*group["min"])
                 ax.plot(xs, ys, color="black", linestyle="--", linewidth=1, label="Belady MIN")
             if key == "hit_rate":

@@ -29,6 +29,7 @@ from ..packed import pack as pack_experts
 from ..predictor import load_predictor
 from ..replay import Tally, replay_recording
 from ..report import table
+from ..units import KB
 from .foundation import PROMPTS, run_stock
 from .roofline import install_bandwidth, read_bandwidth, roofline_ms
 from .widen import widen_model
@@ -120,7 +121,7 @@ def stats_total(stats, *keys):
 def _row(model, fraction, reads, miss_policy, policy, result, stock, machine):
     """One row; `machine`: the read bandwidth (for these reads) and install bandwidth measured here."""
     stats = result["stats"]
-    decode = stats_total(stats, "tokens", "decode") or 1
+    decode = stats_total(stats, "positions", "decode") or 1
     lookups, hits = (
         stats_total(stats, "total", "decode", "lookups"),
         stats_total(stats, "total", "decode", "hits"),
@@ -277,7 +278,7 @@ def run_prefetch_grid(
                     "policy",
                     "decode hit",
                     "stall ms/tok",
-                    "KiB read/tok",
+                    "kB read/tok",
                     "experts/tok",
                     "MIN",
                     "x MIN",
@@ -299,7 +300,7 @@ def run_prefetch_grid(
                         r["policy"],
                         r["hit_rate"],
                         r["stall_ms_per_token"],
-                        r["bytes_per_token"] / 1024,
+                        r["bytes_per_token"] / KB,
                         r["experts_read_per_token"],
                         r["min_experts_read_per_token"],
                         r["reads_over_min"],

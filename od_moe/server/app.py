@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
@@ -42,7 +41,7 @@ def create_app(
     *,
     worker: GenerationWorker | None = None,
     model_name: str | None = None,
-    max_tokens: int = 4096,
+    max_tokens: int | None = None,
     max_input_tokens: int | None = None,
     default_max_tokens: int = 256,
     max_body_bytes: int = 4 * 2**20,
@@ -52,7 +51,10 @@ def create_app(
 ) -> Flask:
     """The server app for `engine` (or for a running `worker`, whose thread owns the engine).
 
-    max_input_tokens: the longest prompt (default: the model's maximum positions). allowed_hosts: the
+    max_tokens: the most tokens one request may ask for (default: the model's maximum positions; a
+    generation also stops where prompt and completion fill them, finish reason "length").
+    max_input_tokens: the longest prompt (default: one less than the model's maximum positions, so that
+    a token fits after it). allowed_hosts: the
     Host names answered (default: the loopback names; see `guard.host_names`). allowed_origins: browser
     origins (`https://example.org`, or `*`) allowed besides the server's own.
     """
@@ -64,8 +66,10 @@ def create_app(
     name = model_name or engine.model_path.name
     tokenizer = engine.tokenizer
     vocab = vocab_size_of(engine.model) or getattr(tokenizer, "vocab_size", None)
+    if max_tokens is None:
+        max_tokens = engine.max_positions
     if max_input_tokens is None:
-        max_input_tokens = max_positions(engine.model_path)
+        max_input_tokens = engine.max_positions - 1
     hosts = allowed_hosts if allowed_hosts is not None else guard.host_names("127.0.0.1")
     origins = frozenset(allowed_origins)
     started = time.time()
@@ -294,19 +298,6 @@ def create_app(
     return app
 
 
-def max_positions(model_path: Path, fallback: int = 16384) -> int:
-    """The longest sequence the model was made for (its config's maximum positions)."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return fallback
-    for c in (config, config.get("text_config") or {}):
-        value = c.get("max_position_embeddings") or c.get("max_sequence_length")
-        if isinstance(value, int) and value > 0:
-            return value
-    return fallback
-
-
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port, or a UserError saying why not (before any model is loaded)."""
     try:
@@ -337,7 +328,7 @@ def serve(
     port=8080,
     capacity=None,
     memory_budget=None,
-    max_tokens=4096,
+    max_tokens=None,
     max_input_tokens=None,
     direct_io="auto",
     allow_hosts=(),

@@ -26,7 +26,7 @@ CODES = np.array([ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED])
 
 
 class History:
-    """Samples (time, decode tokens, decode lookups, decode hits) of the last `keep_s` seconds, at most one
+    """Samples (time, generated tokens, decode lookups, decode hits) of the last `keep_s` seconds, at most one
     every `every_s`, taken when the document is asked for (nobody watching: nothing to keep)."""
 
     def __init__(self, keep_s: float = 300.0, every_s: float = 0.25):
@@ -89,7 +89,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
     engine = worker.engine
     stats = engine.stats(settle=False)
     decode, io = stats["total"]["decode"], stats["io"]["decode"]
-    tokens = int(stats["tokens"]["decode"])
+    passes, tokens = int(stats["positions"]["decode"]), int(stats["generated_tokens"])
     prefetch = stats["prefetch"]
     with worker.lock:
         requests = dict(worker.counters, active=worker.active, queued=worker.queued())
@@ -102,15 +102,16 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         "uptime_s": now - started,
         "status": worker.state(),
         "model": name,
-        "decode": {
-            "tokens": tokens,
+        "decode": {  # passes run one ahead of the tokens given out (stats.py); reads are per pass
+            "passes": passes,
+            "generated_tokens": tokens,
             "lookups": decode["lookups"],
             "hits": decode["hits"],
             "hit_rate": decode["hit_rate"],
             "bytes_read": io["bytes_read"],
             "stall_s": io["stall_s"],
-            "bytes_per_token": io["bytes_read"] / tokens if tokens else None,
-            "stall_ms_per_token": io["stall_s"] * 1e3 / tokens if tokens else None,
+            "bytes_per_pass": io["bytes_read"] / passes if passes else None,
+            "stall_ms_per_pass": io["stall_s"] * 1e3 / passes if passes else None,
         },
         "prefetch": {
             k: prefetch.get(k) for k in ("policy", "precision", "issued", "useful", "wasted", "late", "mode")

@@ -14,9 +14,10 @@ function pct(x) { return x == null ? "–" : (100 * x).toFixed(1) + "%"; }
 function num(x, digits) { return x == null ? "–" : x.toFixed(digits); }
 function bytes(x) {
   if (x == null) return "–";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  // decimal units, as everything od-moe prints (od_moe/units.py)
+  const units = ["B", "kB", "MB", "GB", "TB"];
   let i = 0;
-  while (x >= 1024 && i < units.length - 1) { x /= 1024; i += 1; }
+  while (x >= 1000 && i < units.length - 1) { x /= 1000; i += 1; }
   return (i ? x.toFixed(1) : x.toFixed(0)) + " " + units[i];
 }
 
@@ -83,13 +84,14 @@ function render(d) {
   show("hit-rate", dec.hit_rate, pct(dec.hit_rate));
   show("recent-hit-rate", d.recent.hit_rate, pct(d.recent.hit_rate));
   show("tok-s", d.recent.tok_s, num(d.recent.tok_s, 1));
-  show("tokens", dec.tokens, String(dec.tokens));
+  show("tokens", dec.generated_tokens, String(dec.generated_tokens));
+  show("passes", dec.passes, String(dec.passes));
   show("precision", pre.precision, pct(pre.precision));
   show("prefetch-useful", pre.useful, String(pre.useful));
   show("prefetch-wasted", pre.wasted, String(pre.wasted));
-  show("stall", dec.stall_ms_per_token, dec.stall_ms_per_token == null ? "–" :
-    num(dec.stall_ms_per_token, 2) + " ms");
-  show("bytes", dec.bytes_per_token, bytes(dec.bytes_per_token));
+  show("stall", dec.stall_ms_per_pass, dec.stall_ms_per_pass == null ? "–" :
+    num(dec.stall_ms_per_pass, 2) + " ms");
+  show("bytes", dec.bytes_per_pass, bytes(dec.bytes_per_pass));
   show("bytes-total", dec.bytes_read, bytes(dec.bytes_read));
   show("in-flight", req.in_flight, String(req.in_flight));
   show("completed", req.completed, String(req.completed));

@@ -12,14 +12,17 @@ Host/Origin/body checks (`guard.py`) or the statistics documents (`health.py`).
 """
 
 import json
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.serving import WSGIRequestHandler
 
 from ..errors import UserError
 from ..preflight import engine_capabilities
@@ -360,7 +363,9 @@ def serve(
             allowed_hosts=guard.host_names(host, allow_hosts),
             allowed_origins=allow_origins,
         )
-        server = make_server(host, port, app, threaded=True, fd=listener.fileno())
+        server = make_server(
+            host, port, app, threaded=True, fd=listener.fileno(), request_handler=_RequestLog
+        )
     finally:
         listener.close()  # the server holds its own descriptor of it
     log(
@@ -380,6 +385,18 @@ def serve(
         server.server_close()
         if finished:
             worker.engine.close()
+
+
+class _RequestLog(WSGIRequestHandler):
+    """werkzeug's request handler, whose request lines are coloured only when stderr is a terminal (and
+    NO_COLOR is unset): werkzeug colours them wherever they go, and a log file then carries the codes."""
+
+    colour = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+
+    def log_request(self, code="-", size="-"):
+        if self.colour:
+            return super().log_request(code, size)
+        self.log("info", '"%s" %s %s', self.requestline, code, size)
 
 
 def _interrupt():

@@ -128,7 +128,11 @@ def test_the_page_is_served_whole_from_the_package_and_passes_the_guard(server):
     assert e.value.code == 403
 
 
-@pytest.mark.skipif(chromium_binary() is None, reason="no chromium binary (CI installs Debian's chromium)")
+@pytest.mark.skipif(
+    chromium_binary() is None,
+    reason="the live page's browser test needs Chromium on PATH (Debian: apt-get install chromium; macOS: "
+    "brew install --cask chromium); .ci/run installs it",
+)
 def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_health(server, tmp_path):
     base, engine = server
     result = {}

@@ -65,7 +65,18 @@ def test_python_m_od_moe_runs_in_the_checkout_after_a_regular_install(tmp_path):
     od_moe/ folder comes first on sys.path there, and it has no predictor/ or training/ inside."""
     target = tmp_path / "site"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", "-t", target, ROOT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-t",
+            target,
+            ROOT,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -84,3 +95,29 @@ def test_python_m_od_moe_runs_in_the_checkout_after_a_regular_install(tmp_path):
     )
     assert run.returncode == 0 and run.stdout.strip(), run.stderr
     assert "prefetch predictor:" in run.stderr  # od_moe.predictor was imported and used
+
+
+def test_a_skipped_test_says_why_in_the_suites_summary(tmp_path):
+    (tmp_path / "test_one.py").write_text(
+        "import pytest\n\n\n@pytest.mark.skip(reason='needs a thing this machine lacks')\n"
+        "def test_x():\n    pass\n"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-c",
+            ROOT / "pyproject.toml",
+            "--rootdir",
+            tmp_path,
+            "-n",
+            "0",
+        ]
+        + [tmp_path / "test_one.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "SKIPPED [1]" in run.stdout and "needs a thing this machine lacks" in run.stdout, run.stdout

@@ -27,6 +27,7 @@ from werkzeug.serving import WSGIRequestHandler
 from ..errors import UserError
 from ..preflight import engine_capabilities
 from ..sampling import vocab_size_of
+from ..units import MB
 from . import anthropic, dashboard, guard
 from .health import health_body, prometheus_text
 from .requests import ApiError, parse_messages, parse_params, parse_prompt
@@ -47,7 +48,7 @@ def create_app(
     max_tokens: int | None = None,
     max_input_tokens: int | None = None,
     default_max_tokens: int = 256,
-    max_body_bytes: int = 4 * 2**20,
+    max_body_bytes: int = 4 * MB,
     event_timeout_s: float = 600.0,
     allowed_hosts: frozenset[str] | None = None,
     allowed_origins=(),

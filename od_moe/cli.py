@@ -459,7 +459,8 @@ def cmd_inspect(args):
 
 
 def cmd_pack(args):
-    from .packed import model_layouts, pack
+    from .engine import model_layouts
+    from .packed import pack
     from .progress import byte_progress
     from .units import format_bytes
 

@@ -23,6 +23,7 @@ from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
+from .layout import BlockLayout
 from .optimistic import OptimisticModel
 from .packed import default_path as default_packed_path
 from .packed import use_packed
@@ -426,6 +427,14 @@ def load(
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
+
+
+def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayout]]:
+    """The store and MoE block layouts of a model folder (None: the embedded model), for `od-moe pack`
+    (and the bench's read measurement, which reads as the engine would: `packed` as `load` takes it)."""
+    engine = load(model, capacity=1, prefetch="none", packed=packed)  # the layouts; no expert is read
+    engine.close()
+    return engine.runtime.store, [c.layout for c in engine.caches]
 
 
 def _use_packed(store: ExpertStore, path: Path, packed):

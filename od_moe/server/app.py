@@ -148,7 +148,8 @@ def create_app(
             raise ApiError(
                 400,
                 f"the prompt has {len(prompt_tokens)} tokens, over this server's limit of "
-                f"{max_input_tokens} (--max-input-tokens)",
+                f"{max_input_tokens} (--max-input-tokens; the model takes {engine.max_positions} positions, "
+                "prompt and completion together)",
                 "prompt",
                 "context_length_exceeded",
             )

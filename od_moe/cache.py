@@ -286,7 +286,6 @@ class LayerCache:
         arrays: list[mx.array | None] | None = None,
         next_use: np.ndarray | None = None,
         synchronize: bool = True,
-        start: bool = False,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
@@ -296,8 +295,7 @@ class LayerCache:
         not make), used where the backend needs MLX copies. `next_use`: where the future is known,
         passes until each expert of the layer is needed again (victims are chosen as `choose_slots` says).
         `synchronize=False`: the caller knows that no computation in flight reads the slots this install
-        may take, so host writes need not wait for the device first. `start`: MLX writes start computing
-        at once (`_write_mlx`).
+        may take, so host writes need not wait for the device first.
 
         The bytes are copied straight into the slots' rows where the backend allows (host memory on the
         CPU and Metal, the CUDA runtime's copies: `backend.row_writer`); elsewhere with MLX writes that the
@@ -314,7 +312,7 @@ class LayerCache:
         )
         if not (self.host_writes and self._write_host(slots, raw, synchronize)):
             self.host_writes = False
-            self._write_mlx(slots, raw, arrays, start)
+            self._write_mlx(slots, raw, arrays)
         evicted = self.expert_in_slot[slots]
         unused = int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
@@ -365,15 +363,13 @@ class LayerCache:
             (self.projections[first.proj][first.name], int(slots[0]), writes[0][1][0])
         )
 
-    def _write_mlx(self, slots: np.ndarray, raw, arrays=None, start: bool = False):
+    def _write_mlx(self, slots: np.ndarray, raw, arrays=None):
         """Put expert bytes into the slots with MLX operations (backends without host-visible memory): one
         (experts, bytes) array for the whole install (stacked from the reader's flat arrays where it made
         them all, else one host-to-device copy of the rows), then per part a view of its columns written
-        with one slice update (one expert) or one scatter. No host sync: with `start` the writes start
-        computing at once (`mx.async_eval`), else the computation that reads the slots evaluates them
-        (the runtime starts those made during an optimistic pass, whose one evaluation they would slow:
-        `OffloadRuntime.start_installs`). The array holds its own copy of the bytes, so staging may be
-        reused at once."""
+        with one slice update (one expert) or one scatter. No host sync: the computation that reads the
+        slots evaluates them. The array holds its own copy of the bytes, so staging may be reused at
+        once."""
         n = len(slots)
         if arrays is not None and all(a is not None for a in arrays):
             flat = arrays[0][None] if n == 1 else mx.stack(arrays)
@@ -391,8 +387,6 @@ class LayerCache:
             stacked = module[part.name]
             stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
             offset += part.nbytes
-        if start:
-            mx.async_eval([self.projections[p.proj][p.name] for p in self.layout.parts])
 
     def forget_prefetches(self):
         """Count every resident expert as used (statistics restart; the experts stay)."""

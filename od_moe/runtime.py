@@ -18,9 +18,8 @@ the slots it gets back. One decoded token, top to bottom:
    missing experts out and loads them then. An optimistic decode pass (`optimistic.py`) does not sync
    at partly resident layers either: each leaves a lazy flag, read once with the logits
    (`end_optimistic`), and a pass that missed runs again from its first missing layer (`begin_resume`);
-   with `optimistic_prefetch`, a policy that predicts on the host queues its predictions at each layer
-   for the layers ahead and the layers' next run, and each layer waits for the reads predicted for it
-   (`_prefetch_optimistic`).
+   such passes run only without prefetch (prefetching from them was measured and removed: see
+   docs/GPU.md, "Optimistic passes with prefetch").
 Where the policy knows when each expert is needed next (`next_uses`: the oracle), reads and installs evict
 the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if it is needed no
 later than the one it would evict. Every count is booked in the ledger (`stats.py`) here, once. A demand
@@ -112,29 +111,6 @@ class OffloadRuntime:
         # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device
         # (`benchmarks/sync_path.py`: 1.25x at 87.5% resident on an H100; 0.82-0.88x on the CPU backend)
         self.optimistic = backend.syncs_stall_device()
-        # optimistic passes also while a policy prefetches, if it predicts on the host (the oracle): its
-        # predictions queued at each layer, no sync (`_prefetch_optimistic`). Off: on the H100
-        # (`benchmarks/sync_path.py --switch optimistic_prefetch --policy oracle`, 2 rounds, exact tokens)
-        # the widened copy at 25% warm ran at 0.729x of a sync per layer (12 of 97 passes ran again: the
-        # pass waits for reads with the device idle, where synced layers compute while later ones are
-        # read), 0.999x cold (no pass ran optimistically); the bundled model 1.032x / 0.973x at 25% / 50%
-        # (the governor's checks paused prefetch: 7 and 27 optimistic passes), 1.113x / 1.083x with
-        # prefetch never paused (`--no-self-checks`). Each layer of such a pass also starting at once
-        # (tried): widened 1.202x of not starting, yet 0.795x of a sync per layer; bundled 0.712x / 1.068x
-        self.optimistic_prefetch = False
-        # in an optimistic pass a layer waits for every read predicted for it, those not started too (read
-        # at once, ahead of other prefetches), not only those under way: a predicted expert that is absent
-        # makes the pass run again. H100, widened 25% warm, `--switch wait_for_predicted --with
-        # optimistic_prefetch --policy oracle --rounds 2 --tokens 16`: 1.139x (42.31 against 37.14 tok/s)
-        self.wait_for_predicted = True
-        # MLX writes made during an optimistic pass start computing at once (`LayerCache._write_mlx`): left
-        # in the pass's one evaluation they slow it more than they cost apart. On the H100 (scratch
-        # `passes.py`, the oracle prefetching in optimistic passes, bundled model at 25%) that evaluation
-        # took 3.7 ms with no install in the pass and 19.1 ms with 15 experts installed;
-        # `benchmarks/sync_path.py --switch start_installs --policy oracle --with optimistic_prefetch
-        # --no-self-checks` gave 1.281x at 25% and 1.050x at 50%. In exact mode a layer's launch evaluates
-        # its installs with it anyway (`--switch start_installs`, a sync per layer: 0.95-1.03x, noise)
-        self.start_installs = True
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         # a decode layer that misses computes its resident experts while the missing ones are read
         # (`_split`): on the CPU backend, where compute is slow, for experts large enough that reading
@@ -243,8 +219,6 @@ class OffloadRuntime:
         if self._speculative is not None:  # optimistic: no sync; a lazy flag says if anything was absent
             if layer == 0:
                 self._start_pass(indices.size // indices.shape[-1], phase)
-            if self.governor is not None:
-                self._prefetch_optimistic(layer, x, phase)
             absent = mx.logical_not(cache.resident_mask()[indices]).any()
             self._speculative.append((layer, indices, phase, absent))
             yield Route(cache.routed_slots(indices))
@@ -357,46 +331,17 @@ class OffloadRuntime:
 
     # -- optimistic decode passes (`optimistic.py`) -----------------------------------------------
     def optimistic_ok(self) -> bool:
-        """Whether the next decode pass may run optimistically: exact mode, a policy that allows it (with
-        prefetch: `optimistic_prefetch`, not synchronous), and recent decode tokens missed rarely. A
-        recording learns the pass's routing with its flags."""
+        """Whether the next decode pass may run optimistically: exact mode, no prefetch, a policy that
+        allows it, and recent decode tokens missed rarely. A recording learns the pass's routing with its
+        flags."""
         return (
             self.optimistic
             and self.miss_policy == "load"
             and self.policy.optimistic_passes
-            and (self.governor is None or self.optimistic_prefetch)
-            and not (self.settings is not None and self.settings.synchronous)
+            and self.governor is None
             and self.token_miss_rate < OPTIMISTIC_BELOW
             and not all(c.is_full() for c in self.caches)  # then no layer syncs anyway
         )
-
-    def _prefetch_optimistic(self, layer: int, x: mx.array, phase: str):
-        """Prefetch at a layer of an optimistic pass, with no sync. The policy predicts the layers ahead
-        in this pass and, as this pass has built the layers up to this one, their next run after it
-        (`Step.next_pass`). Reads of the experts predicted for this layer are waited for (with
-        `wait_for_predicted`, those not started too: read at once), finished reads of this layer and the
-        later ones installed, the layer's requests not started withdrawn, and the predictions (host
-        values) queued. Only this layer and later ones take installs: this pass has not built their
-        computation yet, so it sees the install and nothing built before it reads their slots, where an
-        earlier layer's computation is built and not run (a host write would change what it reads, an MLX
-        write would copy its whole stack). Their routing, unknown here, is not protected beyond the
-        predictions: an install that evicts a routed expert shows in that layer's flag, and the pass runs
-        again from it."""
-        if not (self.governor.active or self.reader.busy):
-            return
-        tap = self.taps[layer]
-        router = tap.logits if tap is not None else None
-        step = Step(self._pass_index, layer, phase, x, router, self.governor.active, True, next_pass=True)
-        t0 = time.perf_counter()
-        predictions = self.policy.before_layer(step)
-        self.ledger.reader["busy_s"] += time.perf_counter() - t0
-        wanted = self.reader.wanted(layer)
-        absent = [e for e in wanted if self.caches[layer].slot_of[e] < 0]
-        if absent:
-            self._await_late(layer, absent, wanted, hurry=self.wait_for_predicted)
-        self._install_ready({layer: wanted}, after=layer - 1)
-        self.reader.withdraw(layer)
-        self._submit(predictions)
 
     def begin_optimistic(self):
         self._speculative = []
@@ -663,7 +608,6 @@ class OffloadRuntime:
                 arrays=_arrays(fresh),
                 next_use=future,
                 synchronize=synchronize,
-                start=self.start_installs and self._speculative is not None,
             )
         t1 = time.perf_counter()
         self._book_install(
@@ -674,12 +618,11 @@ class OffloadRuntime:
         # of the same expert would have cost it as well)
         self.ledger.reader["busy_s"] += (t0 - start) + (time.perf_counter() - t1)
 
-    def _install_ready(self, protect: dict[int, Sequence[int]], after: int | None = None):
-        """Install every finished read (with `after`, those of later layers), one install per layer."""
+    def _install_ready(self, protect: dict[int, Sequence[int]]):
+        """Install every finished read, one install per layer."""
         by_layer: dict[int, list[Read]] = {}
-        for r in sorted(
-            self.reader.take_ready(after), key=lambda r: (-r.score, r.layer, r.expert)
-        ):  # threads finish in any order
+        for r in sorted(self.reader.take_ready(), key=lambda r: (-r.score, r.layer, r.expert)):
+            # threads finish in any order
             by_layer.setdefault(r.layer, []).append(r)
         for layer, reads in by_layer.items():
             self._install_prefetched(reads, protect.get(layer, ()))
@@ -692,11 +635,11 @@ class OffloadRuntime:
             self.ledger.add(self.phase, layer, wait_s=waited_s, prefetch_late=len(late))
             self._install_prefetched(late, protect, synchronize)
 
-    def _await_late(self, layer: int, ids, protect: Sequence[int], hurry: bool = False) -> bool:
-        """Wait for the prefetches of `ids` being read (instead of reading them twice; with `hurry` also
-        those not started) and install them; whether there were any."""
+    def _await_late(self, layer: int, ids, protect: Sequence[int]) -> bool:
+        """Wait for the prefetches of `ids` being read (instead of reading them twice) and install them;
+        whether there were any."""
         t0 = time.perf_counter()
-        _, late = self.reader.fetch(layer, ids, read=False, hurry=hurry)
+        _, late = self.reader.fetch(layer, ids, read=False)
         self._take_late(layer, late, time.perf_counter() - t0, protect)
         return bool(late)
 

@@ -175,7 +175,7 @@ class Engine:
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
-        prompt = self._encode(prompt)
+        prompt = self.encode(prompt)
         context = max([o for o in held if o is not None], default=0) + len(prompt)
         if context >= self.max_positions:
             raise UserError(
@@ -201,7 +201,7 @@ class Engine:
         finally:
             self.runtime.settle()
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of `prompt`, encoded as `mlx_lm.stream_generate` encodes text (a BOS token added
         unless the text starts with one)."""
         if not isinstance(prompt, str):
@@ -217,6 +217,19 @@ class Engine:
             r.text
             for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs)
         )
+
+    def batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
+        """The completions of several prompts decoded together, as `mlx_lm.batch_generate` returns them
+        (`batch.batch_generate`: texts, statistics, token ids); misses are read once for the batch."""
+        from .batch import batch_generate
+
+        return batch_generate(self, prompts, max_tokens, **kwargs)
+
+    def stream_batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
+        """Yield each batch pass's new tokens, one `batch.BatchToken` per sequence decoded in it."""
+        from .batch import stream_batch_generate
+
+        return stream_batch_generate(self, prompts, max_tokens, **kwargs)
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
         """Generate and return the routing of every forward pass, [{layer: ids (tokens, k)}, ...]: what
@@ -289,6 +302,7 @@ class Engine:
             "capacity_fraction": self.capacity / self.num_experts,
             # positions the model computed (decode: passes) and tokens given to callers: see stats.py
             "positions": ledger.positions,
+            "passes": ledger.passes,
             "generated_tokens": ledger.generated,
             "io": io_by_phase(ledger),
             "direct_io": runtime.store.direct_io,

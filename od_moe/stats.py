@@ -12,8 +12,9 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
 - prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late.
-Per phase: positions run through the model (a prefill chunk's prompt positions; one a decode pass). In
-all: forward passes, and tokens generated (given to the caller). mlx-lm computes one token ahead of the
+Per phase: passes of the model, and positions they ran (a prefill chunk's prompt positions; a decode
+pass one per sequence it decodes, so a batch of 8 runs 8). In all: forward passes, and tokens generated
+(given to the caller). mlx-lm computes one token ahead of the
 one it yields, so N generated tokens take N + 1 decode passes: the extra pass reads experts too, and its
 reads are booked like any other's. The reader's own counters (`READER_FIELDS`): reads issued,
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
@@ -58,6 +59,7 @@ class Ledger:
     def reset(self):
         self.layers = np.zeros((len(PHASES), self.num_layers, len(LAYER_FIELDS)))
         self.positions = dict.fromkeys(PHASES, 0)
+        self.passes = dict.fromkeys(PHASES, 0)
         self.forwards = 0
         self.generated = 0
         self.reader = dict.fromkeys(READER_FIELDS, 0)
@@ -76,6 +78,7 @@ class Ledger:
 
     def count_forward(self, phase: str, positions: int):
         self.forwards += 1
+        self.passes[phase] += 1
         self.positions[phase] += positions
 
     def count_generated(self, tokens: int):
@@ -93,7 +96,7 @@ class Ledger:
         copy.num_layers = self.num_layers
         copy.layers = self.layers.copy()
         copy.positions, copy.forwards, copy.reader = dict(self.positions), self.forwards, dict(self.reader)
-        copy.generated = self.generated
+        copy.generated, copy.passes = self.generated, dict(self.passes)
         return copy
 
     def field(self, name: str) -> np.ndarray:

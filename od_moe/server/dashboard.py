@@ -89,7 +89,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
     engine = worker.engine
     stats = engine.stats(settle=False)
     decode, io = stats["total"]["decode"], stats["io"]["decode"]
-    passes, tokens = int(stats["positions"]["decode"]), int(stats["generated_tokens"])
+    passes, tokens = int(stats["passes"]["decode"]), int(stats["generated_tokens"])
     prefetch = stats["prefetch"]
     with worker.lock:
         requests = dict(worker.counters, active=worker.active, queued=worker.queued())

@@ -377,16 +377,34 @@ class LayerCache:
             # not advised for the device (`backend.stage_for_device`): MLX recycles its buffer
             flat = mx.array(flat_rows(self.layout, raw, n))
         index = int(slots[0]) if n == 1 else mx.array(slots.astype(np.int32))
-        offset = 0
+        for (proj, name), rows in self._part_rows(flat, n).items():
+            stacked = self.projections[proj][name]
+            stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
+
+    def _part_rows(self, flat: mx.array, n: int) -> dict[tuple[str, str], mx.array]:
+        """Per part, the rows of `n` experts' flat bytes (`flat_rows` order) as arrays shaped and typed as
+        the slots are (lazy views and casts of `flat`)."""
+        out, offset = {}, 0
         for part in self.layout.parts:
             key = (part.proj, part.name)
             rows = flat[:, offset : offset + part.nbytes].view(SAME_BYTES[part.dtype]).reshape(n, *part.shape)
-            if rows.dtype != self.targets[key]:
-                rows = rows.astype(self.targets[key])
-            module = self.projections[part.proj]
-            stacked = module[part.name]
-            stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
+            out[key] = rows if rows.dtype == self.targets[key] else rows.astype(self.targets[key])
             offset += part.nbytes
+        return out
+
+    def scratch_rows(self, raw, count: int) -> dict[tuple[str, str], mx.array]:
+        """Per part, `count` experts' bytes as read (by part) as rows shaped and typed as the slots' (the
+        bytes are copied: the read's buffers may be reused at once)."""
+        return self._part_rows(mx.array(flat_rows(self.layout, raw, count)), count)
+
+    def with_scratch(self, chunks: list[dict]) -> dict[tuple[str, str], mx.array]:
+        """Per part, the slots followed by the `scratch_rows` of `chunks`: the stacks a layer computes on
+        once when its routed experts do not all fit in the slots (row C + j is the j-th scratch expert).
+        Lazy; the slots themselves stay as they are."""
+        return {
+            (p, n): mx.concatenate([self.projections[p][n], *(c[(p, n)] for c in chunks)])
+            for p, n in chunks[0]
+        }
 
     def forget_prefetches(self):
         """Count every resident expert as used (statistics restart; the experts stay)."""

@@ -9,9 +9,9 @@ the slots it gets back. One decoded token, top to bottom:
 3. Exact mode: the layer's routing and the predictions are evaluated together (the layer's one sync);
    `after_routing` hooks run; finished reads are installed; lookups and hits are counted; misses are
    claimed from the reader if being read ("late"), else read and installed here; the predictions are
-   queued for the reader; the slots go back to the switch (in rounds when they do not all fit). On the
-   CPU backend a decode layer that misses first hands back its resident experts, which compute while
-   the missing ones are read (`_split`).
+   queued for the reader; the slots go back to the switch (with a scratch stack of the routed experts
+   that do not fit, `_overflow`). On the CPU backend a decode layer that misses first hands back its
+   resident experts, which compute while the missing ones are read (`_split`).
    A layer whose experts are all resident only counts its lookups (its ids are its slots when the cache
    holds experts in id order) unless a hook or a recording needs the routing; such layers and skip
    mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
@@ -58,8 +58,9 @@ STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install
 
 
 class Route(NamedTuple):
-    """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale; in
-    rounds, which routed experts this round computes (`members`); `launch`: the host waited for this
+    """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale;
+    `stacks`: the arrays to compute on instead of the slots' own (the slots and a scratch stack of the
+    routed experts that did not fit, `_overflow`); `launch`: the host waited for this
     layer's routing, so its computation should start at once. `lanes`: a round of a decode token that
     computes only the routed experts at these positions (`slots` holds theirs alone), started at once:
     the runtime reads the next round's experts meanwhile; the switch puts the rounds' outputs back in
@@ -67,7 +68,7 @@ class Route(NamedTuple):
 
     slots: mx.array
     scale: mx.array | None = None
-    members: mx.array | None = None
+    stacks: dict | None = None
     launch: bool = False
     lanes: np.ndarray | None = None
 
@@ -280,7 +281,7 @@ class OffloadRuntime:
         if fits:  # the cache's lookup table is made anew only when its experts changed
             yield Route(cache.routed_slots(indices), launch=self.launch_early)
         else:
-            yield from self._rounds(cache, ids, uniq, counts)
+            yield self._overflow(cache, indices, uniq, counts, missing)
 
     def _split(self, cache: LayerCache, indices, ids, uniq, counts, missing, predictions) -> Iterator[Route]:
         """A decode token's layer that misses, in two rounds: its resident experts compute while the
@@ -300,19 +301,41 @@ class OffloadRuntime:
         self.load(cache, missing, protect=uniq, computing=True, synchronize=synchronize)
         self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
 
-    def _rounds(self, cache: LayerCache, ids, uniq, counts) -> Iterator[Route]:
-        """More distinct experts than slots: compute in rounds over the experts that fit."""
-        remaining = uniq
-        while remaining.size:
-            resident = remaining[cache.slot_of[remaining] >= 0]
-            missing = remaining[cache.slot_of[remaining] < 0]
-            to_load = missing[: cache.room(protect=resident)]
-            if to_load.size:
-                self.load(cache, to_load, protect=resident, computing=True)
-            group = np.concatenate([resident, to_load])
-            self._touch(cache, group, counts[np.searchsorted(uniq, group)])
-            yield Route(cache.slots_for(ids), members=mx.array(np.isin(ids, group)))
-            remaining = np.setdiff1d(remaining, group)
+    def _overflow(self, cache: LayerCache, indices: mx.array, uniq, counts, missing) -> Route:
+        """More distinct routed experts than slots (a batch, or a long prefill chunk, at a small capacity):
+        the most used missing experts go into the slots the routed ones leave free; the rest are read into
+        a scratch stack beside the slots, and the layer computes once on both (`LayerCache.with_scratch`),
+        each expert's rows grouped as stock mlx-lm groups them, so the result is the same. Nothing routed
+        is evicted within the layer, and no expert is read twice."""
+        future = self._future(cache.layer)
+        if future is None:  # the most used go in
+            order = np.argsort(-counts[np.searchsorted(uniq, missing)], kind="stable")
+            admit = missing[order[: cache.room(protect=uniq)]]
+        else:  # each only if needed no later than what it would evict (Belady's MIN, bypass allowed)
+            admit = np.asarray(_worth(cache, missing, uniq, future, self.clock), dtype=np.int64)
+        if admit.size:
+            self._load_missing(cache, admit, uniq, counts)
+        scratch, rows = [], []  # experts read into the scratch stack, in order; their rows by chunk
+        chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // cache.layout.expert_nbytes))
+        while (rest := np.setdiff1d(uniq[cache.slot_of[uniq] < 0], scratch)).size:
+            # (a late prefetch of one may have gone into a slot instead, or found none: read it then)
+            t0 = time.perf_counter()
+            experts, raw, reads = self._read(cache, rest[:chunk], uniq.tolist())
+            t1 = time.perf_counter()
+            try:
+                rows.append(cache.scratch_rows(raw, len(experts)))
+            finally:
+                self.reader.recycle(reads, installed=False)
+            scratch += experts
+            nbytes = len(experts) * cache.layout.expert_nbytes
+            self.ledger.add(
+                self.phase, cache.layer, experts_read=len(experts), bytes_read=nbytes, read_s=t1 - t0
+            )
+        self._touch(cache, uniq, counts)  # the resident ones; the scratch ones pass through
+        table = np.where(cache.slot_of >= 0, cache.slot_of, 0)
+        table[np.asarray(scratch, dtype=np.int64)] = cache.capacity + np.arange(len(scratch))
+        slots = mx.array(table.astype(np.int32))[indices]
+        return Route(slots, stacks=cache.with_scratch(rows), launch=self.launch_early)
 
     def _route_skipping(self, layer: int, indices: mx.array, phase: str) -> Route:
         """Skip mode: no sync; missing experts' outputs are zeroed and the others rescaled so the routing

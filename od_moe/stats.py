@@ -120,6 +120,9 @@ def _io(led: Ledger, phase_index, layer_index) -> dict:
         return led.field(name)[phase_index, layer_index].sum()
 
     return {
+        # read (demand, prefetch taken, and scratch rows of a layer whose routed experts overflow its
+        # slots) and loaded (installed into slots) differ: not every read expert is installed
+        "experts_read": int(f("experts_read") + f("prefetch_taken")),
         "experts_loaded": int(f("installed") + f("prefetch_installed")),
         "bytes_read": int(f("bytes_read") + f("prefetch_bytes")),
         "stall_s": float(f("read_s") + f("wait_s")),
@@ -158,7 +161,8 @@ def layer_rows(led: Ledger, caches) -> list[dict]:
 
 def totals(rows: list[dict]) -> dict:
     """The per-layer rows added up."""
-    keys = ("lookups", "hits", "misses", "experts_loaded", "bytes_read", "stall_s", "install_s", "evictions")
+    keys = ("lookups", "hits", "misses", "experts_read", "experts_loaded", "bytes_read", "stall_s")
+    keys += ("install_s", "evictions")
     out = {k: sum(r[k] for r in rows) for k in keys + ("resident", "pinned", "capacity")}
     out["hit_rate"] = _rate(out["hits"], out["lookups"])
     for phase in PHASES:
@@ -171,7 +175,7 @@ def totals(rows: list[dict]) -> dict:
 def io_by_phase(led: Ledger) -> dict[str, dict]:
     """Bytes read, experts installed, stall and install seconds by the phase of the pass that caused them."""
     everywhere = slice(None)
-    keys = ("bytes_read", "experts_loaded", "stall_s", "install_s")
+    keys = ("bytes_read", "experts_read", "experts_loaded", "stall_s", "install_s")
     return {p: {k: v for k, v in _io(led, n, everywhere).items() if k in keys} for n, p in enumerate(PHASES)}
 
 

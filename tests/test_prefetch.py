@@ -573,14 +573,10 @@ def test_several_reader_threads_give_exact_tokens(policy, predictor_dir, bundled
     assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
     stats = engine.stats()
     _invariants(stats)
-    assert stats["total"]["bytes_read"] == stats["total"]["experts_loaded"] * engine.caches[
-        0
-    ].layout.expert_nbytes + (
-        stats["prefetch"]["bytes_read"]
-        - stats["prefetch"]["installed"] * engine.caches[0].layout.expert_nbytes
+    # every expert read, demand or prefetch, installed or not, is counted once with its bytes
+    assert (
+        stats["total"]["bytes_read"] == stats["total"]["experts_read"] * engine.caches[0].layout.expert_nbytes
     )
-    for cache in engine.caches:
-        _consistent(cache)
 
 
 def test_device_copy_path_gives_exact_tokens(monkeypatch, bundled_reference):

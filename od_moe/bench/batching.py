@@ -86,7 +86,7 @@ def _od_moe(path, capacity, prompts, max_tokens) -> dict:
     result = _decode(run, prompts, max_tokens)
     stats = engine.stats()
     generated = max(stats["generated_tokens"], 1)
-    result["experts_per_token"] = stats["total"]["experts_loaded"] / generated
+    result["experts_per_token"] = stats["total"]["experts_read"] / generated
     result["hit_rate"] = stats["total"]["decode"]["hit_rate"]
     engine.close()
     return result

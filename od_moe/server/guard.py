@@ -5,12 +5,14 @@ the answers. So: the Host header must name an address the server answers to (its
 loopback names when bound to loopback, names added with `--allow-host`); a browser request from another
 origin (its `Origin` header) is refused unless `--allow-origin` lists it; a POST body must be
 `application/json`. Bodies are read under the size limit (chunked ones too) and parsed as strict JSON: no
-NaN or Infinity, no lone surrogates. A body over the limit gets 413 and its connection is closed without
-waiting for the rest. Not here: the routes (`app.py`) or the meaning of fields (`requests.py`).
+NaN or Infinity (nor numbers that overflow to it), no lone surrogates, at most `MAX_DEPTH` levels deep. A
+body over the limit gets 413 and its connection is closed without waiting for the rest. Not here: the
+routes (`app.py`) or the meaning of fields (`requests.py`).
 """
 
 import ipaddress
 import json
+import math
 import select
 import socket
 from collections.abc import Callable, Iterable
@@ -22,6 +24,8 @@ from .requests import ApiError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("", "0.0.0.0", "::")
+# Deeper than any API body needs (a message's content parts are 4 levels down, a tool's schema maybe 20).
+MAX_DEPTH = 64
 
 
 def host_names(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
@@ -108,7 +112,8 @@ def _body(request: Request) -> bytes:
 
 
 def read_json(request: Request):
-    """The body of a POST as strict JSON (any value; the caller checks it is an object)."""
+    """The body of a POST as strict JSON (any value; the caller checks it is an object), checked whole by
+    `check_json` before any field is read."""
     if request.mimetype != "application/json":
         raise ApiError(
             415,
@@ -119,17 +124,55 @@ def read_json(request: Request):
     raw = _body(request)
     try:
         data = json.loads(raw, parse_constant=_no_constants)
-    except ValueError as e:  # also undecodable UTF-8
+    except RecursionError:  # the decoder recurses per level: far past MAX_DEPTH, it runs out of stack
+        raise _too_deep()
+    except ValueError as e:  # also undecodable UTF-8 and integers of over 4300 digits
         raise ApiError(400, f"the request body is not valid JSON ({e})")
+    check_json(data)
+    return data
+
+
+def check_json(data):
+    """Raise an ApiError unless every value of `data` can be read and answered without surprise: nested
+    at most MAX_DEPTH levels (deeper values would exhaust the stack of whatever recurses on them: repr,
+    json.dumps, templates), numbers finite (1e309 parses as infinity), text valid Unicode (no lone
+    surrogate escapes). Walked with a list, not recursion, for the same reason."""
+    todo = [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key)
+                todo.append((item, depth + 1))
+        elif isinstance(value, list):
+            todo.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ApiError(
+                400,
+                "the request body has a number too large for a double (it reads as infinity): send a "
+                "finite number",
+            )
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400, f"the request body is nested deeper than {MAX_DEPTH} levels: send a flatter JSON object"
+    )
+
+
+def _check_text(text: str):
     try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(
             400,
             "the request body has a lone surrogate (an unpaired \\ud800-\\udfff escape) in a string: send "
             "valid UTF-8 text",
         )
-    return data
 
 
 def is_too_large(error: BaseException) -> bool:

@@ -12,7 +12,6 @@ routes (`app.py`) or the meaning of fields (`requests.py`).
 
 import ipaddress
 import json
-import math
 import select
 import socket
 from collections.abc import Callable, Iterable
@@ -26,6 +25,7 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("", "0.0.0.0", "::")
 # Deeper than any API body needs (a message's content parts are 4 levels down, a tool's schema maybe 20).
 MAX_DEPTH = 64
+NESTING = frozenset((dict, list))  # the types json.loads nests
 
 
 def host_names(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
@@ -125,7 +125,9 @@ def read_json(request: Request):
     try:
         data = json.loads(raw, parse_constant=_no_constants)
     except RecursionError:  # the decoder recurses per level: far past MAX_DEPTH, it runs out of stack
-        raise _too_deep()
+        raise ApiError(
+            400, f"the request body is nested deeper than {MAX_DEPTH} levels: send a flatter JSON object"
+        )
     except ValueError as e:  # also undecodable UTF-8 and integers of over 4300 digits
         raise ApiError(400, f"the request body is not valid JSON ({e})")
     check_json(data)
@@ -134,44 +136,33 @@ def read_json(request: Request):
 
 def check_json(data):
     """Raise an ApiError unless every value of `data` can be read and answered without surprise: nested
-    at most MAX_DEPTH levels (deeper values would exhaust the stack of whatever recurses on them: repr,
-    json.dumps, templates), numbers finite (1e309 parses as infinity), text valid Unicode (no lone
-    surrogate escapes). Walked with a list, not recursion, for the same reason."""
-    todo = [(data, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if depth > MAX_DEPTH:
-            raise _too_deep()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                _check_text(key)
-                todo.append((item, depth + 1))
-        elif isinstance(value, list):
-            todo.extend((item, depth + 1) for item in value)
-        elif isinstance(value, str):
-            _check_text(value)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ApiError(
-                400,
-                "the request body has a number too large for a double (it reads as infinity): send a "
-                "finite number",
-            )
-
-
-def _too_deep() -> ApiError:
-    return ApiError(
-        400, f"the request body is nested deeper than {MAX_DEPTH} levels: send a flatter JSON object"
-    )
-
-
-def _check_text(text: str):
-    try:
-        text.encode("utf-8")
+    at most MAX_DEPTH levels (deeper values would exhaust the stack of whatever recurses on them),
+    numbers finite (1e309 parses as infinity), text valid Unicode (no lone surrogate escapes)."""
+    level = [data] if type(data) in NESTING else []
+    for _ in range(MAX_DEPTH):  # level by level, without recursion: depth is what is checked
+        inner = []
+        for value in level:
+            items = value.values() if type(value) is dict else value
+            if not NESTING.isdisjoint(map(type, items)):  # in C: most lists are of numbers or text
+                inner.extend(v for v in items if type(v) in NESTING)
+        level = inner
+    if level:
+        raise ApiError(
+            400, f"the request body is nested deeper than {MAX_DEPTH} levels: send a flatter JSON object"
+        )
+    try:  # numbers and text, checked at C speed
+        json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(
             400,
             "the request body has a lone surrogate (an unpaired \\ud800-\\udfff escape) in a string: send "
             "valid UTF-8 text",
+        )
+    except ValueError:
+        raise ApiError(
+            400,
+            "the request body has a number too large for a double (it reads as infinity): send a finite "
+            "number",
         )
 
 

@@ -5,11 +5,14 @@ tokenizing prompts (the app does it, because it needs the tokenizer) or generati
 """
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 from ..sampling import MAX_SEED
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 60
 
 
 class ApiError(Exception):
@@ -41,8 +44,9 @@ class GenerationParams:
 
 
 def shown(value, limit: int = 60) -> str:
-    """`value` as an error message quotes it: its repr, cut short (a body may hold megabytes)."""
-    text = repr(value)
+    """`value` as an error message quotes it: a repr of its first items and levels, cut short (a body may
+    hold megabytes, and a full repr would be made before it is cut)."""
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -301,8 +301,9 @@ def test_the_page_reads_the_decode_rate_from_a_requests_first_second(server, mon
     times = []
 
     def paced(prompt, max_tokens, **kwargs):
-        for i in range(max_tokens):
-            time.sleep(0.04)
+        start = time.monotonic()
+        for i in range(max_tokens):  # on a schedule: a late wake-up on a busy machine is not carried on
+            time.sleep(max(0.0, start + 0.04 * (i + 1) - time.monotonic()))
             times.append(time.monotonic())
             yield SimpleNamespace(token=i, text="x", finish_reason=None)
 
@@ -319,7 +320,7 @@ def test_the_page_reads_the_decode_rate_from_a_requests_first_second(server, mon
     true = (len(times) - 1) / (times[-1] - times[0])
     # samples are a quarter second apart: a reading may show the window as it was that long before
     during = [r for t, r in readings if times[0] + 0.8 < t < times[-1]]
-    assert len(during) >= 5 and all(r is not None and 0.85 * true < r < 1.15 * true for r in during), (
+    assert len(during) >= 5 and all(r is not None and 0.8 * true < r < 1.2 * true for r in during), (
         true,
         during,
     )

@@ -276,23 +276,24 @@ def test_no_body_content_type_or_method_gets_a_5xx(app):
         for path in GOOD
         for kind in CONTENT_TYPES
     ]
-    problems = []
+    problems, asked = [], len(cases)
     for i, (path, label, raw, kind) in enumerate(cases):
         response = client.post(path, data=raw, headers={"Content-Type": kind} if kind else {})
         if (why := problem(response, path)) is not None:
             problems.append(f"POST {path} {label} ({raw[:80]!r}): {why}")
-        if i % 100 == 99:
+        if i % 50 == 49:  # state a bad request left behind would fail these
             good_requests_succeed(client)
     for path, methods in routes(app):
         for method in METHODS:
             for raw in (None, b"{}", NASTY["nested 100000 lists"]):
                 headers = {"Content-Type": "application/json"} if raw is not None else {}
                 response = client.open(path, method=method, data=raw, headers=headers)
+                asked += 1
                 if (why := problem(response, path, method)) is not None:
                     problems.append(f"{method} {path} ({'no body' if raw is None else raw[:20]}): {why}")
                 if method not in methods and response.status_code < 400:
                     problems.append(f"{method} {path} is not a route but answered {response.status_code}")
-    assert not problems, f"{len(problems)} of {len(cases)} bad answers:\n" + "\n".join(problems[:20])
+    assert not problems, f"{len(problems)} bad answers of {asked}:\n" + "\n".join(problems[:20])
     good_requests_succeed(client)
     assert app.worker.counters["failed"] == failed_before
     assert client.get("/health").get_json()["status"] == "ok"

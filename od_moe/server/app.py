@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 
+import jinja2
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import WSGIRequestHandler
@@ -30,7 +31,7 @@ from ..sampling import vocab_size_of
 from ..units import MB
 from . import anthropic, dashboard, guard
 from .health import health_body, prometheus_text
-from .requests import ApiError, parse_messages, parse_params, parse_prompt
+from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
 
 # Used when a tokenizer has no chat template (the embedded model ships one of its own).
@@ -97,6 +98,8 @@ def create_app(
         message = {
             404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
             f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics, GET / (dashboard)",
+            405: f"{request.method} is not a method of {request.path}: use "
+            f"{' or '.join(sorted(set(getattr(e, 'valid_methods', None) or ()) - {'HEAD', 'OPTIONS'}))}",
             413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
         }.get(e.code, e.description)
         if guard.is_too_large(e):
@@ -132,16 +135,18 @@ def create_app(
         data = guard.read_json(request)
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = data.get("model")
-        if model is not None and model not in (name, str(engine.model_path), "default"):
-            raise ApiError(
-                404,
-                f"model {model!r} is not served here; this server serves {name!r}",
-                "model",
-                "model_not_found",
-                kind="not_found_error",
-            )
+        check_model(data, (name, str(engine.model_path), "default"))
         return data
+
+    def chat_tokens(messages) -> list[int]:
+        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        try:
+            tokens = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, chat_template=template
+            )
+        except jinja2.TemplateError as e:  # a model's template refuses some conversations, on purpose
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages")
+        return list(tokens)
 
     def check_length(prompt_tokens):
         if len(prompt_tokens) > max_input_tokens:
@@ -172,20 +177,15 @@ def create_app(
     def chat_completions():
         data = body_json()
         params = parse_params(data, max_tokens, default_max_tokens, vocab)
-        messages = parse_messages(data)
-        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+        tokens = chat_tokens(parse_messages(data))
         check_length(tokens)
-        return respond(list(tokens), params, chat=True)
+        return respond(tokens, params, chat=True)
 
     @app.post("/v1/messages")
     def messages():
         data = body_json()
         messages, params = anthropic.parse_request(data, max_tokens, vocab)
-        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        tokens = list(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
-        )
+        tokens = chat_tokens(messages)
         check_length(tokens)
         job = worker.submit(tokens, params, guard.client_alive(request.environ))
         if params.stream:

@@ -158,7 +158,8 @@ def create_app(
                 "prompt",
                 "context_length_exceeded",
             )
-        vocab = getattr(tokenizer, "vocab_size", None)
+        # the model's own vocabulary (its embedding's rows): a tokenizer's vocab_size leaves out added
+        # special tokens (Qwen3's <|im_start|> is past it)
         if vocab and any(t >= vocab for t in prompt_tokens):
             raise ApiError(
                 400, f"the prompt has token ids outside the vocabulary (0 to {vocab - 1})", "prompt"

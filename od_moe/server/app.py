@@ -11,14 +11,13 @@ cleanly on Ctrl-C or SIGTERM. Not here: generation (`worker.py`), validation rul
 Host/Origin/body checks (`guard.py`) or the statistics documents (`health.py`).
 """
 
-import json
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-import uuid
+from dataclasses import dataclass
 
 import jinja2
 from flask import Flask, Response, jsonify, request
@@ -29,7 +28,7 @@ from ..errors import UserError
 from ..preflight import engine_capabilities
 from ..sampling import vocab_size_of
 from ..units import MB
-from . import anthropic, dashboard, guard
+from . import anthropic, dashboard, guard, openai
 from .health import health_body, prometheus_text
 from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
@@ -59,9 +58,9 @@ def create_app(
     max_tokens: the most tokens one request may ask for (default: the model's maximum positions; a
     generation also stops where prompt and completion fill them, finish reason "length").
     max_input_tokens: the longest prompt (default: one less than the model's maximum positions, so that
-    a token fits after it). allowed_hosts: the
-    Host names answered (default: the loopback names; see `guard.host_names`). allowed_origins: browser
-    origins (`https://example.org`, or `*`) allowed besides the server's own.
+    a token fits after it). allowed_hosts: the Host names answered (default: the loopback names; see
+    `guard.host_names`). allowed_origins: browser origins (`https://example.org`, or `*`) allowed besides
+    the server's own.
     """
     worker = worker or GenerationWorker(engine)
     worker.ready.wait()
@@ -69,18 +68,39 @@ def create_app(
         raise worker.load_error
     engine = worker.engine
     name = model_name or engine.model_path.name
-    tokenizer = engine.tokenizer
-    vocab = vocab_size_of(engine.model) or getattr(tokenizer, "vocab_size", None)
-    if max_tokens is None:
-        max_tokens = engine.max_positions
-    if max_input_tokens is None:
-        max_input_tokens = engine.max_positions - 1
+    limits = _Limits(
+        max_tokens=engine.max_positions if max_tokens is None else max_tokens,
+        max_input_tokens=engine.max_positions - 1 if max_input_tokens is None else max_input_tokens,
+        default_max_tokens=default_max_tokens,
+        event_timeout_s=event_timeout_s,
+        vocab=vocab_size_of(engine.model) or getattr(engine.tokenizer, "vocab_size", None),
+    )
     hosts = allowed_hosts if allowed_hosts is not None else guard.host_names("127.0.0.1")
-    origins = frozenset(allowed_origins)
     started = time.time()
     app = Flask("od_moe.server")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.json.sort_keys = False
+    _register_guards(app, worker, hosts, frozenset(allowed_origins), max_body_bytes)
+    _register_generation(app, worker, name, limits)
+    _register_information(app, worker, name, started)
+    dashboard.register(app, worker, name, started)
+    app.worker = worker
+    return app
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """What one generation request may ask for."""
+
+    max_tokens: int
+    max_input_tokens: int
+    default_max_tokens: int
+    event_timeout_s: float
+    vocab: int | None  # the model's vocabulary (its embedding's rows)
+
+
+def _register_guards(app: Flask, worker, hosts, origins, max_body_bytes: int):
+    """Host/Origin checks and CORS on every request; every error as JSON (4xx for the client's)."""
 
     @app.errorhandler(ApiError)
     def api_error(e: ApiError):
@@ -131,6 +151,11 @@ def create_app(
             response.headers["Vary"] = "Origin"
         return response
 
+
+def _register_generation(app: Flask, worker, name: str, limits: _Limits):
+    """The three generation endpoints: validate, tokenize, queue a job, relay its events."""
+    engine, tokenizer = worker.engine, worker.engine.tokenizer
+
     def body_json() -> dict:
         data = guard.read_json(request)
         if not isinstance(data, dict):
@@ -148,54 +173,69 @@ def create_app(
             raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages")
         return list(tokens)
 
-    def check_length(prompt_tokens):
-        if len(prompt_tokens) > max_input_tokens:
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt_tokens)} tokens, over this server's limit of "
-                f"{max_input_tokens} (--max-input-tokens; the model takes {engine.max_positions} positions, "
-                "prompt and completion together)",
-                "prompt",
-                "context_length_exceeded",
-            )
-        # the model's own vocabulary (its embedding's rows): a tokenizer's vocab_size leaves out added
-        # special tokens (Qwen3's <|im_start|> is past it)
-        if vocab and any(t >= vocab for t in prompt_tokens):
-            raise ApiError(
-                400, f"the prompt has token ids outside the vocabulary (0 to {vocab - 1})", "prompt"
-            )
+    def submit(tokens: list[int], params):
+        _check_prompt(tokens, limits, engine.max_positions)
+        return worker.submit(tokens, params, guard.client_alive(request.environ))
+
+    def respond(tokens, params, chat: bool):
+        reply = openai.Reply(submit(tokens, params), name, chat, limits.event_timeout_s)
+        if not params.stream:
+            return reply.whole()
+        events = reply.stream(params.include_usage)
+        return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def params_of(data):
+        return parse_params(data, limits.max_tokens, limits.default_max_tokens, limits.vocab)
 
     @app.post("/v1/completions")
     def completions():
         data = body_json()
-        params = parse_params(data, max_tokens, default_max_tokens, vocab)
-        prompt = parse_prompt(data)
+        params, prompt = params_of(data), parse_prompt(data)
         tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_length(tokens)
         return respond(tokens, params, chat=False)
 
     @app.post("/v1/chat/completions")
     def chat_completions():
         data = body_json()
-        params = parse_params(data, max_tokens, default_max_tokens, vocab)
-        tokens = chat_tokens(parse_messages(data))
-        check_length(tokens)
-        return respond(tokens, params, chat=True)
+        params = params_of(data)
+        return respond(chat_tokens(parse_messages(data)), params, chat=True)
 
     @app.post("/v1/messages")
     def messages():
-        data = body_json()
-        messages, params = anthropic.parse_request(data, max_tokens, vocab)
+        messages, params = anthropic.parse_request(body_json(), limits.max_tokens, limits.vocab)
         tokens = chat_tokens(messages)
-        check_length(tokens)
-        job = worker.submit(tokens, params, guard.client_alive(request.environ))
+        job = submit(tokens, params)
         if params.stream:
             return Response(
-                anthropic.stream(job, name, len(tokens), event_timeout_s),
+                anthropic.stream(job, name, len(tokens), limits.event_timeout_s),
                 mimetype="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return jsonify(anthropic.message(job, name, event_timeout_s))
+        return jsonify(anthropic.message(job, name, limits.event_timeout_s))
+
+
+def _check_prompt(tokens: list[int], limits: _Limits, max_positions: int):
+    """A prompt over `--max-input-tokens` or with ids outside the model's vocabulary is a 400."""
+    if len(tokens) > limits.max_input_tokens:
+        raise ApiError(
+            400,
+            f"the prompt has {len(tokens)} tokens, over this server's limit of {limits.max_input_tokens} "
+            f"(--max-input-tokens; the model takes {max_positions} positions, prompt and completion "
+            "together)",
+            "prompt",
+            "context_length_exceeded",
+        )
+    # the model's own vocabulary (its embedding's rows): a tokenizer's vocab_size leaves out added special
+    # tokens (Qwen3's <|im_start|> is past it)
+    if limits.vocab and any(t >= limits.vocab for t in tokens):
+        raise ApiError(
+            400, f"the prompt has token ids outside the vocabulary (0 to {limits.vocab - 1})", "prompt"
+        )
+
+
+def _register_information(app: Flask, worker, name: str, started: float):
+    """/v1/models, /v1/capabilities, /health and /metrics."""
+    engine = worker.engine
 
     @app.get("/v1/models")
     def models():
@@ -216,92 +256,6 @@ def create_app(
         return Response(
             prometheus_text(health_body(worker, name, started)), mimetype="text/plain; version=0.0.4"
         )
-
-    def respond(tokens, params, chat: bool):
-        job = worker.submit(tokens, params, guard.client_alive(request.environ))
-        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-
-        def events():
-            return job.stream(event_timeout_s)
-
-        def chunk(delta_text=None, finish=None, usage=None, first=False):
-            if chat:
-                delta = (
-                    {"role": "assistant", "content": ""}
-                    if first
-                    else ({"content": delta_text} if delta_text is not None else {})
-                )
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-            out = {
-                "id": ident,
-                "object": obj + (".chunk" if chat else ""),
-                "created": created,
-                "model": name,
-                "choices": [choice] if usage is None or finish is not None or first else [],
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return "data: " + json.dumps(out) + "\n\n"
-
-        if not params.stream:
-            try:
-                parts, finish, usage = [], None, None
-                for event in events():
-                    if event[0] == "text":
-                        parts.append(event[1])
-                    elif event[0] == "error":
-                        raise event[1]
-                    else:
-                        finish, usage = event[1], event[2]
-            finally:
-                job.cancelled.set()  # a no-op when done; stops the generation when the client went away
-            if finish is None:  # the client went away: nobody reads this
-                return Response(status=499)
-            text = "".join(parts)
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            )
-            return jsonify(
-                {
-                    "id": ident,
-                    "object": obj,
-                    "created": created,
-                    "model": name,
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
-
-        def stream():
-            try:
-                if chat:
-                    yield chunk(first=True)
-                for event in events():
-                    if event[0] == "text":
-                        yield chunk(event[1])
-                    elif event[0] == "error":
-                        yield "data: " + json.dumps(event[1].body()) + "\n\n"
-                        return
-                    else:
-                        finish, usage = event[1], event[2]
-                        yield chunk(None, finish)
-                        if params.include_usage:
-                            yield chunk(usage=usage)
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancelled.set()  # a no-op when done; stops the generation when the client went away
-
-        return Response(stream(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    dashboard.register(app, worker, name, started)
-    app.worker = worker
-    return app
 
 
 def bind(host: str, port: int) -> socket.socket:

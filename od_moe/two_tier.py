@@ -1,0 +1,310 @@
+"""Two-tier mode: misses read in place from host memory, hits computed on device slots, no host sync.
+
+Where the GPU has memory of its own (CUDA) and the host holds every expert, a missing expert need not
+be read from disk after the host learned the routing (the per-layer path, `runtime.py`: a host round
+trip per layer with a miss). Here each MoE layer has:
+- the mapped stack: every expert in host memory as MLX arrays the GPU reads in place (`mapped.py`), plus
+  a row of zeros kept on the device;
+- C device slots: mlx-lm's own switch with C stacked experts (`LayerCache` holds them and says which
+  expert sits where);
+- lookup tables on the device: per expert id its slot (0 where absent), its row of the mapped stack (the
+  zero row where resident) and whether it is resident.
+A pass (`TwoTierSwitch`) computes every routed lane twice with mlx-lm's own switch math, once on the
+slots and once on the mapped stack, and keeps per lane the one that holds the expert (`mx.where`): a
+hit's mapped lane reads only the device's zero row and a miss's slot lane reads slot 0, so bytes cross
+PCIe only for misses. A layer with every expert resident computes on the slots alone (the plain resident
+path), one with none on the mapped stack alone. The output is stock mlx-lm's, bit for bit: the same
+kernels on the same bytes per lane. Nothing in a pass waits for the host: each pass's routed ids are
+stacked on the device and started at its last MoE layer, and the host reads them a pass later, when
+they are done (`_fold`): the ledger's lookups and hits, `record_routing`'s trace, and `Admission`'s counts.
+Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from the
+mapped stack with MLX slice updates, ordered on MLX's stream after the passes already launched, so no
+pass in flight sees a slot change. Measured on an H100 (`tools/two_tier_probe.py`, 8 Qwen3-30B-shaped
+layers): 1.51 / 3.38 / 5.48 / 10.4 ms a token at hit rates 1 / 0.75 / 0.5 / 0, exact.
+Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py`), the CUDA advice
+(`cuda.HostMapping`), or the per-layer path with its prefetch (`runtime.py`).
+"""
+
+import copy
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .admission import Admission
+from .cache import LayerCache
+from .errors import UserError
+from .mapped import read_stack, release_stack
+from .policies import OnDemand
+from .stats import Ledger
+from .store import ExpertStore
+
+ADMIT_EVERY = 4  # passes folded between admissions (a prompt's prefill is admitted at once)
+
+
+def mapped_switch(switch: nn.Module, stack: dict[tuple[str, str], mx.array]) -> nn.Module:
+    """A shallow copy of mlx-lm's `switch` whose projections hold the arrays of `stack` (same math)."""
+    clone = copy.copy(switch)
+    for proj in {p for p, _ in stack}:
+        projection = copy.copy(switch[proj])
+        for (p, name), array in stack.items():
+            if p == proj:
+                projection[name] = array
+        clone[proj] = projection
+    return clone
+
+
+class TwoTierSwitch(nn.Module):
+    """Drop-in `switch_mlp`: hits on the device slots (`inner`), misses on the mapped stack."""
+
+    def __init__(self, inner: nn.Module, mapped: nn.Module, runtime: "TwoTierRuntime", layer: int):
+        super().__init__()
+        self.inner = inner
+        self.layer = layer
+        object.__setattr__(self, "mapped", mapped)  # not a child: the stack is no parameter of the model
+        object.__setattr__(self, "runtime", runtime)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self.runtime.compute(self.layer, self.inner, self.mapped, x, indices)
+
+
+class _Pass(NamedTuple):
+    clock: int  # the pass's number (`TwoTierRuntime.clock`)
+    phase: str
+    tokens: int
+    routed: mx.array  # (layers, lanes) expert ids, lazy until the pass is done
+    resident: np.ndarray  # (layers, experts) bool: which experts the pass found in slots
+    k: int
+    recorded: bool
+
+
+class _Tables(NamedTuple):
+    slot_of: np.ndarray  # the host table these were made from
+    slots: mx.array  # (E,) uint32: the slot of each expert, 0 where absent
+    rows: mx.array  # (E,) uint32: the mapped row of each expert, E (the zero row) where resident
+    hit: mx.array  # (E,) bool
+
+
+class TwoTierRuntime:
+    """What the engine drives in two-tier mode: the same interface as `OffloadRuntime` where the engine
+    uses it (ledger, caches, settle, recording, policy), with no reads after load and no prefetch."""
+
+    miss_policy = "load"
+    two_tier = True
+
+    def __init__(
+        self, store: ExpertStore, caches: list[LayerCache], stacks: list[dict], admit_every: int = ADMIT_EVERY
+    ):
+        self.store, self.caches, self.stacks = store, caches, stacks
+        self.num_experts = caches[0].num_experts
+        self.ledger = Ledger(len(caches))
+        self.admission = Admission(len(caches), self.num_experts)
+        self.admit_every = admit_every
+        self.admissions = True  # fill slots between passes; off, the slots stay as loaded or seeded
+        self.policy = OnDemand()
+        self.taps: list = [None] * len(caches)
+        self.governor = self.settings = None
+        self.optimistic, self.optimistic_passes, self.optimistic_misses = False, 0, 0
+        self.token_miss_rate, self.host_syncs, self.copy_installs = 0.0, 0, False
+        self.clock, self.phase = 0, "prefill"
+        self._tables: list[_Tables | None] = [None] * len(caches)
+        self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
+        self._routed: list[mx.array] = []
+        self._pending: deque[_Pass] = deque()
+        self._recording: list | None = None
+        self._since_admission = 0
+        self._prompt_folded = False
+        weakref.finalize(self, _release, stacks)
+
+    # -- the engine's interface ------------------------------------------------------------------
+    def set_policy(self, policy, settings=None, experts_per_layer: int = 0):
+        """Use `policy`'s prompt hooks (router discovery: `profile`); predictions are not used here."""
+        if settings is not None:
+            raise UserError(
+                f"prefetch policy {policy.name!r} predicts experts for the per-layer path; two-tier mode "
+                "admits experts from their routing counts: use prefetch 'none' or 'profile', or "
+                "two_tier=False"
+            )
+        self.policy = policy
+
+    def close(self):
+        self.policy = OnDemand()
+
+    def reset_counts(self):
+        """Zero the ledger (the slots and admission's counts stay)."""
+        self.settle()
+        self.ledger.reset()
+        self.host_syncs = 0
+
+    def start_prompt(self, prompt):
+        self.policy.prompt_start(prompt)
+
+    def start_recording(self):
+        self._recording = []
+
+    def stop_recording(self) -> list[dict[int, np.ndarray]]:
+        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
+        self.settle()
+        recording, self._recording = self._recording, None
+        return recording
+
+    def optimistic_ok(self) -> bool:
+        return False  # no pass here waits for the host: nothing to run optimistically
+
+    def settle(self):
+        """Bring every pass's routing into the ledger, waiting for passes still computing."""
+        if self._pending:
+            self.host_syncs += 1
+        self._fold(keep=0)
+
+    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **_):
+        """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
+        snapshots, a fully resident start), free slots first, then the most evictable."""
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[cache.slot_of[ids] < 0]
+        if ids.size:
+            slots = cache.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=self.clock)
+            self._fill(cache, ids, slots)
+
+    # -- a pass --------------------------------------------------------------------------------
+    def compute(self, layer: int, inner: nn.Module, mapped: nn.Module, x: mx.array, indices: mx.array):
+        """One MoE layer's experts for `indices`: what mlx-lm's switch would give, with no host sync."""
+        if layer == 0:
+            self._begin_pass(x)
+        self._routed.append(indices)
+        cache = self.caches[layer]
+        tables = self._tables[layer]
+        if tables is None:  # every expert resident (slots in id order: the plain resident path)
+            y = inner(x, cache.routed_slots(indices))
+        elif not self._resident[layer].any():
+            y = mapped(x, indices)
+        else:
+            on_slots = inner(x, tables.slots[indices])
+            in_place = mapped(x, tables.rows[indices])
+            y = mx.where(tables.hit[indices][..., None], on_slots, in_place)
+        if layer == len(self.caches) - 1:
+            self._end_pass()
+        return y
+
+    def _begin_pass(self, x: mx.array):
+        tokens = x.size // x.shape[-1]
+        self.phase = "decode" if x.ndim < 2 or x.shape[-2] == 1 else "prefill"
+        # a prompt's passes were waited for by the generation loop: admit from them before decoding
+        newest_prefill = bool(self._pending) and self._pending[-1].phase == "prefill"
+        self._fold(keep=0 if newest_prefill and self.phase == "decode" else 1)
+        self.clock += 1
+        self.ledger.count_forward(self.phase, tokens)
+        if self.admissions and (self._since_admission >= self.admit_every or self._prompt_folded):
+            self._admit()
+        for layer, cache in enumerate(self.caches):
+            self._refresh(layer, cache)
+        self._routed = []
+
+    def _end_pass(self):
+        lanes = {r.size for r in self._routed}
+        if len(lanes) != 1 or len(self._routed) != len(self.caches):
+            raise RuntimeError("two-tier mode: the MoE layers of a pass routed different numbers of lanes")
+        routed = mx.stack([r.reshape(-1) for r in self._routed])
+        mx.async_eval(routed)  # starts the pass so far; the host reads it after the pass is done
+        k = self._routed[0].shape[-1]
+        self._pending.append(
+            _Pass(
+                self.clock,
+                self.phase,
+                routed.shape[1] // k,
+                routed,
+                self._resident.copy(),
+                k,
+                self._recording is not None,
+            )
+        )
+        self._routed = []
+
+    def _refresh(self, layer: int, cache: LayerCache):
+        """Remake a layer's device tables if its slots changed (admission, seeding, a snapshot)."""
+        tables = self._tables[layer]
+        resident = cache.slot_of >= 0
+        if tables is not None and np.array_equal(tables.slot_of, cache.slot_of):
+            return
+        if tables is None and self._resident[layer].all() and resident.all():
+            return
+        self._resident[layer] = resident
+        if resident.all() and cache.capacity == cache.num_experts:
+            self._tables[layer] = None
+            return
+        E = cache.num_experts
+        self._tables[layer] = _Tables(
+            cache.slot_of.copy(),
+            mx.array(np.where(resident, cache.slot_of, 0).astype(np.uint32)),
+            mx.array(np.where(resident, E, np.arange(E)).astype(np.uint32)),
+            mx.array(resident),
+        )
+
+    # -- between passes ----------------------------------------------------------------------------
+    def _fold(self, keep: int):
+        """Book the passes but the newest `keep` (which may still compute): lookups and hits in the
+        ledger, routing counts for admission, the trace where recording."""
+        L, E = len(self.caches), self.num_experts
+        while len(self._pending) > keep:
+            done = self._pending[0]
+            ids = np.array(done.routed).astype(np.int64)
+            self._pending.popleft()
+            counts = np.bincount((ids + E * np.arange(L)[:, None]).reshape(-1), minlength=L * E).reshape(L, E)
+            hits = (counts * done.resident).sum(axis=1)
+            for layer in range(L):
+                self.ledger.count_lookups(done.phase, layer, ids.shape[1], int(hits[layer]))
+            self.admission.add(counts)
+            self._since_admission += 1
+            self._prompt_folded = self._prompt_folded or done.phase == "prefill"
+            if done.recorded and self._recording is not None:
+                self._recording.append({layer: ids[layer].reshape(done.tokens, done.k) for layer in range(L)})
+
+    def _admit(self):
+        """Copy into slots the experts `Admission` names, layer by layer."""
+        self._since_admission, self._prompt_folded = 0, False
+        for layer, cache in enumerate(self.caches):
+            ids, slots = self.admission.swaps(layer, cache.expert_in_slot)
+            if ids.size:
+                self._fill(cache, ids, slots)
+
+    def _fill(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray):
+        """MLX slice updates from the mapped stack into the slots (lazy: the next pass evaluates them,
+        after those launched before it), and the cache's bookkeeping."""
+        t0 = time.perf_counter()
+        stack = self.stacks[cache.layer]
+        if len(ids) == 1:
+            to, source = int(slots[0]), int(ids[0])
+        else:
+            to, source = mx.array(slots.astype(np.int32)), mx.array(ids.astype(np.int32))
+        for (proj, name), rows in stack.items():
+            held = cache.projections[proj][name]
+            held[to] = rows[source]  # in place: the module holds this same array
+        held = cache.expert_in_slot.copy()
+        evicted = int((held[slots] >= 0).sum())
+        held[slots] = ids
+        cache.restore(held)
+        self.ledger.add(
+            self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=time.perf_counter() - t0
+        )
+
+
+def _release(stacks):
+    for stack in stacks:
+        release_stack(stack)
+
+
+def build(store: ExpertStore, blocks, caches: list[LayerCache], progress=None) -> TwoTierRuntime:
+    """Read every layer's mapped stack (`progress.update(bytes)` as it goes), make the runtime and put a
+    `TwoTierSwitch` where each block's switch was. `caches` were made over the blocks' switches."""
+    stacks = [read_stack(store, cache.layout, cache.targets, progress) for cache in caches]
+    runtime = TwoTierRuntime(store, caches, stacks)
+    for i, (block, stack) in enumerate(zip(blocks, stacks)):
+        block.replace_switch(TwoTierSwitch(block.switch, mapped_switch(block.switch, stack), runtime, i))
+    for layer, cache in enumerate(caches):
+        runtime._refresh(layer, cache)
+    return runtime

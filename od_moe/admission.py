@@ -32,9 +32,10 @@ class Admission:
         self.scores = np.zeros((layers, num_experts))
         self.half_life, self.margin, self.max_swaps = half_life, margin, max_swaps
 
-    def add(self, counts: np.ndarray):
-        """One forward pass's routing: `counts` (layers, experts), how often each expert was routed."""
-        self.scores *= 0.5 ** (1.0 / self.half_life)
+    def add(self, counts: np.ndarray, passes: int = 1):
+        """The routing of `passes` forward passes: `counts` (layers, experts), how often each expert was
+        routed (the older counts decay by those passes; the new ones count in full)."""
+        self.scores *= 0.5 ** (passes / self.half_life)
         self.scores += counts
 
     def seed(self, layer: int, counts: np.ndarray):

@@ -14,9 +14,10 @@ slots and once on the mapped stack, and keeps per lane the one that holds the ex
 hit's mapped lane reads only the device's zero row and a miss's slot lane reads slot 0, so bytes cross
 PCIe only for misses. A layer with every expert resident computes on the slots alone (the plain resident
 path), one with none on the mapped stack alone. The output is stock mlx-lm's, bit for bit: the same
-kernels on the same bytes per lane. Nothing in a pass waits for the host: each pass's routed ids are
-stacked on the device and started at its last MoE layer, and the host reads them a pass later, when
-they are done (`_fold`): the ledger's lookups and hits, `record_routing`'s trace, and `Admission`'s counts.
+kernels on the same bytes per lane. Nothing in a pass waits for the host: lookups are booked from the
+ids' shapes, and what needs the routing itself, the hits and `Admission`'s counts, is added up on the
+device (`tally.py`) and read by the host a few passes late, when it is done; `record_routing`'s trace is
+read when recording stops.
 Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from the
 mapped stack with MLX slice updates, ordered on MLX's stream after the passes already launched, so no
 pass in flight sees a slot change. Measured on an H100 (`tools/two_tier_probe.py`, 8 Qwen3-30B-shaped
@@ -28,7 +29,6 @@ Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py
 import copy
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -41,10 +41,12 @@ from .cache import LayerCache
 from .errors import UserError
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
-from .stats import Ledger
+from .stats import PHASES, Ledger
 from .store import ExpertStore
+from .tally import DeviceTally
 
-ADMIT_EVERY = 4  # passes folded between admissions (a prompt's prefill is admitted at once)
+ADMIT_EVERY = 4  # passes between admissions (a prompt's prefill is admitted at once)
+LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 
 def mapped_switch(switch: nn.Module, stack: dict[tuple[str, str], mx.array]) -> nn.Module:
@@ -71,16 +73,6 @@ class TwoTierSwitch(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return self.runtime.compute(self.layer, self.inner, self.mapped, x, indices)
-
-
-class _Pass(NamedTuple):
-    clock: int  # the pass's number (`TwoTierRuntime.clock`)
-    phase: str
-    tokens: int
-    routed: mx.array  # (layers, lanes) expert ids, lazy until the pass is done
-    resident: np.ndarray  # (layers, experts) bool: which experts the pass found in slots
-    k: int
-    recorded: bool
 
 
 class _Tables(NamedTuple):
@@ -112,13 +104,16 @@ class TwoTierRuntime:
         self.optimistic, self.optimistic_passes, self.optimistic_misses = False, 0, 0
         self.token_miss_rate, self.host_syncs, self.copy_installs = 0.0, 0, False
         self.clock, self.phase = 0, "prefill"
+        self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
         self._tables: list[_Tables | None] = [None] * len(caches)
         self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
-        self._routed: list[mx.array] = []
-        self._pending: deque[_Pass] = deque()
+        self._dirty = True  # slots changed since the tables were made
+        self._routed: dict[int, mx.array] = {}
+        self._hit: dict[int, mx.array] = {}
         self._recording: list | None = None
+        self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
         self._since_admission = 0
-        self._prompt_folded = False
+        self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
         weakref.finalize(self, _release, stacks)
 
     # -- the engine's interface ------------------------------------------------------------------
@@ -142,6 +137,7 @@ class TwoTierRuntime:
         self.host_syncs = 0
 
     def start_prompt(self, prompt):
+        self._dirty = True  # slots may have changed between requests (a snapshot, seeding)
         self.policy.prompt_start(prompt)
 
     def start_recording(self):
@@ -157,10 +153,17 @@ class TwoTierRuntime:
         return False  # no pass here waits for the host: nothing to run optimistically
 
     def settle(self):
-        """Bring every pass's routing into the ledger, waiting for passes still computing."""
-        if self._pending:
+        """Bring every pass's hits into the ledger (and the trace, where recording), waiting for passes
+        still computing."""
+        if self._book(self.tally.read()) or self._recorded:
             self.host_syncs += 1
-        self._fold(keep=0)
+        if self._recorded:
+            mx.eval([ids for ids, _ in self._recorded])
+            for ids, k in self._recorded:
+                routed = np.array(ids).astype(np.int64)
+                self._recording.append({i: row.reshape(-1, k) for i, row in enumerate(routed)})
+            self._recorded = []
+        self._dirty = True
 
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **_):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
@@ -176,54 +179,55 @@ class TwoTierRuntime:
         """One MoE layer's experts for `indices`: what mlx-lm's switch would give, with no host sync."""
         if layer == 0:
             self._begin_pass(x)
-        self._routed.append(indices)
         cache = self.caches[layer]
         tables = self._tables[layer]
+        lanes = indices.size
         if tables is None:  # every expert resident (slots in id order: the plain resident path)
             y = inner(x, cache.routed_slots(indices))
-        elif not self._resident[layer].any():
-            y = mapped(x, indices)
+            self.ledger.count_lookups(self.phase, layer, lanes, lanes)
         else:
-            on_slots = inner(x, tables.slots[indices])
-            in_place = mapped(x, tables.rows[indices])
-            y = mx.where(tables.hit[indices][..., None], on_slots, in_place)
+            self._routed[layer] = indices
+            self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
+            if not self._resident[layer].any():
+                y = mapped(x, indices)
+            else:
+                hit = self._hit[layer] = tables.hit[indices]
+                on_slots = inner(x, tables.slots[indices])
+                in_place = mapped(x, tables.rows[indices])
+                y = mx.where(hit[..., None], on_slots, in_place)
+        if self._recording is not None:
+            self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:
-            self._end_pass()
+            self._end_pass(indices.shape[-1])
         return y
 
     def _begin_pass(self, x: mx.array):
+        self.tally.launch()  # the last pass's counts, queued after it
         tokens = x.size // x.shape[-1]
         self.phase = "decode" if x.ndim < 2 or x.shape[-2] == 1 else "prefill"
-        # a prompt's passes were waited for by the generation loop: admit from them before decoding
-        newest_prefill = bool(self._pending) and self._pending[-1].phase == "prefill"
-        self._fold(keep=0 if newest_prefill and self.phase == "decode" else 1)
         self.clock += 1
         self.ledger.count_forward(self.phase, tokens)
-        if self.admissions and (self._since_admission >= self.admit_every or self._prompt_folded):
-            self._admit()
-        for layer, cache in enumerate(self.caches):
-            self._refresh(layer, cache)
-        self._routed = []
+        self._since_admission += 1
+        if self.admissions and self._since_admission >= self.admit_every:
+            # passes LAG back are done in a pipelined loop (mlx-lm waits for each token two passes on)
+            self._admit(self.tally.read(done_by=self.clock - LAG))
+        elif self.admissions and self._prompt_done and self.phase == "decode":
+            self._admit(self.tally.read())  # the prompt's routing: prefill was waited for anyway
+        self._prompt_done = False
+        if self._dirty:
+            for layer, cache in enumerate(self.caches):
+                self._refresh(layer, cache)
+            self._dirty = False
+        self._routed, self._hit = {}, {}
 
-    def _end_pass(self):
-        lanes = {r.size for r in self._routed}
-        if len(lanes) != 1 or len(self._routed) != len(self.caches):
-            raise RuntimeError("two-tier mode: the MoE layers of a pass routed different numbers of lanes")
-        routed = mx.stack([r.reshape(-1) for r in self._routed])
-        mx.async_eval(routed)  # starts the pass so far; the host reads it after the pass is done
-        k = self._routed[0].shape[-1]
-        self._pending.append(
-            _Pass(
-                self.clock,
-                self.phase,
-                routed.shape[1] // k,
-                routed,
-                self._resident.copy(),
-                k,
-                self._recording is not None,
-            )
-        )
-        self._routed = []
+    def _end_pass(self, k: int):
+        counted = {i: ids for i, ids in self._routed.items() if self._tables[i] is not None}
+        self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit)
+        if self._recording is not None:
+            ids = mx.stack([self._routed[i].reshape(-1) for i in range(len(self.caches))])
+            self._recorded.append((ids, k))
+        self._prompt_done = self._prompt_done or self.phase == "prefill"
+        self._routed, self._hit = {}, {}
 
     def _refresh(self, layer: int, cache: LayerCache):
         """Remake a layer's device tables if its slots changed (admission, seeding, a snapshot)."""
@@ -246,27 +250,22 @@ class TwoTierRuntime:
         )
 
     # -- between passes ----------------------------------------------------------------------------
-    def _fold(self, keep: int):
-        """Book the passes but the newest `keep` (which may still compute): lookups and hits in the
-        ledger, routing counts for admission, the trace where recording."""
-        L, E = len(self.caches), self.num_experts
-        while len(self._pending) > keep:
-            done = self._pending[0]
-            ids = np.array(done.routed).astype(np.int64)
-            self._pending.popleft()
-            counts = np.bincount((ids + E * np.arange(L)[:, None]).reshape(-1), minlength=L * E).reshape(L, E)
-            hits = (counts * done.resident).sum(axis=1)
-            for layer in range(L):
-                self.ledger.count_lookups(done.phase, layer, ids.shape[1], int(hits[layer]))
-            self.admission.add(counts)
-            self._since_admission += 1
-            self._prompt_folded = self._prompt_folded or done.phase == "prefill"
-            if done.recorded and self._recording is not None:
-                self._recording.append({layer: ids[layer].reshape(done.tokens, done.k) for layer in range(L)})
+    def _book(self, read) -> bool:
+        """Put a tally read into the ledger (hits) and admission (counts); False where there was none."""
+        if read is None:
+            return False
+        passes, counts, hits = read
+        for p, phase in enumerate(PHASES):
+            for layer in np.flatnonzero(hits[p]):
+                self.ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
+        self.admission.add(counts, passes)
+        return True
 
-    def _admit(self):
-        """Copy into slots the experts `Admission` names, layer by layer."""
-        self._since_admission, self._prompt_folded = 0, False
+    def _admit(self, read):
+        """Book a tally read, then copy into slots the experts `Admission` names, layer by layer."""
+        if not self._book(read):
+            return
+        self._since_admission = 0
         for layer, cache in enumerate(self.caches):
             ids, slots = self.admission.swaps(layer, cache.expert_in_slot)
             if ids.size:
@@ -288,6 +287,7 @@ class TwoTierRuntime:
         evicted = int((held[slots] >= 0).sum())
         held[slots] = ids
         cache.restore(held)
+        self._dirty = True
         self.ledger.add(
             self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=time.perf_counter() - t0
         )

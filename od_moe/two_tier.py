@@ -76,7 +76,6 @@ class TwoTierSwitch(nn.Module):
 
 
 class _Tables(NamedTuple):
-    slot_of: np.ndarray  # the host table these were made from
     slots: mx.array  # (E,) uint32: the slot of each expert, 0 where absent
     rows: mx.array  # (E,) uint32: the mapped row of each expert, E (the zero row) where resident
     hit: mx.array  # (E,) bool
@@ -215,8 +214,7 @@ class TwoTierRuntime:
             self._admit(self.tally.read())  # the prompt's routing: prefill was waited for anyway
         self._prompt_done = False
         if self._dirty:
-            for layer, cache in enumerate(self.caches):
-                self._refresh(layer, cache)
+            self._refresh()
             self._dirty = False
         self._routed, self._hit = {}, {}
 
@@ -229,25 +227,18 @@ class TwoTierRuntime:
         self._prompt_done = self._prompt_done or self.phase == "prefill"
         self._routed, self._hit = {}, {}
 
-    def _refresh(self, layer: int, cache: LayerCache):
-        """Remake a layer's device tables if its slots changed (admission, seeding, a snapshot)."""
-        tables = self._tables[layer]
-        resident = cache.slot_of >= 0
-        if tables is not None and np.array_equal(tables.slot_of, cache.slot_of):
-            return
-        if tables is None and self._resident[layer].all() and resident.all():
-            return
-        self._resident[layer] = resident
-        if resident.all() and cache.capacity == cache.num_experts:
-            self._tables[layer] = None
-            return
-        E = cache.num_experts
-        self._tables[layer] = _Tables(
-            cache.slot_of.copy(),
-            mx.array(np.where(resident, cache.slot_of, 0).astype(np.uint32)),
-            mx.array(np.where(resident, E, np.arange(E)).astype(np.uint32)),
-            mx.array(resident),
-        )
+    def _refresh(self):
+        """Remake the device tables after slots changed (admission, seeding, a snapshot): one host-to-device
+        array for every layer (small arrays made from host bytes each cost the device a page fault on
+        CUDA), each layer's tables views of it; a layer with every expert in slots needs none."""
+        E, L = self.num_experts, len(self.caches)
+        resident = np.stack([c.slot_of >= 0 for c in self.caches])
+        full = [bool(resident[i].all()) and c.capacity == E for i, c in enumerate(self.caches)]
+        slot_of = np.stack([c.slot_of for c in self.caches])
+        indices = np.stack([np.where(resident, slot_of, 0), np.where(resident, E, np.arange(E))], axis=1)
+        block, hits = mx.array(indices.astype(np.uint32)), mx.array(resident)
+        self._resident = resident
+        self._tables = [None if full[i] else _Tables(block[i, 0], block[i, 1], hits[i]) for i in range(L)]
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
@@ -262,22 +253,35 @@ class TwoTierRuntime:
         return True
 
     def _admit(self, read):
-        """Book a tally read, then copy into slots the experts `Admission` names, layer by layer."""
+        """Book a tally read, then copy into slots the experts `Admission` names, every layer's indices in
+        one host-to-device array."""
         if not self._book(read):
             return
         self._since_admission = 0
-        for layer, cache in enumerate(self.caches):
-            ids, slots = self.admission.swaps(layer, cache.expert_in_slot)
-            if ids.size:
-                self._fill(cache, ids, slots)
+        fills = [
+            (cache, *self.admission.swaps(i, cache.expert_in_slot)) for i, cache in enumerate(self.caches)
+        ]
+        fills = [f for f in fills if f[1].size]
+        if not fills:
+            return
+        both = mx.array(
+            np.concatenate([np.stack([ids, slots]) for _, ids, slots in fills], axis=1).astype(np.int32)
+        )
+        start = 0
+        for cache, ids, slots in fills:
+            self._fill(cache, ids, slots, both[:, start : start + len(ids)])
+            start += len(ids)
 
-    def _fill(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray):
+    def _fill(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray, index: mx.array | None = None):
         """MLX slice updates from the mapped stack into the slots (lazy: the next pass evaluates them,
-        after those launched before it), and the cache's bookkeeping."""
+        after those launched before it), and the cache's bookkeeping. `index`: (2, n) int32 ids and
+        slots already on the device."""
         t0 = time.perf_counter()
         stack = self.stacks[cache.layer]
         if len(ids) == 1:
             to, source = int(slots[0]), int(ids[0])
+        elif index is not None:
+            source, to = index[0], index[1]
         else:
             to, source = mx.array(slots.astype(np.int32)), mx.array(ids.astype(np.int32))
         for (proj, name), rows in stack.items():
@@ -305,6 +309,5 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], progress=None) -
     runtime = TwoTierRuntime(store, caches, stacks)
     for i, (block, stack) in enumerate(zip(blocks, stacks)):
         block.replace_switch(TwoTierSwitch(block.switch, mapped_switch(block.switch, stack), runtime, i))
-    for layer, cache in enumerate(caches):
-        runtime._refresh(layer, cache)
+    runtime._refresh()
     return runtime

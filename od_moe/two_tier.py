@@ -45,7 +45,7 @@ from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .tally import DeviceTally
 
-ADMIT_EVERY = 4  # passes between admissions (a prompt's prefill is admitted at once)
+ADMIT_EVERY = 8  # passes between admissions (a prompt's prefill is admitted at once)
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 

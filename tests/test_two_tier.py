@@ -134,7 +134,7 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     mx.eval(logits)
     y = mx.argmax(logits[:, -1], axis=-1)
     out = []
-    for step in range(16):  # mlx-lm's pattern: the next pass is built while the last one computes
+    for step in range(24):  # mlx-lm's pattern: the next pass is built while the last one computes
         logits = engine.model(y[None], cache=cache)
         following = mx.argmax(logits[:, -1], axis=-1)
         mx.async_eval(following)
@@ -143,8 +143,8 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
         if step == 0:  # the first decode pass read the prompt's counts (the prompt was waited for)
             del ages[:]
     assert calls == []
-    assert len(ages) >= 3 and min(ages) >= two_tier.LAG
-    assert out == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[1:2], 17)[0][:16]
+    assert len(ages) >= 2 and min(ages) >= two_tier.LAG
+    assert out == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[1:2], 25)[0][:24]
     assert engine.stats()["total"]["hits"] > 0
 
 

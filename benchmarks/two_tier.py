@@ -13,8 +13,10 @@ compare with learned admission on the same slots count.
         [--tokens 48] [--json out.json]
 
 Rows: `tt:F` two-tier at fraction F; `static:F` the same with admission frozen after the warm-up;
-`exact:F` the per-layer path (today's default off CUDA). On the CPU backend every two-tier row runs on
-host memory: tokens and counts are meaningful there, the speeds are the CPU's.
+`exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
+`tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
+admit_every). On the CPU backend every two-tier row runs on host memory: tokens and counts are meaningful
+there, the speeds are the CPU's.
 """
 
 import argparse
@@ -44,10 +46,16 @@ def model_path(args) -> Path:
     return widen_model(args.model, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
 
 
-def run_row(kind: str, fraction: float, path: Path, stock, tokenizer, reference, args) -> dict:
+def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
+    kind, fraction, *knobs = spec.split(":")
+    fraction = float(fraction)
     t0 = time.perf_counter()
     engine = od_moe.load(str(path), capacity=fraction, two_tier=kind != "exact")
     load_s = time.perf_counter() - t0
+    for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
+        name, value = knob.split("=")
+        owner = engine.runtime if name == "admit_every" else engine.runtime.admission
+        setattr(owner, name, type(getattr(owner, name))(value))
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
         list(engine.stream_generate(WARM_PROMPT, max_tokens=args.tokens))
     if kind == "static":
@@ -69,7 +77,7 @@ def run_row(kind: str, fraction: float, path: Path, stock, tokenizer, reference,
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
-        "row": f"{kind} {fraction:.1%}",
+        "row": " ".join([kind, f"{fraction:.1%}", *knobs]),
         "mode": engine.mode[0],
         "capacity": engine.capacity,
         "stock_tok_s": statistics.median(s for s, _ in speeds),
@@ -109,8 +117,7 @@ def main():
     reference = [stock_decode(stock, tokenizer, p, args.tokens)[1] for p in PROMPTS]
     rows = []
     for spec in args.rows.split(","):
-        kind, fraction = spec.split(":")
-        row = run_row(kind, float(fraction), path, stock, tokenizer, reference, args)
+        row = run_row(spec, path, stock, tokenizer, reference, args)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     headers = [

@@ -15,7 +15,7 @@ import numpy as np
 
 HALF_LIFE = 32.0  # forward passes after which a routing count weighs half
 MARGIN = 2.0  # decayed uses a newcomer must have over the expert it replaces (a copy costs ~3 reads)
-MAX_SWAPS = 4  # replacements per layer per admission (filling free slots is not limited)
+MAX_SWAPS = 8  # replacements per layer per admission (filling free slots is not limited)
 
 
 class Admission:

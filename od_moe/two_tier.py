@@ -45,7 +45,12 @@ from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .tally import DeviceTally
 
-ADMIT_EVERY = 8  # passes between admissions (a prompt's prefill is admitted at once)
+# passes between admissions (a prompt's prefill is admitted at once). Each admission reads the device's
+# counts on the host, and that costs more than its copies: on the H100 (`benchmarks/two_tier.py`, 6 rounds,
+# 3 prompts x 48 tokens, 25% of experts in slots) admitting every 8 passes ran at 0.56x stock on the widened
+# copy and 0.61x on the bundled model where slots frozen after a warm-up prompt ran 0.66x and 0.68x; every 16
+# with a higher margin (0.38 copies a token instead of 0.98) cost the same per admission, about 4 ms
+ADMIT_EVERY = 64
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 

@@ -107,6 +107,7 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     engine = od_moe.load(capacity=0.25, two_tier=True)
     list(engine.stream_generate(PROMPTS[0], max_tokens=16))  # slots filled, admission running
     runtime = engine.runtime
+    runtime.admit_every = 4
     calls, ages = [], []
 
     class CountingMx:

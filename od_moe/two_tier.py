@@ -45,11 +45,10 @@ from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .tally import DeviceTally
 
-# passes between admissions (a prompt's prefill is admitted at once). Each admission reads the device's
-# counts on the host, and that costs more than its copies: on the H100 (`benchmarks/two_tier.py`, 6 rounds,
-# 3 prompts x 48 tokens, 25% of experts in slots) admitting every 8 passes ran at 0.56x stock on the widened
-# copy and 0.61x on the bundled model where slots frozen after a warm-up prompt ran 0.66x and 0.68x; every 16
-# with a higher margin (0.38 copies a token instead of 0.98) cost the same per admission, about 4 ms
+# passes between admissions (a prompt's prefill is admitted at once). Admitting often did not pay on the
+# H100 (`benchmarks/two_tier.py`, 25% of experts in slots, widened x128 copy): every 8 passes against slots
+# frozen after a warm-up prompt ran 0.56x against 0.66x stock on one machine and 0.44x against 0.43x on
+# another, with hit rates 0.61 against 0.47: within the spread between machines, so host reads stay rare
 ADMIT_EVERY = 64
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 

@@ -98,8 +98,11 @@ def two_tier_choice(requested, expert_nbytes: int) -> tuple[bool, str]:
         return True, f"two-tier mode forced on ({where})"
     if requested is False:
         return False, "two-tier mode off (asked)"
-    if arrays_in_host_memory():
-        return False, "two-tier mode off: this backend's memory is host memory (use two_tier=True to force)"
+    if not (mx.cuda.is_available() and mx.default_device().type == mx.gpu):
+        return (
+            False,
+            "two-tier mode off: not a CUDA device, whose memory is its own (two_tier=True forces it)",
+        )
     if not fits:
         return False, f"two-tier mode off: host memory cannot hold the experts ({where})"
     return True, f"two-tier mode: every expert mapped from host memory, misses read in place ({where})"

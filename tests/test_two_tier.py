@@ -151,7 +151,7 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
 
 def test_modes_are_chosen_and_said():
     assert od_moe.load(capacity=0.25).mode[0] == "per-layer"  # auto: the CPU's memory is host memory
-    assert "host memory" in od_moe.load(capacity=0.25).mode[1]
+    assert "not a CUDA device" in od_moe.load(capacity=0.25).mode[1]
     with pytest.raises(UserError, match="no predictive prefetch"):
         od_moe.load(capacity=0.25, two_tier=True, prefetch="next-gate")
     with pytest.raises(UserError, match="two_tier must be"):

@@ -7,22 +7,15 @@ Greedy tokens must agree; host syncs per decoded token are deterministic.
   leaving it to the next sync;
 - `--switch split_on_miss`: a decode layer that misses computes its resident experts while the missing
   ones are read, against reading them first (on by default on the CPU backend);
-- `--switch optimistic_prefetch`: optimistic decode passes while a policy that predicts on the host
-  prefetches (`--policy oracle`), against a sync per layer;
-- `--switch start_installs`: MLX writes into the caches (CUDA) made during an optimistic pass start
-  computing at once, against leaving them to the pass's evaluation (with `--with optimistic_prefetch`).
 - `--switch copy_installs`: installs copy the read bytes into the slots (numpy views of host memory;
   on CUDA the runtime's copies from pinned staging), against MLX writes from arrays the reader threads
   make (CUDA's path without the runtime's copies).
-- `--switch wait_for_predicted`: in an optimistic pass a layer waits for every read predicted for it (those
-  not started too), against only those under way (with `--with optimistic_prefetch --policy oracle`).
 `--policy oracle` records each prompt's routing once and replays it in both engines. `--with SWITCH`
 turns another switch on in both; `--no-self-checks` keeps prefetch from pausing itself.
 `--cold` reads every expert from the device (direct I/O, the page cache dropped before each prompt).
 
     python benchmarks/sync_path.py
-        [--switch optimistic|launch_early|split_on_miss|optimistic_prefetch|start_installs|copy_installs|
-                  wait_for_predicted]
+        [--switch optimistic|launch_early|split_on_miss|copy_installs]
         [--policy none|predictor|oracle] [--model PATH] [--capacities 0.75,0.875] [--rounds 3] [--tokens 64]
         [--cold] [--with SWITCH] [--no-self-checks]
 """
@@ -35,15 +28,7 @@ from od_moe.bench.prefetch import _predictor_for
 from od_moe.governor import PrefetchSettings
 from od_moe.report import table
 
-SWITCHES = (
-    "optimistic",
-    "launch_early",
-    "split_on_miss",
-    "optimistic_prefetch",
-    "start_installs",
-    "copy_installs",
-    "wait_for_predicted",
-)
+SWITCHES = ("optimistic", "launch_early", "split_on_miss", "copy_installs")
 
 
 def _generate(engine, prompt, max_tokens, cold=False, trace=None, settings=None):

@@ -286,7 +286,6 @@ class LayerCache:
         arrays: list[mx.array | None] | None = None,
         next_use: np.ndarray | None = None,
         synchronize: bool = True,
-        start: bool = False,
     ) -> "Installed":
         """Put experts `ids` into slots; returns the slots used, the experts evicted, and how many of
         those were prefetched and never used.
@@ -296,8 +295,7 @@ class LayerCache:
         not make), used where the backend needs MLX copies. `next_use`: where the future is known,
         passes until each expert of the layer is needed again (victims are chosen as `choose_slots` says).
         `synchronize=False`: the caller knows that no computation in flight reads the slots this install
-        may take, so host writes need not wait for the device first. `start`: MLX writes start computing
-        at once (`_write_mlx`).
+        may take, so host writes need not wait for the device first.
 
         The bytes are copied straight into the slots' rows where the backend allows (host memory on the
         CPU and Metal, the CUDA runtime's copies: `backend.row_writer`); elsewhere with MLX writes that the
@@ -314,7 +312,7 @@ class LayerCache:
         )
         if not (self.host_writes and self._write_host(slots, raw, synchronize)):
             self.host_writes = False
-            self._write_mlx(slots, raw, arrays, start)
+            self._write_mlx(slots, raw, arrays)
         evicted = self.expert_in_slot[slots]
         unused = int(self.unused_prefetch[slots][evicted >= 0].sum())
         evicted = evicted[evicted >= 0]
@@ -365,15 +363,13 @@ class LayerCache:
             (self.projections[first.proj][first.name], int(slots[0]), writes[0][1][0])
         )
 
-    def _write_mlx(self, slots: np.ndarray, raw, arrays=None, start: bool = False):
+    def _write_mlx(self, slots: np.ndarray, raw, arrays=None):
         """Put expert bytes into the slots with MLX operations (backends without host-visible memory): one
         (experts, bytes) array for the whole install (stacked from the reader's flat arrays where it made
         them all, else one host-to-device copy of the rows), then per part a view of its columns written
-        with one slice update (one expert) or one scatter. No host sync: with `start` the writes start
-        computing at once (`mx.async_eval`), else the computation that reads the slots evaluates them
-        (the runtime starts those made during an optimistic pass, whose one evaluation they would slow:
-        `OffloadRuntime.start_installs`). The array holds its own copy of the bytes, so staging may be
-        reused at once."""
+        with one slice update (one expert) or one scatter. No host sync: the computation that reads the
+        slots evaluates them. The array holds its own copy of the bytes, so staging may be reused at
+        once."""
         n = len(slots)
         if arrays is not None and all(a is not None for a in arrays):
             flat = arrays[0][None] if n == 1 else mx.stack(arrays)
@@ -381,18 +377,34 @@ class LayerCache:
             # not advised for the device (`backend.stage_for_device`): MLX recycles its buffer
             flat = mx.array(flat_rows(self.layout, raw, n))
         index = int(slots[0]) if n == 1 else mx.array(slots.astype(np.int32))
-        offset = 0
+        for (proj, name), rows in self._part_rows(flat, n).items():
+            stacked = self.projections[proj][name]
+            stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
+
+    def _part_rows(self, flat: mx.array, n: int) -> dict[tuple[str, str], mx.array]:
+        """Per part, the rows of `n` experts' flat bytes (`flat_rows` order) as arrays shaped and typed as
+        the slots are (lazy views and casts of `flat`)."""
+        out, offset = {}, 0
         for part in self.layout.parts:
             key = (part.proj, part.name)
             rows = flat[:, offset : offset + part.nbytes].view(SAME_BYTES[part.dtype]).reshape(n, *part.shape)
-            if rows.dtype != self.targets[key]:
-                rows = rows.astype(self.targets[key])
-            module = self.projections[part.proj]
-            stacked = module[part.name]
-            stacked[index] = rows[0] if n == 1 else rows  # in place: the module holds this same array
+            out[key] = rows if rows.dtype == self.targets[key] else rows.astype(self.targets[key])
             offset += part.nbytes
-        if start:
-            mx.async_eval([self.projections[p.proj][p.name] for p in self.layout.parts])
+        return out
+
+    def scratch_rows(self, raw, count: int) -> dict[tuple[str, str], mx.array]:
+        """Per part, `count` experts' bytes as read (by part) as rows shaped and typed as the slots' (the
+        bytes are copied: the read's buffers may be reused at once)."""
+        return self._part_rows(mx.array(flat_rows(self.layout, raw, count)), count)
+
+    def with_scratch(self, chunks: list[dict]) -> dict[tuple[str, str], mx.array]:
+        """Per part, the slots followed by the `scratch_rows` of `chunks`: the stacks a layer computes on
+        once when its routed experts do not all fit in the slots (row C + j is the j-th scratch expert).
+        Lazy; the slots themselves stay as they are."""
+        return {
+            (p, n): mx.concatenate([self.projections[p][n], *(c[(p, n)] for c in chunks)])
+            for p, n in chunks[0]
+        }
 
     def forget_prefetches(self):
         """Count every resident expert as used (statistics restart; the experts stay)."""

@@ -14,7 +14,9 @@ from .errors import ExpertReadError, UserError
 def _capacity_arg(parser: argparse.ArgumentParser):
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--capacity", help="experts resident per MoE layer: a count (16), a fraction (0.25) or 25%%"
+        "--capacity",
+        help="experts resident per MoE layer: a count (16), a fraction (0.25) or 25%% (default: what the "
+        "memory budget holds)",
     )
     group.add_argument(
         "--memory-budget", help="memory for the whole engine, e.g. 8GB or 512MiB (default: 70%% of available)"
@@ -44,17 +46,46 @@ def _direct_io(value: str):
     return {"auto": "auto", "on": True, "off": False}[value]
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows every flag's default: written into its help where that says more, else appended."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="od-moe", description="Run Mixture-of-Experts models larger than memory."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubParser)
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
     gen.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
-    gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument(
+        "--prompt",
+        required=True,
+        help="text to continue, or '-' to read it from standard input (as mlx-lm's generate)",
+    )
+    gen.add_argument(
+        "--system-prompt", help="a system message before the prompt (with the chat template only)"
+    )
+    gen.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="continue the raw prompt (by default, as mlx-lm's generate does, the prompt goes into the "
+        "tokenizer's chat template as a user message when the tokenizer has one)",
+    )
+    gen.add_argument(
+        "--chat-template-config",
+        metavar="JSON",
+        help="further arguments for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}')",
+    )
+    gen.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate")
     _capacity_arg(gen)
     _direct_io_arg(gen)
     _two_tier_arg(gen)
@@ -64,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="load",
         help="load: exact, read missing experts before use; skip: approximate, drop them",
     )
-    gen.add_argument("--eviction", choices=["lru", "lfu"], default="lru")
+    gen.add_argument(
+        "--eviction",
+        choices=["lru", "lfu"],
+        default="lru",
+        help="which resident expert a read replaces: least recently or least frequently used",
+    )
     gen.add_argument(
         "--predictor",
         help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's",
@@ -76,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "first generates once to record the true routing, then replays it (an upper bound)",
     )
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     gen.add_argument("--seed", type=int, help="random seed for sampling, 0 to 2**63 - 1")
     gen.add_argument("--snapshot", help="warm-start from a snapshot folder saved for this model and capacity")
     gen.add_argument("--save-snapshot", help="after generating, save the resident set to this folder")
@@ -98,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default loopback; anything else is your choice to expose it)",
     )
-    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
     _capacity_arg(srv)
     _direct_io_arg(srv)
     _two_tier_arg(srv)
@@ -111,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-input-tokens",
         type=int,
-        help="the longest prompt accepted, in tokens (default: the model's maximum positions)",
+        help="the longest prompt accepted, in tokens (default: one less than the model's maximum positions)",
     )
     srv.add_argument(
         "--allow-host",
@@ -166,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--eval-tokens", type=int, default=16384, help="held-out tokens to record (default 16384)"
     )
-    train.add_argument("--epochs", type=int, default=3)
+    train.add_argument(
+        "--epochs",
+        type=int,
+        default=3,
+        help="passes over the training traces, for the shadow network and its next-use head alike",
+    )
     train.add_argument(
         "--rank",
         type=int,
@@ -226,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _SubParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_DefaultsFormatter, **kwargs)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -266,6 +312,47 @@ def _predictor_arg(value):
     return value
 
 
+def _read_prompt(args) -> str:
+    """The prompt text: '-' reads standard input; escapes as mlx-lm's generate reads them."""
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise UserError("prompt is empty: give some text to continue")
+    return prompt
+
+
+def _template_options(args) -> dict:
+    """The chat template's further arguments (`--chat-template-config`), checked before the model loads."""
+    import json
+
+    if args.chat_template_config is None:
+        return {}
+    try:
+        options = json.loads(args.chat_template_config)
+    except ValueError as e:
+        options = e
+    if not isinstance(options, dict):
+        raise UserError(
+            f"--chat-template-config must be a JSON object such as '{{\"enable_thinking\": false}}', got "
+            f"{args.chat_template_config!r}"
+        )
+    return options
+
+
+def _chat_prompt(tokenizer, prompt: str, args, options: dict) -> str:
+    """`prompt` put into the tokenizer's chat template as mlx-lm's generate puts it, unless the tokenizer
+    has none or `--ignore-chat-template` is given."""
+    if args.ignore_chat_template or not getattr(tokenizer, "has_chat_template", False):
+        return prompt
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+    messages.append({"role": "user", "content": prompt})
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+    except TypeError as e:  # an option the template's renderer does not take
+        raise UserError(f"the chat template refused --chat-template-config: {e}")
+
+
 def cmd_generate(args):
     from . import load
     from .report import format_stats
@@ -278,6 +365,7 @@ def cmd_generate(args):
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     check_sampling(args.temp, args.top_p, seed=args.seed)  # before the model loads
+    prompt, template = _read_prompt(args), _template_options(args)
     if args.save_snapshot:
         _check_writable(args.save_snapshot)
     oracle = args.prefetch == "oracle"
@@ -288,11 +376,10 @@ def cmd_generate(args):
         prefetch="none" if oracle else args.prefetch,
         **options,
     )
+    prompt = _chat_prompt(engine.tokenizer, prompt, args, template)
     if oracle:  # the routing of this very generation, recorded by a scratch engine with the same settings
-        engine.configure_prefetch(
-            "oracle", load(args.model, **options).record_routing(args.prompt, **sampling)
-        )
-    for response in engine.stream_generate(args.prompt, **sampling):
+        engine.configure_prefetch("oracle", load(args.model, **options).record_routing(prompt, **sampling))
+    for response in engine.stream_generate(prompt, **sampling):
         print(response.text, end="", flush=True)
     print()
     if response.finish_reason == "length" and response.generation_tokens < args.max_tokens:
@@ -386,7 +473,8 @@ def cmd_inspect(args):
 
 
 def cmd_pack(args):
-    from .packed import model_layouts, pack
+    from .engine import model_layouts
+    from .packed import pack
     from .progress import byte_progress
     from .units import format_bytes
 

@@ -24,6 +24,7 @@ from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import parse_capacity, resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
+from .layout import BlockLayout
 from .optimistic import OptimisticModel
 from .packed import default_path as default_packed_path
 from .packed import use_packed
@@ -177,7 +178,7 @@ class Engine:
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
-        prompt = self._encode(prompt)
+        prompt = self.encode(prompt)
         context = max([o for o in held if o is not None], default=0) + len(prompt)
         if context >= self.max_positions:
             raise UserError(
@@ -203,7 +204,7 @@ class Engine:
         finally:
             self.runtime.settle()
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of `prompt`, encoded as `mlx_lm.stream_generate` encodes text (a BOS token added
         unless the text starts with one)."""
         if not isinstance(prompt, str):
@@ -219,6 +220,19 @@ class Engine:
             r.text
             for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs)
         )
+
+    def batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
+        """The completions of several prompts decoded together, as `mlx_lm.batch_generate` returns them
+        (`batch.batch_generate`: texts, statistics, token ids); misses are read once for the batch."""
+        from .batch import batch_generate
+
+        return batch_generate(self, prompts, max_tokens, **kwargs)
+
+    def stream_batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
+        """Yield each batch pass's new tokens, one `batch.BatchToken` per sequence decoded in it."""
+        from .batch import stream_batch_generate
+
+        return stream_batch_generate(self, prompts, max_tokens, **kwargs)
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
         """Generate and return the routing of every forward pass, [{layer: ids (tokens, k)}, ...]: what
@@ -291,6 +305,7 @@ class Engine:
             "capacity_fraction": self.capacity / self.num_experts,
             # positions the model computed (decode: passes) and tokens given to callers: see stats.py
             "positions": ledger.positions,
+            "passes": ledger.passes,
             "generated_tokens": ledger.generated,
             "io": io_by_phase(ledger),
             "direct_io": runtime.store.direct_io,
@@ -472,6 +487,14 @@ def _say(line: str):
     """One line on stderr where someone watches (a terminal), as the progress bars do."""
     if sys.stderr.isatty():
         print(f"od-moe: {line}", file=sys.stderr)
+
+
+def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayout]]:
+    """The store and MoE block layouts of a model folder (None: the embedded model), for `od-moe pack`
+    (and the bench's read measurement, which reads as the engine would: `packed` as `load` takes it)."""
+    engine = load(model, capacity=1, prefetch="none", packed=packed)  # the layouts; no expert is read
+    engine.close()
+    return engine.runtime.store, [c.layout for c in engine.caches]
 
 
 def _use_packed(store: ExpertStore, path: Path, packed):

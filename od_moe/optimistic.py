@@ -13,10 +13,9 @@ When recent tokens rarely missed, `OptimisticModel` runs a decode pass without t
    before the first that missed compute as they did, with no sync (their inputs, so their routing, are
    the same) and no booking (done in step 2); from that layer on, the exact path loads what is missing.
    The tokens, and with the on-demand policy every count, are those of exact mode.
-Used for single-token passes with trimmable KV caches, with the on-demand policy (and, where
-`OffloadRuntime.optimistic_prefetch` is set, with a policy that prefetches from predictions made on the
-host, the oracle: each layer waits for the reads predicted for it and queues its predictions for the
-layers ahead and, once built, their next run), when `OffloadRuntime.optimistic` is set (by default
+Used for single-token passes with trimmable KV caches, while no prefetch runs (prefetching from such
+passes was measured at 0.729x of a sync per layer on the H100 and removed: docs/GPU.md), when
+`OffloadRuntime.optimistic` is set (by default
 where a sync stalls the device, a GPU: on the CPU backend a sync costs little and the second runs cost
 more than the syncs saved; `benchmarks/sync_path.py` measures it); the runtime then decides from how
 often recent decode tokens missed (`OffloadRuntime.optimistic_ok`).

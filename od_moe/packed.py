@@ -79,16 +79,6 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
     return out
 
 
-def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayout]]:
-    """The store and MoE block layouts of a model folder (None: the embedded model), for `pack` (and the
-    bench's read measurement, which reads as the engine would: `packed` as `load` takes it)."""
-    from .engine import load  # the engine reads packed experts: imported here, not at the top
-
-    engine = load(model, capacity=1, prefetch="none", packed=packed)  # the layouts; no expert is read
-    engine.close()
-    return engine.runtime.store, [c.layout for c in engine.caches]
-
-
 def use_packed(store: ExpertStore, path) -> bool:
     """Have `store` read experts from the packed file at `path` (before its layouts are made); False if
     there is no file. A file made from other weights, or truncated, is a UserError."""

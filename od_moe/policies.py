@@ -12,9 +12,9 @@ Hooks, called by the runtime on the generation thread:
 - `next_uses(forward, layer)`: passes until each expert of the layer is needed again, where the policy
   knows or estimates it (else None); the runtime evicts the farthest first and reads or installs a
   prefetch only when it is needed sooner than what it would evict.
-`optimistic_passes`: whether decode passes may run optimistically with the policy (`optimistic.py`):
-its predictions are host values (queued with no sync) and its `after_routing` may learn a pass's routing
-once the pass has computed.
+`optimistic_passes`: whether decode passes may run optimistically with the policy (`optimistic.py`): its
+`after_routing` may learn a pass's routing once the pass has computed (they run only while nothing is
+prefetched).
 Policies:
 - `none`: on-demand loading with the cache's eviction.
 - `profile`: router discovery; the prompt's own routing, counted during prefill, seeds every layer's
@@ -64,9 +64,6 @@ class Step:
     router: object  # the layer's router logits (None where not tapped or not one projection)
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
-    # an optimistic pass (`optimistic.py`): predictions are wanted also for the next run after this pass
-    # of this layer and those before it (this pass has built them)
-    next_pass: bool = False
 
 
 def _softmax_topk(scores: mx.array, k: int):
@@ -375,26 +372,17 @@ class OraclePolicy(OnDemand):
     def before_layer(self, step: Step) -> list[Prediction]:
         if not step.predict:
             return []
-        # distances in layers: the next `lookahead` layers; in an optimistic pass also the next pass's
-        # layers up to this one, each predicted from `lookahead` layers (the pass has built them); the
-        # nearest of each ranks first
-        n, ahead = self.num_layers, self.lookahead
-        spans = [(1, 1)]
-        if step.next_pass:
-            spans.append((n - ahead + 1, max(n - step.layer, ahead + 1)))
         out = []
-        for first, nearest in spans:
-            for d in range(max(first, nearest), first + ahead):
-                forward, layer = divmod(step.layer + d, n)  # past the last layer: the next pass
-                if step.forward + forward >= len(self.trace):
-                    break
-                key = (step.forward + forward, layer)
-                uniq = self._needed.get(key)
-                if uniq is None and layer in self.trace[key[0]]:  # each is predicted from 4 layers: once
-                    uniq = self._needed[key] = np.unique(self.trace[key[0]][layer])
-                if uniq is not None:
-                    scores = np.full(len(uniq), DISTANCE_DISCOUNT ** (d - first))
-                    out.append(Prediction(layer, uniq, scores))
+        for d in range(1, self.lookahead + 1):  # the next `lookahead` layers, the nearest first
+            forward, layer = divmod(step.layer + d, self.num_layers)  # past the last layer: the next pass
+            if step.forward + forward >= len(self.trace):
+                break
+            key = (step.forward + forward, layer)
+            uniq = self._needed.get(key)
+            if uniq is None and layer in self.trace[key[0]]:  # each is predicted from 4 layers: once
+                uniq = self._needed[key] = np.unique(self.trace[key[0]][layer])
+            if uniq is not None:
+                out.append(Prediction(layer, uniq, np.full(len(uniq), DISTANCE_DISCOUNT ** (d - 1))))
         return out
 
 

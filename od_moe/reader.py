@@ -23,7 +23,6 @@ Not here: installing (`runtime.py`), what to predict (`policies.py`) or how much
 """
 
 import math
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -51,7 +50,6 @@ def read_threads_for(expert_nbytes: int) -> int:
 
 
 DEMAND = math.inf  # the score of a demand read: before any prefetch
-HURRIED = sys.float_info.max  # a prefetch a layer about to run waits for: before any other prefetch
 
 
 @dataclass
@@ -106,14 +104,11 @@ class Reader:
             thread.start()
 
     # -- generation thread: demand ------------------------------------------------------------------
-    def fetch(
-        self, layer: int, experts: Sequence[int], read: bool = True, hurry: bool = False
-    ) -> tuple[list[Read], list[Read]]:
+    def fetch(self, layer: int, experts: Sequence[int], read: bool = True) -> tuple[list[Read], list[Read]]:
         """Read `experts` of `layer` now and wait for them: the calling thread reads them itself, the
         reader threads help when there are several (before any prefetch). Returns the demand reads, and the
         prefetches of them that were already being read or were read ("late"). With `read=False` only
-        prefetches are waited for: those under way, and with `hurry` also those not started, read now
-        ahead of any other prefetch (they stay prefetches); without it those are withdrawn."""
+        prefetches are waited for: those under way; those not started are withdrawn."""
         keys = [(layer, int(e)) for e in experts]
         batch = []
         with self._lock:
@@ -122,14 +117,12 @@ class Reader:
                     continue
                 if read:
                     self._pending[key] = Read(layer, key[1], DEMAND, self.layouts[layer].expert_nbytes)
-                elif hurry and key in self._pending:
-                    self._pending[key].score = HURRIED
                 else:
                     self._pending.pop(key, None)
-            mine = [k for k in keys if k in self._pending and (self._pending[k].demand or hurry)]
+            mine = [k for k in keys if k in self._pending and self._pending[k].demand]
             if len(self._threads) > 1 and len(mine) > 1:
                 self._work.notify_all()  # helpers; a single read is faster without a hand-off
-            elif mine and self.rows is None and not hurry:  # no helpers: one batched demand read,
+            elif mine and self.rows is None:  # no helpers: one batched demand read,
                 # neighbours in one preadv
                 # (with rows, each expert is read into its own MLX array below: no copy on this thread)
                 batch = [self._pending.pop(k) for k in mine]
@@ -140,7 +133,7 @@ class Reader:
         for key in mine:
             with self._lock:
                 r = self._pending.get(key)
-                if r is None or not (r.demand or hurry):
+                if r is None or not r.demand:
                     continue
                 self._start(key, r)
             self._read(key, r)
@@ -198,16 +191,11 @@ class Reader:
         with self._lock:
             return sorted(self._wanted.get(layer, ()))
 
-    def take_ready(self, after: int | None = None) -> list[Read]:
-        """Every finished prefetch (the caller installs or discards them, then `recycle`s them); with
-        `after`, only those of later layers (the others stay ready)."""
+    def take_ready(self) -> list[Read]:
+        """Every finished prefetch (the caller installs or discards them, then `recycle`s them)."""
         with self._lock:
-            if after is None:
-                reads = list(self._ready.values())
-                self._ready.clear()
-            else:
-                keys = [k for k in self._ready if k[0] > after]
-                reads = [self._ready.pop(k) for k in keys]
+            reads = list(self._ready.values())
+            self._ready.clear()
             self._inflight_bytes -= sum(r.nbytes for r in reads)
             if self._pending:  # room for more prefetch reads
                 self._work.notify_all()

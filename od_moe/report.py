@@ -93,9 +93,9 @@ def prefetch_line(p: dict) -> str:
 def passes_line(stats: dict) -> str:
     """What the model ran, apart from what the caller got: mlx-lm computes one token ahead of the one it
     yields, so N generated tokens take N + 1 decode passes, and that pass's reads are real."""
-    positions = stats["positions"]
     return (
-        f"model ran {positions['prefill']} prefill positions and {positions['decode']} decode passes "
+        f"model ran {stats['positions']['prefill']} prefill positions and {stats['passes']['decode']} "
+        f"decode passes "
         f"for {stats['generated_tokens']} generated tokens"
     )
 

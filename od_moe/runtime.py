@@ -9,18 +9,17 @@ the slots it gets back. One decoded token, top to bottom:
 3. Exact mode: the layer's routing and the predictions are evaluated together (the layer's one sync);
    `after_routing` hooks run; finished reads are installed; lookups and hits are counted; misses are
    claimed from the reader if being read ("late"), else read and installed here; the predictions are
-   queued for the reader; the slots go back to the switch (in rounds when they do not all fit). On the
-   CPU backend a decode layer that misses first hands back its resident experts, which compute while
-   the missing ones are read (`_split`).
+   queued for the reader; the slots go back to the switch (with a scratch stack of the routed experts
+   that do not fit, `_overflow`). On the CPU backend a decode layer that misses first hands back its
+   resident experts, which compute while the missing ones are read (`_split`).
    A layer whose experts are all resident only counts its lookups (its ids are its slots when the cache
    holds experts in id order) unless a hook or a recording needs the routing; such layers and skip
    mode never sync: their routing is accounted for at the next pass (`settle`); skip mode scales
    missing experts out and loads them then. An optimistic decode pass (`optimistic.py`) does not sync
    at partly resident layers either: each leaves a lazy flag, read once with the logits
    (`end_optimistic`), and a pass that missed runs again from its first missing layer (`begin_resume`);
-   with `optimistic_prefetch`, a policy that predicts on the host queues its predictions at each layer
-   for the layers ahead and the layers' next run, and each layer waits for the reads predicted for it
-   (`_prefetch_optimistic`).
+   such passes run only without prefetch (prefetching from them was measured and removed: see
+   docs/GPU.md, "Optimistic passes with prefetch").
 Where the policy knows when each expert is needed next (`next_uses`: the oracle), reads and installs evict
 the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if it is needed no
 later than the one it would evict. Every count is booked in the ledger (`stats.py`) here, once. A demand
@@ -59,8 +58,9 @@ STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install
 
 
 class Route(NamedTuple):
-    """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale; in
-    rounds, which routed experts this round computes (`members`); `launch`: the host waited for this
+    """What a switch computes on: slots of the routed experts, and in skip mode a per-expert scale;
+    `stacks`: the arrays to compute on instead of the slots' own (the slots and a scratch stack of the
+    routed experts that did not fit, `_overflow`); `launch`: the host waited for this
     layer's routing, so its computation should start at once. `lanes`: a round of a decode token that
     computes only the routed experts at these positions (`slots` holds theirs alone), started at once:
     the runtime reads the next round's experts meanwhile; the switch puts the rounds' outputs back in
@@ -68,7 +68,7 @@ class Route(NamedTuple):
 
     slots: mx.array
     scale: mx.array | None = None
-    members: mx.array | None = None
+    stacks: dict | None = None
     launch: bool = False
     lanes: np.ndarray | None = None
 
@@ -112,29 +112,6 @@ class OffloadRuntime:
         # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device
         # (`benchmarks/sync_path.py`: 1.25x at 87.5% resident on an H100; 0.82-0.88x on the CPU backend)
         self.optimistic = backend.syncs_stall_device()
-        # optimistic passes also while a policy prefetches, if it predicts on the host (the oracle): its
-        # predictions queued at each layer, no sync (`_prefetch_optimistic`). Off: on the H100
-        # (`benchmarks/sync_path.py --switch optimistic_prefetch --policy oracle`, 2 rounds, exact tokens)
-        # the widened copy at 25% warm ran at 0.729x of a sync per layer (12 of 97 passes ran again: the
-        # pass waits for reads with the device idle, where synced layers compute while later ones are
-        # read), 0.999x cold (no pass ran optimistically); the bundled model 1.032x / 0.973x at 25% / 50%
-        # (the governor's checks paused prefetch: 7 and 27 optimistic passes), 1.113x / 1.083x with
-        # prefetch never paused (`--no-self-checks`). Each layer of such a pass also starting at once
-        # (tried): widened 1.202x of not starting, yet 0.795x of a sync per layer; bundled 0.712x / 1.068x
-        self.optimistic_prefetch = False
-        # in an optimistic pass a layer waits for every read predicted for it, those not started too (read
-        # at once, ahead of other prefetches), not only those under way: a predicted expert that is absent
-        # makes the pass run again. H100, widened 25% warm, `--switch wait_for_predicted --with
-        # optimistic_prefetch --policy oracle --rounds 2 --tokens 16`: 1.139x (42.31 against 37.14 tok/s)
-        self.wait_for_predicted = True
-        # MLX writes made during an optimistic pass start computing at once (`LayerCache._write_mlx`): left
-        # in the pass's one evaluation they slow it more than they cost apart. On the H100 (scratch
-        # `passes.py`, the oracle prefetching in optimistic passes, bundled model at 25%) that evaluation
-        # took 3.7 ms with no install in the pass and 19.1 ms with 15 experts installed;
-        # `benchmarks/sync_path.py --switch start_installs --policy oracle --with optimistic_prefetch
-        # --no-self-checks` gave 1.281x at 25% and 1.050x at 50%. In exact mode a layer's launch evaluates
-        # its installs with it anyway (`--switch start_installs`, a sync per layer: 0.95-1.03x, noise)
-        self.start_installs = True
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         # a decode layer that misses computes its resident experts while the missing ones are read
         # (`_split`): on the CPU backend, where compute is slow, for experts large enough that reading
@@ -243,8 +220,6 @@ class OffloadRuntime:
         if self._speculative is not None:  # optimistic: no sync; a lazy flag says if anything was absent
             if layer == 0:
                 self._start_pass(indices.size // indices.shape[-1], phase)
-            if self.governor is not None:
-                self._prefetch_optimistic(layer, x, phase)
             absent = mx.logical_not(cache.resident_mask()[indices]).any()
             self._speculative.append((layer, indices, phase, absent))
             yield Route(cache.routed_slots(indices))
@@ -306,7 +281,7 @@ class OffloadRuntime:
         if fits:  # the cache's lookup table is made anew only when its experts changed
             yield Route(cache.routed_slots(indices), launch=self.launch_early)
         else:
-            yield from self._rounds(cache, ids, uniq, counts)
+            yield self._overflow(cache, indices, uniq, counts, missing)
 
     def _split(self, cache: LayerCache, indices, ids, uniq, counts, missing, predictions) -> Iterator[Route]:
         """A decode token's layer that misses, in two rounds: its resident experts compute while the
@@ -326,19 +301,41 @@ class OffloadRuntime:
         self.load(cache, missing, protect=uniq, computing=True, synchronize=synchronize)
         self._touch(cache, missing, counts[np.searchsorted(uniq, missing)])
 
-    def _rounds(self, cache: LayerCache, ids, uniq, counts) -> Iterator[Route]:
-        """More distinct experts than slots: compute in rounds over the experts that fit."""
-        remaining = uniq
-        while remaining.size:
-            resident = remaining[cache.slot_of[remaining] >= 0]
-            missing = remaining[cache.slot_of[remaining] < 0]
-            to_load = missing[: cache.room(protect=resident)]
-            if to_load.size:
-                self.load(cache, to_load, protect=resident, computing=True)
-            group = np.concatenate([resident, to_load])
-            self._touch(cache, group, counts[np.searchsorted(uniq, group)])
-            yield Route(cache.slots_for(ids), members=mx.array(np.isin(ids, group)))
-            remaining = np.setdiff1d(remaining, group)
+    def _overflow(self, cache: LayerCache, indices: mx.array, uniq, counts, missing) -> Route:
+        """More distinct routed experts than slots (a batch, or a long prefill chunk, at a small capacity):
+        the most used missing experts go into the slots the routed ones leave free; the rest are read into
+        a scratch stack beside the slots, and the layer computes once on both (`LayerCache.with_scratch`),
+        each expert's rows grouped as stock mlx-lm groups them, so the result is the same. Nothing routed
+        is evicted within the layer, and no expert is read twice."""
+        future = self._future(cache.layer)
+        if future is None:  # the most used go in
+            order = np.argsort(-counts[np.searchsorted(uniq, missing)], kind="stable")
+            admit = missing[order[: cache.room(protect=uniq)]]
+        else:  # each only if needed no later than what it would evict (Belady's MIN, bypass allowed)
+            admit = np.asarray(_worth(cache, missing, uniq, future, self.clock), dtype=np.int64)
+        if admit.size:
+            self._load_missing(cache, admit, uniq, counts)
+        scratch, rows = [], []  # experts read into the scratch stack, in order; their rows by chunk
+        chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // cache.layout.expert_nbytes))
+        while (rest := np.setdiff1d(uniq[cache.slot_of[uniq] < 0], scratch)).size:
+            # (a late prefetch of one may have gone into a slot instead, or found none: read it then)
+            t0 = time.perf_counter()
+            experts, raw, reads = self._read(cache, rest[:chunk], uniq.tolist())
+            t1 = time.perf_counter()
+            try:
+                rows.append(cache.scratch_rows(raw, len(experts)))
+            finally:
+                self.reader.recycle(reads, installed=False)
+            scratch += experts
+            nbytes = len(experts) * cache.layout.expert_nbytes
+            self.ledger.add(
+                self.phase, cache.layer, experts_read=len(experts), bytes_read=nbytes, read_s=t1 - t0
+            )
+        self._touch(cache, uniq, counts)  # the resident ones; the scratch ones pass through
+        table = np.where(cache.slot_of >= 0, cache.slot_of, 0)
+        table[np.asarray(scratch, dtype=np.int64)] = cache.capacity + np.arange(len(scratch))
+        slots = mx.array(table.astype(np.int32))[indices]
+        return Route(slots, stacks=cache.with_scratch(rows), launch=self.launch_early)
 
     def _route_skipping(self, layer: int, indices: mx.array, phase: str) -> Route:
         """Skip mode: no sync; missing experts' outputs are zeroed and the others rescaled so the routing
@@ -357,46 +354,17 @@ class OffloadRuntime:
 
     # -- optimistic decode passes (`optimistic.py`) -----------------------------------------------
     def optimistic_ok(self) -> bool:
-        """Whether the next decode pass may run optimistically: exact mode, a policy that allows it (with
-        prefetch: `optimistic_prefetch`, not synchronous), and recent decode tokens missed rarely. A
-        recording learns the pass's routing with its flags."""
+        """Whether the next decode pass may run optimistically: exact mode, no prefetch, a policy that
+        allows it, and recent decode tokens missed rarely. A recording learns the pass's routing with its
+        flags."""
         return (
             self.optimistic
             and self.miss_policy == "load"
             and self.policy.optimistic_passes
-            and (self.governor is None or self.optimistic_prefetch)
-            and not (self.settings is not None and self.settings.synchronous)
+            and self.governor is None
             and self.token_miss_rate < OPTIMISTIC_BELOW
             and not all(c.is_full() for c in self.caches)  # then no layer syncs anyway
         )
-
-    def _prefetch_optimistic(self, layer: int, x: mx.array, phase: str):
-        """Prefetch at a layer of an optimistic pass, with no sync. The policy predicts the layers ahead
-        in this pass and, as this pass has built the layers up to this one, their next run after it
-        (`Step.next_pass`). Reads of the experts predicted for this layer are waited for (with
-        `wait_for_predicted`, those not started too: read at once), finished reads of this layer and the
-        later ones installed, the layer's requests not started withdrawn, and the predictions (host
-        values) queued. Only this layer and later ones take installs: this pass has not built their
-        computation yet, so it sees the install and nothing built before it reads their slots, where an
-        earlier layer's computation is built and not run (a host write would change what it reads, an MLX
-        write would copy its whole stack). Their routing, unknown here, is not protected beyond the
-        predictions: an install that evicts a routed expert shows in that layer's flag, and the pass runs
-        again from it."""
-        if not (self.governor.active or self.reader.busy):
-            return
-        tap = self.taps[layer]
-        router = tap.logits if tap is not None else None
-        step = Step(self._pass_index, layer, phase, x, router, self.governor.active, True, next_pass=True)
-        t0 = time.perf_counter()
-        predictions = self.policy.before_layer(step)
-        self.ledger.reader["busy_s"] += time.perf_counter() - t0
-        wanted = self.reader.wanted(layer)
-        absent = [e for e in wanted if self.caches[layer].slot_of[e] < 0]
-        if absent:
-            self._await_late(layer, absent, wanted, hurry=self.wait_for_predicted)
-        self._install_ready({layer: wanted}, after=layer - 1)
-        self.reader.withdraw(layer)
-        self._submit(predictions)
 
     def begin_optimistic(self):
         self._speculative = []
@@ -663,7 +631,6 @@ class OffloadRuntime:
                 arrays=_arrays(fresh),
                 next_use=future,
                 synchronize=synchronize,
-                start=self.start_installs and self._speculative is not None,
             )
         t1 = time.perf_counter()
         self._book_install(
@@ -674,12 +641,11 @@ class OffloadRuntime:
         # of the same expert would have cost it as well)
         self.ledger.reader["busy_s"] += (t0 - start) + (time.perf_counter() - t1)
 
-    def _install_ready(self, protect: dict[int, Sequence[int]], after: int | None = None):
-        """Install every finished read (with `after`, those of later layers), one install per layer."""
+    def _install_ready(self, protect: dict[int, Sequence[int]]):
+        """Install every finished read, one install per layer."""
         by_layer: dict[int, list[Read]] = {}
-        for r in sorted(
-            self.reader.take_ready(after), key=lambda r: (-r.score, r.layer, r.expert)
-        ):  # threads finish in any order
+        for r in sorted(self.reader.take_ready(), key=lambda r: (-r.score, r.layer, r.expert)):
+            # threads finish in any order
             by_layer.setdefault(r.layer, []).append(r)
         for layer, reads in by_layer.items():
             self._install_prefetched(reads, protect.get(layer, ()))
@@ -692,11 +658,11 @@ class OffloadRuntime:
             self.ledger.add(self.phase, layer, wait_s=waited_s, prefetch_late=len(late))
             self._install_prefetched(late, protect, synchronize)
 
-    def _await_late(self, layer: int, ids, protect: Sequence[int], hurry: bool = False) -> bool:
-        """Wait for the prefetches of `ids` being read (instead of reading them twice; with `hurry` also
-        those not started) and install them; whether there were any."""
+    def _await_late(self, layer: int, ids, protect: Sequence[int]) -> bool:
+        """Wait for the prefetches of `ids` being read (instead of reading them twice) and install them;
+        whether there were any."""
         t0 = time.perf_counter()
-        _, late = self.reader.fetch(layer, ids, read=False, hurry=hurry)
+        _, late = self.reader.fetch(layer, ids, read=False)
         self._take_late(layer, late, time.perf_counter() - t0, protect)
         return bool(late)
 

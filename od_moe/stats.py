@@ -12,8 +12,9 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
 - prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late.
-Per phase: positions run through the model (a prefill chunk's prompt positions; one a decode pass). In
-all: forward passes, and tokens generated (given to the caller). mlx-lm computes one token ahead of the
+Per phase: passes of the model, and positions they ran (a prefill chunk's prompt positions; a decode
+pass one per sequence it decodes, so a batch of 8 runs 8). In all: forward passes, and tokens generated
+(given to the caller). mlx-lm computes one token ahead of the
 one it yields, so N generated tokens take N + 1 decode passes: the extra pass reads experts too, and its
 reads are booked like any other's. The reader's own counters (`READER_FIELDS`): reads issued,
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
@@ -58,6 +59,7 @@ class Ledger:
     def reset(self):
         self.layers = np.zeros((len(PHASES), self.num_layers, len(LAYER_FIELDS)))
         self.positions = dict.fromkeys(PHASES, 0)
+        self.passes = dict.fromkeys(PHASES, 0)
         self.forwards = 0
         self.generated = 0
         self.reader = dict.fromkeys(READER_FIELDS, 0)
@@ -76,6 +78,7 @@ class Ledger:
 
     def count_forward(self, phase: str, positions: int):
         self.forwards += 1
+        self.passes[phase] += 1
         self.positions[phase] += positions
 
     def count_generated(self, tokens: int):
@@ -93,7 +96,7 @@ class Ledger:
         copy.num_layers = self.num_layers
         copy.layers = self.layers.copy()
         copy.positions, copy.forwards, copy.reader = dict(self.positions), self.forwards, dict(self.reader)
-        copy.generated = self.generated
+        copy.generated, copy.passes = self.generated, dict(self.passes)
         return copy
 
     def field(self, name: str) -> np.ndarray:
@@ -117,6 +120,9 @@ def _io(led: Ledger, phase_index, layer_index) -> dict:
         return led.field(name)[phase_index, layer_index].sum()
 
     return {
+        # read (demand, prefetch taken, and scratch rows of a layer whose routed experts overflow its
+        # slots) and loaded (installed into slots) differ: not every read expert is installed
+        "experts_read": int(f("experts_read") + f("prefetch_taken")),
         "experts_loaded": int(f("installed") + f("prefetch_installed")),
         "bytes_read": int(f("bytes_read") + f("prefetch_bytes")),
         "stall_s": float(f("read_s") + f("wait_s")),
@@ -155,7 +161,8 @@ def layer_rows(led: Ledger, caches) -> list[dict]:
 
 def totals(rows: list[dict]) -> dict:
     """The per-layer rows added up."""
-    keys = ("lookups", "hits", "misses", "experts_loaded", "bytes_read", "stall_s", "install_s", "evictions")
+    keys = ("lookups", "hits", "misses", "experts_read", "experts_loaded", "bytes_read", "stall_s")
+    keys += ("install_s", "evictions")
     out = {k: sum(r[k] for r in rows) for k in keys + ("resident", "pinned", "capacity")}
     out["hit_rate"] = _rate(out["hits"], out["lookups"])
     for phase in PHASES:
@@ -168,7 +175,7 @@ def totals(rows: list[dict]) -> dict:
 def io_by_phase(led: Ledger) -> dict[str, dict]:
     """Bytes read, experts installed, stall and install seconds by the phase of the pass that caused them."""
     everywhere = slice(None)
-    keys = ("bytes_read", "experts_loaded", "stall_s", "install_s")
+    keys = ("bytes_read", "experts_read", "experts_loaded", "stall_s", "install_s")
     return {p: {k: v for k, v in _io(led, n, everywhere).items() if k in keys} for n, p in enumerate(PHASES)}
 
 

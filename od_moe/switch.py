@@ -1,18 +1,19 @@
 """The module that replaces an MoE block's `switch_mlp`: the forward math over the resident slots.
 
-mlx-lm's own `SwitchGLU`/`SwitchMLP` instance (`inner`) still does the math; its projections hold C
-stacked slots instead of E experts. Once per layer the switch asks the runtime for the slots of the
-routed experts (`OffloadRuntime.route`) and computes on them. The runtime answers with one `Route`, or, when
-a layer needs more distinct experts than it has slots (a long prefill chunk at a small capacity), one
-per round: each round computes the experts that fit and the outputs are merged per routed expert before
-mlx-lm's weighted sum, so the result is the same. After a layer whose routing the host waited for, its
-computation is started at once (`mx.async_eval`), so the device works while the next layer is built
-(`benchmarks/sync_path.py --switch launch_early`). A decode token's layer that misses may come in two
-rounds of positions (`Route.lanes`): its resident experts, started at once so that they compute while the
-runtime reads the missing ones, then those; the outputs are put back in routing order. In skip mode a
+mlx-lm's own `SwitchGLU`/`SwitchMLP` instance (`inner`) still does the math; its projections hold C stacked
+slots instead of E experts. Once per layer the switch asks the runtime for the slots of the routed experts
+(`OffloadRuntime.route`) and computes on them. When a layer needs more distinct experts than it has slots (a
+batch, or a long prefill chunk, at a small capacity), the route carries the stacks to compute on instead:
+the slots followed by the experts that did not fit, in one computation. After a layer whose routing the host
+waited for, its computation is started at once (`mx.async_eval`), so the device works while the next layer
+is built (`benchmarks/sync_path.py --switch launch_early`). A decode token's layer that misses may come in
+two rounds of positions (`Route.lanes`): its resident experts, started at once so that they compute while
+the runtime reads the missing ones, then those; the outputs are put back in routing order. In skip mode a
 route carries a per-expert scale that zeroes missing experts and renormalises the others.
 Not here: lookups, reads, installs or prefetch (`runtime.py`).
 """
+
+import copy
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,17 +32,16 @@ class OffloadedSwitch(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         out, lanes = None, []
         for route in self.runtime.route(self.layer, x, indices):
-            y = self.inner(x, route.slots)
+            y = (self.inner if route.stacks is None else _computing_on(self.inner, route.stacks))(
+                x, route.slots
+            )
             if route.scale is not None:
                 y = y * route.scale[..., None].astype(y.dtype)
             if route.lanes is not None:  # computes now, while the runtime reads the next round's experts
                 mx.async_eval(y)
                 lanes.append((route.lanes, y))
-            elif route.members is None:
-                out = y
             else:
-                out = y if out is None else mx.where(route.members[..., None], y, out)
-                mx.eval(out)  # the next round overwrites slots this one read
+                out = y
         if lanes:  # each routed expert's output back at its position
             order = np.argsort(np.concatenate([at for at, _ in lanes]))
             out = mx.take(
@@ -50,3 +50,15 @@ class OffloadedSwitch(nn.Module):
         if route.launch:  # the device idled while the host synced: it computes while the next layer is built
             mx.async_eval(out)
         return out
+
+
+def _computing_on(inner: nn.Module, stacks: dict) -> nn.Module:
+    """A shallow copy of mlx-lm's switch whose projections hold `stacks` ((projection, array name) ->
+    array) instead of their slots: the same code computes on other rows; `inner` is left as it is."""
+    clone = copy.copy(inner)
+    for proj in {p for p, _ in stacks}:
+        module = clone[proj] = copy.copy(inner[proj])
+        for (p, name), array in stacks.items():
+            if p == proj:
+                module[name] = array
+    return clone

@@ -306,7 +306,7 @@ def test_ctrl_c_ends_streams_with_an_error_event_and_exits_cleanly():
     try:
         req = urllib.request.Request(
             base + "/v1/completions",
-            data=json.dumps({"prompt": "def f(x):", "max_tokens": 4000, "stream": True}).encode(),
+            data=json.dumps({"prompt": "def f(x):", "max_tokens": 2000, "stream": True}).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=60) as r:

@@ -35,3 +35,20 @@ def test_the_deterministic_grid_is_exact_and_repeats(deterministic_grid):
     for r in (r for r in runs if r["policy"] == "oracle"):  # knowing the future, it evicts as MIN does
         assert r["hit_rate"] > 0.95 and r["reads_over_min"] <= 1.25
         assert r["capacity"] == 0.125 or r["reads_over_min"] < none[r["capacity"]]["reads_over_min"]
+
+
+def test_the_batch_rows_are_exact_and_read_less_per_token_in_a_batch(tmp_path, capsys):
+    """`od-moe bench --batch`: each row's tokens are stock mlx-lm's batch tokens, and a batch of 8 reads
+    fewer experts per generated token than one request alone (the batch shares its reads)."""
+    from od_moe.bench.batching import batch_prompts, run_batch_grid
+    from od_moe.cli import main
+
+    prompts = batch_prompts(8)
+    assert len(set(prompts)) == 8 and all(p.startswith("def ") for p in prompts)
+    rows = run_batch_grid([8, 1], [0.25], 6, 0, tmp_path, say=None)["rows"]
+    assert [r["batch"] for r in rows] == [1, 8] and all(r["same_tokens"] for r in rows)
+    one, eight = rows
+    assert eight["experts_per_token"] < one["experts_per_token"] and eight["experts_per_token_vs_batch_1"] < 1
+    assert one["gain"] == 1.0 and one["stock_gain"] == 1.0
+    assert main(["bench", "--batch", "--batch-sizes", "0"]) == 2
+    assert "--batch-sizes takes positive counts" in capsys.readouterr().err

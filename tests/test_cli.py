@@ -1,5 +1,6 @@
 """The od-moe command line: generation, stats, and one-line errors with exit code 2."""
 
+import io
 import re
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import od_moe
 from od_moe.cli import build_parser, main
 from tiny_models import LLAMA, write_mlx_model
 
@@ -18,6 +20,7 @@ def test_generate_streams_text_and_stats(capsys):
                 "generate",
                 "--prompt",
                 "def fibonacci(n):",
+                "--ignore-chat-template",
                 "--max-tokens",
                 "16",
                 "--capacity",
@@ -116,3 +119,59 @@ def test_readme_synopsis_lists_every_flag_of_every_command():
     for name, sub in commands.choices.items():
         flags = {f for a in sub._actions for f in a.option_strings if f.startswith("--") and f != "--help"}
         assert flags == documented.get(name), (name, flags ^ documented.get(name, set()))
+
+
+def _commands():
+    (commands,) = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return commands.choices.items()
+
+
+@pytest.mark.parametrize(
+    "name", ["generate", "serve", "train-predictor", "eval-predictor", "bench", "inspect"]
+)
+def test_help_shows_every_default(name):
+    sub = dict(_commands())[name]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if not action.option_strings or action.default is None or action.default is False:
+            continue
+        if action.default == "==SUPPRESS==":
+            continue
+        assert "default" in formatter._get_help_string(action), (name, action.option_strings)
+    text = " ".join(sub.format_help().split())  # argparse wraps lines
+    if name == "generate":
+        assert "(default: 256)" in text and "(default: lru)" in text and "(default: 1.0)" in text
+    if name == "serve":
+        assert "(default: 8080)" in text
+    if name == "train-predictor":
+        assert "next-use head alike (default: 3)" in text
+
+
+def _generated(capsys, argv, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    assert main(["generate", "--max-tokens", "8", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_prompt_dash_reads_standard_input(capsys, monkeypatch):
+    typed = _generated(capsys, ["--prompt", "import os\n", "--ignore-chat-template"])
+    piped = _generated(capsys, ["--prompt", "-", "--ignore-chat-template"], "import os\n", monkeypatch)
+    assert piped == typed and piped.strip()
+
+
+def test_the_chat_template_is_used_by_default_as_mlx_lm_does(capsys):
+    engine = od_moe.load()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    templated = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert templated.startswith("# be brief\n# Q: def add(a, b):")  # the embedded model's own template
+    expect = engine.generate(templated, max_tokens=8)
+    raw = engine.generate("def add(a, b):", max_tokens=8)
+    assert expect != raw
+    assert _generated(capsys, ["--prompt", "def add(a, b):", "--system-prompt", "be brief"]) == expect + "\n"
+    assert _generated(capsys, ["--prompt", "def add(a, b):", "--ignore-chat-template"]) == raw + "\n"
+
+
+def test_a_chat_template_config_that_is_not_an_object_is_refused(capsys):
+    assert main(["generate", "--prompt", "x", "--chat-template-config", "[1]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err

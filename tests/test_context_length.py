@@ -70,5 +70,20 @@ def test_the_server_caps_requests_at_the_positions(short):
 def test_the_command_line_says_where_it_stopped(short, monkeypatch, capsys):
     monkeypatch.setattr(od_moe, "load", lambda *a, **k: short)
     prompt = "def f(x):\n    return x\n" * 2
-    assert main(["generate", "--prompt", prompt, "--max-tokens", "64"]) == 0
+    assert main(["generate", "--prompt", prompt, "--ignore-chat-template", "--max-tokens", "64"]) == 0
     assert "fill the model's 24 positions" in capsys.readouterr().err
+
+
+def test_prompt_ids_are_bounded_by_the_models_vocabulary_not_the_tokenizers(engine, monkeypatch):
+    """Hugging Face tokenizers leave added special tokens out of `vocab_size` (Qwen3's <|im_start|> is
+    past it): an id the model's embedding has is a valid prompt token."""
+    monkeypatch.setattr(type(engine.tokenizer), "vocab_size", property(lambda self: 8000), raising=False)
+    app = create_app(engine)
+    try:
+        client = app.test_client()
+        ok = client.post("/v1/completions", json={"prompt": [20, 8100], "max_tokens": 1})
+        assert ok.status_code == 200, ok.get_json()
+        bad = client.post("/v1/completions", json={"prompt": [20, 8192], "max_tokens": 1})
+        assert bad.status_code == 400 and "(0 to 8191)" in bad.get_json()["error"]["message"]
+    finally:
+        app.worker.stop()

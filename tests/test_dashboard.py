@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from werkzeug.serving import make_server
@@ -16,6 +17,8 @@ from werkzeug.serving import make_server
 import od_moe
 from chromium import Browser, chromium_binary
 from od_moe.server import create_app
+from od_moe.server.dashboard import rates
+from od_moe.server.worker import DecodeClock
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where the browser test leaves its screenshot (docs/dashboard.png in the README is one of these).
@@ -128,7 +131,11 @@ def test_the_page_is_served_whole_from_the_package_and_passes_the_guard(server):
     assert e.value.code == 403
 
 
-@pytest.mark.skipif(chromium_binary() is None, reason="no chromium binary (CI installs Debian's chromium)")
+@pytest.mark.skipif(
+    chromium_binary() is None,
+    reason="the live page's browser test needs Chromium on PATH (Debian: apt-get install chromium; macOS: "
+    "brew install --cask chromium); .ci/run installs it",
+)
 def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_health(server, tmp_path):
     base, engine = server
     result = {}
@@ -248,3 +255,72 @@ def test_eight_streams_and_a_hang_up_never_move_a_count_back_or_lose_one(server)
     assert after["prefetch"]["precision"] == cache["prefetch"]["precision"]
     for key in ("total", "completed", "cancelled", "failed"):
         assert after["requests"][key] == health["requests"][key]
+
+
+def test_tok_s_is_tokens_over_decoding_time_so_idle_time_does_not_dilute_it():
+    """Issue 35: the page read 5.7, then 11.6, then 34 tok/s in the first seconds of a request, its 2 s
+    window counting the idle time before it. Samples (time, tokens, lookups, hits, decoding seconds): 10 s
+    idle, then decoding at 32 tok/s, a sample every 0.25 s."""
+    samples = [(0.25 * i, 100, 500, 400, 3.0) for i in range(40)]
+    for i in range(1, 7):
+        samples.append((9.75 + 0.25 * i, 100 + 8 * i, 500 + 64 * i, 400 + 48 * i, 3.0 + 0.25 * i))
+    got = rates(samples)  # 1.5 s of decoding in the last 2 s: 48 tokens
+    assert got["tok_s"] == pytest.approx(32) and got["hit_rate"] == pytest.approx(0.75)
+    assert rates(samples[:41])["tok_s"] is None  # a quarter second of decoding: too little to tell yet
+    assert rates(samples[:42])["tok_s"] == pytest.approx(32)
+    steps = [p[2] for p in got["points"]]
+    assert steps[0] == 0.0 and steps[-1] == pytest.approx(32)  # idle steps read 0, decoding ones the rate
+    assert rates(samples[:40])["tok_s"] == 0.0  # idle: nothing decoded in the window
+
+
+def test_the_decode_clock_runs_from_a_requests_first_token_to_its_end():
+    now = [100.0]
+    clock = DecodeClock(now=lambda: now[0])
+
+    def at(t, action=None):
+        now[0] = t
+        return action() if action else clock.read()
+
+    at(100.0, clock.tick)  # the first token came from the prompt's prefill: the clock starts
+    at(100.1, clock.tick)
+    at(100.2, clock.tick)
+    assert at(100.25) == (2, pytest.approx(0.25))  # the time since the last token counts while decoding
+    at(100.3, clock.stop)
+    assert at(160.0) == (2, pytest.approx(0.3))  # idle: the clock stands
+    at(170.0, clock.tick)  # the next request's first token: its prefill is not counted either
+    at(170.5, clock.tick)
+    assert at(170.5) == (3, pytest.approx(0.8))
+
+
+def test_the_page_reads_the_decode_rate_from_a_requests_first_second(server, monkeypatch):
+    """The live figure after idle seconds watched by the page: from its first reading with half a second
+    of decoding, the rate tokens come at. They come at a steady 25 a second here, from a stand-in for the
+    engine's generation (the real one's pace moves with its cache misses)."""
+    base, engine = server
+    wait_idle(base)
+    times = []
+
+    def paced(prompt, max_tokens, **kwargs):
+        start = time.monotonic()
+        for i in range(max_tokens):  # on a schedule: a late wake-up on a busy machine is not carried on
+            time.sleep(max(0.0, start + 0.04 * (i + 1) - time.monotonic()))
+            times.append(time.monotonic())
+            yield SimpleNamespace(token=i, text="x", finish_reason=None)
+
+    monkeypatch.setattr(engine, "stream_generate", paced)
+    for _ in range(10):  # idle and watched: the window holds idle samples when the request starts
+        get(base, "/dashboard/data")
+        time.sleep(0.25)
+    generation = threading.Thread(target=stream, args=(base, "def quicksort(items):", 80), daemon=True)
+    generation.start()
+    readings = []
+    while generation.is_alive():
+        readings.append((time.monotonic(), get(base, "/dashboard/data")["recent"]["tok_s"]))
+        time.sleep(0.1)
+    true = (len(times) - 1) / (times[-1] - times[0])
+    # samples are a quarter second apart: a reading may show the window as it was that long before
+    during = [r for t, r in readings if times[0] + 0.8 < t < times[-1]]
+    assert len(during) >= 5 and all(r is not None and 0.8 * true < r < 1.2 * true for r in during), (
+        true,
+        during,
+    )

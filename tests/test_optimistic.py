@@ -2,10 +2,9 @@
 run from the first layer that missed where something does; tokens and counts as in exact mode."""
 
 import numpy as np
-import pytest
 
 import od_moe
-from conftest import NEW_TOKENS, PROMPTS, consistent, invariants, od_moe_tokens, slots_hold_their_experts
+from conftest import NEW_TOKENS, PROMPTS, invariants, od_moe_tokens, slots_hold_their_experts
 from od_moe import runtime as runtime_module
 from od_moe.governor import PrefetchSettings
 
@@ -90,36 +89,16 @@ def test_optimistic_passes_record_the_routing_exact_mode_records():
         assert all(np.array_equal(a[layer], b[layer]) for layer in a)
 
 
-@pytest.mark.parametrize("mlx_writes", [False, True])
-def test_optimistic_passes_with_oracle_prefetch_give_exact_tokens(mlx_writes, bundled_reference):
-    """With `optimistic_prefetch`, the oracle's predictions are queued at each layer of an optimistic pass
-    for the layers ahead and their next run: stock tokens, prefetches installed, fewer syncs, and no pass
-    runs again (each layer waits for the reads predicted for it, `wait_for_predicted`, and the oracle
-    predicts every routed expert). With MLX writes (CUDA's install path), those made in an optimistic pass
-    start computing at once."""
-    syncs = []
-    prompts = PROMPTS[:1] if mlx_writes else PROMPTS
-    for optimistic in (False, True):
-        installed, stood, ran = 0, 0, 0
-        for prompt, expected in zip(prompts, bundled_reference):
-            trace = od_moe.load(capacity="25%", prefetch="none").record_routing(prompt, TOKENS)
-            engine = od_moe.load(capacity="25%", prefetch="none")
-            engine.configure_prefetch(
-                "oracle", oracle_trace=trace, settings=PrefetchSettings(timed_checks=False)
-            )
-            engine.runtime.optimistic = engine.runtime.optimistic_prefetch = optimistic
-            for cache in engine.caches:
-                cache.host_writes = not mlx_writes
-            assert od_moe_tokens(engine, [prompt], TOKENS)[0] == expected[:TOKENS]
-            stats = engine.stats()
-            invariants(stats)
-            for cache in engine.caches:
-                consistent(cache)
-            installed += stats["prefetch"]["installed"]
-            assert stats["optimistic"]["missed"] == 0
-            ran += stats["optimistic"]["passes"]
-            stood += stats["optimistic"]["passes"] - stats["optimistic"]["missed"]
-        syncs.append(stats["optimistic"]["host_syncs"])
-        assert installed > 0
-    assert ran > 0 and stood > ran / 2
-    assert syncs[1] < syncs[0] / 2
+def test_no_pass_runs_optimistically_while_prefetch_runs(bundled_reference):
+    """Optimistic passes run only without prefetch (prefetching from them was measured slower than a sync
+    per layer and removed): with the oracle prefetching and `optimistic` on, every pass syncs per layer,
+    and the tokens are stock mlx-lm's."""
+    prompt, expected = PROMPTS[0], bundled_reference[0]
+    trace = od_moe.load(capacity="25%", prefetch="none").record_routing(prompt, TOKENS)
+    engine = od_moe.load(capacity="25%", prefetch="none")
+    engine.configure_prefetch("oracle", oracle_trace=trace, settings=PrefetchSettings(timed_checks=False))
+    engine.runtime.optimistic = True
+    assert od_moe_tokens(engine, [prompt], TOKENS)[0] == expected[:TOKENS]
+    stats = engine.stats()
+    invariants(stats)
+    assert stats["optimistic"]["passes"] == 0 and stats["prefetch"]["installed"] > 0

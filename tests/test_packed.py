@@ -113,8 +113,9 @@ def test_bench_pack_needs_the_prefetch_grids_widened_model(capsys):
 
 
 def test_a_pack_that_cannot_read_the_checkpoint_leaves_nothing_behind(tmp_path):
+    from od_moe.engine import model_layouts
     from od_moe.errors import ExpertReadError
-    from od_moe.packed import model_layouts, pack
+    from od_moe.packed import pack
 
     folder = tmp_path / "model"
     shutil.copytree(od_moe.DEFAULT_MODEL, folder)

@@ -283,6 +283,8 @@ def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     assert isinstance(report["baselines"]["prev_token"], float)
     assert set(report["baselines"]["static_profile"]) == {"0.125", "0.25", "0.5"}
     assert isinstance(report["predictor"]["params"], int) and report["predictor"]["latency_ms_per_token"] > 0
+    # --epochs 1 means one pass over the traces for the trunk and for the next-use head alike
+    assert report["predictor"]["epochs"] == len(report["predictor"]["next_use_train_loss"]) == 1
     for rules in report["eviction"].values():  # MIN reads least, and knowing more of the future never hurts
         reads = {rule: figures["reads_per_token"] for rule, figures in rules.items()}
         assert reads["min"] <= reads["min@4"] <= reads["min@1"] and reads["min"] <= min(

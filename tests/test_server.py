@@ -306,9 +306,12 @@ def test_od_moe_serve_command_starts_a_server():
         assert status == 200 and health["expert_cache_stats"]["capacity"] == 16
         status, models = call(f"http://127.0.0.1:{match.group(1)}", "/v1/models")
         assert models["data"][0]["id"] == "tiny-qwen3-moe-4bit"
+        assert call(f"http://127.0.0.1:{match.group(1)}", "/v1/nothing-here")[0] == 404
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    log = proc.stderr.read()  # a pipe, not a terminal: request lines are plain text, not coloured
+    assert '"GET /v1/nothing-here HTTP/1.1" 404' in log and "\x1b[" not in log, log
 
 
 def test_anthropic_messages_endpoint(server):

@@ -181,7 +181,7 @@ def train_predictor_job(
         lr=lr,
         heldout=heldout.load(max_tokens=4096),
     )
-    history["next_use"] = fit_next_use(predictor.next_use, train)
+    history["next_use"] = fit_next_use(predictor.next_use, train, epochs=epochs)  # one flag, both parts
     predictor.set_dtype(
         mx.float16
     )  # stored and run in float16 (inputs stay float32): what is reported is what ships

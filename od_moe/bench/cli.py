@@ -1,5 +1,6 @@
 """`od-moe bench`: arguments and the entry point. The default is the prefetch grid (`prefetch.py`: every
-policy side by side); `--foundation` runs the cache-only benchmark against stock mlx-lm (`foundation.py`)."""
+policy side by side); `--foundation` runs the cache-only benchmark against stock mlx-lm (`foundation.py`);
+`--batch` many requests decoded together against stock mlx-lm's batches (`batching.py`)."""
 
 import json
 import sys
@@ -25,7 +26,9 @@ def add_arguments(parser):
     add("--json", action="store_true", help="print the rows as JSON instead of tables")
     add("--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model")
     add(
-        "--widen", type=int, default=128, help="widening of the I/O-bound copy of the bundled model (0: none)"
+        "--widen",
+        type=int,
+        help="widening of the I/O-bound copy of the bundled model (0: none; default: 128, with --batch 0)",
     )
     add("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
     add(
@@ -56,14 +59,27 @@ def add_arguments(parser):
         "packed before is read packed either way (the grid says which)",
     )
     add("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
-    add("--capacities", default="1,0.5,0.25,0.125", help="with --foundation: fractions of experts resident")
+    add(
+        "--batch",
+        action="store_true",
+        help="batched decoding: --batch-sizes requests at once against stock mlx-lm's batch_generate",
+    )
+    add("--batch-sizes", default="1,2,8,32", help="with --batch: requests decoded together")
+    add(
+        "--capacities",
+        help="with --foundation or --batch: fractions of experts resident (default: 1,0.5,0.25,0.125 with "
+        "--foundation, 0.5,0.25 with --batch)",
+    )
 
 
 def run(args):
     from .foundation import run_foundation
 
+    if args.widen is None:
+        args.widen = 0 if args.batch else 128
+    default = "0.5,0.25" if args.batch else "1,0.5,0.25,0.125"
     capacities = []
-    for text in str(args.capacities).split(","):
+    for text in str(args.capacities or default).split(","):
         value = parse_capacity(text)
         value = 1.0 if value == 1 else value
         if not isinstance(value, float) or not 0 < value <= 1:
@@ -81,7 +97,19 @@ def run(args):
         require_matplotlib()
     if args.pack and (args.foundation or not args.widen):
         raise UserError("--pack packs the prefetch grid's widened model: leave out --foundation, --widen 0")
-    if args.foundation:
+    if args.batch:
+        if args.foundation or args.full or args.gpu or args.plot or args.pack:
+            raise UserError("--batch runs alone: leave out --foundation, --full, --gpu, --plot and --pack")
+        try:
+            sizes = [int(s) for s in args.batch_sizes.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise UserError(f"--batch-sizes takes positive counts such as 1,2,8,32, got {args.batch_sizes!r}")
+        from .batching import run_batch_grid
+
+        result = run_batch_grid(sizes, capacities, args.max_tokens, args.widen, Path(args.workdir), printer)
+    elif args.foundation:
         result = run_foundation(
             capacities, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer
         )

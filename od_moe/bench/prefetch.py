@@ -21,10 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import backend, load
-from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
+from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, model_layouts
 from ..governor import PrefetchSettings
 from ..packed import default_path as default_packed_path
-from ..packed import model_layouts
 from ..packed import pack as pack_experts
 from ..predictor import load_predictor
 from ..replay import Tally, replay_recording

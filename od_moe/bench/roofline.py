@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import backend, load
+from ..engine import model_layouts
 from ..layout import Staging, flat_rows
-from ..packed import model_layouts
 from ..reader import Reader
 from ..stats import Ledger
 

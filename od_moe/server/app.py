@@ -12,21 +12,26 @@ Host/Origin/body checks (`guard.py`) or the statistics documents (`health.py`).
 """
 
 import json
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
 
+import jinja2
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.serving import WSGIRequestHandler
 
 from ..errors import UserError
 from ..preflight import engine_capabilities
 from ..sampling import vocab_size_of
+from ..units import MB
 from . import anthropic, dashboard, guard
 from .health import health_body, prometheus_text
-from .requests import ApiError, parse_messages, parse_params, parse_prompt
+from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
 from .worker import GenerationWorker
 
 # Used when a tokenizer has no chat template (the embedded model ships one of its own).
@@ -44,7 +49,7 @@ def create_app(
     max_tokens: int | None = None,
     max_input_tokens: int | None = None,
     default_max_tokens: int = 256,
-    max_body_bytes: int = 4 * 2**20,
+    max_body_bytes: int = 4 * MB,
     event_timeout_s: float = 600.0,
     allowed_hosts: frozenset[str] | None = None,
     allowed_origins=(),
@@ -93,6 +98,8 @@ def create_app(
         message = {
             404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
             f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics, GET / (dashboard)",
+            405: f"{request.method} is not a method of {request.path}: use "
+            f"{' or '.join(sorted(set(getattr(e, 'valid_methods', None) or ()) - {'HEAD', 'OPTIONS'}))}",
             413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
         }.get(e.code, e.description)
         if guard.is_too_large(e):
@@ -128,27 +135,31 @@ def create_app(
         data = guard.read_json(request)
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = data.get("model")
-        if model is not None and model not in (name, str(engine.model_path), "default"):
-            raise ApiError(
-                404,
-                f"model {model!r} is not served here; this server serves {name!r}",
-                "model",
-                "model_not_found",
-                kind="not_found_error",
-            )
+        check_model(data, (name, str(engine.model_path), "default"))
         return data
+
+    def chat_tokens(messages) -> list[int]:
+        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        try:
+            tokens = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, chat_template=template
+            )
+        except jinja2.TemplateError as e:  # a model's template refuses some conversations, on purpose
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages")
+        return list(tokens)
 
     def check_length(prompt_tokens):
         if len(prompt_tokens) > max_input_tokens:
             raise ApiError(
                 400,
                 f"the prompt has {len(prompt_tokens)} tokens, over this server's limit of "
-                f"{max_input_tokens} (--max-input-tokens)",
+                f"{max_input_tokens} (--max-input-tokens; the model takes {engine.max_positions} positions, "
+                "prompt and completion together)",
                 "prompt",
                 "context_length_exceeded",
             )
-        vocab = getattr(tokenizer, "vocab_size", None)
+        # the model's own vocabulary (its embedding's rows): a tokenizer's vocab_size leaves out added
+        # special tokens (Qwen3's <|im_start|> is past it)
         if vocab and any(t >= vocab for t in prompt_tokens):
             raise ApiError(
                 400, f"the prompt has token ids outside the vocabulary (0 to {vocab - 1})", "prompt"
@@ -167,20 +178,15 @@ def create_app(
     def chat_completions():
         data = body_json()
         params = parse_params(data, max_tokens, default_max_tokens, vocab)
-        messages = parse_messages(data)
-        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+        tokens = chat_tokens(parse_messages(data))
         check_length(tokens)
-        return respond(list(tokens), params, chat=True)
+        return respond(tokens, params, chat=True)
 
     @app.post("/v1/messages")
     def messages():
         data = body_json()
         messages, params = anthropic.parse_request(data, max_tokens, vocab)
-        template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        tokens = list(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
-        )
+        tokens = chat_tokens(messages)
         check_length(tokens)
         job = worker.submit(tokens, params, guard.client_alive(request.environ))
         if params.stream:
@@ -362,7 +368,9 @@ def serve(
             allowed_hosts=guard.host_names(host, allow_hosts),
             allowed_origins=allow_origins,
         )
-        server = make_server(host, port, app, threaded=True, fd=listener.fileno())
+        server = make_server(
+            host, port, app, threaded=True, fd=listener.fileno(), request_handler=_RequestLog
+        )
     finally:
         listener.close()  # the server holds its own descriptor of it
     log(
@@ -382,6 +390,18 @@ def serve(
         server.server_close()
         if finished:
             worker.engine.close()
+
+
+class _RequestLog(WSGIRequestHandler):
+    """werkzeug's request handler, whose request lines are coloured only when stderr is a terminal (and
+    NO_COLOR is unset): werkzeug colours them wherever they go, and a log file then carries the codes."""
+
+    colour = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+
+    def log_request(self, code="-", size="-"):
+        if self.colour:
+            return super().log_request(code, size)
+        self.log("info", '"%s" %s %s', self.requestline, code, size)
 
 
 def _interrupt():

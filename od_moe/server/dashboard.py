@@ -26,39 +26,43 @@ CODES = np.array([ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED])
 
 
 class History:
-    """Samples (time, generated tokens, decode lookups, decode hits) of the last `keep_s` seconds, at most one
-    every `every_s`, taken when the document is asked for (nobody watching: nothing to keep)."""
+    """Samples (time, generated tokens, decode lookups, decode hits, decoding seconds) of the last
+    `keep_s` seconds, at most one every `every_s`, taken when the document is asked for (nobody watching:
+    nothing to keep). The tokens and seconds are the worker's `DecodeClock`, for tok/s."""
 
     def __init__(self, keep_s: float = 300.0, every_s: float = 0.25):
         self.keep_s, self.every_s = keep_s, every_s
         self.samples: deque = deque()
         self.lock = threading.Lock()
 
-    def add(self, t: float, tokens: int, lookups: int, hits: int) -> list[tuple]:
+    def add(self, t: float, tokens: int, lookups: int, hits: int, decode_s: float) -> list[tuple]:
         """Record a sample (unless the last is newer than `every_s`) and return the samples kept."""
         with self.lock:
             if not self.samples or t - self.samples[-1][0] >= self.every_s:
-                self.samples.append((t, tokens, lookups, hits))
+                self.samples.append((t, tokens, lookups, hits, decode_s))
             while self.samples and t - self.samples[0][0] > self.keep_s:
                 self.samples.popleft()
             return list(self.samples)
 
 
-def rates(samples: list[tuple], window_s: float = 2.0) -> dict:
+def rates(samples: list[tuple], window_s: float = 2.0, min_decode_s: float = 0.5) -> dict:
     """Decode tok/s and hit rate over the last `window_s` seconds (or since the first sample, if it is
-    newer; None: under half a second of samples, or no lookups), and the plot points [seconds ago, hit
-    rate, tok/s] over one-second steps."""
+    newer), and the plot points [seconds ago, hit rate, tok/s] over one-second steps. tok/s is the tokens
+    decoded in a span over the time spent decoding in it, so idle time (and prefill) before a request do
+    not dilute its first seconds: 0 for a span without decoding, None for one with under `min_decode_s`
+    of it (too little to mean anything yet). None too: under half a second of samples; a hit rate
+    without lookups."""
     points, last = [], None
     for s in samples:
         if last is None or s[0] - last[0] >= 1.0:
             if last is not None:
-                points.append(_rate_between(last, s))
+                points.append(_rate_between(last, s, min_decode_s))
             last = s
     now = samples[-1]
     start = next((s for s in reversed(samples) if now[0] - s[0] >= window_s), samples[0])
     if now[0] - start[0] < 0.5:  # too short a span to mean anything yet
         start = None
-    recent = _rate_between(start, now) if start is not None else (now[0], None, None)
+    recent = _rate_between(start, now, min_decode_s) if start is not None else (now[0], None, None)
     return {
         "tok_s": recent[2],
         "hit_rate": recent[1],
@@ -66,9 +70,12 @@ def rates(samples: list[tuple], window_s: float = 2.0) -> dict:
     }
 
 
-def _rate_between(a: tuple, b: tuple) -> tuple:
-    dt, lookups = b[0] - a[0], b[2] - a[2]
-    return b[0], (b[3] - a[3]) / lookups if lookups else None, (b[1] - a[1]) / dt if dt > 0 else None
+def _rate_between(a: tuple, b: tuple, min_decode_s: float) -> tuple:
+    lookups, busy = b[2] - a[2], b[4] - a[4]
+    hit_rate = (b[3] - a[3]) / lookups if lookups else None
+    if busy <= 0:
+        return b[0], hit_rate, 0.0
+    return b[0], hit_rate, (b[1] - a[1]) / busy if busy >= min_decode_s else None
 
 
 def strip(cache) -> str:
@@ -89,14 +96,15 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
     engine = worker.engine
     stats = engine.stats(settle=False)
     decode, io = stats["total"]["decode"], stats["io"]["decode"]
-    passes, tokens = int(stats["positions"]["decode"]), int(stats["generated_tokens"])
+    passes, tokens = int(stats["passes"]["decode"]), int(stats["generated_tokens"])
     prefetch = stats["prefetch"]
     with worker.lock:
         requests = dict(worker.counters, active=worker.active, queued=worker.queued())
         requests["completion_tokens"] = worker.completion_tokens
     requests["in_flight"] = requests["active"] + requests["queued"]
     now = time.time()
-    recent = rates(history.add(now, tokens, decode["lookups"], decode["hits"]))
+    decoded, decode_s = worker.decode_clock.read()
+    recent = rates(history.add(now, decoded, decode["lookups"], decode["hits"], decode_s))
     return {
         "time": now,
         "uptime_s": now - started,

@@ -5,8 +5,9 @@ the answers. So: the Host header must name an address the server answers to (its
 loopback names when bound to loopback, names added with `--allow-host`); a browser request from another
 origin (its `Origin` header) is refused unless `--allow-origin` lists it; a POST body must be
 `application/json`. Bodies are read under the size limit (chunked ones too) and parsed as strict JSON: no
-NaN or Infinity, no lone surrogates. A body over the limit gets 413 and its connection is closed without
-waiting for the rest. Not here: the routes (`app.py`) or the meaning of fields (`requests.py`).
+NaN or Infinity (nor numbers that overflow to it), no lone surrogates, at most `MAX_DEPTH` levels deep. A
+body over the limit gets 413 and its connection is closed without waiting for the rest. Not here: the
+routes (`app.py`) or the meaning of fields (`requests.py`).
 """
 
 import ipaddress
@@ -22,6 +23,9 @@ from .requests import ApiError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("", "0.0.0.0", "::")
+# Deeper than any API body needs (a message's content parts are 4 levels down, a tool's schema maybe 20).
+MAX_DEPTH = 64
+NESTING = frozenset((dict, list))  # the types json.loads nests
 
 
 def host_names(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
@@ -108,7 +112,8 @@ def _body(request: Request) -> bytes:
 
 
 def read_json(request: Request):
-    """The body of a POST as strict JSON (any value; the caller checks it is an object)."""
+    """The body of a POST as strict JSON (any value; the caller checks it is an object), checked whole by
+    `check_json` before any field is read."""
     if request.mimetype != "application/json":
         raise ApiError(
             415,
@@ -119,17 +124,46 @@ def read_json(request: Request):
     raw = _body(request)
     try:
         data = json.loads(raw, parse_constant=_no_constants)
-    except ValueError as e:  # also undecodable UTF-8
+    except RecursionError:  # the decoder recurses per level: far past MAX_DEPTH, it runs out of stack
+        raise ApiError(
+            400, f"the request body is nested deeper than {MAX_DEPTH} levels: send a flatter JSON object"
+        )
+    except ValueError as e:  # also undecodable UTF-8 and integers of over 4300 digits
         raise ApiError(400, f"the request body is not valid JSON ({e})")
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    check_json(data)
+    return data
+
+
+def check_json(data):
+    """Raise an ApiError unless every value of `data` can be read and answered without surprise: nested
+    at most MAX_DEPTH levels (deeper values would exhaust the stack of whatever recurses on them),
+    numbers finite (1e309 parses as infinity), text valid Unicode (no lone surrogate escapes)."""
+    level = [data] if type(data) in NESTING else []
+    for _ in range(MAX_DEPTH):  # level by level, without recursion: depth is what is checked
+        inner = []
+        for value in level:
+            items = value.values() if type(value) is dict else value
+            if not NESTING.isdisjoint(map(type, items)):  # in C: most lists are of numbers or text
+                inner.extend(v for v in items if type(v) in NESTING)
+        level = inner
+    if level:
+        raise ApiError(
+            400, f"the request body is nested deeper than {MAX_DEPTH} levels: send a flatter JSON object"
+        )
+    try:  # numbers and text, checked at C speed
+        json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(
             400,
             "the request body has a lone surrogate (an unpaired \\ud800-\\udfff escape) in a string: send "
             "valid UTF-8 text",
         )
-    return data
+    except ValueError:
+        raise ApiError(
+            400,
+            "the request body has a number too large for a double (it reads as infinity): send a finite "
+            "number",
+        )
 
 
 def is_too_large(error: BaseException) -> bool:

@@ -84,7 +84,7 @@ def health_body(worker, name: str, started: float) -> dict:
             "miss_policy": stats.get("miss_policy"),
             # decode passes run one ahead of the tokens given out (stats.py): never add one to the other
             "prefill_positions": stats["positions"]["prefill"],
-            "decode_passes": stats["positions"]["decode"],
+            "decode_passes": stats["passes"]["decode"],
             "generated_tokens": stats["generated_tokens"],
         },
         "memory": stats.get("memory", {}),

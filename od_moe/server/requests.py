@@ -5,11 +5,14 @@ tokenizing prompts (the app does it, because it needs the tokenizer) or generati
 """
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 from ..sampling import MAX_SEED
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 60
 
 
 class ApiError(Exception):
@@ -40,6 +43,13 @@ class GenerationParams:
     include_usage: bool = False
 
 
+def shown(value, limit: int = 60) -> str:
+    """`value` as an error message quotes it: a repr of its first items and levels, cut short (a body may
+    hold megabytes, and a full repr would be made before it is cut)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _number(body, name, default, low, high, integer=False, low_open=False):
     value = body.get(name, default)
     if value is None:
@@ -48,15 +58,16 @@ def _number(body, name, default, low, high, integer=False, low_open=False):
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or (integer and not isinstance(value, int))
-        or not math.isfinite(value)
+        or (isinstance(value, float) and not math.isfinite(value))
     ):
         raise ApiError(
-            400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name
+            400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {shown(value)}", name
         )
+    # compared as given: an integer of 400 digits has no float
     if value < low or value > high or (low_open and value == low):
         bounds = f"{'>' if low_open else '>='} {low} and <= {high}"
-        raise ApiError(400, f"'{name}' must be {bounds}, got {value!r}", name)
-    return value
+        raise ApiError(400, f"'{name}' must be {bounds}, got {shown(value)}", name)
+    return value + 0  # -0.0 becomes 0.0
 
 
 def parse_params(
@@ -69,17 +80,19 @@ def parse_params(
     if value is None:
         max_tokens = min(default_max_tokens, max_tokens_cap)
     elif isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", name)
+        raise ApiError(400, f"'{name}' must be an integer, got {shown(value)}", name)
     elif value < 1:
         raise ApiError(400, f"'{name}' must be at least 1, got {value}", name)
     elif value > max_tokens_cap:
         raise ApiError(
-            400, f"'{name}' {value} is above this server's limit of {max_tokens_cap} (--max-tokens)", name
+            400,
+            f"'{name}' {shown(value)} is above this server's limit of {max_tokens_cap} (--max-tokens)",
+            name,
         )
     else:
         max_tokens = value
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise ApiError(400, "only n=1 is supported", "n")
     stop = body.get("stop")
     if stop is None:
@@ -92,15 +105,22 @@ def parse_params(
     stream = body.get("stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be true or false, got {stream!r}", "stream")
+        raise ApiError(400, f"'stream' must be true or false, got {shown(stream)}", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(
+            400,
+            f"'stream_options.include_usage' must be true or false, got {shown(include_usage)}",
+            "stream_options",
+        )
     seed = body.get("seed")
     if seed is not None and (
         isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
     ):
-        raise ApiError(400, f"'seed' must be an integer from 0 to 2**63 - 1, got {seed!r}", "seed")
+        raise ApiError(400, f"'seed' must be an integer from 0 to 2**63 - 1, got {shown(seed)}", "seed")
     for name in ("logprobs", "top_logprobs"):
         if body.get(name) not in (None, False, 0):
             raise ApiError(400, f"'{name}' is not supported by this server: leave it out", name)
@@ -113,8 +133,25 @@ def parse_params(
         seed=seed,
         stop=stop,
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=bool(include_usage),
     )
+
+
+def check_model(body: dict, served: tuple[str, ...]):
+    """A request's `model`, if given, must be one of the names this server answers to (the first is shown)."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {shown(model)}: give {served[0]!r}", "model")
+    if model not in served:
+        raise ApiError(
+            404,
+            f"model {shown(model)} is not served here; this server serves {served[0]!r}",
+            "model",
+            "model_not_found",
+            kind="not_found_error",
+        )
 
 
 def parse_prompt(body: dict):

@@ -56,6 +56,41 @@ class Job:
                 return
 
 
+class DecodeClock:
+    """Tokens decoded and the seconds spent decoding them, all requests together, read live from any thread
+    (the live page's tok/s divides one by the other). A request's clock runs from its first token to its
+    end: the prompt's prefill (which gives the first token) and the idle time between requests are not
+    decoding, so neither is counted."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic):
+        self.now = now
+        self.lock = threading.Lock()
+        self.tokens, self.seconds, self.since = 0, 0.0, None
+
+    def tick(self):
+        """A token came: the first of a request starts the clock; each later one is counted."""
+        t = self.now()
+        with self.lock:
+            if self.since is not None:
+                self.tokens += 1
+                self.seconds += t - self.since
+            self.since = t
+
+    def stop(self):
+        """The request ended (its last pass still counts as decoding: the clock never goes back)."""
+        t = self.now()
+        with self.lock:
+            if self.since is not None:
+                self.seconds += t - self.since
+            self.since = None
+
+    def read(self) -> tuple[int, float]:
+        """(tokens, seconds) so far, the running request's time since its last token included."""
+        t = self.now()
+        with self.lock:
+            return self.tokens, self.seconds + (t - self.since if self.since is not None else 0.0)
+
+
 class Cancelled(Exception):
     """Raised between prefill chunks when the job's client has gone away."""
 
@@ -108,6 +143,7 @@ class GenerationWorker:
         self.counters = {"total": 0, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0}
         self.active = 0
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.decode_clock = DecodeClock()
         self._loader = loader
         self.thread = threading.Thread(target=self._run, name="od-moe-generation", daemon=True)
         self.thread.start()
@@ -209,6 +245,7 @@ class GenerationWorker:
                 elif self.stopping:  # the client is still there: tell it why the text stops
                     self._tell_stopping(job)
             finally:
+                self.decode_clock.stop()
                 with self.lock:
                     self.active, self.current = 0, None
 
@@ -242,6 +279,7 @@ class GenerationWorker:
             prefill_step_size=self.prefill_step,
             prompt_progress_callback=between_chunks,
         ):
+            self.decode_clock.tick()
             if job.cancelled.is_set():
                 return "cancelled"  # the cache is dropped: it is not kept below
             tokens.append(response.token)

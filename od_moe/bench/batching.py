@@ -1,0 +1,157 @@
+"""`od-moe bench --batch`: many greedy requests decoded together, od-moe against stock mlx-lm.
+
+For each batch size (1, 2, 8, 32 by default) the same number of distinct prompts (cut from the bundled
+Python text) is decoded in one batch, by stock mlx-lm's `batch_generate` with every expert resident and by
+od-moe at each capacity (`Engine.batch_generate`), in one process. A row gives the aggregate decode
+throughput (generated tokens over the whole batch's time), the per-request share of it, the median time
+to a request's first token, experts read per generated token (demand and prefetch alike), and the gain
+over batch 1 beside stock's own gain. Tokens are checked against stock's batch for the same prompts.
+Not here: the server's continuous batching.
+"""
+
+import statistics
+import time
+from pathlib import Path
+
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
+
+from .. import backend, load
+from ..engine import DEFAULT_MODEL
+from ..report import table
+from ..training.data import load_documents
+from .widen import widen_model
+
+
+def batch_prompts(count: int) -> list[str]:
+    """`count` distinct prompts: the first line of function definitions in the bundled Python text."""
+    prompts, seen = [], set()
+    for doc in load_documents(None).texts:
+        for line in doc.splitlines():
+            line = line.strip()
+            if line.startswith("def ") and line.endswith(":") and line not in seen:
+                seen.add(line)
+                prompts.append(line + "\n")
+                if len(prompts) == count:
+                    return prompts
+    raise ValueError(f"the bundled text has fewer than {count} distinct function definitions")
+
+
+def _decode(run, prompts: list, max_tokens: int) -> dict:
+    """Wall time, time to each request's first token and the token ids of one batched generation."""
+    start = time.perf_counter()
+    first: dict[int, float] = {}
+    tokens = run(prompts, max_tokens, lambda i: first.setdefault(i, time.perf_counter() - start))
+    seconds = time.perf_counter() - start
+    generated = sum(len(t) for t in tokens)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": generated / seconds,
+        "ttft_s": statistics.median(first.values()) if first else None,
+    }
+
+
+def _stock(path, prompts, max_tokens) -> dict:
+    model, tokenizer = mlx_lm_load(str(path))
+    target = backend.compute_dtype("auto")
+    if target is not None:
+        model.set_dtype(target)
+    ids = [tokenizer.encode(p) for p in prompts]
+
+    def run(_, n, seen):
+        out = mlx_lm_batch_generate(model, tokenizer, ids, max_tokens=n, return_token_ids=True)
+        for i in range(len(ids)):
+            seen(i)  # mlx-lm's batch_generate returns at the end: its first tokens are not observable
+        return out.token_ids
+
+    run(None, 2, lambda i: None)  # warm-up: kernels compiled, weights touched
+    return _decode(run, prompts, max_tokens)
+
+
+def _od_moe(path, capacity, prompts, max_tokens) -> dict:
+    engine = load(str(path), capacity=capacity)
+
+    def run(texts, n, seen):
+        tokens = [[] for _ in texts]
+        for step in engine.stream_batch_generate(texts, max_tokens=n):
+            for t in step:
+                seen(t.index)
+                if t.finish_reason != "stop":
+                    tokens[t.index].append(t.token)
+        return tokens
+
+    run(prompts[:1], 2, lambda i: None)
+    engine.reset_stats()
+    result = _decode(run, prompts, max_tokens)
+    stats = engine.stats()
+    generated = max(stats["generated_tokens"], 1)
+    result["experts_per_token"] = stats["total"]["experts_read"] / generated
+    result["hit_rate"] = stats["total"]["decode"]["hit_rate"]
+    engine.close()
+    return result
+
+
+def run_batch_grid(sizes, capacities, max_tokens, widen, workdir: Path, say=print) -> dict:
+    """The batch rows for the embedded model (and its widened copy when `widen`), as printed."""
+    say = say or (lambda *_: None)
+    models = [("bundled", DEFAULT_MODEL)]
+    if widen:
+        models.append(("widened", widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)))
+    rows, sizes = [], sorted(sizes)
+    for name, path in models:
+        prompts = batch_prompts(max(sizes))
+        base = {}
+        for size in sizes:
+            stock = _stock(path, prompts[:size], max_tokens)
+            base.setdefault("stock", stock["tok_s"])
+            for capacity in capacities:
+                got = _od_moe(path, capacity, prompts[:size], max_tokens)
+                base.setdefault(capacity, got)
+                rows.append(
+                    {
+                        "model": name,
+                        "capacity": capacity,
+                        "batch": size,
+                        "tok_s": got["tok_s"],
+                        "tok_s_per_request": got["tok_s"] / size,
+                        "ttft_s": got["ttft_s"],
+                        "experts_per_token": got["experts_per_token"],
+                        "experts_per_token_vs_batch_1": got["experts_per_token"]
+                        / base[capacity]["experts_per_token"],
+                        "hit_rate": got["hit_rate"],
+                        "gain": got["tok_s"] / base[capacity]["tok_s"],
+                        "stock_tok_s": stock["tok_s"],
+                        "stock_gain": stock["tok_s"] / base["stock"],
+                        "same_tokens": got["tokens"] == stock["tokens"],
+                    }
+                )
+    columns = ["model", "capacity", "batch", "tok/s", "tok/s each", "ttft s", "experts/tok", "x batch 1"]
+    columns += ["decode hit", "gain", "stock tok/s", "stock gain", "gain / stock's", "same tokens"]
+    say(
+        table(
+            columns,
+            [
+                [
+                    r["model"],
+                    f"{r['capacity']:.1%}",
+                    r["batch"],
+                    r["tok_s"],
+                    r["tok_s_per_request"],
+                    r["ttft_s"],
+                    r["experts_per_token"],
+                    r["experts_per_token_vs_batch_1"],
+                    r["hit_rate"],
+                    r["gain"],
+                    r["stock_tok_s"],
+                    r["stock_gain"],
+                    r["gain"] / r["stock_gain"],
+                    r["same_tokens"],
+                ]
+                for r in rows
+            ],
+            title=f"Batched greedy decoding, {max_tokens} tokens per request, warm reads; stock mlx-lm "
+            "fully resident in the same process",
+        )
+    )
+    return {"rows": rows}

@@ -166,7 +166,6 @@ class TwoTierRuntime:
                 routed = np.array(ids).astype(np.int64)
                 self._recording.append({i: row.reshape(-1, k) for i, row in enumerate(routed)})
             self._recorded = []
-        self._dirty = True
 
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **_):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,

@@ -167,3 +167,11 @@ def test_recording_gives_the_routing_of_every_pass(bundled_reference):
     assert len(trace) >= 8 and all(set(p) == set(range(len(engine.caches))) for p in trace)
     assert sum(p[0].size for p in trace) == per_layer["lookups"]
     assert all(p[0].shape[1] == engine.top_k for p in trace)
+
+
+def test_a_cast_numpy_cannot_make_stays_exact():
+    """bfloat16 scales cast to float16 (no numpy path): the stack is cast with MLX, tokens equal stock's."""
+    reference = reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[:1], 12, dtype="float16")
+    engine = od_moe.load(capacity=0.25, two_tier=True, dtype="float16")
+    assert engine.runtime.stacks[0][("gate_proj", "scales")].dtype == mx.float16
+    assert od_moe_tokens(engine, PROMPTS[:1], 12) == reference

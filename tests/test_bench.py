@@ -45,7 +45,7 @@ def test_the_batch_rows_are_exact_and_read_less_per_token_in_a_batch(tmp_path, c
 
     prompts = batch_prompts(8)
     assert len(set(prompts)) == 8 and all(p.startswith("def ") for p in prompts)
-    rows = run_batch_grid([8, 1], [0.25], 6, 0, tmp_path, say=None)["rows"]
+    rows = run_batch_grid([8, 1], [0.25], 6, 0, tmp_path, say=None, rounds=1)["rows"]
     assert [r["batch"] for r in rows] == [1, 8] and all(r["same_tokens"] for r in rows)
     one, eight = rows
     assert eight["experts_per_token"] < one["experts_per_token"] and eight["experts_per_token_vs_batch_1"] < 1

@@ -52,24 +52,26 @@ def _decode(run, prompts: list, max_tokens: int) -> dict:
     }
 
 
-def _stock(path, prompts, max_tokens) -> dict:
+def _stock_runner(path):
+    """Stock mlx-lm's `batch_generate` on `path` fully resident, in od-moe's compute dtype, warmed up."""
     model, tokenizer = mlx_lm_load(str(path))
     target = backend.compute_dtype("auto")
     if target is not None:
         model.set_dtype(target)
-    ids = [tokenizer.encode(p) for p in prompts]
 
-    def run(_, n, seen):
+    def run(prompts, n, seen):
+        ids = [tokenizer.encode(p) for p in prompts]
         out = mlx_lm_batch_generate(model, tokenizer, ids, max_tokens=n, return_token_ids=True)
         for i in range(len(ids)):
             seen(i)  # mlx-lm's batch_generate returns at the end: its first tokens are not observable
         return out.token_ids
 
-    run(None, 2, lambda i: None)  # warm-up: kernels compiled, weights touched
-    return _decode(run, prompts, max_tokens)
+    run(["def f(x):\n"], 2, lambda i: None)
+    return run
 
 
 def _od_moe(path, capacity, prompts, max_tokens) -> dict:
+    """One batch on a fresh engine (so every row starts from the same empty cache)."""
     engine = load(str(path), capacity=capacity)
 
     def run(texts, n, seen):
@@ -81,8 +83,6 @@ def _od_moe(path, capacity, prompts, max_tokens) -> dict:
                     tokens[t.index].append(t.token)
         return tokens
 
-    run(prompts[:1], 2, lambda i: None)
-    engine.reset_stats()
     result = _decode(run, prompts, max_tokens)
     stats = engine.stats()
     generated = max(stats["generated_tokens"], 1)
@@ -92,21 +92,34 @@ def _od_moe(path, capacity, prompts, max_tokens) -> dict:
     return result
 
 
-def run_batch_grid(sizes, capacities, max_tokens, widen, workdir: Path, say=print) -> dict:
-    """The batch rows for the embedded model (and its widened copy when `widen`), as printed."""
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (its other figures with it)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+
+
+def run_batch_grid(sizes, capacities, max_tokens, widen, workdir: Path, say=print, rounds: int = 3) -> dict:
+    """The batch rows for the embedded model (and its widened copy when `widen`), as printed. Each batch
+    runs `rounds` times, stock and od-moe's capacities alternating, and the median run counts (machines
+    are noisy: a lone batch-1 run would set every gain)."""
     say = say or (lambda *_: None)
     models = [("bundled", DEFAULT_MODEL)]
     if widen:
         models.append(("widened", widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)))
     rows, sizes = [], sorted(sizes)
     for name, path in models:
-        prompts = batch_prompts(max(sizes))
-        base = {}
+        prompts, stock_run, base = batch_prompts(max(sizes)), _stock_runner(path), {}
+        for capacity in capacities:  # kernels compiled and files in the page cache before any row
+            _od_moe(path, capacity, prompts[:2], 2)
         for size in sizes:
-            stock = _stock(path, prompts[:size], max_tokens)
+            runs = {key: [] for key in ["stock", *capacities]}
+            for _ in range(rounds):
+                runs["stock"].append(_decode(stock_run, prompts[:size], max_tokens))
+                for capacity in capacities:
+                    runs[capacity].append(_od_moe(path, capacity, prompts[:size], max_tokens))
+            stock = _median_run(runs["stock"])
             base.setdefault("stock", stock["tok_s"])
             for capacity in capacities:
-                got = _od_moe(path, capacity, prompts[:size], max_tokens)
+                got = _median_run(runs[capacity])
                 base.setdefault(capacity, got)
                 rows.append(
                     {
@@ -150,8 +163,8 @@ def run_batch_grid(sizes, capacities, max_tokens, widen, workdir: Path, say=prin
                 ]
                 for r in rows
             ],
-            title=f"Batched greedy decoding, {max_tokens} tokens per request, warm reads; stock mlx-lm "
-            "fully resident in the same process",
+            title=f"Batched greedy decoding, {max_tokens} tokens per request, warm reads, median of {rounds} "
+            "rounds; stock mlx-lm fully resident in the same process, alternating",
         )
     )
     return {"rows": rows}

@@ -65,6 +65,7 @@ def add_arguments(parser):
         help="batched decoding: --batch-sizes requests at once against stock mlx-lm's batch_generate",
     )
     add("--batch-sizes", default="1,2,8,32", help="with --batch: requests decoded together")
+    add("--rounds", type=int, default=3, help="with --batch: runs of each batch (the median counts)")
     add(
         "--capacities",
         help="with --foundation or --batch: fractions of experts resident (default: 1,0.5,0.25,0.125 with "
@@ -104,11 +105,15 @@ def run(args):
             sizes = [int(s) for s in args.batch_sizes.split(",")]
         except ValueError:
             sizes = []
+        if args.rounds < 1:
+            raise UserError(f"--rounds must be a positive count, got {args.rounds}")
         if not sizes or min(sizes) < 1:
             raise UserError(f"--batch-sizes takes positive counts such as 1,2,8,32, got {args.batch_sizes!r}")
         from .batching import run_batch_grid
 
-        result = run_batch_grid(sizes, capacities, args.max_tokens, args.widen, Path(args.workdir), printer)
+        result = run_batch_grid(
+            sizes, capacities, args.max_tokens, args.widen, Path(args.workdir), printer, args.rounds
+        )
     elif args.foundation:
         result = run_foundation(
             capacities, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer

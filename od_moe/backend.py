@@ -11,6 +11,9 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   there (`cuda.DeviceCopies`: `cudaMemcpyAsync` from pinned staging into the managed memory MLX computes
   on), also with no MLX op; where that is unavailable, the cache falls back to MLX slice updates, from
   arrays the reader threads make.
+- Two-tier mode (`two_tier.py`) keeps every expert in host memory for the GPU to read in place where the
+  GPU has memory of its own (CUDA) and the host holds the experts (`two_tier_choice`); `map_for_device`
+  advises such a stack (`cuda.HostMapping`). On the CPU and Metal the same code runs on plain memory.
 - That fallback's arrays are managed memory made from host bytes, which migrates page by page on first
   touch: `stage_for_device` asks the driver to keep such an array's pages in host memory, mapped for the
   GPU, so neither side faults. The advice stays with the memory when MLX recycles the buffer, so only
@@ -78,6 +81,46 @@ def arrays_in_host_memory() -> bool:
 
 _managed_staging = cuda.ManagedStaging()
 _copies = cuda.DeviceCopies()
+_host_mapping = cuda.HostMapping()
+# of the memory available, what the mapped stacks of two-tier mode may take before "auto" declines it
+TWO_TIER_HOST_FRACTION = 0.8
+
+
+def two_tier_choice(requested, expert_nbytes: int) -> tuple[bool, str]:
+    """Whether an engine runs in two-tier mode, and why, for `requested` ("auto", True or False) and a
+    model whose experts take `expert_nbytes` in memory. "auto": on where the GPU has memory of its own
+    (CUDA), so that a miss read in place from host memory beats a host round trip, and the host holds the
+    experts; off on the CPU and Metal, where host memory is the only memory and misses come from disk."""
+    available = available_memory_bytes()
+    fits = expert_nbytes <= available * TWO_TIER_HOST_FRACTION
+    where = f"experts {expert_nbytes / 1e9:.2f} GB, host memory available {available / 1e9:.2f} GB"
+    if requested is True:
+        return True, f"two-tier mode forced on ({where})"
+    if requested is False:
+        return False, "two-tier mode off (asked)"
+    if not (mx.cuda.is_available() and mx.default_device().type == mx.gpu):
+        return (
+            False,
+            "two-tier mode off: not a CUDA device, whose memory is its own (two_tier=True forces it)",
+        )
+    if not fits:
+        return False, f"two-tier mode off: host memory cannot hold the experts ({where})"
+    return True, f"two-tier mode: every expert mapped from host memory, misses read in place ({where})"
+
+
+def map_for_device(array: mx.array, device_tail: int) -> bool:
+    """Keep `array` (made from host bytes) in host memory for the GPU to read in place, its last
+    `device_tail` bytes in device memory (`cuda.HostMapping`); nothing to do where arrays are host memory.
+    True where advice was given."""
+    if arrays_in_host_memory():
+        return False
+    return _host_mapping.apply(array, device_tail)
+
+
+def unmap(array: mx.array):
+    """Undo `map_for_device` before `array` is let go."""
+    if not arrays_in_host_memory():
+        _host_mapping.release(array)
 
 
 def stage_for_device(array: mx.array) -> mx.array:

@@ -32,6 +32,16 @@ def _direct_io_arg(parser: argparse.ArgumentParser):
     )
 
 
+def _two_tier_arg(parser: argparse.ArgumentParser):
+    parser.add_argument(
+        "--two-tier",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="every expert in host memory, read in place on a miss, --capacity experts per layer in device "
+        "slots (default auto: on CUDA where host memory holds the experts)",
+    )
+
+
 def _direct_io(value: str):
     return {"auto": "auto", "on": True, "off": False}[value]
 
@@ -78,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate")
     _capacity_arg(gen)
     _direct_io_arg(gen)
+    _two_tier_arg(gen)
     gen.add_argument(
         "--miss-policy",
         choices=["load", "skip"],
@@ -126,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
     _capacity_arg(srv)
     _direct_io_arg(srv)
+    _two_tier_arg(srv)
     srv.add_argument(
         "--max-tokens",
         type=int,
@@ -349,6 +361,7 @@ def cmd_generate(args):
     options = dict(
         _pick(args, "capacity", "memory_budget", "miss_policy", "eviction"),
         direct_io=_direct_io(args.direct_io),
+        two_tier=_direct_io(args.two_tier),  # the same auto/on/off
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     check_sampling(args.temp, args.top_p, seed=args.seed)  # before the model loads
@@ -444,6 +457,7 @@ def cmd_serve(args):
     serve(
         predictor=_predictor_arg(args.predictor),
         direct_io=_direct_io(args.direct_io),
+        two_tier=_direct_io(args.two_tier),
         log=lambda line: print(line, file=sys.stderr, flush=True),
         **picked,
     )

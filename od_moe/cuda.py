@@ -250,3 +250,86 @@ class ManagedStaging:
             for advice, where in ((self.PREFERRED_LOCATION + 1, self.host), (self.ACCESSED_BY + 1, self.gpu)):
                 if self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
                     self.runtime.cudaGetLastError()
+
+
+class HostMapping:
+    """CUDA managed-memory advice for an expert stack that stays in host memory and that the GPU reads in
+    place (two-tier mode, `two_tier.py`): preferred location the host and accessed by the device over the
+    whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its last
+    `device_tail` bytes (the zero row a hit's lane reads there) preferred on the device and moved there,
+    since a hit's lane reading host memory cost as much as a miss (H100: 11.1 ms a token at every hit rate
+    against 1.51-10.4 ms with the zero row on the device, `tools/two_tier_probe.py`). `release` takes the
+    advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the
+    runtime's error state; the arrays then stay as MLX made them (still exact, read as MLX places them)."""
+
+    def __init__(self, device: int = 0):
+        self.device = device
+        self.on = None  # None: the runtime not looked for yet
+        self.advised: dict[int, int] = {}  # buffer address -> bytes advised
+        self.lock = threading.Lock()
+
+    def _ready(self) -> bool:
+        if self.on is None:
+            found = find_runtime()
+            self.on = found is not None
+            if found is not None:
+                runtime, version = found
+                staging = ManagedStaging(runtime, version, self.device)
+                self.runtime, self.host, self.gpu = runtime, staging.host, staging.gpu
+                where = type(self.gpu)
+                if version >= 13000:  # CUDA 13 takes a location and flags where CUDA 12 took a device
+                    runtime.cudaMemPrefetchAsync.argtypes = [
+                        ctypes.c_void_p, ctypes.c_size_t, where, ctypes.c_uint, ctypes.c_void_p
+                    ]  # fmt: skip
+                    self._prefetch = lambda a, n: runtime.cudaMemPrefetchAsync(a, n, self.gpu, 0, None)
+                else:
+                    runtime.cudaMemPrefetchAsync.argtypes = [
+                        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+                    ]  # fmt: skip
+                    self._prefetch = lambda a, n: runtime.cudaMemPrefetchAsync(a, n, self.gpu, None)
+                runtime.cudaDeviceSynchronize.argtypes = []
+        return self.on
+
+    def apply(self, array: mx.array, device_tail: int) -> bool:
+        """Advise `array` (evaluated, made from host bytes) as above; True if the advice took."""
+        with self.lock:
+            if not self._ready():
+                return False
+            address, nbytes = address_of(array), array.nbytes
+            steps = [
+                lambda: self.runtime.cudaMemAdvise(
+                    address, nbytes, ManagedStaging.PREFERRED_LOCATION, self.host
+                ),
+                lambda: self.runtime.cudaMemAdvise(address, nbytes, ManagedStaging.ACCESSED_BY, self.gpu),
+            ]
+            if device_tail:
+                tail = address + nbytes - device_tail
+                steps += [
+                    lambda: self.runtime.cudaMemAdvise(
+                        tail, device_tail, ManagedStaging.PREFERRED_LOCATION, self.gpu
+                    ),
+                    lambda: self._prefetch(tail, device_tail),
+                    lambda: self.runtime.cudaDeviceSynchronize(),
+                ]
+            self.advised[address] = nbytes
+            for step in steps:
+                if step() != 0:
+                    self.runtime.cudaGetLastError()
+                    self.on = False
+                    self.advised.pop(address, None)
+                    return False
+            return True
+
+    def release(self, array: mx.array):
+        """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
+        with self.lock:
+            if not self.on:
+                return
+            address = address_of(array)
+            nbytes = self.advised.pop(address, 0)
+            for advice, where in (
+                (ManagedStaging.PREFERRED_LOCATION + 1, self.host),
+                (ManagedStaging.ACCESSED_BY + 1, self.gpu),
+            ):
+                if nbytes and self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
+                    self.runtime.cudaGetLastError()

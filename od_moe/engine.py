@@ -10,6 +10,7 @@ per-layer path (`runtime.py`), reading bytes or cache policy.
 
 import hashlib
 import json
+import sys
 from collections.abc import Generator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from mlx_lm.generate import GenerationResponse
 
 from . import backend, governor
 from .cache import EVICTION_POLICIES, LayerCache
-from .capacity import resolve_capacity, working_nbytes
+from .capacity import parse_capacity, resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 from .layout import BlockLayout
@@ -37,6 +38,7 @@ from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
 from .surgery import MoEBlock, offloadable_blocks, top_k_of, weight_nbytes
 from .switch import OffloadedSwitch
+from .two_tier import build as build_two_tier
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
 # A shadow predictor for it, made by `od-moe train-predictor` (its report.json is beside it).
@@ -118,6 +120,7 @@ class Engine:
         self.predictor = None
         self.policy_name = "none"
         self.load_peak_bytes = 0
+        self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
 
@@ -355,6 +358,7 @@ def load(
     direct_io: bool | str = "auto",
     read_threads: int | None = None,
     packed: bool | str = "auto",
+    two_tier: bool | str = "auto",
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -374,6 +378,10 @@ def load(
         more (SSDs read faster with a few in flight), 1 for smaller ones.
     packed: read experts from packed rows (`od-moe pack`, one request per expert): "auto" (where the model
         folder has them), True (required), False, or the path of a packed file.
+    two_tier: every expert in host memory, read in place by the device on a miss, `capacity` experts per
+        layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
+        holds the experts and no predictive prefetch or skip mode is asked for), True or False; then
+        capacity may be 0. `Engine.mode` says which path runs and why.
     """
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
@@ -403,17 +411,27 @@ def load(
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
     working = working_nbytes(mlx_model, len(blocks), num_experts)
-    slots = resolve_capacity(
-        capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
+    tiered, why = _two_tier_mode(
+        two_tier, slot_nbytes * num_experts * len(blocks), miss_policy, prefetch, predictor
     )
+    if tiered and capacity is not None and parse_capacity(capacity) in (0, 0.0):
+        slots = 0  # every expert read in place
+    else:
+        slots = resolve_capacity(
+            capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
+        )
     caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
     if read_threads is None:
         read_threads = read_threads_for(max(c.layout.expert_nbytes for c in caches))
     if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
         raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
-    runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
-    for i, block in enumerate(blocks):
-        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
+    if tiered:
+        with byte_progress("mapping experts", slot_nbytes * num_experts * len(blocks)) as bar:
+            runtime = build_two_tier(store, blocks, caches, bar)
+    else:
+        runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
+        for i, block in enumerate(blocks):
+            block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(
         mlx_model,
@@ -425,6 +443,9 @@ def load(
         top_k_of(blocks[0].block),
         non_expert,
     )
+    engine.mode = ("two-tier" if tiered else "per-layer", why)
+    if two_tier != "auto" or tiered:
+        _say(why)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
         runtime.taps = [tap_router(b.block) for b in blocks]
     if predictor is not None:
@@ -441,6 +462,31 @@ def load(
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
+
+
+def _two_tier_mode(two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor) -> tuple[bool, str]:
+    """(two-tier mode on, why) for `load`'s arguments (`backend.two_tier_choice` decides where the
+    host and device allow it)."""
+    if two_tier not in (True, False, "auto"):
+        raise UserError(f"two_tier must be True, False or 'auto', got {two_tier!r}")
+    on, why = backend.two_tier_choice(two_tier, expert_nbytes)
+    predicts = prefetch in ("next-gate", "predictor", "oracle") or (
+        prefetch is None and predictor is not None
+    )
+    clash = "skip mode" if miss_policy == "skip" else "predictive prefetch" if predicts else None
+    if on and clash:
+        if two_tier is True:
+            raise UserError(
+                f"two-tier mode computes every miss exactly and admits by routing counts: it takes no {clash}"
+            )
+        return False, f"per-layer path: {clash} was asked for"
+    return on, why if on else f"per-layer path ({why})"
+
+
+def _say(line: str):
+    """One line on stderr where someone watches (a terminal), as the progress bars do."""
+    if sys.stderr.isatty():
+        print(f"od-moe: {line}", file=sys.stderr)
 
 
 def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayout]]:

@@ -138,6 +138,9 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
         packed=_packed_file(path),
     )
+    tiered, why = backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers)
+    # two-tier mode: every expert in host memory, the budget's slots on the device (`two_tier.py`)
+    report["two_tier"] = {"auto": tiered, "reason": why, "host_bytes": slot_nbytes * num_experts * moe_layers}
     if capacity is not None:
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
         report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
@@ -171,6 +174,8 @@ def engine_capabilities(engine) -> dict:
                 "expert_bytes": engine.caches[0].slot_nbytes,
                 "non_expert_bytes": engine.non_expert_nbytes,
                 "packed_experts": engine.runtime.store.packed is not None,
+                "mode": engine.mode[0],
+                "mode_reason": engine.mode[1],
             }
             _computed[engine] = report
         return _computed[engine]
@@ -207,6 +212,11 @@ def format_inspection(report: dict) -> str:
     p = report["predictor"]
     state = "fits" if p["fits"] else "does not fit: " + str(p["reason"])
     lines.append(f"predictor  {p['path']}: {state}" if p["present"] else f"predictor  {p['reason']}")
+    tiers = report["two_tier"]
+    lines.append(
+        f"mode       {'two-tier' if tiers['auto'] else 'per-layer'} by default: {tiers['reason']} "
+        f"(host memory for every expert: {_size(tiers['host_bytes'])}; --two-tier on|off forces it)"
+    )
     packed = report["packed"]
     lines.append(f"packed     {packed}" if packed else "packed     none (`od-moe pack`: one read per expert)")
     return "\n".join(lines)

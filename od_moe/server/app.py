@@ -294,6 +294,7 @@ def serve(
     allow_hosts=(),
     allow_origins=(),
     log=print,
+    two_tier="auto",
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
     end the running streams with an error event and stop the generation thread before returning."""
@@ -310,6 +311,7 @@ def serve(
             predictor=predictor,
             prefetch=prefetch,
             direct_io=direct_io,
+            two_tier=two_tier,
         )
     )
     try:

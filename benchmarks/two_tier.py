@@ -1,0 +1,158 @@
+"""Two-tier mode against stock mlx-lm, in one process: how close to stock does decoding get when misses are
+read in place from host memory, at 0 / 25 / 50 / 100% of experts in device slots, and what did the exact
+per-layer path (`od_moe.load` with two_tier=False) give at 25% (the before row)?
+
+Every row loads an engine, warms it on a prompt of its own (kernels, admission), then alternates prompt by
+prompt with stock mlx-lm for `--rounds` rounds of the 3 prompts x `--tokens` greedy tokens: the row's
+x-stock is the median of the rounds' ratios (machines drift: the ratio within a round is the figure).
+Tokens must equal stock's. Also per row: decode hit rate, mapped lanes (misses) and slot copies per
+decoded token. `static` rows stop admission after the warm-up (its slots are that prompt's profile), to
+compare with learned admission on the same slots count.
+
+    python benchmarks/two_tier.py [--model PATH | --widen 128] [--rows tt:0,tt:0.25,...] [--rounds 4]
+        [--tokens 48] [--json out.json]
+
+Rows: `tt:F` two-tier at fraction F; `static:F` the same with admission frozen after the warm-up;
+`exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
+`tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
+admit_every). On the CPU backend every two-tier row runs on host memory: tokens and counts are meaningful
+there, the speeds are the CPU's.
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load as mlx_lm_load
+
+import od_moe
+from od_moe import backend
+from od_moe.bench.foundation import PROMPTS, stock_decode
+from od_moe.report import table
+
+WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n    "
+
+
+def model_path(args) -> Path:
+    if not args.widen:
+        return Path(args.model)
+    from od_moe.bench.widen import widen_model
+
+    return widen_model(args.model, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+
+
+def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
+    kind, fraction, *knobs = spec.split(":")
+    fraction = float(fraction)
+    t0 = time.perf_counter()
+    engine = od_moe.load(str(path), capacity=fraction, two_tier=kind != "exact")
+    load_s = time.perf_counter() - t0
+    for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
+        name, value = knob.split("=")
+        owner = engine.runtime if name == "admit_every" else engine.runtime.admission
+        setattr(owner, name, type(getattr(owner, name))(value))
+    for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
+        list(engine.stream_generate(WARM_PROMPT, max_tokens=args.tokens))
+    if kind == "static":
+        engine.runtime.admissions = False
+    engine.reset_stats()
+    ratios, speeds, same = [], [], 0
+    for _ in range(args.rounds):
+        pairs = []
+        for i, prompt in enumerate(PROMPTS):
+            s = stock_decode(stock, tokenizer, prompt, args.tokens)[0]
+            responses = list(engine.stream_generate(prompt, max_tokens=args.tokens))
+            same += [r.token for r in responses] == reference[i]
+            pairs.append((s, responses[-1].generation_tps))
+        stock_tps = statistics.mean(p[0] for p in pairs)
+        tps = statistics.mean(p[1] for p in pairs)
+        ratios.append(tps / stock_tps)
+        speeds.append((stock_tps, tps))
+    stats = engine.stats()
+    decode = stats["total"]["decode"]
+    tokens = max(1, stats["positions"]["decode"])  # decode passes
+    row = {
+        "row": " ".join([kind, f"{fraction:.1%}", *knobs]),
+        "mode": engine.mode[0],
+        "capacity": engine.capacity,
+        "stock_tok_s": statistics.median(s for s, _ in speeds),
+        "tok_s": statistics.median(t for _, t in speeds),
+        "x_stock": statistics.median(ratios),
+        "x_stock_rounds": [round(r, 3) for r in ratios],
+        "decode_hit_rate": decode["hit_rate"],
+        "mapped_per_token": decode["misses"] / tokens / stats["moe_layers"],
+        "copies_per_token": stats["total"]["experts_loaded"] / tokens,
+        "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
+        "load_s": load_s,
+    }
+    del engine
+    gc.collect()
+    mx.clear_cache()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(od_moe.DEFAULT_MODEL))
+    parser.add_argument(
+        "--widen", type=int, default=0, help="widen the model's experts this many times first"
+    )
+    parser.add_argument("--workdir", default="/tmp/odb")
+    parser.add_argument("--rows", default="exact:0.25,tt:0,tt:0.25,static:0.25,tt:0.5,tt:1")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    path = model_path(args)
+    stock, tokenizer = mlx_lm_load(str(path))
+    dtype = backend.compute_dtype()
+    if dtype is not None:
+        stock.set_dtype(dtype)
+    stock_decode(stock, tokenizer, WARM_PROMPT, 8)
+    reference = [stock_decode(stock, tokenizer, p, args.tokens)[1] for p in PROMPTS]
+    rows = []
+    for spec in args.rows.split(","):
+        row = run_row(spec, path, stock, tokenizer, reference, args)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    headers = [
+        "row",
+        "mode",
+        "stock tok/s",
+        "tok/s",
+        "x stock",
+        "decode hit",
+        "mapped/layer/tok",
+        "copies/tok",
+    ]
+    cells = [
+        [
+            r["row"],
+            r["mode"],
+            r["stock_tok_s"],
+            r["tok_s"],
+            r["x_stock"],
+            r["decode_hit_rate"],
+            r["mapped_per_token"],
+            r["copies_per_token"],
+        ]
+        + [r["same_tokens"]]
+        for r in rows
+    ]
+    title = (
+        f"{path.name} on {mx.default_device()} (MLX {mx.__version__}), {len(PROMPTS)} prompts x "
+        f"{args.tokens} tokens, {args.rounds} rounds alternating with stock; x stock: median of the "
+        "rounds' ratios"
+    )
+    print(table(headers + ["same tokens"], cells, title=title))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

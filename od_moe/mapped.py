@@ -1,0 +1,81 @@
+"""The mapped stack of two-tier mode: every expert of one MoE layer in host memory, as MLX arrays the GPU
+reads in place.
+
+`read_stack` reads a layer's experts from the expert store once, with the same reads (and bytes) the
+per-layer path makes, converts them to the model's in-memory dtypes as `LayerCache` does (float32 scales on
+the CPU backend), adds one row of zeros after the last expert (the row a hit's lane of the mapped
+computation reads: kept on the device on CUDA), checks that each array holds exactly those bytes, and asks
+the backend to keep it in host memory for the device (`backend.map_for_device`). On the CPU and Metal that
+is plain memory and the same code runs. Not here: the forward math or admission (`two_tier.py`).
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, cuda
+from .cache import SAME_BYTES, _host_bits
+from .layout import BlockLayout, Staging
+from .store import ExpertStore
+
+READ_BATCH_BYTES = 64 * 2**20  # staging for one read round of a layer's experts
+
+
+def _uint(size: int) -> np.dtype:
+    return np.dtype(f"uint{8 * size}")
+
+
+def _target_bytes(raw: np.ndarray, disk_dtype: str, target: mx.Dtype) -> np.ndarray:
+    """`raw` (disk bytes, rows of experts) as `target`'s in-memory bytes, viewed as unsigned integers."""
+    bits = _host_bits(raw, disk_dtype, target)
+    if bits is None:  # a cast numpy cannot make exactly: MLX makes it, on the CPU
+        source = mx.array(raw).view(SAME_BYTES[disk_dtype])
+        cast = source.astype(target, stream=mx.cpu)
+        bits = np.array(cast.view(_mx_uint(target.size)))
+    return np.ascontiguousarray(bits).view(_uint(target.size))
+
+
+def _mx_uint(size: int) -> mx.Dtype:
+    return {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[size]
+
+
+def read_stack(
+    store: ExpertStore, layout: BlockLayout, targets: dict[tuple[str, str], mx.Dtype], progress=None
+) -> dict[tuple[str, str], mx.array]:
+    """Per part (`(proj, name)`), an `(E + 1, ...)` array of every expert of `layout` in `targets`' dtype,
+    row E zeros, in host memory mapped for the device. `progress.update(bytes)` after each read round.
+    Raises RuntimeError where an array does not hold the bytes read (memory MLX did not fill as asked)."""
+    E = layout.num_experts
+    host = {
+        (p.proj, p.name): np.zeros((E + 1, *p.shape), dtype=_uint(targets[(p.proj, p.name)].size))
+        for p in layout.parts
+    }
+    batch = max(1, min(E, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
+    staging = Staging(layout, batch)
+    for start in range(0, E, batch):
+        ids = np.arange(start, min(E, start + batch))
+        raw = store.read(layout, ids, staging)
+        for p in layout.parts:
+            key = (p.proj, p.name)
+            host[key][start : start + len(ids)] = _target_bytes(raw[key], p.dtype, targets[key])
+        if progress is not None:
+            progress.update(len(ids) * layout.expert_nbytes)
+    stacks = {}
+    for key, rows in host.items():
+        array = mx.array(rows)
+        mx.eval(array)
+        seen = cuda.numpy_view(array)
+        if seen is None or not np.array_equal(seen, rows):
+            raise RuntimeError(
+                f"{layout.module_path}.{key[0]}.{key[1]}: the mapped stack differs from the store"
+            )
+        backend.map_for_device(array, array.nbytes // (E + 1))
+        target = targets[key]
+        stacks[key] = array if array.dtype == target else array.view(target)
+    mx.eval(list(stacks.values()))
+    return stacks
+
+
+def release_stack(stack: dict[tuple[str, str], mx.array]):
+    """Take back the device advice of a stack `read_stack` made (before letting it go)."""
+    for array in stack.values():
+        backend.unmap(array)

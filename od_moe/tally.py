@@ -1,0 +1,80 @@
+"""Routing counts kept on the device in two-tier mode, read by the host a few passes late, never waited for.
+
+A two-tier pass (`two_tier.py`) never learns its routing on the host. What the host needs of it, how often
+each expert was routed (admission) and how many routed lanes found their expert in a slot (the ledger's
+hits), is added up on the device by each pass: one scatter-add of the pass's expert ids into a
+(layers x experts) count and one of its hit lanes into a (phases x layers) count, both lazy, built into the
+pass's graph. `launch` starts them between passes (after the pass that made them, on the same stream),
+and `read` hands the host the counts as of an earlier pass, one that is sure to be done when the caller
+says so (`two_tier.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
+Lookups need no device data (a layer's lane count is its ids' shape) and are booked by the caller.
+Not here: what the counts decide (`admission.py`), the ledger itself (`stats.py`).
+"""
+
+from collections import deque
+
+import mlx.core as mx
+import numpy as np
+
+
+class DeviceTally:
+    """Cumulative routing counts and hits of `layers` MoE layers of `experts` experts, on the device."""
+
+    def __init__(self, layers: int, experts: int, phases: int = 2):
+        self.layers, self.experts, self.phases = layers, experts, phases
+        self.counts = mx.zeros((layers * experts,), mx.int32)
+        self.hits = mx.zeros((phases * layers,), mx.int32)
+        self._offsets: dict[tuple, mx.array] = {}
+        self._added: int | None = None  # the pass whose additions are not launched yet
+        self._launched: deque[tuple[int, mx.array, mx.array]] = deque()  # (pass, counts, hits)
+        self._seen = (0, np.zeros(layers * experts, np.int64), np.zeros(phases * layers, np.int64))
+
+    def _offset(self, rows: tuple[int, ...], stride: int) -> mx.array:
+        key = (rows, stride)
+        if key not in self._offsets:
+            self._offsets[key] = mx.array((np.asarray(rows, np.int32) * stride)[:, None])
+        return self._offsets[key]
+
+    def add(self, clock: int, phase: int, routed: dict[int, mx.array], hit: dict[int, mx.array]):
+        """Pass `clock`'s routed ids of the layers in `routed` (each layer's ids the same shape), and the
+        hit lanes (bool, the ids' shape) of the layers in `hit`, added lazily."""
+        if routed:
+            layers = tuple(routed)
+            ids = mx.stack([routed[i].reshape(-1) for i in layers]).astype(mx.int32)
+            self.counts = self.counts.at[(ids + self._offset(layers, self.experts)).reshape(-1)].add(1)
+        if hit:
+            layers = tuple(hit)
+            lanes = mx.stack([hit[i].reshape(-1) for i in layers]).astype(mx.int32).sum(axis=1)
+            where = self._offset(tuple(phase * self.layers + i for i in layers), 1).reshape(-1)
+            self.hits = self.hits.at[where].add(lanes)
+        if routed or hit:
+            self._added = clock
+
+    def launch(self):
+        """Start computing what the last pass added (call between passes: it is queued after that pass)."""
+        if self._added is not None:
+            mx.async_eval(self.counts, self.hits)
+            self._launched.append((self._added, self.counts, self.hits))
+            self._added = None
+
+    def read(self, done_by: int | None = None) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """(passes covered since the last read, routing counts (layers, experts), hits (phases, layers))
+        added since the last read, as of the newest launched pass numbered `done_by` or less; None where
+        there is none. `done_by=None`: everything, launched or not, waiting for it."""
+        if done_by is None:
+            self.launch()
+            done_by = self._launched[-1][0] if self._launched else -1
+        ready = [entry for entry in self._launched if entry[0] <= done_by]
+        if not ready:
+            return None
+        clock, counts, hits = ready[-1]
+        counts, hits = np.array(counts).astype(np.int64), np.array(hits).astype(np.int64)
+        while self._launched and self._launched[0][0] <= clock:
+            self._launched.popleft()
+        seen_clock, seen_counts, seen_hits = self._seen
+        self._seen = (clock, counts, hits)
+        return (
+            clock - seen_clock,
+            (counts - seen_counts).reshape(self.layers, self.experts),
+            (hits - seen_hits).reshape(self.phases, self.layers),
+        )

@@ -1,0 +1,177 @@
+"""Two-tier mode on the CPU backend: the mapped stack is plain host memory there, so the same code path and
+selects run as on CUDA. Exact tokens at every capacity and in other families, admission that moves experts
+between passes, the ledger, and no host sync inside a pass."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
+from od_moe import tally, two_tier
+from od_moe.admission import Admission
+from od_moe.errors import UserError
+from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
+def test_two_tier_matches_mlx_lm(bundled_reference, fraction):
+    engine = od_moe.load(capacity=fraction, two_tier=True)
+    assert engine.mode[0] == "two-tier" and isinstance(engine.runtime, two_tier.TwoTierRuntime)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    stats = engine.stats()
+    total, tokens = stats["total"], stats["positions"]["prefill"] + stats["positions"]["decode"]
+    assert (
+        total["lookups"] == tokens * stats["moe_layers"] * stats["top_k"] == total["hits"] + total["misses"]
+    )
+    assert 0 < total["hits"] < total["lookups"]  # both tiers computed
+    assert total["bytes_read"] == 0  # nothing read from disk after load
+    assert 0 < total["experts_loaded"] and total["resident"] == engine.capacity * stats["moe_layers"]
+    slots_hold_their_experts(engine)
+
+
+@pytest.mark.parametrize("fraction", [0, 1.0])
+def test_every_expert_mapped_or_every_expert_in_slots(bundled_reference, fraction):
+    """0%: every lane reads the mapped stack; 100%: every lane a slot, no lane computed twice."""
+    engine = od_moe.load(capacity=fraction, two_tier=True)
+    assert engine.capacity == round(64 * fraction)
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    total = engine.stats()["total"]
+    assert total["hit_rate"] == fraction and total["experts_loaded"] == 0
+    assert all(t is None for t in engine.runtime._tables) == (fraction == 1.0)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h"])
+def test_other_families_match_mlx_lm(tmp_path, name):
+    """Mixtral's block_sparse_moe, DeepSeek-V3's shared experts and grouped routing, Nemotron-H's
+    SwitchMLP: stock tokens at 25% and 50%."""
+    path = write_mlx_model(tmp_path / name, FAMILIES[name])
+    prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
+    reference = reference_tokens(path, prompts, 12)
+    for fraction in (0.25, 0.5):
+        engine = od_moe.load(str(path), capacity=fraction, two_tier=True)
+        assert od_moe_tokens(engine, prompts, 12) == reference, (name, fraction)
+        assert 0 < engine.stats()["total"]["hit_rate"] < 1
+
+
+def test_hugging_face_per_expert_checkpoint(tmp_path):
+    """The stack is read through the store: per-expert tensors in several shards work as stacked ones."""
+    path = write_hf_per_expert(tmp_path / "olmoe", FAMILIES["olmoe"], shards=2)
+    prompts = [[1, 17, 300, 42, 9, 88]]
+    engine = od_moe.load(str(path), capacity=0.25, two_tier=True)
+    assert engine.caches[0].layout.layout == "hf"
+    assert od_moe_tokens(engine, prompts, 12) == reference_tokens(path, prompts, 12)
+
+
+def test_admission_moves_experts_and_stays_exact(bundled_reference):
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    assert all(c.resident_count == 0 for c in engine.caches)  # nothing known before the first prompt
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    first = [c.expert_in_slot.copy() for c in engine.caches]
+    assert all((f >= 0).all() for f in first)  # the prompt's routing filled every slot
+    assert od_moe_tokens(engine, PROMPTS[1:], NEW_TOKENS) == bundled_reference[1:]
+    moved = sum(len(set(f) - set(c.expert_in_slot)) for f, c in zip(first, engine.caches))
+    assert moved > 0
+    slots_hold_their_experts(engine)
+    # frozen slots compute the same tokens, and hit less than admission did on the same prompts
+    engine.reset_stats()
+    od_moe_tokens(engine, PROMPTS, NEW_TOKENS)
+    learned = engine.stats()["total"]["decode"]["hit_rate"]
+    frozen = od_moe.load(capacity=0.25, two_tier=True)
+    od_moe_tokens(frozen, PROMPTS[:1], 8)
+    frozen.runtime.admissions = False
+    held = [c.expert_in_slot.copy() for c in frozen.caches]
+    assert od_moe_tokens(frozen, PROMPTS, NEW_TOKENS) == bundled_reference
+    assert all(np.array_equal(h, c.expert_in_slot) for h, c in zip(held, frozen.caches))
+    assert frozen.stats()["total"]["decode"]["hit_rate"] < learned
+
+
+def test_swaps_need_a_margin_and_fill_free_slots_first():
+    admission = Admission(1, 8, half_life=1e9, margin=2.0, max_swaps=1)
+    admission.add(np.array([[5, 0, 4, 9, 1, 0, 3, 0]]))
+    ids, slots = admission.swaps(0, np.array([1, -1, 5]))  # experts 1 and 5 resident, slot 1 free
+    assert ids.tolist() == [3, 0] and slots.tolist() == [1, 0]  # the best into the free slot; 0 over 1
+    admission.add(
+        np.array([[0, 2, 0, 0, 0, 0, 0, 0]])
+    )  # expert 1 now has 2 uses: 0 (5) does not beat it by 2
+    ids, slots = admission.swaps(0, np.array([1, 3, 5]))
+    assert ids.tolist() == [0] and slots.tolist() == [2]  # only over expert 5 (0 uses)
+    ids, _ = admission.swaps(0, np.array([0, 3, 2]))
+    assert ids.size == 0
+
+
+def test_a_pass_never_waits_for_the_device(monkeypatch):
+    """Inside a decode pass the runtime never evaluates or synchronizes, and the host reads only counts of
+    passes at least `LAG` passes back (done, in mlx-lm's pipelined loop); tokens stay exact."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    list(engine.stream_generate(PROMPTS[0], max_tokens=16))  # slots filled, admission running
+    runtime = engine.runtime
+    runtime.admit_every = 4
+    calls, ages = [], []
+
+    class CountingMx:
+        def __getattr__(self, name):
+            if name in ("eval", "synchronize"):
+                calls.append(name)
+            return getattr(mx, name)
+
+    class CountingNp:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def array(self, value, *args, **kwargs):
+            if isinstance(value, mx.array):
+                clock = next(c for c, *arrays in runtime.tally._launched if any(a is value for a in arrays))
+                ages.append(runtime.clock - clock)
+            return np.array(value, *args, **kwargs)
+
+    monkeypatch.setattr(two_tier, "mx", CountingMx())
+    monkeypatch.setattr(tally, "mx", CountingMx())
+    monkeypatch.setattr(tally, "np", CountingNp())
+    tokens = engine.tokenizer.encode(PROMPTS[1])
+    cache = make_prompt_cache(engine.model)
+    logits = engine.model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits)
+    y = mx.argmax(logits[:, -1], axis=-1)
+    out = []
+    for step in range(24):  # mlx-lm's pattern: the next pass is built while the last one computes
+        logits = engine.model(y[None], cache=cache)
+        following = mx.argmax(logits[:, -1], axis=-1)
+        mx.async_eval(following)
+        out.append(y.item())
+        y = following
+        if step == 0:  # the first decode pass read the prompt's counts (the prompt was waited for)
+            del ages[:]
+    assert calls == []
+    assert len(ages) >= 2 and min(ages) >= two_tier.LAG
+    assert out == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[1:2], 25)[0][:24]
+    assert engine.stats()["total"]["hits"] > 0
+
+
+def test_modes_are_chosen_and_said():
+    assert od_moe.load(capacity=0.25).mode[0] == "per-layer"  # auto: the CPU's memory is host memory
+    assert "not a CUDA device" in od_moe.load(capacity=0.25).mode[1]
+    with pytest.raises(UserError, match="no predictive prefetch"):
+        od_moe.load(capacity=0.25, two_tier=True, prefetch="next-gate")
+    with pytest.raises(UserError, match="two_tier must be"):
+        od_moe.load(capacity=0.25, two_tier="yes")
+    with pytest.raises(UserError, match="capacity must be between 1"):
+        od_moe.load(capacity=0)  # 0 slots only where misses are read in place
+
+
+def test_recording_gives_the_routing_of_every_pass(bundled_reference):
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    trace = engine.record_routing(PROMPTS[0], max_tokens=8)
+    per_layer = engine.stats()["layers"][0]
+    assert len(trace) >= 8 and all(set(p) == set(range(len(engine.caches))) for p in trace)
+    assert sum(p[0].size for p in trace) == per_layer["lookups"]
+    assert all(p[0].shape[1] == engine.top_k for p in trace)
+
+
+def test_a_cast_numpy_cannot_make_stays_exact():
+    """bfloat16 scales cast to float16 (no numpy path): the stack is cast with MLX, tokens equal stock's."""
+    reference = reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[:1], 12, dtype="float16")
+    engine = od_moe.load(capacity=0.25, two_tier=True, dtype="float16")
+    assert engine.runtime.stacks[0][("gate_proj", "scales")].dtype == mx.float16
+    assert od_moe_tokens(engine, PROMPTS[:1], 12) == reference

@@ -1,0 +1,293 @@
+"""The `od-moe` command's arguments: one parser, a sub-parser per command, every default shown in `--help`.
+Not here: what the commands do (`cli.py`).
+"""
+
+import argparse
+
+
+def _capacity_arg(parser: argparse.ArgumentParser):
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--capacity",
+        help="experts resident per MoE layer: a count (16), a fraction (0.25) or 25%% (default: what the "
+        "memory budget holds)",
+    )
+    group.add_argument(
+        "--memory-budget", help="memory for the whole engine, e.g. 8GB or 512MiB (default: 70%% of available)"
+    )
+
+
+def _direct_io_arg(parser: argparse.ArgumentParser):
+    parser.add_argument(
+        "--direct-io",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="read experts past the OS page cache (default auto: when the model is larger than memory)",
+    )
+
+
+def _two_tier_arg(parser: argparse.ArgumentParser):
+    parser.add_argument(
+        "--two-tier",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="every expert in host memory, read in place on a miss, --capacity experts per layer in device "
+        "slots (default auto: on CUDA where host memory holds the experts)",
+    )
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows every flag's default: written into its help where that says more, else appended."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the `od-moe` command and its sub-commands."""
+    parser = argparse.ArgumentParser(
+        prog="od-moe", description="Run Mixture-of-Experts models larger than memory."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubParser)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_bench(sub)
+    _add_train_predictor(sub)
+    _add_eval_predictor(sub)
+    _add_pack(sub)
+    _add_inspect(sub)
+    return parser
+
+
+def _add_generate(sub):
+    gen = sub.add_parser("generate", help="stream a completion of a prompt")
+    gen.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    gen.add_argument(
+        "--prompt",
+        required=True,
+        help="text to continue, or '-' to read it from standard input (as mlx-lm's generate)",
+    )
+    gen.add_argument(
+        "--system-prompt", help="a system message before the prompt (with the chat template only)"
+    )
+    gen.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="continue the raw prompt (by default, as mlx-lm's generate does, the prompt goes into the "
+        "tokenizer's chat template as a user message when the tokenizer has one)",
+    )
+    gen.add_argument(
+        "--chat-template-config",
+        metavar="JSON",
+        help="further arguments for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}')",
+    )
+    gen.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate")
+    _capacity_arg(gen)
+    _direct_io_arg(gen)
+    _two_tier_arg(gen)
+    gen.add_argument(
+        "--miss-policy",
+        choices=["load", "skip"],
+        default="load",
+        help="load: exact, read missing experts before use; skip: approximate, drop them",
+    )
+    gen.add_argument(
+        "--eviction",
+        choices=["lru", "lfu"],
+        default="lru",
+        help="which resident expert a read replaces: least recently or least frequently used",
+    )
+    gen.add_argument(
+        "--predictor",
+        help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's",
+    )
+    gen.add_argument(
+        "--prefetch",
+        choices=["none", "profile", "next-gate", "predictor", "oracle"],
+        help="what drives prefetching (default: predictor with --predictor, else none); oracle "
+        "first generates once to record the true routing, then replays it (an upper bound)",
+    )
+    gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
+    gen.add_argument("--seed", type=int, help="random seed for sampling, 0 to 2**63 - 1")
+    gen.add_argument("--snapshot", help="warm-start from a snapshot folder saved for this model and capacity")
+    gen.add_argument("--save-snapshot", help="after generating, save the resident set to this folder")
+    gen.add_argument("--stats", action="store_true", help="print cache statistics after the text")
+
+
+def _add_serve(sub):
+    srv = sub.add_parser("serve", help="serve OpenAI-compatible completions and chat over HTTP, with /health")
+    srv.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    srv.add_argument(
+        "--predictor",
+        help="a shadow predictor folder written by train-predictor ('bundled': the embedded model's)",
+    )
+    srv.add_argument(
+        "--prefetch",
+        choices=["none", "profile", "next-gate", "predictor"],
+        help="what drives prefetching (default: predictor with --predictor, else none)",
+    )
+    srv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback; anything else is your choice to expose it)",
+    )
+    srv.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
+    _capacity_arg(srv)
+    _direct_io_arg(srv)
+    _two_tier_arg(srv)
+    srv.add_argument(
+        "--max-tokens",
+        type=int,
+        help="the most tokens one request may ask for (default: the model's maximum positions; every "
+        "generation stops where prompt and completion fill them)",
+    )
+    srv.add_argument(
+        "--max-input-tokens",
+        type=int,
+        help="the longest prompt accepted, in tokens (default: one less than the model's maximum positions)",
+    )
+    srv.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a further name the Host header may carry (repeatable; default: the --host address, and the "
+        "loopback names when bound to loopback)",
+    )
+    srv.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin (https://example.org, or *) whose pages may call the server (repeatable; "
+        "default: none, browser requests from other origins are refused)",
+    )
+
+
+def _add_bench(sub):
+    bench = sub.add_parser("bench", help="measure speed, memory, hit rate and reads against stock mlx-lm")
+    from .bench.cli import add_arguments
+
+    add_arguments(bench)
+
+
+def _add_train_predictor(sub):
+    train = sub.add_parser(
+        "train-predictor", help="record routing traces, train the shadow predictor, report its accuracy"
+    )
+    train.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    train.add_argument(
+        "--data",
+        help=(
+            "text/JSON lines/parquet file, a folder of them, or a hub dataset (default: bundled Python "
+            "source)"
+        ),
+    )
+    train.add_argument(
+        "--text-field", default="text", help="the column holding the text in JSON/parquet/CSV data"
+    )
+    train.add_argument(
+        "--eval-data", help="held-out text to report on (default: 10%% of --data's documents, held out)"
+    )
+    train.add_argument(
+        "--out",
+        default="od-moe-predictor",
+        help="folder for the predictor and report.json (default: ./od-moe-predictor)",
+    )
+    train.add_argument(
+        "--lookahead", type=int, default=4, help="predict the experts of this many layers ahead"
+    )
+    train.add_argument(
+        "--max-tokens", type=int, default=200_000, help="training tokens to record (default 200000)"
+    )
+    train.add_argument(
+        "--eval-tokens", type=int, default=16384, help="held-out tokens to record (default 16384)"
+    )
+    train.add_argument(
+        "--epochs",
+        type=int,
+        default=3,
+        help="passes over the training traces, for the shadow network and its next-use head alike",
+    )
+    train.add_argument(
+        "--rank",
+        type=int,
+        default=80,
+        help="width of the predictor trunk (default 80: under 5%% of the expert bytes here)",
+    )
+    train.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="trunk layers (default 1; more add residual layers of width --rank)",
+    )
+    train.add_argument("--batch-size", type=int, default=512)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument(
+        "--traces", help="folder to record traces into and reuse (default: DIR/traces, removed after)"
+    )
+    train.add_argument("--keep-traces", action="store_true", help="keep OUT/traces after training")
+    train.add_argument("--json", action="store_true", help="print report.json instead of the tables")
+    _capacity_arg(train)
+
+
+def _add_eval_predictor(sub):
+    ev = sub.add_parser("eval-predictor", help="report a predictor's accuracy and the baselines on any text")
+    ev.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    ev.add_argument(
+        "--predictor",
+        required=True,
+        help="folder written by train-predictor ('bundled': the embedded model's)",
+    )
+    ev.add_argument(
+        "--data", required=True, help="text/JSON lines/parquet file, a folder of them, or a hub dataset"
+    )
+    ev.add_argument("--text-field", default="text")
+    ev.add_argument(
+        "--max-tokens", type=int, default=16384, help="tokens to record and evaluate (default 16384)"
+    )
+    ev.add_argument("--json", action="store_true", help="print the report as JSON")
+    _capacity_arg(ev)
+
+
+def _add_pack(sub):
+    pk = sub.add_parser(
+        "pack", help="write a copy of the experts with each expert contiguous: one read per expert"
+    )
+    pk.add_argument("model", nargs="?", help="model folder (default: the embedded tiny Qwen3-MoE)")
+    pk.add_argument(
+        "--out",
+        help="the packed file to write (default: MODEL/od-moe-packed/experts.safetensors, which load() "
+        "finds; elsewhere, pass its path as load(packed=...))",
+    )
+
+
+def _add_inspect(sub):
+    ins = sub.add_parser("inspect", help="what loading a model would do, without loading its weights")
+    ins.add_argument("model", nargs="?", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
+    ins.add_argument(
+        "--memory-budget", help="the budget whose capacity to report (default: 70%% of available)"
+    )
+    ins.add_argument("--capacity", help="experts per layer (16, 0.25 or 25%%) whose memory budget to report")
+    ins.add_argument("--predictor", help="a predictor folder to check (default: one beside the model)")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+class _SubParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_DefaultsFormatter, **kwargs)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("od-moe")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

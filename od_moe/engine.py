@@ -388,25 +388,9 @@ def load(
     if eviction not in EVICTION_POLICIES:
         raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
     path = resolve_model_path(model)
-    target_dtype = backend.compute_dtype(dtype)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
-    store = ExpertStore(path)  # validates every safetensors header against its file first
-    _use_packed(store, path, packed)
-    if direct_io not in (True, False, "auto"):
-        raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
-    if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
-        store.use_direct_io(True)
-    try:
-        mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
-        raise UserError(f"mlx-lm cannot load {path}: {e}")
-    if len(tokenizer.get_vocab()) < 2:  # transformers falls back to an empty tokenizer without files
-        raise UserError(
-            f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the model's "
-            "tokenizer files into the folder"
-        )
-    if target_dtype is not None:
-        mlx_model.set_dtype(target_dtype)
+    store = _open_store(path, packed, direct_io)
+    mlx_model, tokenizer = _open_model(path, dtype)
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
@@ -425,13 +409,7 @@ def load(
         read_threads = read_threads_for(max(c.layout.expert_nbytes for c in caches))
     if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
         raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
-    if tiered:
-        with byte_progress("mapping experts", slot_nbytes * num_experts * len(blocks)) as bar:
-            runtime = build_two_tier(store, blocks, caches, bar)
-    else:
-        runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
-        for i, block in enumerate(blocks):
-            block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
+    runtime = _runtime(store, blocks, caches, tiered, miss_policy, read_threads)
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(
         mlx_model,
@@ -453,12 +431,8 @@ def load(
     engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
     if snapshot is not None:
         engine.load_snapshot(snapshot)
-    elif slots == num_experts:
-        nbytes = sum(c.layout.expert_nbytes for c in engine.caches) * num_experts
-        with byte_progress("reading experts", nbytes) as bar:
-            for cache in engine.caches:  # fully resident: read everything once, layer by layer
-                runtime.load(cache, np.arange(num_experts))
-                bar.update(cache.layout.expert_nbytes * num_experts)
+    elif slots == num_experts:  # fully resident: read everything once, layer by layer
+        _read_every_expert(engine)
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
@@ -487,6 +461,55 @@ def _say(line: str):
     """One line on stderr where someone watches (a terminal), as the progress bars do."""
     if sys.stderr.isatty():
         print(f"od-moe: {line}", file=sys.stderr)
+
+
+def _open_store(path: Path, packed, direct_io) -> ExpertStore:
+    """The model's expert store (every safetensors header checked against its file first), reading
+    packed rows and past the page cache as `load` says."""
+    store = ExpertStore(path)
+    _use_packed(store, path, packed)
+    if direct_io not in (True, False, "auto"):
+        raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
+    if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
+        store.use_direct_io(True)
+    return store
+
+
+def _open_model(path: Path, dtype: str):
+    """mlx-lm's model (lazy: nothing read yet) and tokenizer, cast to the compute dtype."""
+    target_dtype = backend.compute_dtype(dtype)
+    try:
+        mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        raise UserError(f"mlx-lm cannot load {path}: {e}")
+    if len(tokenizer.get_vocab()) < 2:  # transformers falls back to an empty tokenizer without files
+        raise UserError(
+            f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the model's "
+            "tokenizer files into the folder"
+        )
+    if target_dtype is not None:
+        mlx_model.set_dtype(target_dtype)
+    return mlx_model, tokenizer
+
+
+def _runtime(store, blocks, caches, tiered: bool, miss_policy: str, read_threads: int):
+    """The runtime behind every MoE block's new switch: two tiers, or the per-layer path."""
+    if tiered:
+        nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
+        with byte_progress("mapping experts", nbytes) as bar:
+            return build_two_tier(store, blocks, caches, bar)
+    runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
+    for i, block in enumerate(blocks):
+        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
+    return runtime
+
+
+def _read_every_expert(engine: Engine):
+    nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in engine.caches)
+    with byte_progress("reading experts", nbytes) as bar:
+        for cache in engine.caches:
+            engine.runtime.load(cache, np.arange(cache.num_experts))
+            bar.update(cache.layout.expert_nbytes * cache.num_experts)
 
 
 def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayout]]:

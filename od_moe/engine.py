@@ -1,6 +1,6 @@
 """The engine: load an MoE model with a bounded expert cache and generate with it.
 
-`load()` resolves the model (embedded default, local folder or hub id), loads it with mlx-lm lazily,
+`load()` resolves and opens the model (`model_files.py`: embedded default, local folder or hub id; lazily),
 swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache`, and materialises only the
 non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
 are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. The engine also chooses the
@@ -8,8 +8,6 @@ prefetch policy, reports the ledger (`stats`) and saves snapshots. Not here: the
 per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
-import hashlib
-import json
 import sys
 from collections.abc import Generator
 from pathlib import Path
@@ -25,9 +23,16 @@ from .capacity import parse_capacity, resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 from .layout import BlockLayout
+from .model_files import (  # noqa: F401 (imported from here elsewhere)
+    DEFAULT_MODEL,
+    DEFAULT_PREDICTOR,
+    max_positions,
+    model_identity,
+    open_model,
+    open_store,
+    resolve_model_path,
+)
 from .optimistic import OptimisticModel
-from .packed import default_path as default_packed_path
-from .packed import use_packed
 from .policies import make_policy
 from .progress import byte_progress
 from .reader import read_threads_for
@@ -39,59 +44,6 @@ from .store import ExpertStore
 from .surgery import MoEBlock, offloadable_blocks, top_k_of, weight_nbytes
 from .switch import OffloadedSwitch
 from .two_tier import build as build_two_tier
-
-DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
-# A shadow predictor for it, made by `od-moe train-predictor` (its report.json is beside it).
-DEFAULT_PREDICTOR = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit-predictor"
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A local model folder for `model`: None is the embedded default; a missing path that looks like
-    a hub id ("org/name") is fetched the way mlx-lm fetches it (needs network)."""
-    if model is None:
-        return DEFAULT_MODEL
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise UserError(
-                f"{path} is not a model folder (it has no config.json): point --model at an MLX or Hugging "
-                "Face model folder"
-            )
-        return path
-    if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
-        try:
-            from mlx_lm.utils import _download
-
-            return Path(_download(str(model)))
-        except Exception as e:
-            raise UserError(
-                f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub "
-                f"({type(e).__name__}): check the name and your network"
-            )
-    raise UserError(
-        f"model folder {model} does not exist: give the path of an MLX or Hugging Face model folder"
-    )
-
-
-def max_positions(model_path: Path, fallback: int = 16384) -> int:
-    """The longest sequence, prompt and generated tokens together, the model was made for (its config's
-    maximum positions; `fallback` where the config names none)."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return fallback
-    for c in (config, config.get("text_config") or {}):
-        value = c.get("max_position_embeddings") or c.get("max_sequence_length")
-        if isinstance(value, int) and value > 0:
-            return value
-    return fallback
-
-
-def model_identity(path: Path, store: ExpertStore) -> str:
-    """A digest of the model's config and safetensors headers: what a snapshot or predictor is tied to."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    digest.update(store.weights_digest.encode())
-    return digest.hexdigest()[:16]
 
 
 class Engine:
@@ -389,8 +341,8 @@ def load(
         raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
     path = resolve_model_path(model)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
-    store = _open_store(path, packed, direct_io)
-    mlx_model, tokenizer = _open_model(path, dtype)
+    store = open_store(path, packed, direct_io)
+    mlx_model, tokenizer = open_model(path, dtype)
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
@@ -463,35 +415,6 @@ def _say(line: str):
         print(f"od-moe: {line}", file=sys.stderr)
 
 
-def _open_store(path: Path, packed, direct_io) -> ExpertStore:
-    """The model's expert store (every safetensors header checked against its file first), reading
-    packed rows and past the page cache as `load` says."""
-    store = ExpertStore(path)
-    _use_packed(store, path, packed)
-    if direct_io not in (True, False, "auto"):
-        raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
-    if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
-        store.use_direct_io(True)
-    return store
-
-
-def _open_model(path: Path, dtype: str):
-    """mlx-lm's model (lazy: nothing read yet) and tokenizer, cast to the compute dtype."""
-    target_dtype = backend.compute_dtype(dtype)
-    try:
-        mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
-        raise UserError(f"mlx-lm cannot load {path}: {e}")
-    if len(tokenizer.get_vocab()) < 2:  # transformers falls back to an empty tokenizer without files
-        raise UserError(
-            f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the model's "
-            "tokenizer files into the folder"
-        )
-    if target_dtype is not None:
-        mlx_model.set_dtype(target_dtype)
-    return mlx_model, tokenizer
-
-
 def _runtime(store, blocks, caches, tiered: bool, miss_policy: str, read_threads: int):
     """The runtime behind every MoE block's new switch: two tiers, or the per-layer path."""
     if tiered:
@@ -518,20 +441,6 @@ def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayo
     engine = load(model, capacity=1, prefetch="none", packed=packed)  # the layouts; no expert is read
     engine.close()
     return engine.runtime.store, [c.layout for c in engine.caches]
-
-
-def _use_packed(store: ExpertStore, path: Path, packed):
-    """Read from packed experts as `load`'s `packed` says (before any layout is made)."""
-    if packed is True or packed == "auto":
-        where = default_packed_path(path)
-    elif packed is False:
-        return
-    elif isinstance(packed, (str, Path)):
-        where = Path(packed).expanduser()
-    else:
-        raise UserError(f"packed must be True, False, 'auto' or a file path, got {packed!r}")
-    if not use_packed(store, where) and packed != "auto":
-        raise UserError(f"no packed experts at {where}: make them with `od-moe pack --model {path}`")
 
 
 def _attach_predictor(engine: Engine, predictor):

@@ -80,7 +80,7 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
     memory_budget: bytes or "8GB" (None: 70% of available memory, as `load`); capacity: a count, fraction
     or "25%" whose budget to report; predictor: a predictor folder to check (None: the one beside the
     model, `<model>-predictor`, or the bundled one for the bundled model)."""
-    from .engine import model_identity, resolve_model_path
+    from .model_files import model_identity, resolve_model_path
 
     path = resolve_model_path(model)
     config = json.loads((path / "config.json").read_text())

@@ -36,6 +36,13 @@ def _two_tier_arg(parser: argparse.ArgumentParser):
     )
 
 
+def _placement_args(parser: argparse.ArgumentParser):
+    """Where experts live while generating: how many per layer, read past the page cache, two tiers."""
+    _capacity_arg(parser)
+    _direct_io_arg(parser)
+    _two_tier_arg(parser)
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Help that shows every flag's default: written into its help where that says more, else appended."""
 
@@ -87,9 +94,7 @@ def _add_generate(sub):
         help="further arguments for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}')",
     )
     gen.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate")
-    _capacity_arg(gen)
-    _direct_io_arg(gen)
-    _two_tier_arg(gen)
+    _placement_args(gen)
     gen.add_argument(
         "--miss-policy",
         choices=["load", "skip"],
@@ -138,9 +143,7 @@ def _add_serve(sub):
         help="address to bind (default loopback; anything else is your choice to expose it)",
     )
     srv.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
-    _capacity_arg(srv)
-    _direct_io_arg(srv)
-    _two_tier_arg(srv)
+    _placement_args(srv)
     srv.add_argument(
         "--max-tokens",
         type=int,

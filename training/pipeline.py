@@ -112,6 +112,20 @@ def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict
     }
 
 
+def _train_and_heldout(data, eval_data, text_field: str) -> tuple[Documents, Documents]:
+    """The documents to train on and those to report on: `eval_data`, else 10% of `data` held out."""
+    docs = load_documents(data, text_field)
+    if eval_data is not None:
+        return docs, load_documents(eval_data, text_field)
+    train_docs, held_docs = split_documents(docs)
+    if not held_docs.texts:
+        raise UserError(
+            f"{docs.source} has a single document, so none can be held out: give more documents or "
+            "--eval-data"
+        )
+    return train_docs, held_docs
+
+
 def train_predictor_job(
     model=None,
     data=None,
@@ -141,16 +155,7 @@ def train_predictor_job(
             f"lookahead {lookahead} must be 1 to {L - 1}: the model has {L} MoE layers, and a prediction "
             "must land on a layer that exists"
         )
-    docs = load_documents(data, text_field)
-    if eval_data is not None:
-        train_docs, held_docs = docs, load_documents(eval_data, text_field)
-    else:
-        train_docs, held_docs = split_documents(docs)
-        if not held_docs.texts:
-            raise UserError(
-                f"{docs.source} has a single document, so none can be held out: give more documents or "
-                "--eval-data"
-            )
+    train_docs, held_docs = _train_and_heldout(data, eval_data, text_field)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     traces_root = Path(traces_dir).expanduser() if traces_dir else out / "traces"

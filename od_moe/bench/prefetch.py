@@ -217,21 +217,10 @@ def run_prefetch_grid(
     mean little); `pack`: the widened model's experts packed (`od-moe pack`) and read from there."""
     say = printer or (lambda *_: None)
     settings = DETERMINISTIC if deterministic else None
-    if predictor_dir is not None:
-        load_predictor(
-            predictor_dir, _bundled_identity()
-        )  # a bad folder or another model's predictor fails before any run
+    if predictor_dir is not None:  # a bad folder or another model's predictor fails before any run
+        load_predictor(predictor_dir, _bundled_identity())
+    wide = _widened(widen, workdir, pack, say) if widen else None
     rows = []
-    wide = None
-    if widen:
-        t0 = time.perf_counter()
-        wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
-        packed = default_packed_path(wide)
-        if pack and not packed.is_file():
-            pack_experts(*model_layouts(str(wide)))
-        source = f"packed rows ({packed})" if packed.is_file() else "the checkpoint's arrays"
-        say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
-        say(f"widened model experts read from {source}")
     for model, path, n_tokens, fractions, temps, misses, policy_set in _plan(
         grid, max_tokens, wide, widened_tokens
     ):
@@ -242,82 +231,31 @@ def run_prefetch_grid(
         )
         machine = _machine(path, temps, say)
         model_rows = []
-        for fraction in fractions:
-            for reads in temps:
-                for miss_policy in misses:
-                    policies = policy_set if miss_policy == "load" else ("none", "profile")
-                    if fraction == 1.0:
-                        policies = ("none",)  # nothing can miss: no prefetch to compare
-                    for policy in policies:
-                        result = run_policy(
-                            path,
-                            PROMPTS,
-                            n_tokens,
-                            policy,
-                            capacity=fraction,
-                            cold=reads == "cold",
-                            miss_policy=miss_policy,
-                            predictor_dir=predictor_dir,
-                            settings=settings,
-                        )
-                        bandwidths = {
-                            "read_bw": machine["read"][reads]["bytes_per_s"],
-                            "install_bw": machine["install_bw"],
-                        }
-                        row = _row(model, fraction, reads, miss_policy, policy, result, stock, bandwidths)
-                        model_rows.append(row)
-                        say(_line(row))
-        rows += model_rows
+        for fraction, reads, miss_policy, policy in _cells(fractions, temps, misses, policy_set):
+            result = run_policy(
+                path,
+                PROMPTS,
+                n_tokens,
+                policy,
+                capacity=fraction,
+                cold=reads == "cold",
+                miss_policy=miss_policy,
+                predictor_dir=predictor_dir,
+                settings=settings,
+            )
+            bandwidths = {
+                "read_bw": machine["read"][reads]["bytes_per_s"],
+                "install_bw": machine["install_bw"],
+            }
+            model_rows.append(_row(model, fraction, reads, miss_policy, policy, result, stock, bandwidths))
+            say(_line(model_rows[-1]))
+        title = f"\n{model} model, {len(PROMPTS)} prompts x {n_tokens} greedy tokens, decode figures"
         say(
             table(
-                [
-                    "capacity",
-                    "reads",
-                    "miss",
-                    "policy",
-                    "decode hit",
-                    "stall ms/tok",
-                    "kB read/tok",
-                    "experts/tok",
-                    "MIN",
-                    "x MIN",
-                    "tok/s",
-                    "x resident",
-                    "precision",
-                    "late",
-                    "backoffs",
-                    "same tokens",
-                    "roofline ms",
-                    "bound",
-                    "x roofline",
-                ],
-                [
-                    [
-                        f"{r['capacity']:.1%}",
-                        r["reads"],
-                        r["miss_policy"],
-                        r["policy"],
-                        r["hit_rate"],
-                        r["stall_ms_per_token"],
-                        r["bytes_per_token"] / KB,
-                        r["experts_read_per_token"],
-                        r["min_experts_read_per_token"],
-                        r["reads_over_min"],
-                        r["tok_s"],
-                        r["tok_s_ratio_resident"],
-                        r["prefetch_precision"],
-                        r["prefetch_late"],
-                        r["prefetch_backoffs"],
-                        r["token_agreement"],
-                        r["roofline_ms_per_token"],
-                        r["roofline_bound"],
-                        r["tok_s_ratio_roofline"],
-                    ]
-                    for r in model_rows
-                ],
-                title=f"\n{model} model, {len(PROMPTS)} prompts x {n_tokens} greedy tokens, decode figures",
+                [c for c, _ in COLUMNS], [[cell(r) for _, cell in COLUMNS] for r in model_rows], title=title
             )
         )
+        rows += model_rows
         rows.append(
             {
                 "model": model,
@@ -328,6 +266,55 @@ def run_prefetch_grid(
             }
         )
     return {"rows": rows}
+
+
+def _widened(widen: int, workdir: Path, pack: bool, say) -> Path:
+    """The widened copy of the bundled model (built or verified), its experts packed if asked."""
+    t0 = time.perf_counter()
+    wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
+    packed = default_packed_path(wide)
+    if pack and not packed.is_file():
+        pack_experts(*model_layouts(str(wide)))
+    source = f"packed rows ({packed})" if packed.is_file() else "the checkpoint's arrays"
+    say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
+    say(f"widened model experts read from {source}")
+    return wide
+
+
+def _cells(fractions, temps, misses, policy_set):
+    """(capacity, reads, miss policy, prefetch policy) of every row of one model, in the grid's order."""
+    for fraction in fractions:
+        for reads in temps:
+            for miss_policy in misses:
+                policies = policy_set if miss_policy == "load" else ("none", "profile")
+                if fraction == 1.0:
+                    policies = ("none",)  # nothing can miss: no prefetch to compare
+                for policy in policies:
+                    yield fraction, reads, miss_policy, policy
+
+
+# the grid's printed columns: (header, the row's figure)
+COLUMNS = (
+    ("capacity", lambda r: f"{r['capacity']:.1%}"),
+    ("reads", lambda r: r["reads"]),
+    ("miss", lambda r: r["miss_policy"]),
+    ("policy", lambda r: r["policy"]),
+    ("decode hit", lambda r: r["hit_rate"]),
+    ("stall ms/tok", lambda r: r["stall_ms_per_token"]),
+    ("kB read/tok", lambda r: r["bytes_per_token"] / KB),
+    ("experts/tok", lambda r: r["experts_read_per_token"]),
+    ("MIN", lambda r: r["min_experts_read_per_token"]),
+    ("x MIN", lambda r: r["reads_over_min"]),
+    ("tok/s", lambda r: r["tok_s"]),
+    ("x resident", lambda r: r["tok_s_ratio_resident"]),
+    ("precision", lambda r: r["prefetch_precision"]),
+    ("late", lambda r: r["prefetch_late"]),
+    ("backoffs", lambda r: r["prefetch_backoffs"]),
+    ("same tokens", lambda r: r["token_agreement"]),
+    ("roofline ms", lambda r: r["roofline_ms_per_token"]),
+    ("bound", lambda r: r["roofline_bound"]),
+    ("x roofline", lambda r: r["tok_s_ratio_roofline"]),
+)
 
 
 def _machine(path, temps, say) -> dict:

@@ -108,12 +108,7 @@ def _check(engine, prompts, max_tokens) -> tuple[list[list[int]], list[int]]:
             raise UserError(f"prompt {i} is empty: give some text to continue")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"max_tokens must be a positive integer, got {n!r} for prompt {i}")
-        if len(p) >= engine.max_positions:
-            raise UserError(
-                f"prompt {i} has {len(p)} tokens and this model takes at most {engine.max_positions} "
-                "positions, prompt and completion together: shorten it"
-            )
-    return ids, [min(n, engine.max_positions - len(p)) for p, n in zip(ids, limits)]
+    return ids, [engine.token_limit(len(p), n, f"prompt {i}") for i, (p, n) in enumerate(zip(ids, limits))]
 
 
 def _token(response, index: int, detokenizer) -> BatchToken:

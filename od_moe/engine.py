@@ -132,12 +132,7 @@ class Engine:
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         prompt = self.encode(prompt)
         context = max([o for o in held if o is not None], default=0) + len(prompt)
-        if context >= self.max_positions:
-            raise UserError(
-                f"the prompt has {context} tokens and this model takes at most {self.max_positions} "
-                "positions, prompt and completion together: shorten it"
-            )
-        max_tokens = min(max_tokens, self.max_positions - context)
+        max_tokens = self.token_limit(context, max_tokens)
         self.runtime.start_prompt(prompt)
         ledger, counted = self.runtime.ledger, 0
         try:
@@ -155,6 +150,16 @@ class Engine:
             raise
         finally:
             self.runtime.settle()
+
+    def token_limit(self, context: int, max_tokens: int, which: str = "the prompt") -> int:
+        """`max_tokens` capped where `context` tokens (prompt and reused cache) and the completion fill the
+        model's positions; a UserError if the context leaves no room."""
+        if context >= self.max_positions:
+            raise UserError(
+                f"{which} has {context} tokens and this model takes at most {self.max_positions} "
+                "positions, prompt and completion together: shorten it"
+            )
+        return min(max_tokens, self.max_positions - context)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of `prompt`, encoded as `mlx_lm.stream_generate` encodes text (a BOS token added

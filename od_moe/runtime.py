@@ -316,7 +316,7 @@ class OffloadRuntime:
         if admit.size:
             self._load_missing(cache, admit, uniq, counts)
         scratch, rows = [], []  # experts read into the scratch stack, in order; their rows by chunk
-        chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // cache.layout.expert_nbytes))
+        chunk = self._read_chunk(cache)
         while (rest := np.setdiff1d(uniq[cache.slot_of[uniq] < 0], scratch)).size:
             # (a late prefetch of one may have gone into a slot instead, or found none: read it then)
             t0 = time.perf_counter()
@@ -327,10 +327,7 @@ class OffloadRuntime:
             finally:
                 self.reader.recycle(reads, installed=False)
             scratch += experts
-            nbytes = len(experts) * cache.layout.expert_nbytes
-            self.ledger.add(
-                self.phase, cache.layer, experts_read=len(experts), bytes_read=nbytes, read_s=t1 - t0
-            )
+            self._book_read(cache, len(experts), t1 - t0)
         self._touch(cache, uniq, counts)  # the resident ones; the scratch ones pass through
         table = np.where(cache.slot_of >= 0, cache.slot_of, 0)
         table[np.asarray(scratch, dtype=np.int64)] = cache.capacity + np.arange(len(scratch))
@@ -513,8 +510,7 @@ class OffloadRuntime:
         installs (the routing path), so their staging rows are free after a later layer's sync.
         `synchronize=False`: nothing in flight reads the slots these installs may take (`_split`)."""
         ids = np.asarray(ids, dtype=np.int64)
-        layout = cache.layout
-        chunk = max(self.read_threads, min(READ_BATCH, STAGING_BYTES // layout.expert_nbytes))
+        chunk = self._read_chunk(cache)
         keep = list(protect) + ids.tolist()
         for start in range(0, len(ids), chunk):
             t0 = time.perf_counter()
@@ -522,13 +518,7 @@ class OffloadRuntime:
             t1 = time.perf_counter()
             if not experts:
                 continue
-            self.ledger.add(
-                self.phase,
-                cache.layer,
-                experts_read=len(experts),
-                bytes_read=len(experts) * layout.expert_nbytes,
-                read_s=t1 - t0,
-            )
+            self._book_read(cache, len(experts), t1 - t0)
             try:
                 installed = cache.install(
                     experts,
@@ -547,6 +537,14 @@ class OffloadRuntime:
         refused = ids[cache.slot_of[ids] < 0]  # late prefetches that found no slot: read them as demand
         if refused.size:
             self.load(cache, refused, protect, computing, synchronize)
+
+    def _read_chunk(self, cache: LayerCache) -> int:
+        """Experts one read round takes: enough for every reader thread, within the staging bounds."""
+        return max(self.read_threads, min(READ_BATCH, STAGING_BYTES // cache.layout.expert_nbytes))
+
+    def _book_read(self, cache: LayerCache, count: int, seconds: float):
+        nbytes = count * cache.layout.expert_nbytes
+        self.ledger.add(self.phase, cache.layer, experts_read=count, bytes_read=nbytes, read_s=seconds)
 
     def _read(
         self, cache: LayerCache, ids: np.ndarray, keep: list, synchronize: bool = True

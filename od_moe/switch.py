@@ -32,9 +32,7 @@ class OffloadedSwitch(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         out, lanes = None, []
         for route in self.runtime.route(self.layer, x, indices):
-            y = (self.inner if route.stacks is None else _computing_on(self.inner, route.stacks))(
-                x, route.slots
-            )
+            y = (self.inner if route.stacks is None else switch_on(self.inner, route.stacks))(x, route.slots)
             if route.scale is not None:
                 y = y * route.scale[..., None].astype(y.dtype)
             if route.lanes is not None:  # computes now, while the runtime reads the next round's experts
@@ -52,12 +50,13 @@ class OffloadedSwitch(nn.Module):
         return out
 
 
-def _computing_on(inner: nn.Module, stacks: dict) -> nn.Module:
-    """A shallow copy of mlx-lm's switch whose projections hold `stacks` ((projection, array name) ->
-    array) instead of their slots: the same code computes on other rows; `inner` is left as it is."""
-    clone = copy.copy(inner)
+def switch_on(switch: nn.Module, stacks: dict[tuple[str, str], mx.array]) -> nn.Module:
+    """A shallow copy of mlx-lm's `switch` whose projections hold `stacks` ((projection, array name) ->
+    array) instead of their own: the same code computes on other rows; `switch` is left as it is (a
+    layer's overflow here, the two-tier mode's mapped stack)."""
+    clone = copy.copy(switch)
     for proj in {p for p, _ in stacks}:
-        module = clone[proj] = copy.copy(inner[proj])
+        module = clone[proj] = copy.copy(switch[proj])
         for (p, name), array in stacks.items():
             if p == proj:
                 module[name] = array

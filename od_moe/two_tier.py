@@ -26,7 +26,6 @@ Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py
 (`cuda.HostMapping`), or the per-layer path with its prefetch (`runtime.py`).
 """
 
-import copy
 import time
 import weakref
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from .mapped import read_stack, release_stack
 from .policies import OnDemand
 from .stats import PHASES, Ledger
 from .store import ExpertStore
+from .switch import switch_on
 from .tally import DeviceTally
 
 # passes between admissions (a prompt's prefill is admitted at once). Admitting often did not pay on the
@@ -51,18 +51,6 @@ from .tally import DeviceTally
 # another, with hit rates 0.61 against 0.47: within the spread between machines, so host reads stay rare
 ADMIT_EVERY = 64
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
-
-
-def mapped_switch(switch: nn.Module, stack: dict[tuple[str, str], mx.array]) -> nn.Module:
-    """A shallow copy of mlx-lm's `switch` whose projections hold the arrays of `stack` (same math)."""
-    clone = copy.copy(switch)
-    for proj in {p for p, _ in stack}:
-        projection = copy.copy(switch[proj])
-        for (p, name), array in stack.items():
-            if p == proj:
-                projection[name] = array
-        clone[proj] = projection
-    return clone
 
 
 class TwoTierSwitch(nn.Module):
@@ -311,6 +299,6 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], progress=None) -
     stacks = [read_stack(store, cache.layout, cache.targets, progress) for cache in caches]
     runtime = TwoTierRuntime(store, caches, stacks)
     for i, (block, stack) in enumerate(zip(blocks, stacks)):
-        block.replace_switch(TwoTierSwitch(block.switch, mapped_switch(block.switch, stack), runtime, i))
+        block.replace_switch(TwoTierSwitch(block.switch, switch_on(block.switch, stack), runtime, i))
     runtime._refresh()
     return runtime

@@ -89,6 +89,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "copies_per_token": stats["total"]["experts_loaded"] / tokens,
         "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
         "load_s": load_s,
+        "stack_moves": getattr(engine.runtime, "stack_moves", 0),
     }
     del engine
     gc.collect()

@@ -123,6 +123,12 @@ def unmap(array: mx.array):
         _host_mapping.release(array)
 
 
+def unmap_at(address: int):
+    """Undo `map_for_device` for an array MLX has let go of, by the address it had."""
+    if not arrays_in_host_memory():
+        _host_mapping.release_at(address)
+
+
 def stage_for_device(array: mx.array) -> mx.array:
     """`array`, made from host bytes to be copied into device memory, kept where neither the host's
     writes nor the device's read of it migrate pages (CUDA managed memory); unchanged elsewhere. For

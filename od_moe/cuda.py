@@ -256,9 +256,9 @@ class HostMapping:
     """CUDA managed-memory advice for an expert stack that stays in host memory and that the GPU reads in
     place (two-tier mode, `two_tier.py`): preferred location the host and accessed by the device over the
     whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its last
-    `device_tail` bytes (the zero row a hit's lane reads there) preferred on the device and moved there,
-    since a hit's lane reading host memory cost as much as a miss (H100: 11.1 ms a token at every hit rate
-    against 1.51-10.4 ms with the zero row on the device, `tools/two_tier_probe.py`). `release` takes the
+    `device_tail` bytes (the layer's slots) preferred on the device and moved there, so that a hit reads
+    device memory (a row on the host cost as much as a miss: H100, 11.1 ms a token at every hit rate
+    against 1.51-10.4 ms with that row on the device, `tools/two_tier_probe.py`). `release` takes the
     advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the
     runtime's error state; the arrays then stay as MLX made them (still exact, read as MLX places them)."""
 
@@ -322,10 +322,13 @@ class HostMapping:
 
     def release(self, array: mx.array):
         """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
+        self.release_at(address_of(array))
+
+    def release_at(self, address: int):
+        """Take back the advice given to the buffer at `address` (one MLX may have recycled already)."""
         with self.lock:
             if not self.on:
                 return
-            address = address_of(array)
             nbytes = self.advised.pop(address, 0)
             for advice, where in (
                 (ManagedStaging.PREFERRED_LOCATION + 1, self.host),

@@ -3,10 +3,11 @@ reads in place.
 
 `read_stack` reads a layer's experts from the expert store once, with the same reads (and bytes) the
 per-layer path makes, converts them to the model's in-memory dtypes as `LayerCache` does (float32 scales on
-the CPU backend), adds one row of zeros after the last expert (the row a hit's lane of the mapped
-computation reads: kept on the device on CUDA), checks that each array holds exactly those bytes, and asks
-the backend to keep it in host memory for the device (`backend.map_for_device`). On the CPU and Metal that
-is plain memory and the same code runs. Not here: the forward math or admission (`two_tier.py`).
+the CPU backend), adds C rows after the last expert (the layer's device slots: one array, so each lane is
+computed once, by one `gather_qmm`, whichever tier holds its expert), checks that each array holds exactly
+those bytes, and asks the backend to keep its experts in host memory for the device and its slot rows in
+device memory (`backend.map_for_device`). On the CPU and Metal that is plain memory and the same code runs.
+Not here: the forward math, filling the slots or admission (`two_tier.py`).
 """
 
 import mlx.core as mx
@@ -39,14 +40,19 @@ def _mx_uint(size: int) -> mx.Dtype:
 
 
 def read_stack(
-    store: ExpertStore, layout: BlockLayout, targets: dict[tuple[str, str], mx.Dtype], progress=None
+    store: ExpertStore,
+    layout: BlockLayout,
+    targets: dict[tuple[str, str], mx.Dtype],
+    slots: int,
+    progress=None,
 ) -> dict[tuple[str, str], mx.array]:
-    """Per part (`(proj, name)`), an `(E + 1, ...)` array of every expert of `layout` in `targets`' dtype,
-    row E zeros, in host memory mapped for the device. `progress.update(bytes)` after each read round.
-    Raises RuntimeError where an array does not hold the bytes read (memory MLX did not fill as asked)."""
+    """Per part (`(proj, name)`), an `(E + slots, ...)` array: every expert of `layout` in `targets`' dtype
+    (rows 0..E-1, in host memory mapped for the device), then `slots` rows of zeros (the slots, in device
+    memory). `progress.update(bytes)` after each read round. Raises RuntimeError where an array does not
+    hold the bytes read (memory MLX did not fill as asked)."""
     E = layout.num_experts
     host = {
-        (p.proj, p.name): np.zeros((E + 1, *p.shape), dtype=_uint(targets[(p.proj, p.name)].size))
+        (p.proj, p.name): np.zeros((E + slots, *p.shape), dtype=_uint(targets[(p.proj, p.name)].size))
         for p in layout.parts
     }
     batch = max(1, min(E, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
@@ -68,7 +74,7 @@ def read_stack(
             raise RuntimeError(
                 f"{layout.module_path}.{key[0]}.{key[1]}: the mapped stack differs from the store"
             )
-        backend.map_for_device(array, array.nbytes // (E + 1))
+        backend.map_for_device(array, array.nbytes // (E + slots) * slots)
         target = targets[key]
         stacks[key] = array if array.dtype == target else array.view(target)
     mx.eval(list(stacks.values()))

@@ -2,26 +2,25 @@
 
 Where the GPU has memory of its own (CUDA) and the host holds every expert, a missing expert need not
 be read from disk after the host learned the routing (the per-layer path, `runtime.py`: a host round
-trip per layer with a miss). Here each MoE layer has:
-- the mapped stack: every expert in host memory as MLX arrays the GPU reads in place (`mapped.py`), plus
-  a row of zeros kept on the device;
-- C device slots: mlx-lm's own switch with C stacked experts (`LayerCache` holds them and says which
-  expert sits where);
-- lookup tables on the device: per expert id its slot (0 where absent), its row of the mapped stack (the
-  zero row where resident) and whether it is resident.
-A pass (`TwoTierSwitch`) computes every routed lane twice with mlx-lm's own switch math, once on the
-slots and once on the mapped stack, and keeps per lane the one that holds the expert (`mx.where`): a
-hit's mapped lane reads only the device's zero row and a miss's slot lane reads slot 0, so bytes cross
-PCIe only for misses. A layer with every expert resident computes on the slots alone (the plain resident
-path), one with none on the mapped stack alone. The output is stock mlx-lm's, bit for bit: the same
-kernels on the same bytes per lane. Nothing in a pass waits for the host: lookups are booked from the
-ids' shapes, and what needs the routing itself, the hits and `Admission`'s counts, is added up on the
-device (`tally.py`) and read by the host a few passes late, when it is done; `record_routing`'s trace is
-read when recording stops.
-Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from the
-mapped stack with MLX slice updates, ordered on MLX's stream after the passes already launched, so no
-pass in flight sees a slot change. Measured on an H100 (`tools/two_tier_probe.py`, 8 Qwen3-30B-shaped
-layers): 1.51 / 3.38 / 5.48 / 10.4 ms a token at hit rates 1 / 0.75 / 0.5 / 0, exact.
+trip per layer with a miss). Here each MoE layer has one stack per weight array (`mapped.py`):
+- rows 0..E-1: every expert in host memory, as MLX arrays the GPU reads in place;
+- rows E..E+C-1: the layer's C slots, in device memory;
+- a lookup table on the device: per expert id the row that holds it (E + its slot where resident, else
+  its own row), and whether it is resident.
+A pass (`TwoTierSwitch`) computes every routed lane once, with mlx-lm's own switch math on that stack at
+the table's rows: bytes cross PCIe only for misses, and the output is stock mlx-lm's, bit for bit (the same
+kernel on the same bytes per lane). Nothing in a pass waits for the host: lookups are booked from the ids'
+shapes, and what needs the routing itself, the hits and `Admission`'s counts, is added up on the device
+(`tally.py`) and read by the host a few passes late, when it is done; `record_routing`'s trace is read
+when recording stops.
+Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from their
+host rows into slot rows. MLX writes an array in place only where nothing else holds it, so a fill first
+waits for the passes in flight (`mx.synchronize`, once per admission: every `ADMIT_EVERY` passes); a pass
+in flight therefore never sees a slot change, and the stack never moves (checked: a copy would leave the
+slots' device placement behind).
+Measured on an H100 (`tools/two_tier_probe.py`, 8 Qwen3-30B-shaped layers, slots' pages on the device
+inside one stack): 1.40 / 3.06 / 4.79 / 8.74 ms a token at hit rates 1 / 0.75 / 0.5 / 0, exact, against
+1.51 / 3.38 / 5.48 / 10.4 with the slots in an array of their own (each lane computed twice and selected).
 Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py`), the CUDA advice
 (`cuda.HostMapping`), or the per-layer path with its prefetch (`runtime.py`).
 """
@@ -35,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import backend, cuda
 from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
@@ -54,22 +54,20 @@ LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm
 
 
 class TwoTierSwitch(nn.Module):
-    """Drop-in `switch_mlp`: hits on the device slots (`inner`), misses on the mapped stack."""
+    """Drop-in `switch_mlp`: mlx-lm's switch (`stacked`) over the layer's stack, experts and slots."""
 
-    def __init__(self, inner: nn.Module, mapped: nn.Module, runtime: "TwoTierRuntime", layer: int):
+    def __init__(self, stacked: nn.Module, runtime: "TwoTierRuntime", layer: int):
         super().__init__()
-        self.inner = inner
         self.layer = layer
-        object.__setattr__(self, "mapped", mapped)  # not a child: the stack is no parameter of the model
+        object.__setattr__(self, "stacked", stacked)  # not a child: the stack is no parameter of the model
         object.__setattr__(self, "runtime", runtime)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self.runtime.compute(self.layer, self.inner, self.mapped, x, indices)
+        return self.runtime.compute(self.layer, self.stacked, x, indices)
 
 
 class _Tables(NamedTuple):
-    slots: mx.array  # (E,) uint32: the slot of each expert, 0 where absent
-    rows: mx.array  # (E,) uint32: the mapped row of each expert, E (the zero row) where resident
+    rows: mx.array  # (E,) uint32: the stack row of each expert, E + its slot where resident
     hit: mx.array  # (E,) bool
 
 
@@ -98,6 +96,9 @@ class TwoTierRuntime:
         self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
         self._tables: list[_Tables | None] = [None] * len(caches)
         self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
+        self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
+        self._addresses = [_addresses(stack) for stack in stacks]
+        self.stack_moves = 0  # fills that found a stack copied instead of written in place (want 0)
         self._dirty = True  # slots changed since the tables were made
         self._routed: dict[int, mx.array] = {}
         self._hit: dict[int, mx.array] = {}
@@ -162,29 +163,40 @@ class TwoTierRuntime:
         ids = ids[cache.slot_of[ids] < 0]
         if ids.size:
             slots = cache.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=self.clock)
-            self._fill(cache, ids, slots)
+            self._fill([(cache, ids, slots)])
+
+    def place(self, cache: LayerCache, expert_in_slot: np.ndarray):
+        """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's slots), the others
+        emptied."""
+        cache.restore(np.full(cache.capacity, -1))
+        held = np.asarray(expert_in_slot, dtype=np.int64)
+        slots = np.flatnonzero(held >= 0)
+        if slots.size:
+            self._fill([(cache, held[slots], slots)])
+
+    def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
+        """The slot rows of `cache`'s layer by `proj.part` name, as `LayerCache.stacked_arrays` names them
+        (for snapshots)."""
+        E = self.num_experts
+        return {f"{proj}.{name}": rows[E:] for (proj, name), rows in self.stacks[cache.layer].items()}
 
     # -- a pass --------------------------------------------------------------------------------
-    def compute(self, layer: int, inner: nn.Module, mapped: nn.Module, x: mx.array, indices: mx.array):
+    def compute(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array):
         """One MoE layer's experts for `indices`: what mlx-lm's switch would give, with no host sync."""
         if layer == 0:
             self._begin_pass(x)
-        cache = self.caches[layer]
-        tables = self._tables[layer]
         lanes = indices.size
-        if tables is None:  # every expert resident (slots in id order: the plain resident path)
-            y = inner(x, cache.routed_slots(indices))
+        if self._full[layer]:  # no lane can miss: nothing to count on the device
+            y = stacked(x, self._tables[layer].rows[indices])
             self.ledger.count_lookups(self.phase, layer, lanes, lanes)
         else:
             self._routed[layer] = indices
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
-            if not self._resident[layer].any():
-                y = mapped(x, indices)
-            else:
-                hit = self._hit[layer] = tables.hit[indices]
-                on_slots = inner(x, tables.slots[indices])
-                in_place = mapped(x, tables.rows[indices])
-                y = mx.where(hit[..., None], on_slots, in_place)
+            if self._resident[layer].any():
+                self._hit[layer] = self._tables[layer].hit[indices]
+                y = stacked(x, self._tables[layer].rows[indices])
+            else:  # rows are expert ids
+                y = stacked(x, indices)
         if self._recording is not None:
             self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:
@@ -210,7 +222,7 @@ class TwoTierRuntime:
         self._routed, self._hit = {}, {}
 
     def _end_pass(self, k: int):
-        counted = {i: ids for i, ids in self._routed.items() if self._tables[i] is not None}
+        counted = {i: ids for i, ids in self._routed.items() if not self._full[i]}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit)
         if self._recording is not None:
             ids = mx.stack([self._routed[i].reshape(-1) for i in range(len(self.caches))])
@@ -220,16 +232,17 @@ class TwoTierRuntime:
 
     def _refresh(self):
         """Remake the device tables after slots changed (admission, seeding, a snapshot): two host-to-device
-        arrays for all layers, not three per layer (fewer transfers; their cost on CUDA was not measured
-        apart), each layer's tables views of them; a layer with every expert in slots needs none."""
-        E, L = self.num_experts, len(self.caches)
-        resident = np.stack([c.slot_of >= 0 for c in self.caches])
-        full = [bool(resident[i].all()) and c.capacity == E for i, c in enumerate(self.caches)]
+        arrays for all layers, not two per layer (fewer transfers; their cost on CUDA was not measured
+        apart), each layer's tables views of them."""
+        E = self.num_experts
         slot_of = np.stack([c.slot_of for c in self.caches])
-        indices = np.stack([np.where(resident, slot_of, 0), np.where(resident, E, np.arange(E))], axis=1)
-        block, hits = mx.array(indices.astype(np.uint32)), mx.array(resident)
-        self._resident = resident
-        self._tables = [None if full[i] else _Tables(block[i, 0], block[i, 1], hits[i]) for i in range(L)]
+        resident = slot_of >= 0
+        rows, hits = (
+            mx.array(np.where(resident, E + slot_of, np.arange(E)).astype(np.uint32)),
+            mx.array(resident),
+        )
+        self._resident, self._full = resident, resident.all(axis=1)
+        self._tables = [_Tables(rows[i], hits[i]) for i in range(len(self.caches))]
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
@@ -244,8 +257,7 @@ class TwoTierRuntime:
         return True
 
     def _admit(self, read):
-        """Book a tally read, then copy into slots the experts `Admission` names, every layer's indices in
-        one host-to-device array."""
+        """Book a tally read, then copy into slots the experts `Admission` names."""
         if not self._book(read):
             return
         self._since_admission = 0
@@ -253,39 +265,51 @@ class TwoTierRuntime:
             (cache, *self.admission.swaps(i, cache.expert_in_slot)) for i, cache in enumerate(self.caches)
         ]
         fills = [f for f in fills if f[1].size]
-        if not fills:
-            return
-        both = mx.array(
-            np.concatenate([np.stack([ids, slots]) for _, ids, slots in fills], axis=1).astype(np.int32)
-        )
-        start = 0
-        for cache, ids, slots in fills:
-            self._fill(cache, ids, slots, both[:, start : start + len(ids)])
-            start += len(ids)
+        if fills:
+            self._fill(fills)
 
-    def _fill(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray, index: mx.array | None = None):
-        """MLX slice updates from the mapped stack into the slots (lazy: the next pass evaluates them,
-        after those launched before it), and the cache's bookkeeping. `index`: (2, n) int32 ids and
-        slots already on the device."""
+    def _fill(self, fills: list[tuple[LayerCache, np.ndarray, np.ndarray]]):
+        """For each (cache, ids, slots): copy experts `ids` from their host rows into the rows of `slots`
+        in the same stacks, in place, and do the caches' bookkeeping."""
         t0 = time.perf_counter()
-        stack = self.stacks[cache.layer]
-        if len(ids) == 1:
-            to, source = int(slots[0]), int(ids[0])
-        elif index is not None:
-            source, to = index[0], index[1]
-        else:
-            to, source = mx.array(slots.astype(np.int32)), mx.array(ids.astype(np.int32))
-        for (proj, name), rows in stack.items():
-            held = cache.projections[proj][name]
-            held[to] = rows[source]  # in place: the module holds this same array
-        held = cache.expert_in_slot.copy()
-        evicted = int((held[slots] >= 0).sum())
-        held[slots] = ids
-        cache.restore(held)
+        E = self.num_experts
+        copies = []
+        for cache, ids, slots in fills:
+            if len(ids) == 1:
+                source, to = int(ids[0]), E + int(slots[0])
+            else:
+                source, to = mx.array(ids.astype(np.int32)), mx.array((E + slots).astype(np.int32))
+            copies += [(rows, to, rows[source]) for rows in self.stacks[cache.layer].values()]
+        mx.eval([copied for *_, copied in copies])
+        mx.synchronize()  # no pass in flight holds a stack now, so MLX writes each in place
+        for rows, to, copied in copies:
+            rows[to] = copied
+        mx.eval([rows for rows, *_ in copies])
+        spent = (time.perf_counter() - t0) / len(fills)
+        for cache, ids, slots in fills:
+            self._check_in_place(cache.layer)
+            held = cache.expert_in_slot.copy()
+            evicted = int((held[slots] >= 0).sum())
+            held[slots] = ids
+            cache.restore(held)
+            self.ledger.add(self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=spent)
         self._dirty = True
-        self.ledger.add(
-            self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=time.perf_counter() - t0
-        )
+
+    def _check_in_place(self, layer: int):
+        """A stack MLX copied instead of writing it in place lost its device advice (its slots would sit
+        wherever the copy put them), and the buffer it left keeps it: move the advice, and count it."""
+        stack = self.stacks[layer]
+        for key, address in _addresses(stack).items():
+            if address != self._addresses[layer][key]:
+                self.stack_moves += 1
+                backend.unmap_at(self._addresses[layer][key])  # MLX may hand that buffer to any array
+                E, rows = self.num_experts, stack[key]
+                backend.map_for_device(rows, rows.nbytes // rows.shape[0] * (rows.shape[0] - E))
+                self._addresses[layer][key] = address
+
+
+def _addresses(stack: dict[tuple[str, str], mx.array]) -> dict[tuple[str, str], int]:
+    return {key: cuda.address_of(rows) for key, rows in stack.items()}
 
 
 def _release(stacks):
@@ -294,11 +318,16 @@ def _release(stacks):
 
 
 def build(store: ExpertStore, blocks, caches: list[LayerCache], progress=None) -> TwoTierRuntime:
-    """Read every layer's mapped stack (`progress.update(bytes)` as it goes), make the runtime and put a
-    `TwoTierSwitch` where each block's switch was. `caches` were made over the blocks' switches."""
-    stacks = [read_stack(store, cache.layout, cache.targets, progress) for cache in caches]
+    """Read every layer's stack (`progress.update(bytes)` as it goes), make the runtime and put a
+    `TwoTierSwitch` where each block's switch was. `caches` were made over the blocks' switches; their own
+    slot arrays are given back (the slots are the stacks' last rows)."""
+    stacks = [read_stack(store, cache.layout, cache.targets, cache.capacity, progress) for cache in caches]
     runtime = TwoTierRuntime(store, caches, stacks)
-    for i, (block, stack) in enumerate(zip(blocks, stacks)):
-        block.replace_switch(TwoTierSwitch(block.switch, switch_on(block.switch, stack), runtime, i))
+    for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
+        block.replace_switch(TwoTierSwitch(switch_on(block.switch, stack), runtime, i))
+        for part in cache.layout.parts:
+            cache.projections[part.proj][part.name] = mx.zeros(
+                (0, *part.shape), dtype=stack[part.proj, part.name].dtype
+            )
     runtime._refresh()
     return runtime

@@ -48,8 +48,10 @@ def slots_hold_their_experts(engine, model_dir=None):
     for cache in engine.caches:
         consistent(cache)
         resident = np.flatnonzero(cache.slot_of >= 0)
+        two_tier = getattr(engine.runtime, "two_tier", False)
+        slots = engine.runtime.slot_arrays(cache) if two_tier else cache.stacked_arrays()
         for part in cache.layout.parts:
-            held = cache.projections[part.proj][part.name][mx.array(cache.slot_of[resident])]
+            held = slots[f"{part.proj}.{part.name}"][mx.array(cache.slot_of[resident])]
             expected = weights[f"{cache.layout.module_path}.{part.proj}.{part.name}"][mx.array(resident)]
             assert mx.array_equal(held, expected.astype(held.dtype)), (cache.layer, part.proj, part.name)
 

@@ -52,3 +52,33 @@ def test_the_batch_rows_are_exact_and_read_less_per_token_in_a_batch(tmp_path, c
     assert one["gain"] == 1.0 and one["stock_gain"] == 1.0
     assert main(["bench", "--batch", "--batch-sizes", "0"]) == 2
     assert "--batch-sizes takes positive counts" in capsys.readouterr().err
+
+
+def test_the_two_tier_rows_are_exact_and_measure_bytes_against_min_and_the_roofline(capsys):
+    """`od-moe bench --two-tier`: stock tokens in every round; bytes moved are the mapped lanes and slot
+    copies, set against Belady's MIN on the same routing; the roofline bounds the row from below."""
+    from od_moe.bench.two_tier_grid import run_two_tier_grid
+    from od_moe.cli import main
+    from od_moe.engine import DEFAULT_MODEL
+
+    rows = run_two_tier_grid([("bundled", DEFAULT_MODEL, 8)], [0.0, 0.25], 1, printer=None)["rows"]
+    empty, quarter = rows
+    assert all(r["exact"] for r in rows) and all(r["stack_moves"] == 0 for r in rows)
+    assert empty["decode_hit_rate"] == 0 and empty["copies_per_token"] == 0 and empty["min_per_token"] is None
+    assert empty["mapped_per_token"] == 8 * 8  # every lane of every layer read in place
+    expert = empty["moved_bytes_per_token"] / empty["mapped_per_token"]
+    assert quarter["moved_bytes_per_token"] == pytest.approx(
+        (quarter["mapped_per_token"] + quarter["copies_per_token"]) * expert
+    )
+    assert 0 < quarter["min_per_token"] < quarter["mapped_per_token"] < empty["mapped_per_token"]
+    assert quarter["moved_over_min"] == pytest.approx(
+        (quarter["mapped_per_token"] + quarter["copies_per_token"]) / quarter["min_per_token"]
+    )
+    for r in rows:
+        assert (
+            r["roofline_ms_per_token"]
+            >= max(1e3 / r["stock_tok_s"], r["moved_bytes_per_token"] / r["mapped_read_bw"] * 1e3) * 0.999
+        )
+    assert main(["bench", "--two-tier", "--gpu"]) == 2
+    assert "--two-tier runs alone" in capsys.readouterr().err
+    assert main(["bench", "--capacities", "0"]) == 2

@@ -1,6 +1,8 @@
 """`od-moe bench`: arguments and the entry point. The default is the prefetch grid (`prefetch.py`: every
 policy side by side); `--foundation` runs the cache-only benchmark against stock mlx-lm (`foundation.py`);
-`--batch` many requests decoded together against stock mlx-lm's batches (`batching.py`)."""
+`--batch` many requests decoded together against stock mlx-lm's batches (`batching.py`); `--two-tier` the
+two-tier mode against stock mlx-lm and its roofline (`two_tier_grid.py`), which `--gpu` runs after the
+prefetch grid."""
 
 import json
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 from ..capacity import parse_capacity
 from ..errors import UserError
+from ..model_files import DEFAULT_MODEL
 
 
 def add_arguments(parser):
@@ -21,7 +24,8 @@ def add_arguments(parser):
     add(
         "--gpu",
         action="store_true",
-        help="the accelerator grid: both models x 100/50/25%% x warm/cold x none/predictor/oracle",
+        help="the accelerator grid: both models x 100/50/25%% x warm/cold x none/predictor/oracle on the "
+        "per-layer path, then the two-tier grid",
     )
     add("--json", action="store_true", help="print the rows as JSON instead of tables")
     add("--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model")
@@ -65,11 +69,22 @@ def add_arguments(parser):
         help="batched decoding: --batch-sizes requests at once against stock mlx-lm's batch_generate",
     )
     add("--batch-sizes", default="1,2,8,32", help="with --batch: requests decoded together")
-    add("--rounds", type=int, default=3, help="with --batch: runs of each batch (the median counts)")
+    add(
+        "--two-tier",
+        action="store_true",
+        help="the two-tier grid alone: experts read in place from host memory, 0/25/50/100%% in device "
+        "slots, against stock mlx-lm, Belady's MIN and the roofline",
+    )
+    add(
+        "--rounds",
+        type=int,
+        help="with --batch or --two-tier: rounds alternating with stock (the median counts; default 3 with "
+        "--batch, 6 with --two-tier and --gpu)",
+    )
     add(
         "--capacities",
-        help="with --foundation or --batch: fractions of experts resident (default: 1,0.5,0.25,0.125 with "
-        "--foundation, 0.5,0.25 with --batch)",
+        help="with --foundation, --batch or --two-tier: fractions of experts resident (default: "
+        "1,0.5,0.25,0.125 with --foundation, 0.5,0.25 with --batch, 0,0.25,0.5,1 with --two-tier)",
     )
 
 
@@ -78,14 +93,10 @@ def run(args):
 
     if args.widen is None:
         args.widen = 0 if args.batch else 128
-    default = "0.5,0.25" if args.batch else "1,0.5,0.25,0.125"
-    capacities = []
-    for text in str(args.capacities or default).split(","):
-        value = parse_capacity(text)
-        value = 1.0 if value == 1 else value
-        if not isinstance(value, float) or not 0 < value <= 1:
-            raise UserError(f"--capacities takes fractions in (0, 1], got {text!r}")
-        capacities.append(value)
+    capacities = _capacities(args)
+    rounds = args.rounds if args.rounds is not None else 3 if args.batch else 6
+    if rounds < 1:
+        raise UserError(f"--rounds must be a positive count, got {args.rounds}")
     if args.max_tokens < 1 or args.widened_tokens < 1 or args.widen < 0:
         raise UserError("--max-tokens and --widened-tokens must be positive, --widen >= 0")
     printer = None if args.json else print
@@ -98,22 +109,18 @@ def run(args):
         require_matplotlib()
     if args.pack and (args.foundation or not args.widen):
         raise UserError("--pack packs the prefetch grid's widened model: leave out --foundation, --widen 0")
+    for alone in ("batch", "two_tier"):
+        if getattr(args, alone) and (args.foundation or args.full or args.gpu or args.plot or args.pack):
+            flag = "--" + alone.replace("_", "-")
+            raise UserError(f"{flag} runs alone: leave out --foundation, --full, --gpu, --plot and --pack")
     if args.batch:
-        if args.foundation or args.full or args.gpu or args.plot or args.pack:
-            raise UserError("--batch runs alone: leave out --foundation, --full, --gpu, --plot and --pack")
-        try:
-            sizes = [int(s) for s in args.batch_sizes.split(",")]
-        except ValueError:
-            sizes = []
-        if args.rounds < 1:
-            raise UserError(f"--rounds must be a positive count, got {args.rounds}")
-        if not sizes or min(sizes) < 1:
-            raise UserError(f"--batch-sizes takes positive counts such as 1,2,8,32, got {args.batch_sizes!r}")
         from .batching import run_batch_grid
 
         result = run_batch_grid(
-            sizes, capacities, args.max_tokens, args.widen, Path(args.workdir), printer, args.rounds
+            _batch_sizes(args), capacities, args.max_tokens, args.widen, Path(args.workdir), printer, rounds
         )
+    elif args.two_tier:
+        result = _two_tier(args, capacities, rounds, printer)
     elif args.foundation:
         result = run_foundation(
             capacities, args.max_tokens, args.widen, args.widened_tokens, Path(args.workdir), printer
@@ -134,6 +141,8 @@ def run(args):
             deterministic=args.deterministic,
             pack=args.pack,
         )
+    if args.gpu:
+        result["rows"] += _two_tier(args, [float(f) for f in (0, 0.25, 0.5, 1)], rounds, printer)["rows"]
     if args.plot:
         from .plots import plot_rows
 
@@ -146,3 +155,42 @@ def run(args):
         print(f"plot written to {where} (rows in {where.with_suffix('.json')})", file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=1))
+
+
+def _capacities(args) -> list[float]:
+    """`--capacities` as fractions (0 allowed with --two-tier: every expert read in place)."""
+    default = "0.5,0.25" if args.batch else "0,0.25,0.5,1" if args.two_tier else "1,0.5,0.25,0.125"
+    capacities = []
+    for text in str(args.capacities or default).split(","):
+        value = 0.0 if args.two_tier and text.strip() in ("0", "0%") else parse_capacity(text)
+        value = 1.0 if value == 1 else value
+        if not isinstance(value, float) or not 0 <= value <= 1 or (value == 0 and not args.two_tier):
+            raise UserError(f"--capacities takes fractions in (0, 1] (with --two-tier [0, 1]), got {text!r}")
+        capacities.append(value)
+    return capacities
+
+
+def _batch_sizes(args) -> list[int]:
+    try:
+        sizes = [int(s) for s in args.batch_sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch-sizes takes positive counts such as 1,2,8,32, got {args.batch_sizes!r}")
+    return sizes
+
+
+def _two_tier(args, fractions, rounds: int, printer) -> dict:
+    from .prefetch import _widened
+    from .two_tier_grid import run_two_tier_grid
+
+    models = [("bundled", DEFAULT_MODEL, args.max_tokens)]
+    if args.widen:
+        models.append(
+            (
+                "widened",
+                _widened(args.widen, Path(args.workdir), False, printer or (lambda *_: None)),
+                args.widened_tokens,
+            )
+        )
+    return run_two_tier_grid(models, fractions, rounds, printer)

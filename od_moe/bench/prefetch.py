@@ -65,7 +65,8 @@ def run_policy(
 ):
     """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics.
     `settings`: how prefetch runs (deterministic runs: `DETERMINISTIC`)."""
-    options = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none")
+    # the per-layer path (auto would choose two tiers on CUDA, which the two-tier grid measures)
+    options = dict(capacity=capacity, miss_policy=miss_policy, prefetch="none", two_tier=False)
     predictor = (
         _predictor_for(load(str(path), **options).identity, predictor_dir) if policy == "predictor" else None
     )

@@ -1,0 +1,180 @@
+"""The two-tier grid of `od-moe bench` (`--two-tier` alone, and after the prefetch grid with `--gpu`): how
+close to stock mlx-lm decoding gets when misses are read in place from host memory (`two_tier.py`), and how
+close to the bound the machine sets.
+
+Per model (the bundled one, and the widened copy unless `--widen 0`) and per fraction of experts in device
+slots (0 / 25 / 50 / 100%), one engine in two-tier mode is warmed on a prompt of its own, then alternates
+prompt by prompt with stock mlx-lm in the same process for `rounds` rounds (x stock: the median of the
+rounds' ratios; machines drift, the ratio within a round holds). Then the same prompts once more with the
+routing recorded, for Belady's MIN on it (greedy decoding routes every round alike).
+
+Bytes moved per decoded token are the experts the device read in place (mapped lanes, the misses) plus
+those copied into slots, against MIN's reads at the same number of slots (from empty caches at each prompt,
+decode passes only: the fewest experts a cache that holds what it computes on must take in; a miss read in
+place takes nothing in, so a policy could move fewer). The roofline is a bound: max(the resident step,
+stock's ms per token; moved bytes / the bandwidth at which one layer's computation reads every expert of the
+mapped stack, measured here). On the CPU and Metal the stack is plain memory: the counts and tokens hold,
+the speeds are that machine's.
+Not here: the two-tier runtime (`two_tier.py`), the per-layer path's grid (`prefetch.py`).
+"""
+
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load as mlx_lm_load
+
+from .. import backend, load
+from ..replay import replay_recording
+from ..report import table
+from ..two_tier import TwoTierSwitch
+from ..units import MB
+from .foundation import PROMPTS, stock_decode
+from .roofline import roofline_ms
+
+WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n    "
+FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+
+
+def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
+    """Bytes per second at which the first MoE layer's computation reads experts in place: one token routed
+    to every expert of the layer's mapped stack (every lane a miss), the best of `repeats` after a warm-up."""
+    switch = next(m for _, m in engine.model.named_modules() if isinstance(m, TwoTierSwitch))
+    cache = engine.caches[switch.layer]
+    x = engine.model.model.embed_tokens(mx.array([[1]]))
+    indices = mx.arange(cache.num_experts, dtype=mx.uint32)[None, None]
+    mx.eval(switch.stacked(x, indices))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(switch.stacked(x, indices))
+        best = min(best, time.perf_counter() - t0)
+    return cache.num_experts * cache.layout.expert_nbytes / best
+
+
+def _alternate(engine, stock, tokenizer, reference, tokens: int, rounds: int):
+    """(ratios, (stock tok/s, tok/s) per round, prompts that gave stock's tokens)."""
+    ratios, speeds, same = [], [], 0
+    for _ in range(rounds):
+        pairs = []
+        for i, prompt in enumerate(PROMPTS):
+            stock_tps = stock_decode(stock, tokenizer, prompt, tokens)[0]
+            responses = list(engine.stream_generate(prompt, max_tokens=tokens))
+            same += [r.token for r in responses] == reference[i]
+            pairs.append((stock_tps, responses[-1].generation_tps))
+        speeds.append(tuple(statistics.mean(p[k] for p in pairs) for k in (0, 1)))
+        ratios.append(speeds[-1][1] / speeds[-1][0])
+    return ratios, speeds, same
+
+
+def _min_reads_per_token(engine, tokens: int) -> float | None:
+    """Belady's MIN on the prompts' routing at the engine's slots, experts per decoded token."""
+    if engine.capacity in (0, engine.caches[0].num_experts):
+        return None  # nothing to choose: every lane mapped, or every expert in a slot
+    engine.runtime.start_recording()
+    for prompt in PROMPTS:
+        list(engine.stream_generate(prompt, max_tokens=tokens))
+    recording = engine.runtime.stop_recording()
+    tally = replay_recording(recording, engine.capacity, "min")
+    return tally.reads / max(1, tally.passes)
+
+
+def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: int, rounds: int, bw=None):
+    """One fraction of experts in slots; `bw`: the mapped read bandwidth (measured here where None)."""
+    t0 = time.perf_counter()
+    engine = load(str(path), capacity=fraction, two_tier=True)
+    load_s = time.perf_counter() - t0
+    bw = bw or mapped_read_bandwidth(engine)
+    for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
+        list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
+    engine.reset_stats()
+    ratios, speeds, same = _alternate(engine, stock, tokenizer, reference, tokens, rounds)
+    stats = engine.stats()
+    passes = max(1, stats["positions"]["decode"])
+    mapped = stats["total"]["decode"]["misses"] / passes
+    copies = stats["io"]["decode"]["experts_loaded"] / passes
+    expert_bytes = engine.caches[0].layout.expert_nbytes
+    minimum = _min_reads_per_token(engine, tokens)
+    stock_tps = statistics.median(s for s, _ in speeds)
+    tps = statistics.median(t for _, t in speeds)
+    floor_ms, bound = roofline_ms(1e3 / stock_tps, (mapped + copies) * expert_bytes, bw, 0, 1)
+    row = {
+        "capacity": fraction,
+        "slots": engine.capacity,
+        "decode_hit_rate": stats["total"]["decode"]["hit_rate"],
+        "mapped_per_token": mapped,
+        "copies_per_token": copies,
+        "moved_bytes_per_token": (mapped + copies) * expert_bytes,
+        "min_per_token": minimum,
+        "moved_over_min": (mapped + copies) / minimum if minimum else None,
+        "stock_tok_s": stock_tps,
+        "tok_s": tps,
+        "x_stock": statistics.median(ratios),
+        "x_stock_rounds": [round(r, 3) for r in ratios],
+        "mapped_read_bw": bw,
+        "roofline_ms_per_token": floor_ms,
+        "roofline_bound": "pcie" if bound == "read" else bound,
+        "x_roofline": floor_ms / (1e3 / tps),
+        "same_tokens": f"{same}/{rounds * len(PROMPTS)}",
+        "exact": same == rounds * len(PROMPTS),
+        "load_s": load_s,
+        "stack_moves": engine.runtime.stack_moves,
+    }
+    del engine
+    gc.collect()
+    mx.clear_cache()
+    return row
+
+
+COLUMNS = (
+    ("slots", lambda r: f"{r['capacity']:.1%}"),
+    ("decode hit", lambda r: r["decode_hit_rate"]),
+    ("mapped/tok", lambda r: r["mapped_per_token"]),
+    ("copies/tok", lambda r: r["copies_per_token"]),
+    ("MB moved/tok", lambda r: r["moved_bytes_per_token"] / MB),
+    ("MIN/tok", lambda r: r["min_per_token"]),
+    ("x MIN", lambda r: r["moved_over_min"]),
+    ("stock tok/s", lambda r: r["stock_tok_s"]),
+    ("tok/s", lambda r: r["tok_s"]),
+    ("x stock", lambda r: r["x_stock"]),
+    ("roofline ms", lambda r: r["roofline_ms_per_token"]),
+    ("bound", lambda r: r["roofline_bound"]),
+    ("x roofline", lambda r: r["x_roofline"]),
+    ("same tokens", lambda r: r["same_tokens"]),
+)
+
+
+def run_two_tier_grid(models: list[tuple[str, Path, int]], fractions, rounds: int, printer=print) -> dict:
+    """`models`: (name, folder, new tokens per prompt). Rows of every model at every fraction."""
+    say = printer or (lambda *_: None)
+    rows = []
+    for name, path, tokens in models:
+        stock, tokenizer = mlx_lm_load(str(path))
+        dtype = backend.compute_dtype()
+        if dtype is not None:
+            stock.set_dtype(dtype)
+        stock_decode(stock, tokenizer, WARM_PROMPT, 8)
+        reference = [stock_decode(stock, tokenizer, p, tokens)[1] for p in PROMPTS]
+        bw, model_rows = None, []
+        for fraction in fractions:
+            row = run_row(path, fraction, stock, tokenizer, reference, tokens, rounds, bw)
+            bw = row["mapped_read_bw"]
+            model_rows.append({"model": name, **row})
+            say(f"  {name} {fraction:.1%}: x stock {row['x_stock']:.3f}, x roofline {row['x_roofline']:.3f}")
+        title = (
+            f"\n{name} model, two-tier mode on {mx.default_device()}, {len(PROMPTS)} prompts x {tokens} "
+            f"greedy tokens, {rounds} rounds alternating with stock mlx-lm; mapped experts read at "
+            f"{bw / 1e9:.2f} GB/s"
+        )
+        say(
+            table(
+                [c for c, _ in COLUMNS], [[cell(r) for _, cell in COLUMNS] for r in model_rows], title=title
+            )
+        )
+        rows += model_rows
+        del stock
+        gc.collect()
+        mx.clear_cache()
+    return {"rows": rows}

@@ -15,7 +15,8 @@ compare with learned admission on the same slots count.
 Rows: `tt:F` two-tier at fraction F; `static:F` the same with admission frozen after the warm-up;
 `exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
 `tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
-admit_every). On the CPU backend every two-tier row runs on host memory: tokens and counts are meaningful
+admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). On the CPU
+backend every two-tier row runs on host memory: tokens and counts are meaningful
 there, the speeds are the CPU's.
 """
 
@@ -54,6 +55,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     load_s = time.perf_counter() - t0
     for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
         name, value = knob.split("=")
+        if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
+            engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
+            continue
         owner = engine.runtime if name == "admit_every" else engine.runtime.admission
         setattr(owner, name, type(getattr(owner, name))(value))
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts

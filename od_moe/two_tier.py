@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import backend, cuda
+from . import backend, cuda, slot_fill
 from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
@@ -99,6 +99,10 @@ class TwoTierRuntime:
         self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
         self._addresses = [_addresses(stack) for stack in stacks]
         self.stack_moves = 0  # fills that found a stack copied instead of written in place (want 0)
+        # fills between passes as kernels that need no wait (CUDA), else MLX writes after a wait
+        self.kernel_fills = slot_fill.KernelFills() if slot_fill.available() else None
+        self._landed: dict[int, mx.array] = {}  # layer -> computed once its last kernel fills landed
+        self._last_output: mx.array | None = None  # the last MoE layer's output in the last pass
         self._dirty = True  # slots changed since the tables were made
         self._routed: dict[int, mx.array] = {}
         self._hit: dict[int, mx.array] = {}
@@ -201,6 +205,8 @@ class TwoTierRuntime:
             self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:
             self._end_pass(indices.shape[-1])
+            if self.kernel_fills is not None:  # what a slot fill at the next pass waits for (`_admit`)
+                self._last_output = y
         return y
 
     def _begin_pass(self, x: mx.array):
@@ -231,18 +237,21 @@ class TwoTierRuntime:
         self._routed, self._hit = {}, {}
 
     def _refresh(self):
-        """Remake the device tables after slots changed (admission, seeding, a snapshot): two host-to-device
-        arrays for all layers, not two per layer (fewer transfers; their cost on CUDA was not measured
-        apart), each layer's tables views of them."""
+        """Remake the device tables after slots changed (admission, seeding, a snapshot): one array for all
+        layers copied into device memory (`backend.device_array`), each layer's tables views of it."""
         E = self.num_experts
         slot_of = np.stack([c.slot_of for c in self.caches])
         resident = slot_of >= 0
-        rows, hits = (
-            mx.array(np.where(resident, E + slot_of, np.arange(E)).astype(np.uint32)),
-            mx.array(resident),
-        )
+        rows = backend.device_array(np.where(resident, E + slot_of, np.arange(E)).astype(np.uint32))
+        hits = rows >= E
         self._resident, self._full = resident, resident.all(axis=1)
         self._tables = [_Tables(rows[i], hits[i]) for i in range(len(self.caches))]
+        for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
+            self._tables[layer] = _Tables(rows[layer] + (landed * 0).astype(mx.uint32), hits[layer])
+        self._landed = {}
+        # computed apart, now: a pass whose graph also made its tables took 3-4.5 ms more on an H200 (MLX's
+        # CUDA backend builds a new graph for a pass of another shape; `docs/two-tier-h100.md`)
+        mx.async_eval([t.rows for t in self._tables] + [t.hit for t in self._tables])
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
@@ -265,8 +274,29 @@ class TwoTierRuntime:
             (cache, *self.admission.swaps(i, cache.expert_in_slot)) for i, cache in enumerate(self.caches)
         ]
         fills = [f for f in fills if f[1].size]
-        if fills:
+        if fills and self.kernel_fills is not None and self._last_output is not None:
+            self._fill_by_kernels(fills, self._last_output)
+        elif fills:
             self._fill(fills)
+
+    def _fill_by_kernels(self, fills: list[tuple[LayerCache, np.ndarray, np.ndarray]], after: mx.array):
+        """`_fill` with no wait (CUDA, `slot_fill.py`): the copies run on MLX's stream after `after`, the
+        last pass's last MoE output (so after every read of the slots they overwrite), and the tables of
+        the layers filled are made from them (`_refresh`)."""
+        t0 = time.perf_counter()
+        for cache, ids, slots in fills:
+            stack = self.stacks[cache.layer]
+            self._landed[cache.layer] = self.kernel_fills.fill(stack, ids, self.num_experts + slots, after)
+        self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
+
+    def _book_fills(self, fills, seconds: float):
+        for cache, ids, slots in fills:
+            held = cache.expert_in_slot.copy()
+            evicted = int((held[slots] >= 0).sum())
+            held[slots] = ids
+            cache.restore(held)
+            self.ledger.add(self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=seconds)
+        self._dirty = True
 
     def _fill(self, fills: list[tuple[LayerCache, np.ndarray, np.ndarray]]):
         """For each (cache, ids, slots): copy experts `ids` from their host rows into the rows of `slots`
@@ -281,19 +311,14 @@ class TwoTierRuntime:
                 source, to = mx.array(ids.astype(np.int32)), mx.array((E + slots).astype(np.int32))
             copies += [(rows, to, rows[source]) for rows in self.stacks[cache.layer].values()]
         mx.eval([copied for *_, copied in copies])
+        self._last_output = None  # it holds the last pass's graph, and with it a stack
         mx.synchronize()  # no pass in flight holds a stack now, so MLX writes each in place
         for rows, to, copied in copies:
             rows[to] = copied
         mx.eval([rows for rows, *_ in copies])
-        spent = (time.perf_counter() - t0) / len(fills)
-        for cache, ids, slots in fills:
+        for cache, _, _ in fills:
             self._check_in_place(cache.layer)
-            held = cache.expert_in_slot.copy()
-            evicted = int((held[slots] >= 0).sum())
-            held[slots] = ids
-            cache.restore(held)
-            self.ledger.add(self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=spent)
-        self._dirty = True
+        self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
 
     def _check_in_place(self, layer: int):
         """A stack MLX copied instead of writing it in place lost its device advice (its slots would sit

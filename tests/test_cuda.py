@@ -211,3 +211,11 @@ def test_cuda_staging_hints_are_taken_back_from_a_buffer_before_mlx_recycles_it(
     assert {c[:2] for c in runtime.cudaMemAdvise.calls} == {(address, big.nbytes)}
     hints.apply(big)  # advised again after a release
     assert len(runtime.cudaMemAdvise.calls) == 6
+
+
+def test_device_array_holds_the_values_on_every_backend():
+    """`backend.device_array` (the two-tier tables and fill moves): the values, dtype and shape given."""
+    for values in (np.arange(12, dtype=np.uint32).reshape(3, 4), np.array([[3, 70], [5, 71]], np.int32)):
+        array = backend.device_array(values)
+        assert array.dtype == {np.dtype(np.uint32): mx.uint32, np.dtype(np.int32): mx.int32}[values.dtype]
+        assert np.array_equal(np.array(array), values)

@@ -211,3 +211,26 @@ def test_a_stack_copied_instead_of_written_in_place_is_found():
     runtime.load(engine.caches[1], [3, 5])
     assert runtime.stack_moves == 1
     slots_hold_their_experts(engine)
+
+
+def test_fills_as_kernels_are_booked_and_ordered_before_the_pass_that_reads_them(bundled_reference):
+    """The CUDA route (`slot_fill.py`) copies in kernels and makes the tables depend on them. Here a
+    stand-in copies with MLX and records what it was asked: every admission's fills go that way, after the
+    last pass's last MoE output, and tokens stay exact."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    runtime = engine.runtime
+    asked = []
+
+    class Copies:
+        def fill(self, stack, sources, rows, after):
+            asked.append((len(sources), after.shape))
+            for array in stack.values():
+                array[mx.array(rows.astype(np.int32))] = array[mx.array(sources.astype(np.int32))]
+            return mx.array(len(sources), dtype=mx.uint32)
+
+    runtime.kernel_fills, runtime.admit_every = Copies(), 4
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    loaded = engine.stats()["total"]["experts_loaded"]
+    assert asked and sum(n for n, _ in asked) == loaded  # every fill went this way
+    assert all(shape[-1] == engine.model.args.hidden_size for _, shape in asked)
+    slots_hold_their_experts(engine)

@@ -1,0 +1,82 @@
+"""Filling two-tier slots on CUDA with no wait: a kernel on MLX's stream copies experts from their host rows
+into slot rows of the same stack.
+
+Two-tier mode (`two_tier.py`) keeps a layer's slots as the last rows of its stack. MLX writes an array in
+place only when nothing else holds it, so its own slice update must first wait for the passes in flight
+(`mx.synchronize`) and then costs two operations per weight array. Here one custom kernel per weight array
+(`mx.fast.cuda_kernel`) reads each expert's host row over PCIe and writes its slot row, through the
+stack's own pointer, where MLX would not write. What makes that safe is the order MLX's CUDA backend
+keeps, which follows data: each kernel takes the hidden state entering the pass's first MoE layer as an
+input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
+state), and the layer's expert-to-row table for this pass is made from the kernels' outputs, so no
+computation reads a slot before its copy landed.
+Only where MLX runs on CUDA; elsewhere the stacks are host memory and `two_tier.py` writes them with MLX.
+Not here: which experts to copy (`admission.py`), the tables (`two_tier.py`).
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend
+
+THREADS = 256  # per block
+MAX_BLOCKS = 64  # per expert row: enough loads in flight to keep PCIe busy
+_UNIT_TYPES = {16: "uint4", 4: "uint32_t", 1: "uint8_t"}
+
+_SOURCE = """
+    using U = {unit};
+    const U* rows = reinterpret_cast<const U*>(stack);
+    U* slots = const_cast<U*>(rows);  // the slot rows of the same stack: MLX holds it as an input
+    size_t from = (size_t)moves[2 * blockIdx.y] * UNITS;
+    size_t to = (size_t)moves[2 * blockIdx.y + 1] * UNITS;
+    size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < UNITS; i += step) {{
+        slots[to + i] = rows[from + i];
+    }}
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {{
+        done[0] = 1;
+    }}
+"""
+
+
+def available() -> bool:
+    """Whether fills can run as kernels here: MLX on CUDA, arrays not host memory."""
+    return mx.cuda.is_available() and not backend.arrays_in_host_memory()
+
+
+class KernelFills:
+    """The copy kernels, one per row unit (16, 4 or 1 bytes), compiled on first use."""
+
+    def __init__(self):
+        self._kernels = {}
+
+    def _kernel(self, unit: int):
+        if unit not in self._kernels:
+            self._kernels[unit] = mx.fast.cuda_kernel(
+                name=f"od_moe_slot_fill_{unit}",
+                input_names=["stack", "moves", "after"],
+                output_names=["done"],
+                source=_SOURCE.format(unit=_UNIT_TYPES[unit]),
+            )
+        return self._kernels[unit]
+
+    def fill(self, stack: dict, sources: np.ndarray, rows: np.ndarray, after: mx.array) -> mx.array:
+        """Copy rows `sources` of every array of `stack` into rows `rows`, after `after` is computed; the
+        returned scalar is computed once every copy has landed (make what reads the rows depend on it)."""
+        moves = backend.device_array(np.stack([sources, rows], axis=1).astype(np.int32).reshape(-1))
+        dones = []
+        for array in stack.values():
+            row_bytes = array.nbytes // array.shape[0]
+            unit = next(u for u in _UNIT_TYPES if row_bytes % u == 0)
+            units = row_bytes // unit
+            threads = min(units, THREADS * MAX_BLOCKS)
+            (done,) = self._kernel(unit)(
+                inputs=[array, moves, after],
+                template=[("UNITS", units)],
+                grid=(threads, len(sources), 1),
+                threadgroup=(min(THREADS, threads), 1, 1),
+                output_shapes=[(1,)],
+                output_dtypes=[mx.uint32],
+            )
+            dones.append(done)
+        return mx.concatenate(dones).sum()

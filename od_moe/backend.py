@@ -23,7 +23,6 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 Nothing else in od-moe asks which backend it is on.
 """
 
-import io
 import os
 import sys
 
@@ -128,19 +127,6 @@ def unmap_at(address: int):
     """Undo `map_for_device` for an array MLX has let go of, by the address it had."""
     if not arrays_in_host_memory():
         _host_mapping.release_at(address)
-
-
-def device_array(values: np.ndarray) -> mx.array:
-    """`values` as an MLX array in device memory. On CUDA an array made from host bytes (`mx.array`) is
-    managed memory the device faults in on first use: a two-tier pass reading new lookup tables made so
-    took 4.5 ms more than one reading the last pass's (H200, `docs/two-tier-h100.md`); `mx.load` copies
-    the bytes into device memory instead. Elsewhere the same as `mx.array`."""
-    if arrays_in_host_memory():
-        return mx.array(values)
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(values))
-    buffer.seek(0)
-    return mx.load(buffer, format="npy")
 
 
 def stage_for_device(array: mx.array) -> mx.array:

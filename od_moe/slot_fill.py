@@ -15,7 +15,6 @@ Not here: which experts to copy (`admission.py`), the tables (`two_tier.py`).
 """
 
 import mlx.core as mx
-import numpy as np
 
 from . import backend
 
@@ -60,10 +59,10 @@ class KernelFills:
             )
         return self._kernels[unit]
 
-    def fill(self, stack: dict, sources: np.ndarray, rows: np.ndarray, after: mx.array) -> mx.array:
-        """Copy rows `sources` of every array of `stack` into rows `rows`, after `after` is computed; the
-        returned scalar is computed once every copy has landed (make what reads the rows depend on it)."""
-        moves = backend.device_array(np.stack([sources, rows], axis=1).astype(np.int32).reshape(-1))
+    def fill(self, stack: dict, moves: mx.array, count: int, after: mx.array) -> mx.array:
+        """Copy, for each of the first `count` pairs (source row, slot row) in `moves` (int32, flat), the
+        source row of every array of `stack` into the slot row, after `after` is computed; the returned
+        scalar is computed once every copy has landed (make what reads the rows depend on it)."""
         dones = []
         for array in stack.values():
             row_bytes = array.nbytes // array.shape[0]
@@ -73,7 +72,7 @@ class KernelFills:
             (done,) = self._kernel(unit)(
                 inputs=[array, moves, after],
                 template=[("UNITS", units)],
-                grid=(threads, len(sources), 1),
+                grid=(threads, count, 1),
                 threadgroup=(min(THREADS, threads), 1, 1),
                 output_shapes=[(1,)],
                 output_dtypes=[mx.uint32],

@@ -38,6 +38,7 @@ from . import backend, cuda, slot_fill
 from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
+from .host_ring import HostRing
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
 from .stats import PHASES, Ledger
@@ -45,11 +46,11 @@ from .store import ExpertStore
 from .switch import switch_on
 from .tally import DeviceTally
 
-# passes between admissions (a prompt's prefill is admitted at once). Admitting often did not pay on the
-# H100 (`benchmarks/two_tier.py`, 25% of experts in slots, widened x128 copy): every 8 passes against slots
-# frozen after a warm-up prompt ran 0.56x against 0.66x stock on one machine and 0.44x against 0.43x on
-# another, with hit rates 0.61 against 0.47: within the spread between machines, so host reads stay rare
-ADMIT_EVERY = 64
+# passes between admissions (a prompt's prefill is admitted at once). On an H200 (widened x128 copy, 25% of
+# experts in slots, 3 prompts x 48 tokens; `docs/two-tier-h100.md`), with slots filled by kernels and tables
+# written into host rings: every 4 / 8 / 16 / 64 passes gave 5.66 / 4.91 / 4.63 / 5.24 ms a decoded token
+# (hit rates 0.65 / 0.64 / 0.62 / 0.55): a pass that fills still costs about 4 ms more than another
+ADMIT_EVERY = 16
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 
@@ -103,6 +104,8 @@ class TwoTierRuntime:
         self.kernel_fills = slot_fill.KernelFills() if slot_fill.available() else None
         self._landed: dict[int, mx.array] = {}  # layer -> computed once its last kernel fills landed
         self._last_output: mx.array | None = None  # the last MoE layer's output in the last pass
+        self._table_ring = HostRing((len(caches), self.num_experts), np.uint32)
+        self._moves_ring: HostRing | None = None  # made at the first fill by kernels
         self._dirty = True  # slots changed since the tables were made
         self._routed: dict[int, mx.array] = {}
         self._hit: dict[int, mx.array] = {}
@@ -237,21 +240,21 @@ class TwoTierRuntime:
         self._routed, self._hit = {}, {}
 
     def _refresh(self):
-        """Remake the device tables after slots changed (admission, seeding, a snapshot): one array for all
-        layers copied into device memory (`backend.device_array`), each layer's tables views of it."""
+        """Remake the device tables after slots changed (admission, seeding, a snapshot): all layers' rows
+        written into a host array the device reads (`HostRing`: no array made from host bytes), copied
+        into device memory once, each layer's tables views of that copy."""
         E = self.num_experts
         slot_of = np.stack([c.slot_of for c in self.caches])
         resident = slot_of >= 0
-        rows = backend.device_array(np.where(resident, E + slot_of, np.arange(E)).astype(np.uint32))
+        rows = self._table_ring.write(np.where(resident, E + slot_of, np.arange(E))) + 0
+        self._table_ring.used_by(rows)
         hits = rows >= E
         self._resident, self._full = resident, resident.all(axis=1)
         self._tables = [_Tables(rows[i], hits[i]) for i in range(len(self.caches))]
         for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
             self._tables[layer] = _Tables(rows[layer] + (landed * 0).astype(mx.uint32), hits[layer])
         self._landed = {}
-        # computed apart, now: a pass whose graph also made its tables took 3-4.5 ms more on an H200 (MLX's
-        # CUDA backend builds a new graph for a pass of another shape; `docs/two-tier-h100.md`)
-        mx.async_eval([t.rows for t in self._tables] + [t.hit for t in self._tables])
+        mx.async_eval([t.rows for t in self._tables] + [t.hit for t in self._tables])  # now, not in the pass
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
@@ -284,9 +287,18 @@ class TwoTierRuntime:
         last pass's last MoE output (so after every read of the slots they overwrite), and the tables of
         the layers filled are made from them (`_refresh`)."""
         t0 = time.perf_counter()
+        if self._moves_ring is None:
+            self._moves_ring = HostRing(
+                (len(self.caches), 2 * max(c.capacity for c in self.caches)), np.int32
+            )
+        moves = np.zeros(self._moves_ring.arrays[0].shape, np.int32)
         for cache, ids, slots in fills:
+            moves[cache.layer, : 2 * len(ids)] = np.stack([ids, self.num_experts + slots], axis=1).reshape(-1)
+        staged = self._moves_ring.write(moves)
+        for cache, ids, _ in fills:
             stack = self.stacks[cache.layer]
-            self._landed[cache.layer] = self.kernel_fills.fill(stack, ids, self.num_experts + slots, after)
+            self._landed[cache.layer] = self.kernel_fills.fill(stack, staged[cache.layer], len(ids), after)
+        self._moves_ring.used_by(mx.stack(list(self._landed.values())))
         self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
 
     def _book_fills(self, fills, seconds: float):

@@ -213,9 +213,17 @@ def test_cuda_staging_hints_are_taken_back_from_a_buffer_before_mlx_recycles_it(
     assert len(runtime.cudaMemAdvise.calls) == 6
 
 
-def test_device_array_holds_the_values_on_every_backend():
-    """`backend.device_array` (the two-tier tables and fill moves): the values, dtype and shape given."""
-    for values in (np.arange(12, dtype=np.uint32).reshape(3, 4), np.array([[3, 70], [5, 71]], np.int32)):
-        array = backend.device_array(values)
-        assert array.dtype == {np.dtype(np.uint32): mx.uint32, np.dtype(np.int32): mx.int32}[values.dtype]
-        assert np.array_equal(np.array(array), values)
+def test_a_host_ring_rewrites_an_array_only_after_what_was_made_from_it():
+    """`HostRing` (two-tier tables, slot fills): each write lands in the next array of the ring, holds the
+    values given, and waits for what the device made from that array last time before writing it."""
+    from od_moe.host_ring import HostRing
+
+    ring = HostRing((2, 3), np.int32, depth=2)
+    first = ring.write(np.array([[1, 2, 3], [4, 5, 6]]))
+    made = first * 10  # lazy: reads `first` when computed
+    ring.used_by(made)
+    second = ring.write(np.full((2, 3), 7))
+    assert second is not first and np.array(second).tolist() == [[7] * 3] * 2
+    third = ring.write(np.zeros((2, 3)))  # `first` again: `made` is computed before it is overwritten
+    assert third is first and np.array(made).tolist() == [[10, 20, 30], [40, 50, 60]]
+    assert np.array(third).sum() == 0

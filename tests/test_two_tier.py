@@ -222,11 +222,12 @@ def test_fills_as_kernels_are_booked_and_ordered_before_the_pass_that_reads_them
     asked = []
 
     class Copies:
-        def fill(self, stack, sources, rows, after):
-            asked.append((len(sources), after.shape))
+        def fill(self, stack, moves, count, after):
+            asked.append((count, after.shape))
+            sources, rows = mx.array(np.array(moves)[: 2 * count].reshape(count, 2).T)
             for array in stack.values():
-                array[mx.array(rows.astype(np.int32))] = array[mx.array(sources.astype(np.int32))]
-            return mx.array(len(sources), dtype=mx.uint32)
+                array[rows] = array[sources]
+            return mx.array(count, dtype=mx.uint32)
 
     runtime.kernel_fills, runtime.admit_every = Copies(), 4
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference

@@ -48,9 +48,10 @@ from .tally import DeviceTally
 
 # passes between admissions (a prompt's prefill is admitted at once). On an H200 (widened x128 copy, 25% of
 # experts in slots, 3 prompts x 48 tokens; `docs/two-tier-h100.md`), with slots filled by kernels and tables
-# written into host rings: every 4 / 8 / 16 / 64 passes gave 5.66 / 4.91 / 4.63 / 5.24 ms a decoded token
-# (hit rates 0.65 / 0.64 / 0.62 / 0.55): a pass that fills still costs about 4 ms more than another
-ADMIT_EVERY = 16
+# written into host rings, a pass that fills costs about 4 ms more than another; every 16 passes against
+# every 64 hit 0.59 against 0.51 of lookups, and gave 4.63 against 5.24 ms a token by median pass times
+# but 180 against 189 tok/s by mlx-lm's count: no gain that holds, so admissions stay rare
+ADMIT_EVERY = 64
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 

@@ -1,4 +1,5 @@
-"""Peak MLX memory against `--memory-budget` on the bundled model: one row per budget and prefetch policy.
+"""Does a `--memory-budget` hold? Peak MLX memory against the budget on the bundled model: one row per
+budget and prefetch policy.
 
 Each row runs in a fresh process: the engine is loaded with the budget that buys a capacity
 (`capacity.budget_for`, as `od-moe inspect` reports it), the peak is reset, and greedy completions of

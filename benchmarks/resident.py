@@ -1,5 +1,6 @@
-"""Fully resident overhead: stock mlx-lm against od-moe at 100% capacity on the embedded model, in one
-process, alternating rounds (machines are noisy: the ratio is the figure). Greedy tokens must agree.
+"""What does od-moe cost when every expert is resident? Stock mlx-lm against od-moe at 100% capacity on the
+embedded model (or `--model`), in one process, alternating rounds (machines are noisy: the ratio is the
+figure). Greedy tokens must agree.
 
     python benchmarks/resident.py [--model PATH] [--dtype auto|model] [--rounds 4] [--tokens 64]
 """

@@ -1,7 +1,7 @@
-"""Soak: many clients against one `od-moe serve`, with hang-ups, bad requests and all three generation
-endpoints mixed in. Every good request must complete, greedy answers must equal the ones the same
-server gave sequentially, every bad request must get its 4xx JSON error, and the server's memory must
-stay flat. A command, not a timed test:
+"""Does `od-moe serve` hold up under load? Many clients against one server, with hang-ups, bad requests
+and all three generation endpoints mixed in. Every good request must complete, greedy answers must equal
+the ones the same server gave sequentially, every bad request must get its 4xx JSON error, and the
+server's memory must stay flat. A command, not a timed test:
 
     python benchmarks/soak.py [--clients 16] [--requests 20] [--max-tokens 16] [--capacity 25%] [--seed 0]
 
@@ -112,105 +112,138 @@ def rss_bytes(pid: int) -> int:
         return int(subprocess.check_output(["ps", "-o", "rss=", "-p", str(pid)]).strip()) * 1024
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=20, help="requests per client")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--capacity", default="25%")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-
+def start_server(capacity: str) -> tuple[subprocess.Popen, int]:
+    """`od-moe serve` on a free port, as a subprocess; its port."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "od_moe", "serve", "--port", "0", "--capacity", args.capacity],
+        [sys.executable, "-m", "od_moe", "serve", "--port", "0", "--capacity", capacity],
         stderr=subprocess.PIPE,
         text=True,
     )
     port = int(re.search(r"http://127\.0\.0\.1:(\d+)", proc.stderr.readline()).group(1))
     threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the access log from blocking
-    base = f"http://127.0.0.1:{port}"
+    return proc, port
+
+
+def greedy_answers(base: str, max_tokens: int) -> dict[tuple[str, str], str | None]:
+    """(path, prompt) -> the greedy text, one request at a time (None where a request failed)."""
+    answers = {}
+    for path in ENDPOINTS:
+        for prompt in PROMPTS:
+            status, raw = post(base, path, json.dumps(body_for(path, prompt, max_tokens, False)).encode())
+            answers[path, prompt] = text_of(path, raw, False) if status == 200 else None
+    return answers
+
+
+def one_request(kind: str, rng: random.Random, base: str, port: int, max_tokens: int, reference: dict):
+    """Send one request of `kind` and check its reply: None, or the check that failed."""
+    path, prompt, stream = rng.choice(ENDPOINTS), rng.choice(PROMPTS), rng.random() < 0.5
+    try:
+        if kind == "good":
+            status, reply = post(base, path, json.dumps(body_for(path, prompt, max_tokens, stream)).encode())
+            assert status == 200, reply
+            got = text_of(path, reply, stream)
+            assert got == reference[path, prompt], (path, prompt, got, reference[path, prompt])
+        elif kind == "sampled":
+            body = body_for(path, prompt, max_tokens, stream, 0.8, rng.randrange(2**31))
+            status, reply = post(base, path, json.dumps(body).encode())
+            assert status == 200, reply
+            text_of(path, reply, stream)
+        elif kind == "bad":
+            path, raw, headers, expected = rng.choice(BAD)
+            status, reply = post(base, path, raw, headers)
+            assert status == expected, (path, raw[:60], status, reply)
+            error = json.loads(reply)["error"]
+            assert error["message"], reply
+        else:
+            raw = json.dumps(body_for(path, prompt, 200, stream)).encode()
+            hang_up(port, path, raw, rng.uniform(0.0, 0.5))
+    except Exception as e:  # a failed check, recorded and reported
+        return f"{kind} {path}: {type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def run_clients(args, base: str, port: int, reference: dict) -> tuple[dict, list[str]]:
+    """`args.clients` threads of `args.requests` mixed requests each: the requests done by kind, and the
+    checks that failed."""
     failures, lock = [], threading.Lock()
     counts = {"good": 0, "sampled": 0, "bad": 0, "hang-ups": 0}
-    try:
-        t0 = time.perf_counter()
-        reference = {}  # (path, prompt) -> greedy text, one request at a time
-        for path in ENDPOINTS:
-            for prompt in PROMPTS:
-                status, raw = post(
-                    base, path, json.dumps(body_for(path, prompt, args.max_tokens, False)).encode()
-                )
-                assert status == 200, raw
-                reference[path, prompt] = text_of(path, raw, False)
-        sequential_s = time.perf_counter() - t0
-        memory = []
-        stop = threading.Event()
 
-        def sample():
-            while not stop.is_set():
-                memory.append((time.perf_counter(), rss_bytes(proc.pid)))
-                stop.wait(0.25)
+    def client(index):
+        rng = random.Random(args.seed * 1000 + index)
+        for _ in range(args.requests):
+            kind = rng.choices(["good", "sampled", "bad", "hang-ups"], [0.55, 0.1, 0.2, 0.15])[0]
+            failure = one_request(kind, rng, base, port, args.max_tokens, reference)
+            with lock:
+                if failure is None:
+                    counts[kind] += 1
+                else:
+                    failures.append(failure)
 
-        def client(index):
-            rng = random.Random(args.seed * 1000 + index)
-            for _ in range(args.requests):
-                kind = rng.choices(["good", "sampled", "bad", "hang-ups"], [0.55, 0.1, 0.2, 0.15])[0]
-                path, prompt, stream = rng.choice(ENDPOINTS), rng.choice(PROMPTS), rng.random() < 0.5
-                try:
-                    if kind == "good":
-                        raw = json.dumps(body_for(path, prompt, args.max_tokens, stream)).encode()
-                        status, reply = post(base, path, raw)
-                        assert status == 200, reply
-                        got = text_of(path, reply, stream)
-                        assert got == reference[path, prompt], (path, prompt, got, reference[path, prompt])
-                    elif kind == "sampled":
-                        body = body_for(path, prompt, args.max_tokens, stream, 0.8, rng.randrange(2**31))
-                        status, reply = post(base, path, json.dumps(body).encode())
-                        assert status == 200, reply
-                        text_of(path, reply, stream)
-                    elif kind == "bad":
-                        path, raw, headers, expected = rng.choice(BAD)
-                        status, reply = post(base, path, raw, headers)
-                        assert status == expected, (path, raw[:60], status, reply)
-                        error = json.loads(reply)["error"]
-                        assert error["message"], reply
-                    else:
-                        raw = json.dumps(body_for(path, prompt, 200, stream)).encode()
-                        hang_up(port, path, raw, rng.uniform(0.0, 0.5))
-                    with lock:
-                        counts[kind] += 1
-                except Exception as e:  # a failed check, recorded and reported
-                    with lock:
-                        failures.append(f"{kind} {path}: {type(e).__name__}: {str(e)[:300]}")
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    return counts, failures
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        t1 = time.perf_counter()
-        clients = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-        soak_s = time.perf_counter() - t1
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # hang-ups queued last are cancelled by the worker in turn
-            health = json.loads(urllib.request.urlopen(base + "/health", timeout=30).read())
-            if health["requests"]["active"] == 0 and health["requests"]["queued"] == 0:
-                break
-            time.sleep(0.2)
-        stop.set()
-        sampler.join()
-        for path in ENDPOINTS:  # the same answers after the soak, one at a time
-            for prompt in PROMPTS:
-                status, raw = post(
-                    base, path, json.dumps(body_for(path, prompt, args.max_tokens, False)).encode()
-                )
-                if status != 200 or text_of(path, raw, False) != reference[path, prompt]:
-                    failures.append(f"after the soak: {path} {prompt!r} differs")
-        health = json.loads(urllib.request.urlopen(base + "/health", timeout=30).read())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
+def sample_memory(pid: int, memory: list, stop: threading.Event):
+    """Append (time, resident set bytes) of process `pid` to `memory` every 0.25 s until `stop`."""
+    while not stop.is_set():
+        memory.append((time.perf_counter(), rss_bytes(pid)))
+        stop.wait(0.25)
+
+
+def health_of(base: str) -> dict:
+    return json.loads(urllib.request.urlopen(base + "/health", timeout=30).read())
+
+
+def wait_idle(base: str, seconds: float = 60):
+    """Until the server has no request active or queued (hang-ups queued last are cancelled in turn)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        requests = health_of(base)["requests"]
+        if requests["active"] == 0 and requests["queued"] == 0:
+            return
+        time.sleep(0.2)
+
+
+def soak(args, proc: subprocess.Popen, port: int) -> dict:
+    """The reference answers, the soak under memory sampling, the answers again; what the report needs."""
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    reference = greedy_answers(base, args.max_tokens)
+    assert None not in reference.values(), "a sequential greedy request failed"
+    sequential_s = time.perf_counter() - t0
+    memory, stop = [], threading.Event()
+    sampler = threading.Thread(target=sample_memory, args=(proc.pid, memory, stop), daemon=True)
+    sampler.start()
+    t1 = time.perf_counter()
+    counts, failures = run_clients(args, base, port, reference)
+    soak_s = time.perf_counter() - t1
+    wait_idle(base)
+    stop.set()
+    sampler.join()
+    after = greedy_answers(base, args.max_tokens)  # the same answers after the soak, one at a time
+    failures += [
+        f"after the soak: {path} {prompt!r} differs"
+        for (path, prompt), text in after.items()
+        if text != reference[path, prompt]
+    ]
+    return dict(
+        reference=reference,
+        sequential_s=sequential_s,
+        memory=memory,
+        counts=counts,
+        failures=failures,
+        soak_s=soak_s,
+        health=health_of(base),
+    )
+
+
+def report(args, run: dict, returncode: int) -> int:
+    """Print what the soak found; the exit status (1 if any check failed)."""
+    memory, failures, health = run["memory"], run["failures"], run["health"]
     third = max(1, len(memory) // 3)
     first, last = memory[:third], memory[-third:]
     mb = 10**6
@@ -221,8 +254,11 @@ def main():
         f"soak: {args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}, capacity "
         f"{args.capacity}, seed {args.seed}"
     )
-    print(f"reference: {len(reference)} greedy answers sequentially in {sequential_s:.1f} s")
-    print(f"soak: {soak_s:.1f} s; done by kind: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    print(f"reference: {len(run['reference'])} greedy answers sequentially in {run['sequential_s']:.1f} s")
+    print(
+        f"soak: {run['soak_s']:.1f} s; done by kind: "
+        + ", ".join(f"{k} {v}" for k, v in run["counts"].items())
+    )
     print(
         f"server counters: total {r['total']}, completed {r['completed']}, cancelled {r['cancelled']}, "
         f"failed {r['failed']}, rejected {r['rejected']}; status {health['status']}; "
@@ -234,11 +270,28 @@ def main():
         f"{len(memory)} samples; MLX peak {health['memory'].get('peak_bytes', 0) / mb:.1f} MB"
     )
     print(f"greedy answers equal to the sequential ones, after the soak too: {not failures}")
-    print(f"server process exit status after SIGTERM: {proc.returncode}")
+    print(f"server process exit status after SIGTERM: {returncode}")
     for failure in failures[:20]:
         print("FAILED", failure)
     print(f"{len(failures)} failed checks" if failures else "all checks passed")
-    return 1 if failures or r["failed"] or proc.returncode != 0 else 0
+    return 1 if failures or r["failed"] or returncode != 0 else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=20, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--capacity", default="25%")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    proc, port = start_server(args.capacity)
+    try:
+        run = soak(args, proc, port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return report(args, run, proc.returncode)
 
 
 if __name__ == "__main__":

@@ -133,8 +133,9 @@ def stage_for_device(array: mx.array) -> mx.array:
     """`array`, made from host bytes to be copied into device memory, kept where neither the host's
     writes nor the device's read of it migrate pages (CUDA managed memory); unchanged elsewhere. For
     arrays the caller keeps and writes again: `unstage` each before letting it go.
-    On the H100 (MLX 0.32.4), `benchmarks/installs.py`: a 2.65 MB expert made from read bytes and copied
-    into a cache slot took 1,089 + 1,422 us as MLX leaves it and 284 + 534 us with the hint."""
+    On the H100 (MLX 0.32.4; docs/BENCHMARKS.md, "Investigations", `installs.py`): a 2.65 MB expert made
+    from read bytes and copied into a cache slot took 1,089 + 1,422 us as MLX leaves it and 284 + 534 us
+    with the hint."""
     if arrays_in_host_memory():
         return array
     return _managed_staging.apply(array)

@@ -1,14 +1,13 @@
 """The engine: load an MoE model with a bounded expert cache and generate with it.
 
 `load()` resolves and opens the model (`model_files.py`: embedded default, local folder or hub id; lazily),
-swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache`, and materialises only the
-non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
-are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. The engine also chooses the
-prefetch policy, reports the ledger (`stats`) and saves snapshots. Not here: the CLI, the server, the
-per-layer path (`runtime.py`), reading bytes or cache policy.
+swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`assembly.py`), and
+materialises only the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on
+that model, so responses are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. The
+engine also chooses the prefetch policy, reports the ledger (`stats`) and saves snapshots. Not here: the
+CLI, the server, the per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
-import sys
 from collections.abc import Generator
 from pathlib import Path
 
@@ -18,8 +17,17 @@ import numpy as np
 from mlx_lm.generate import GenerationResponse
 
 from . import backend, governor
-from .cache import EVICTION_POLICIES, LayerCache
-from .capacity import parse_capacity, resolve_capacity, working_nbytes
+from .assembly import (
+    attach_predictor,
+    build_runtime,
+    cache_for,
+    check_policies,
+    expert_slots,
+    read_threads_of,
+    say,
+    two_tier_mode,
+)
+from .cache import LayerCache
 from .errors import ExpertReadError, UserError
 from .governor import PrefetchSettings
 from .layout import BlockLayout
@@ -35,15 +43,12 @@ from .model_files import (  # noqa: F401 (imported from here elsewhere)
 from .optimistic import OptimisticModel
 from .policies import make_policy
 from .progress import byte_progress
-from .reader import read_threads_for
 from .routing import router_matrices, router_of, tap_router
-from .runtime import MISS_POLICIES, OffloadRuntime
+from .runtime import OffloadRuntime
 from .sampling import make_sampler, vocab_size_of
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
-from .surgery import MoEBlock, offloadable_blocks, top_k_of, weight_nbytes
-from .switch import OffloadedSwitch
-from .two_tier import build as build_two_tier
+from .surgery import offloadable_blocks, top_k_of, weight_nbytes
 
 
 class Engine:
@@ -340,33 +345,19 @@ def load(
         holds the experts and no predictive prefetch or skip mode is asked for), True or False; then
         capacity may be 0. `Engine.mode` says which path runs and why.
     """
-    if miss_policy not in MISS_POLICIES:
-        raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
-    if eviction not in EVICTION_POLICIES:
-        raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
+    check_policies(miss_policy, eviction)
     path = resolve_model_path(model)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = open_store(path, packed, direct_io)
     mlx_model, tokenizer = open_model(path, dtype)
     blocks = offloadable_blocks(mlx_model, path)
-    num_experts = blocks[0].num_experts
+    num_experts = blocks[0].num_experts  # before the caches make the switch arrays slot-sized
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    working = working_nbytes(mlx_model, len(blocks), num_experts)
-    tiered, why = _two_tier_mode(
-        two_tier, slot_nbytes * num_experts * len(blocks), miss_policy, prefetch, predictor
-    )
-    if tiered and capacity is not None and parse_capacity(capacity) in (0, 0.0):
-        slots = 0  # every expert read in place
-    else:
-        slots = resolve_capacity(
-            capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
-        )
-    caches = [_cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
-    if read_threads is None:
-        read_threads = read_threads_for(max(c.layout.expert_nbytes for c in caches))
-    if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
-        raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
-    runtime = _runtime(store, blocks, caches, tiered, miss_policy, read_threads)
+    expert_nbytes = slot_nbytes * num_experts * len(blocks)
+    tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor)
+    slots = expert_slots(capacity, memory_budget, tiered, mlx_model, blocks, slot_nbytes, non_expert)
+    caches = [cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
+    runtime = build_runtime(store, blocks, caches, tiered, miss_policy, read_threads_of(read_threads, caches))
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(
         mlx_model,
@@ -380,11 +371,11 @@ def load(
     )
     engine.mode = ("two-tier" if tiered else "per-layer", why)
     if two_tier != "auto" or tiered:
-        _say(why)
+        say(why)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
         runtime.taps = [tap_router(b.block) for b in blocks]
     if predictor is not None:
-        engine.predictor = _attach_predictor(engine, predictor)
+        engine.predictor = attach_predictor(engine, predictor)
     engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
     if snapshot is not None:
         engine.load_snapshot(snapshot)
@@ -393,43 +384,6 @@ def load(
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
     return engine
-
-
-def _two_tier_mode(two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor) -> tuple[bool, str]:
-    """(two-tier mode on, why) for `load`'s arguments (`backend.two_tier_choice` decides where the
-    host and device allow it)."""
-    if two_tier not in (True, False, "auto"):
-        raise UserError(f"two_tier must be True, False or 'auto', got {two_tier!r}")
-    on, why = backend.two_tier_choice(two_tier, expert_nbytes)
-    predicts = prefetch in ("next-gate", "predictor", "oracle") or (
-        prefetch is None and predictor is not None
-    )
-    clash = "skip mode" if miss_policy == "skip" else "predictive prefetch" if predicts else None
-    if on and clash:
-        if two_tier is True:
-            raise UserError(
-                f"two-tier mode computes every miss exactly and admits by routing counts: it takes no {clash}"
-            )
-        return False, f"per-layer path: {clash} was asked for"
-    return on, why if on else f"per-layer path ({why})"
-
-
-def _say(line: str):
-    """One line on stderr where someone watches (a terminal), as the progress bars do."""
-    if sys.stderr.isatty():
-        print(f"od-moe: {line}", file=sys.stderr)
-
-
-def _runtime(store, blocks, caches, tiered: bool, miss_policy: str, read_threads: int):
-    """The runtime behind every MoE block's new switch: two tiers, or the per-layer path."""
-    if tiered:
-        nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
-        with byte_progress("mapping experts", nbytes) as bar:
-            return build_two_tier(store, blocks, caches, bar)
-    runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
-    for i, block in enumerate(blocks):
-        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
-    return runtime
 
 
 def _read_every_expert(engine: Engine):
@@ -446,32 +400,3 @@ def model_layouts(model=None, packed=False) -> tuple[ExpertStore, list[BlockLayo
     engine = load(model, capacity=1, prefetch="none", packed=packed)  # the layouts; no expert is read
     engine.close()
     return engine.runtime.store, [c.layout for c in engine.caches]
-
-
-def _attach_predictor(engine: Engine, predictor):
-    """A shadow predictor (a folder or a `ShadowPredictor`) checked against this model, with its routers."""
-    from .predictor import ShadowPredictor, load_predictor
-
-    if not isinstance(predictor, ShadowPredictor):
-        predictor = load_predictor(predictor, engine.identity)
-    elif predictor.config.model_identity != engine.identity:
-        raise UserError(
-            f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
-            f"this model is {engine.identity}): train one for this model"
-        )
-    c, weights = predictor.config, engine.routers()[0]
-    expected = {"num_layers": len(engine.caches), "num_experts": engine.num_experts}
-    expected["hidden_size"] = weights.shape[-1]
-    wrong = [f"{k} {getattr(c, k)} (the model has {v})" for k, v in expected.items() if getattr(c, k) != v]
-    if wrong:
-        raise UserError(
-            f"the predictor does not fit this model: {', '.join(wrong)}; train one for this model with "
-            "`od-moe train-predictor`"
-        )
-    predictor.attach_routers(*engine.routers())
-    return predictor
-
-
-def _cache_for(block: MoEBlock, index: int, store: ExpertStore, slots: int, eviction: str) -> LayerCache:
-    layout = store.block_layout(block.path, block.expert_parts(), block.num_experts)
-    return LayerCache(index, block.projections, layout, slots, eviction)

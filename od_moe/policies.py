@@ -25,7 +25,7 @@ Policies:
   (`next_uses`): the head's estimate, brought forward for experts predicted for the running pass.
 - `oracle`: the true routing recorded from a run of the same prompt (`record_routing`); an upper bound.
   It also tells the runtime when each expert is needed next (`next_uses`), so it evicts as Belady's MIN.
-Not here: reading, installing (`runtime.py`, `reader.py`) or how much to read (`governor.py`).
+Not here: reading, installing (`loader.py`, `reader.py`) or how much to read (`governor.py`).
 """
 
 from collections.abc import Callable, Sequence
@@ -255,7 +255,7 @@ class PredictorPolicy(OnDemand):
 
     def after_routing(self, step: Step, ids: np.ndarray):
         if self.head is not None:  # the history the head reads, kept through pauses too
-            self.caches[step.layer].note_routing(ids)
+            self.caches[step.layer].history.note(ids)
         fresh = self._fresh.pop(step.layer, None)
         if step.prefetching and isinstance(step.router, mx.array):
             logprobs = fresh[1] if fresh is not None else _router_logprobs(step.router)
@@ -297,14 +297,14 @@ class PredictorPolicy(OnDemand):
         """The head's expected passes until each expert of `layer` is used again (read-only)."""
         cache, known = self.caches[layer], self._known[layer]
         kept = self._base.get(layer)
-        if kept is not None and kept[0] is known and kept[1] == cache.history_version:
+        if kept is not None and kept[0] is known and kept[1] == cache.history.version:
             return kept[2]
         x_term, logprobs = known
-        age, uses = cache.use_history(never=AGE_CAP)
+        age, uses = cache.history.ages_and_uses(never=AGE_CAP)
         logprobs = np.zeros(cache.num_experts, np.float32) if logprobs is None else logprobs
         distance = self.head.distances(layer, x_term, features(logprobs, age, uses))
         distance.flags.writeable = False
-        self._base[layer] = (known, cache.history_version, distance)
+        self._base[layer] = (known, cache.history.version, distance)
         return distance
 
     def before_layer(self, step: Step) -> list[Prediction]:

@@ -19,7 +19,7 @@
 - `drain()`: wait until nothing is being read (with `synchronous` prefetch: reads then always arrive
   before the next layer runs, as on an infinitely fast disk; deterministic, for comparisons).
 Prefetch counts go to the ledger's reader fields (issued, completed, reader seconds, dropped).
-Not here: installing (`runtime.py`), what to predict (`policies.py`) or how much (`governor.py`).
+Not here: installing (`loader.py`), what to predict (`policies.py`) or how much (`governor.py`).
 """
 
 import math

@@ -6,11 +6,11 @@ slots instead of E experts. Once per layer the switch asks the runtime for the s
 batch, or a long prefill chunk, at a small capacity), the route carries the stacks to compute on instead:
 the slots followed by the experts that did not fit, in one computation. After a layer whose routing the host
 waited for, its computation is started at once (`mx.async_eval`), so the device works while the next layer
-is built (`benchmarks/sync_path.py --switch launch_early`). A decode token's layer that misses may come in
+is built (measured in docs/BENCHMARKS.md, "Investigations"). A decode token's layer that misses may come in
 two rounds of positions (`Route.lanes`): its resident experts, started at once so that they compute while
 the runtime reads the missing ones, then those; the outputs are put back in routing order. In skip mode a
 route carries a per-expert scale that zeroes missing experts and renormalises the others.
-Not here: lookups, reads, installs or prefetch (`runtime.py`).
+Not here: lookups and prefetch (`runtime.py`), reads and installs (`loader.py`).
 """
 
 import copy

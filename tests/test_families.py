@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import od_moe_tokens, reference_tokens
-from od_moe import runtime as runtime_module
+from od_moe import optimistic as optimistic_module
 from od_moe.errors import UserError
 from od_moe.governor import PrefetchSettings
 from od_moe.store import ExpertStore
@@ -94,7 +94,7 @@ def test_family_optimistic_passes_match_mlx_lm(family, monkeypatch):
     They run wherever every KV cache can be trimmed: always with plain KV caches, never with a hybrid's
     state caches (sliding-window caches stop being trimmable once they wrap)."""
     name, path, reference = family
-    monkeypatch.setattr(runtime_module, "OPTIMISTIC_BELOW", 2.0)
+    monkeypatch.setattr(optimistic_module, "OPTIMISTIC_BELOW", 2.0)
     engine = od_moe.load(str(path), capacity=0.75, prefetch="none")
     engine.runtime.optimistic = True
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == reference[:1], name

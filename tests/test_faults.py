@@ -233,12 +233,12 @@ def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request
         try:
             yield from real_split(self, *args, **kwargs)
         except ExpertReadError:
-            failed_in_split.append(self.phase)
+            failed_in_split.append(self.passes.phase)
             raise
 
     monkeypatch.setattr(runtime_module.OffloadRuntime, "_split", split)
     with monkeypatch.context() as failing:
-        _fail_reads(failing, lambda layout, ids: engine.runtime.phase == "decode")
+        _fail_reads(failing, lambda layout, ids: engine.runtime.passes.phase == "decode")
         with pytest.raises(ExpertReadError, match="Input/output error"):
             engine.generate(PROMPTS[0], max_tokens=TOKENS)
     assert failed_in_split == ["decode"]

@@ -163,18 +163,18 @@ def test_the_engine_keeps_the_routing_history_the_head_was_trained_on(traces):
     cache = od_moe.load(capacity=0.25).caches[3]
     passes = [(0, 40)] + [(t, t + 1) for t in range(40, 72)]  # a prompt in one pass, then decode
     for start, end in passes:
-        cache.note_routing(ids[start:end, 3])
-        age, uses = cache.use_history(never=AGE_CAP)
+        cache.history.note(ids[start:end, 3])
+        age, uses = cache.history.ages_and_uses(never=AGE_CAP)
         np.testing.assert_allclose(np.minimum(age, AGE_CAP), want_age[end - 1, 3], atol=1e-4)
         np.testing.assert_allclose(uses, want_uses[end - 1, 3], rtol=1e-4, atol=1e-5)
     # read only now and then (as while prefetch is paused): the passes noted in between count the same
     other = od_moe.load(capacity=0.25).caches[3]
     for n, (start, end) in enumerate(passes):
-        version = other.history_version
-        other.note_routing(ids[start:end, 3])
-        assert other.history_version > version  # what the head computed from the history is stale
+        version = other.history.version
+        other.history.note(ids[start:end, 3])
+        assert other.history.version > version  # what the head computed from the history is stale
         if n % 10 == 9 or end == len(ids):
-            age, uses = other.use_history(never=AGE_CAP)
+            age, uses = other.history.ages_and_uses(never=AGE_CAP)
             np.testing.assert_allclose(np.minimum(age, AGE_CAP), want_age[end - 1, 3], atol=1e-4)
             np.testing.assert_allclose(uses, want_uses[end - 1, 3], rtol=1e-4, atol=1e-5)
 

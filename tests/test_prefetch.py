@@ -86,7 +86,7 @@ def test_the_next_use_head_orders_eviction_and_refuses_reads_that_do_not_pay(pre
     engine.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
     policy, runtime = engine.runtime.policy, engine.runtime
     for layer, cache in enumerate(engine.caches):
-        distance = policy.next_uses(runtime._pass_index, layer)
+        distance = policy.next_uses(runtime.passes.index, layer)
         assert distance.shape == (cache.num_experts,) and np.all(np.isfinite(distance) & (distance >= 1))
     refused = engine.stats()["io"]["decode"]["bytes_read"]
     blind = _engine("predictor", predictor_dir, "25%", min_score=0.0)
@@ -109,9 +109,9 @@ def test_the_head_runs_once_per_layer_and_pass_and_its_estimates_stay_current(pr
     passes = engine.stats()["forwards"]
     assert len(asks) > 2 * len(runs) and len(runs) <= passes * len(engine.caches)
     for layer in range(len(engine.caches)):
-        served = next_uses(runtime._pass_index, layer)
+        served = next_uses(runtime.passes.index, layer)
         policy._base.clear(), policy._estimates.clear()
-        assert np.array_equal(served, next_uses(runtime._pass_index, layer))
+        assert np.array_equal(served, next_uses(runtime.passes.index, layer))
 
 
 def test_paused_prefetch_leaves_eviction_and_reads_to_the_demand_path(predictor_dir, monkeypatch):
@@ -120,10 +120,10 @@ def test_paused_prefetch_leaves_eviction_and_reads_to_the_demand_path(predictor_
     engine = _engine("predictor", predictor_dir, "25%")
     engine.generate(PROMPTS[0], max_tokens=8)
     policy, runtime = engine.runtime.policy, engine.runtime
-    assert any(policy.next_uses(runtime._pass_index, layer) is not None for layer in range(8))
+    assert any(policy.next_uses(runtime.passes.index, layer) is not None for layer in range(8))
     runtime.governor._set_mode("paused", "gain")
     runtime.reader.drain()
-    runtime._install_ready({})
+    runtime.loader.install_ready({})
     handed = []
     fetch = runtime.reader.fetch
     monkeypatch.setattr(runtime.reader, "fetch", lambda *a, **k: handed.append(a) or fetch(*a, **k))
@@ -131,7 +131,7 @@ def test_paused_prefetch_leaves_eviction_and_reads_to_the_demand_path(predictor_
     engine.generate(PROMPTS[1], max_tokens=8)
     assert engine.stats()["io"]["decode"]["experts_loaded"] > before  # it read on demand...
     assert handed == []  # ...on the generation thread
-    assert all(policy.next_uses(runtime._pass_index, layer) is None for layer in range(8))
+    assert all(policy.next_uses(runtime.passes.index, layer) is None for layer in range(8))
 
 
 def test_profile_pins_the_prompts_hottest_experts_and_they_are_never_evicted(predictor_dir):
@@ -171,7 +171,9 @@ def _stalled_disk(engine):
 
 def _submit(engine, layer, experts, scores):
     """Queue reads as the runtime does with a layer's predictions."""
-    engine.runtime._submit([Prediction(layer, np.asarray(experts), np.asarray(scores, dtype=np.float32))])
+    engine.runtime.loader.submit(
+        [Prediction(layer, np.asarray(experts), np.asarray(scores, dtype=np.float32))]
+    )
 
 
 def test_stale_requests_are_dropped(predictor_dir):
@@ -317,7 +319,7 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
 def test_what_prefetch_costs_counts_its_bookkeeping_not_only_predicting(predictor_dir, monkeypatch):
     """The gain check weighs what prefetch costs the generation thread: besides predicting and queueing,
     the policy's bookkeeping after each routing and choosing which finished reads go in count too."""
-    import od_moe.runtime as runtime_module
+    import od_moe.loader as loader_module
 
     engine = _engine("predictor", predictor_dir, "25%")
     runtime, policy = engine.runtime, engine.runtime.policy
@@ -335,7 +337,7 @@ def test_what_prefetch_costs_counts_its_bookkeeping_not_only_predicting(predicto
     monkeypatch.setattr(
         policy, "after_routing", slow(policy.after_routing, lambda step, ids: step.prefetching)
     )
-    monkeypatch.setattr(runtime_module, "_paying", slow(runtime_module._paying))
+    monkeypatch.setattr(loader_module, "_paying", slow(loader_module._paying))
     engine.generate(PROMPTS[0], max_tokens=6)
     assert len(slept) > 20
     assert runtime.ledger.reader["busy_s"] >= sum(slept)
@@ -531,11 +533,11 @@ def test_a_prefetch_never_evicts_an_expert_predicted_for_the_same_layer(predicto
     runtime, cache = engine.runtime, engine.caches[3]
     runtime.load(cache, np.arange(16))
     cache.touch(np.arange(16), np.ones(16), clock=1.0 + np.arange(16))  # expert 0 is the least recently used
-    runtime.clock = 20
+    runtime.passes.clock = 20
     _submit(engine, 3, [0, 20], [0.9, 0.8])  # 0 is resident and predicted: only 20 is read
     runtime.reader.drain()
     assert runtime.ledger.reader["issued"] == 1
-    runtime._install_ready({})
+    runtime.loader.install_ready({})
     assert cache.slot_of[20] >= 0 and cache.slot_of[0] >= 0  # LRU alone would have evicted 0 for 20
     assert cache.slot_of[1] < 0  # the next least recently used went instead
     _consistent(cache)

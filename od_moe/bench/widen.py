@@ -4,8 +4,7 @@ Every expert gets extra hidden units: gate/up rows are repeated, and the matchin
 columns are whole quantization groups of zeros (packed 0, scale 0, bias 0 dequantize to exactly 0), so
 the extra units add nothing to the output. Expert bytes grow by the widening factor; compute grows with
 them. This gives I/O-bound benchmarks with real routing and no download. Only MLX-layout, affine-quantized
-SwitchGLU checkpoints are supported (the embedded default is one). Also here: the options the read-path
-benchmarks share to run on such a copy (`add_copy_options`, `model_for`).
+SwitchGLU checkpoints are supported (the embedded default is one).
 """
 
 import json
@@ -95,18 +94,3 @@ def widen_model(source, dest, factor: int) -> Path:
     config["od_moe_widened"] = {"source": store.weights_digest, "factor": factor}
     done.write_text(json.dumps(config, indent=2))
     return dest
-
-
-def add_copy_options(parser) -> None:
-    """The options the read-path benchmarks share: a widened copy of the bundled model (`--widen`,
-    `--workdir`) and cold reads (`--cold`)."""
-    parser.add_argument("--widen", type=int, default=0, help="run on a copy with experts this much wider")
-    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="where the widened copy goes")
-    parser.add_argument("--cold", action="store_true", help="every read from the device (O_DIRECT)")
-
-
-def model_for(args, source) -> Path:
-    """`source`, or its widened copy in `args.workdir` where `args.widen` asks for one (made once)."""
-    if not args.widen:
-        return Path(source)
-    return widen_model(source, Path(args.workdir) / f"widened-x{args.widen}", args.widen)

@@ -1,0 +1,120 @@
+"""Putting an opened model together for offloading: which path runs, the caches, the runtime, the predictor.
+
+`engine.load` opens a model's files (`model_files.py`) and then, here: decides between the two-tier mode
+and the per-layer path (and says why), sizes the caches from a capacity or a memory budget, makes a
+`LayerCache` per MoE block, builds the runtime behind every block's new switch, and checks a shadow
+predictor against the model. Not here: the files themselves (`model_files.py`), generation (`engine.py`),
+what either runtime does per layer (`runtime.py`, `two_tier.py`).
+"""
+
+import sys
+
+from . import backend
+from .cache import EVICTION_POLICIES, LayerCache
+from .capacity import parse_capacity, resolve_capacity, working_nbytes
+from .errors import UserError
+from .progress import byte_progress
+from .reader import read_threads_for
+from .runtime import MISS_POLICIES, OffloadRuntime
+from .store import ExpertStore
+from .surgery import MoEBlock
+from .switch import OffloadedSwitch
+from .two_tier import build as build_two_tier
+
+
+def check_policies(miss_policy: str, eviction: str):
+    """A UserError for a miss or eviction policy that does not exist."""
+    if miss_policy not in MISS_POLICIES:
+        raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
+    if eviction not in EVICTION_POLICIES:
+        raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
+
+
+def expert_slots(
+    capacity, memory_budget, tiered: bool, model, blocks, slot_nbytes: int, non_expert: int
+) -> int:
+    """Slots per MoE layer for `capacity` or `memory_budget` (working memory counted); 0 only in
+    two-tier mode, where every expert can be read in place."""
+    if tiered and capacity is not None and parse_capacity(capacity) in (0, 0.0):
+        return 0
+    num_experts = blocks[0].num_experts
+    working = working_nbytes(model, len(blocks), num_experts)
+    return resolve_capacity(
+        capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
+    )
+
+
+def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
+    """`read_threads` checked, or the default for the experts' size (`reader.read_threads_for`)."""
+    if read_threads is None:
+        read_threads = read_threads_for(max(c.layout.expert_nbytes for c in caches))
+    if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
+        raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
+    return read_threads
+
+
+def two_tier_mode(two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor) -> tuple[bool, str]:
+    """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
+    host and device allow it)."""
+    if two_tier not in (True, False, "auto"):
+        raise UserError(f"two_tier must be True, False or 'auto', got {two_tier!r}")
+    on, why = backend.two_tier_choice(two_tier, expert_nbytes)
+    predicts = prefetch in ("next-gate", "predictor", "oracle") or (
+        prefetch is None and predictor is not None
+    )
+    clash = "skip mode" if miss_policy == "skip" else "predictive prefetch" if predicts else None
+    if on and clash:
+        if two_tier is True:
+            raise UserError(
+                f"two-tier mode computes every miss exactly and admits by routing counts: it takes no {clash}"
+            )
+        return False, f"per-layer path: {clash} was asked for"
+    return on, why if on else f"per-layer path ({why})"
+
+
+def say(line: str):
+    """One line on stderr where someone watches (a terminal), as the progress bars do."""
+    if sys.stderr.isatty():
+        print(f"od-moe: {line}", file=sys.stderr)
+
+
+def build_runtime(store, blocks, caches, tiered: bool, miss_policy: str, read_threads: int):
+    """The runtime behind every MoE block's new switch: two tiers, or the per-layer path."""
+    if tiered:
+        nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
+        with byte_progress("mapping experts", nbytes) as bar:
+            return build_two_tier(store, blocks, caches, bar)
+    runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
+    for i, block in enumerate(blocks):
+        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
+    return runtime
+
+
+def attach_predictor(engine, predictor):
+    """A shadow predictor (a folder or a `ShadowPredictor`) checked against this model, with its routers."""
+    from .predictor import ShadowPredictor, load_predictor
+
+    if not isinstance(predictor, ShadowPredictor):
+        predictor = load_predictor(predictor, engine.identity)
+    elif predictor.config.model_identity != engine.identity:
+        raise UserError(
+            f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
+            f"this model is {engine.identity}): train one for this model"
+        )
+    c, weights = predictor.config, engine.routers()[0]
+    expected = {"num_layers": len(engine.caches), "num_experts": engine.num_experts}
+    expected["hidden_size"] = weights.shape[-1]
+    wrong = [f"{k} {getattr(c, k)} (the model has {v})" for k, v in expected.items() if getattr(c, k) != v]
+    if wrong:
+        raise UserError(
+            f"the predictor does not fit this model: {', '.join(wrong)}; train one for this model with "
+            "`od-moe train-predictor`"
+        )
+    predictor.attach_routers(*engine.routers())
+    return predictor
+
+
+def cache_for(block: MoEBlock, index: int, store: ExpertStore, slots: int, eviction: str) -> LayerCache:
+    """The resident cache of MoE block `block` (the `index`-th), `slots` experts large."""
+    layout = store.block_layout(block.path, block.expert_parts(), block.num_experts)
+    return LayerCache(index, block.projections, layout, slots, eviction)

@@ -1,0 +1,135 @@
+"""The house rules of issue #37: modules that fit in one head, and no import circle.
+
+In `od_moe/`, `predictor/` and `training/`: no module over 450 lines, no class over 300, no function over 80
+(decorators included), and no circle among the package's imports (those inside functions included: a
+deferred import hides a circle, it does not remove it). Read from the source with `ast`; nothing is
+imported.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# source folder -> the package it installs as (`pyproject.toml`'s package-dir)
+PACKAGES = {"od_moe": "od_moe", "predictor": "od_moe.predictor", "training": "od_moe.training"}
+MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 300, 80
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, whether it is a package's __init__)."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            found[".".join([package] + parts[:-1] if is_package else [package] + parts)] = (path, is_package)
+    return found
+
+
+def _span(node: ast.AST) -> int:
+    decorators = getattr(node, "decorator_list", [])
+    first = min([node.lineno] + [d.lineno for d in decorators])
+    return node.end_lineno - first + 1
+
+
+def oversized(modules: dict[str, tuple[Path, bool]]) -> list[str]:
+    """Every module, class and function over its limit, as 'path: what (lines)'."""
+    over = []
+    for path, _ in modules.values():
+        source = path.read_text()
+        name = path.relative_to(ROOT)
+        if (lines := len(source.splitlines())) > MAX_MODULE:
+            over.append(f"{name}: module ({lines} lines)")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and _span(node) > MAX_CLASS:
+                over.append(f"{name}: class {node.name} ({_span(node)} lines)")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _span(node) > MAX_FUNCTION:
+                over.append(f"{name}: function {node.name} ({_span(node)} lines)")
+    return over
+
+
+def _imported(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, modules) -> set[str]:
+    """The package's modules an import statement in module `name` loads (a name imported from a module
+    is that module; a submodule imported from a package is the submodule)."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = name.split(".") if is_package else name.split(".")[:-1]
+            base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    out = set()
+    for target in targets:
+        while target and target not in modules:  # a name inside a module: the module
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
+    return out
+
+
+def import_graph(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        nodes = ast.walk(ast.parse(path.read_text()))
+        imports = [n for n in nodes if isinstance(n, ast.Import | ast.ImportFrom)]
+        graph[name] = set().union(*(_imported(name, is_package, n, modules) for n in imports))
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter = counter + 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter = counter + 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_modules_classes_and_functions_fit_their_limits():
+    assert oversized(_modules()) == []
+
+
+def test_no_import_circle():
+    modules = _modules()
+    assert len(modules) > 50  # the walk found the package
+    graph = import_graph(modules)
+    assert "od_moe.runtime" in graph["od_moe.engine"] or "od_moe.runtime" in graph["od_moe.assembly"]
+    assert circles(graph) == []
+
+
+def test_the_checks_can_fail():
+    """The checks see what they are for: a circle of two and an oversized function."""
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    long = ast.parse("def f():\n" + "    x = 1\n" * MAX_FUNCTION)
+    assert _span(long.body[0]) == MAX_FUNCTION + 1

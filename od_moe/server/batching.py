@@ -140,7 +140,7 @@ class RunningBatch:
     def _deliver(self, seq: Sequence, response):
         """The token's text, cut at a stop string, sent once no stop string can still match across it."""
         if self.schedule is not None:
-            self.schedule.token(seq.uid, response.token)
+            self.schedule.token(seq.uid, response.token, self.steps - 1)
         seq.tokens.append(response.token)
         if response.finish_reason != "stop":
             seq.detokenizer.add_token(response.token)

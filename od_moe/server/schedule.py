@@ -45,12 +45,13 @@ class ScheduleLog:
     leaves: list[tuple[int, int]] = field(default_factory=list)  # (step, uid) removed by the worker
     resets: list[int] = field(default_factory=list)  # steps before which the generator was made anew
     tokens: dict[int, list[int]] = field(default_factory=dict)
+    token_steps: dict[int, list[int]] = field(default_factory=dict)  # the step that gave each token
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def join(self, entry: Join):
         with self.lock:
             self.joins.append(entry)
-            self.tokens[entry.uid] = []
+            self.tokens[entry.uid], self.token_steps[entry.uid] = [], []
 
     def leave(self, step: int, uid: int):
         with self.lock:
@@ -60,9 +61,10 @@ class ScheduleLog:
         with self.lock:
             self.resets.append(step)
 
-    def token(self, uid: int, token: int):
+    def token(self, uid: int, token: int, step: int):
         with self.lock:
             self.tokens[uid].append(token)
+            self.token_steps[uid].append(step)
 
     def prompts(self) -> dict[int, list[int]]:
         """uid -> prompt tokens."""

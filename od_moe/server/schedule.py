@@ -86,14 +86,14 @@ def replay(model, log: ScheduleLog, stop_tokens) -> dict[int, list[int]]:
     while step <= last or running:
         if generator is None or step in resets:
             generator, running = _generator(model, log, stop_tokens), set()
+        gone = [u for u in running if (step, ours[u]) in leaves]  # first: a join may take a leaver's cache
+        if gone:
+            kept.update({ours[u]: c for u, c in generator.remove(gone, return_prompt_caches=True).items()})
+            running.difference_update(gone)
         for j in (j for j in joins if j.step == step):
             uid = _insert(generator, j, kept)
             ours[uid] = j.uid
             running.add(uid)
-        gone = [u for u in running if (step, ours[u]) in leaves]
-        if gone:
-            kept.update({ours[u]: c for u, c in generator.remove(gone, return_prompt_caches=True).items()})
-            running.difference_update(gone)
         if running:
             for r in generator.next()[1]:
                 out[ours[r.uid]].append(r.token)

@@ -287,6 +287,8 @@ class GenerationWorker:
                         self.decode_clock.tick(batch.decoding)
                 except Exception as e:
                     batch.fail(e)
+            with self.lock:
+                self.active = len(batch)
             if not len(batch):
                 self.decode_clock.stop()
         with self.lock:

@@ -19,6 +19,7 @@ import od_moe
 from od_moe import backend
 from od_moe.cli import main
 from od_moe.server import create_app
+from od_moe.server.batching import fitting_batch
 from od_moe.server.schedule import ScheduleLog, replay
 from od_moe.server.worker import GenerationWorker
 
@@ -208,3 +209,12 @@ def test_seeded_sampling_in_a_batch_repeats_and_max_batch_is_checked():
     with pytest.raises(SystemExit) as exit_code:
         main(["serve", "--max-batch", "0"])
     assert exit_code.value.code == 2
+
+
+def test_max_batch_is_cut_to_the_kv_caches_that_fit_in_memory():
+    engine = od_moe.load(capacity="50%")
+    per_request = 8 * 2 * 2 * 48 * 4 * 2048  # layers x (k, v) x kv heads x head dim x float32 x positions
+    assert fitting_batch(engine, 8, available=100 * per_request) == (8, None)
+    cut, why = fitting_batch(engine, 8, available=3 * per_request + 1)
+    assert cut == 3 and "--max-batch 8 cut to 3" in why
+    assert fitting_batch(engine, 8, available=per_request // 2)[0] == 1

@@ -335,8 +335,10 @@ def serve(
     log(
         f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.port} "
         f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer, "
-        f"{max_batch} request{'s' if max_batch > 1 else ''} at once)"
+        f"{worker.max_batch} request{'s' if worker.max_batch > 1 else ''} at once)"
     )
+    if worker.batch_cut:
+        log(f"od-moe: {worker.batch_cut}")
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None
     try:

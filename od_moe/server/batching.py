@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from mlx_lm.generate import BatchGenerator
 
+from .. import backend
+from ..capacity import kv_nbytes_per_token
 from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
 
@@ -42,6 +44,21 @@ class Sequence:
     text: str = ""
     sent: int = 0
     tokens: list[int] = field(default_factory=list)
+
+
+def fitting_batch(engine, max_batch: int, available: int | None = None) -> tuple[int, str | None]:
+    """`max_batch` bounded by memory: each running request may grow a KV cache over the model's whole
+    context (prompt and completion), on top of the memory the engine was budgeted; as many fit as the
+    memory available after loading holds (at least 1). (the batch size, why it was cut, or None)"""
+    per_request = kv_nbytes_per_token(engine.model) * engine.max_positions
+    available = backend.available_memory_bytes() if available is None else available
+    fits = max(1, available // per_request) if per_request else max_batch
+    if fits >= max_batch:
+        return max_batch, None
+    return fits, (
+        f"--max-batch {max_batch} cut to {fits}: a request's KV cache over {engine.max_positions} positions "
+        f"takes {per_request / 1e6:.0f} MB and {available / 1e6:.0f} MB are available"
+    )
 
 
 class RunningBatch:

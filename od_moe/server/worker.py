@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import UserError
-from .batching import RunningBatch
+from .batching import RunningBatch, fitting_batch
 from .requests import ApiError, GenerationParams
 from .schedule import ScheduleLog
 
@@ -148,6 +148,7 @@ class GenerationWorker:
         self.prefill_step = prefill_step
         self.max_batch, self.schedule = max_batch, schedule
         self.batch: RunningBatch | None = None
+        self.batch_cut: str | None = None  # why max_batch was cut to what memory holds, if it was
         self.stopping = False
         self.failures_in_a_row = 0  # server errors (not user mistakes) since the last success
         self.last_error: str | None = None
@@ -223,6 +224,8 @@ class GenerationWorker:
             self.load_error = e
             self.ready.set()
             return
+        if self.max_batch > 1:
+            self.max_batch, self.batch_cut = fitting_batch(self.engine, self.max_batch)
         if self.max_batch > 1:
             self.batch = RunningBatch(self, self.max_batch, self.prefill_step, self.schedule)
         self.ready.set()

@@ -95,7 +95,6 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
         same_replay += batched == reference[uid]
         counted = status == 200 and reply["usage"]["completion_tokens"] == len(batched)
         rows.append({"answered": counted, "same_as_alone": batched == alone, "first_difference": first})
-    steps = app.worker.batch.passes
     return {
         "prompts": len(texts),
         "max_tokens": max_tokens,
@@ -103,7 +102,7 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
         "max_batch": max_batch,
         "same_as_alone": same_alone,
         "same_as_replay": same_replay,
-        "largest_batch": max(int(k) for k in steps),
+        "largest_batch": _largest_batch(app.worker),
         "wall_s": wall,
         "rows": rows,
     }
@@ -158,9 +157,14 @@ def soak(clients: int, requests: int, capacity, max_batch: int, seed: int = 0) -
         "tok_s": tokens / wall,
         "greedy_sequences": len(greedy),
         "greedy_unequal_to_replay": len(unequal),
-        "largest_batch": max((int(k) for k in app.worker.batch.passes), default=0),
+        "largest_batch": _largest_batch(app.worker),
         "median_latency_s": statistics.median(o["latency_s"] for o in outcomes),
     }
+
+
+def _largest_batch(worker) -> int:
+    """The most sequences one decode step ran (1 one at a time)."""
+    return max((int(k) for k in worker.batch.passes), default=0) if worker.batch is not None else 1
 
 
 def _one(base: str, kind: str, body: dict, rng: random.Random) -> dict:

@@ -1,4 +1,4 @@
-"""The server under many clients, run by hand: `python3 -m od_moe.bench.serving agreement|soak`.
+"""The server under many clients, run by hand: `python3 -m od_moe.bench.serving agreement|soak|alone`.
 
 `agreement`: greedy requests sent together to a server at `--max-batch` are served in one running batch;
 each answer is compared with the same prompt generated alone (`Engine.stream_generate`, stock mlx-lm's
@@ -8,8 +8,10 @@ alone, so "same as alone" is measured, and "same as the replay" must hold.
 `soak`: `--clients` threads each send `--requests` requests in turn: greedy and seeded-sampled, streamed
 and not, with stop strings, some hung up mid-stream, some malformed (which must get a 4xx JSON error).
 It reports what was lost or failed, throughput, and whether every greedy answer equals its replay.
-Both run the server in this process on a loopback port. Not here: `od-moe bench --batch` (`batching.py`:
-one batch at a time, no server).
+`alone`: one request at a time, to a server at `--max-batch` 1 (the one-at-a-time path) and one at
+`--max-batch` N (the batch path with a batch of one), alternating, `--rounds` each: the latency a lone
+client sees on each path. All run the servers in this process on loopback ports.
+Not here: `od-moe bench --batch` (`batching.py`: one batch at a time, no server).
 """
 
 import argparse
@@ -162,6 +164,31 @@ def soak(clients: int, requests: int, capacity, max_batch: int, seed: int = 0) -
     }
 
 
+def alone(rounds: int, max_tokens: int, capacity, max_batch: int) -> dict:
+    """Seconds per lone request on the one-at-a-time path and on the batch path, rounds alternating."""
+    servers = {1: start_server(capacity, 1), max_batch: start_server(capacity, max_batch)}
+    seconds = {n: [] for n in servers}
+    texts = batch_prompts(rounds)
+    for text in texts:
+        answers = set()
+        for n, (base, _, _, _) in servers.items():
+            started = time.perf_counter()
+            status, reply = post(base, {"prompt": text, "max_tokens": max_tokens, "temperature": 0})
+            seconds[n].append(time.perf_counter() - started)
+            answers.add(reply["choices"][0]["text"] if status == 200 else None)
+        if len(answers) != 1:
+            raise RuntimeError(f"the two paths answered {text!r} differently: {answers}")
+    for _, _, server, app in servers.values():
+        server.shutdown()
+        app.worker.shutdown()
+    return {
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "seconds": {str(n): [round(s, 3) for s in v] for n, v in seconds.items()},
+        "median_s": {str(n): statistics.median(v) for n, v in seconds.items()},
+    }
+
+
 def _largest_batch(worker) -> int:
     """The most sequences one decode step ran (1 one at a time)."""
     return max((int(k) for k in worker.batch.passes), default=0) if worker.batch is not None else 1
@@ -222,16 +249,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m od_moe.bench.serving", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("what", choices=["agreement", "soak"])
+    parser.add_argument("what", choices=["agreement", "soak", "alone"])
     parser.add_argument("--capacity", default=None, help="experts per layer (default: all that fit)")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=16, help="agreement: concurrent greedy requests")
-    parser.add_argument("--max-tokens", type=int, default=32, help="agreement: tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=32, help="agreement, alone: tokens per request")
+    parser.add_argument("--rounds", type=int, default=6, help="alone: requests on each path")
     parser.add_argument("--clients", type=int, default=16, help="soak: client threads")
     parser.add_argument("--requests", type=int, default=20, help="soak: requests per client")
     args = parser.parse_args(argv)
     if args.what == "agreement":
         report = agreement(args.prompts, args.max_tokens, args.capacity, args.max_batch)
+    elif args.what == "alone":
+        report = alone(args.rounds, args.max_tokens, args.capacity, args.max_batch)
     else:
         report = soak(args.clients, args.requests, args.capacity, args.max_batch)
     json.dump(report, sys.stdout, indent=1)

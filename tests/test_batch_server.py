@@ -218,3 +218,18 @@ def test_max_batch_is_cut_to_the_kv_caches_that_fit_in_memory():
     cut, why = fitting_batch(engine, 8, available=3 * per_request + 1)
     assert cut == 3 and "--max-batch 8 cut to 3" in why
     assert fitting_batch(engine, 8, available=per_request // 2)[0] == 1
+
+
+def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
+    engine = od_moe.load(capacity="50%")
+    base, log, srv, worker = start(engine, max_batch=1)
+    first = engine.tokenizer.encode("import json\nimport os\n\n\ndef load_config(path):\n")
+    second = first + engine.tokenizer.encode("    with open(path) as f:\n")
+    call(base, "/v1/completions", {"prompt": first, "max_tokens": 4, "temperature": 0})
+    warm = call(base, "/v1/completions", {"prompt": second, "max_tokens": 12, "temperature": 0})
+    srv.shutdown()
+    worker.stop()
+    assert worker.batch is None and not log.joins  # no BatchGenerator ran
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first)
+    alone = "".join(r.text for r in engine.stream_generate(second, max_tokens=12))
+    assert warm["choices"][0]["text"] == alone

@@ -226,7 +226,9 @@ class RunningBatch:
 
     # -- what /health shows ----------------------------------------------------------------------
     def _book(self, decoded: int, before: tuple, after: tuple):
-        if not decoded:
+        """Book a step's decode counts by the tokens it gave out (0: only joining sequences' first passes
+        ran, whose tokens come with the next step)."""
+        if not decoded and after == before:
             return
         row = self.passes.setdefault(
             decoded, dict.fromkeys(("steps", "lookups", "misses", "experts_read"), 0)

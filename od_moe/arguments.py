@@ -156,6 +156,13 @@ def _add_serve(sub):
         help="the longest prompt accepted, in tokens (default: one less than the model's maximum positions)",
     )
     srv.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="requests decoded together, joining and leaving between decode steps (1: one at a time, "
+        "reusing the previous request's KV cache for a shared prompt prefix)",
+    )
+    srv.add_argument(
         "--allow-host",
         action="append",
         default=[],

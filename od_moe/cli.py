@@ -184,6 +184,7 @@ def cmd_serve(args):
         "memory_budget",
         "max_tokens",
         "max_input_tokens",
+        "max_batch",
         "allow_host",
         "allow_origin",
     )
@@ -227,6 +228,7 @@ def main(argv=None) -> int:
         _check_positive(parser, "--max-tokens", args.max_tokens)
     if args.command == "serve":
         _check_positive(parser, "--max-input-tokens", args.max_input_tokens)
+        _check_positive(parser, "--max-batch", args.max_batch)
         if not 0 <= args.port < 65536:
             parser.error(f"--port must be 0 to 65535, got {args.port}")
     if args.command in ("train-predictor", "eval-predictor"):

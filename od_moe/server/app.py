@@ -52,6 +52,8 @@ def create_app(
     event_timeout_s: float = 600.0,
     allowed_hosts: frozenset[str] | None = None,
     allowed_origins=(),
+    max_batch: int = 8,
+    schedule=None,
 ) -> Flask:
     """The server app for `engine` (or for a running `worker`, whose thread owns the engine).
 
@@ -60,9 +62,10 @@ def create_app(
     max_input_tokens: the longest prompt (default: one less than the model's maximum positions, so that
     a token fits after it). allowed_hosts: the Host names answered (default: the loopback names; see
     `guard.host_names`). allowed_origins: browser origins (`https://example.org`, or `*`) allowed besides
-    the server's own.
+    the server's own. max_batch: requests decoded together (1: one at a time, with prompt-cache reuse);
+    schedule: a `schedule.ScheduleLog` the batch logs its schedule to (for replaying it).
     """
-    worker = worker or GenerationWorker(engine)
+    worker = worker or GenerationWorker(engine, max_batch=max_batch, schedule=schedule)
     worker.ready.wait()
     if worker.load_error is not None:
         raise worker.load_error
@@ -295,6 +298,7 @@ def serve(
     allow_origins=(),
     log=print,
     two_tier="auto",
+    max_batch=8,
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
     end the running streams with an error event and stop the generation thread before returning."""
@@ -312,7 +316,8 @@ def serve(
             prefetch=prefetch,
             direct_io=direct_io,
             two_tier=two_tier,
-        )
+        ),
+        max_batch=max_batch,
     )
     try:
         app = create_app(
@@ -329,8 +334,11 @@ def serve(
         listener.close()  # the server holds its own descriptor of it
     log(
         f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.port} "
-        f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer)"
+        f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer, "
+        f"{worker.max_batch} request{'s' if worker.max_batch > 1 else ''} at once)"
     )
+    if worker.batch_cut:
+        log(f"od-moe: {worker.batch_cut}")
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None
     try:

@@ -6,7 +6,8 @@ it (`engine.stats(settle=False)`: no MLX work on a request thread, figures move 
 the worker's request counters; `History` keeps samples of the last minutes, so the plots of hit rate and
 tok/s are there as soon as the page opens, and every viewer sees the same curves. The per-layer strip says,
 per expert, whether it is resident and how it got there (pinned, prefetched and not used yet, prefetched,
-read on demand). Not here: /health and /metrics (`health.py`), the API routes (`app.py`).
+read on demand); `batch` is the running batch (its size, the queue, each request's tok/s).
+Not here: /health and /metrics (`health.py`), the API routes (`app.py`).
 """
 
 import threading
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 from flask import Flask, jsonify, send_from_directory
+
+from .health import batch_figures
 
 STATIC = Path(__file__).parent / "static"
 # No inline code, nothing from elsewhere: the page can only talk to this server.
@@ -127,6 +130,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         "recent": {"tok_s": recent["tok_s"], "hit_rate": recent["hit_rate"]},
         "history": recent["points"],
         "requests": requests,
+        "batch": batch_figures(worker),
         "cache": {
             "capacity": stats["capacity"],
             "num_experts": stats["num_experts"],

@@ -1,7 +1,9 @@
 """The server's `/health` document and `/metrics` (the same figures in the Prometheus text format).
 
 Both read the engine's live ledger from any thread (`engine.stats(settle=False)`) and the worker's
-counters; `status` is the worker's real state (`GenerationWorker.state`). Not here: routes (`app.py`).
+counters; `status` is the worker's real state (`GenerationWorker.state`); `batch` is the running batch
+(`batch_figures`: its size, the queue, each request's and the total tok/s, the decode steps booked by
+batch size). Not here: routes (`app.py`).
 """
 
 import time
@@ -31,11 +33,19 @@ METRICS = {
     "requests_failed_total": ("counter", "Generation requests that failed while generating."),
     "requests_cancelled_total": ("counter", "Generation requests whose client went away."),
     "requests_rejected_total": ("counter", "Requests refused with a 4xx error."),
-    "requests_active": ("gauge", "Requests generating now (0 or 1)."),
+    "requests_active": ("gauge", "Requests generating now (prefilling or decoding)."),
     "requests_queued": ("gauge", "Requests waiting for the generation thread."),
     "requests_prompt_tokens_total": ("counter", "Prompt tokens of completed requests."),
     "requests_cached_prompt_tokens_total": ("counter", "Prompt tokens taken from the reused KV cache."),
     "requests_completion_tokens_total": ("counter", "Tokens generated (given to clients)."),
+    "batch_size": ("gauge", "Requests in the running batch (prefilling or decoding)."),
+    "batch_decoding": ("gauge", "Requests of the running batch decoding a token each pass."),
+    "batch_max": ("gauge", "The most requests decoded together (--max-batch)."),
+    "decode_tokens_per_second": (
+        "gauge",
+        "Tokens over the seconds spent decoding, all requests together, since the server started.",
+    ),
+    "request_tokens_per_second": ("gauge", "Decode tok/s of each request in the running batch."),
     "up": ("gauge", "1 while the generation thread can serve requests, else 0."),
     "memory_peak_bytes": ("gauge", "Peak memory of the MLX backend, in bytes."),
     "uptime_seconds": ("gauge", "Seconds since the server started."),
@@ -90,7 +100,22 @@ def health_body(worker, name: str, started: float) -> dict:
         "memory": stats.get("memory", {}),
         "uptime_s": time.time() - started,
         "requests": requests,
+        "batch": batch_figures(worker),
     }
+
+
+def batch_figures(worker) -> dict:
+    """The running batch: its size and limit, the queue, each request's figures (`batching.py`; none one
+    at a time), total decode tok/s (all requests, decoding time only) and the steps by batch size."""
+    if worker.batch is not None:
+        figures = worker.batch.figures()
+    else:
+        figures = {"max_batch": 1, "size": worker.active, "decoding": worker.active, "running": []}
+        figures["passes_by_batch_size"] = {}
+    tokens, seconds = worker.decode_clock.read()
+    figures["queued"] = worker.queued()
+    figures["decode_tok_s"] = tokens / seconds if seconds > 0 else None
+    return figures
 
 
 def prometheus_text(health: dict) -> str:
@@ -115,6 +140,13 @@ def prometheus_text(health: dict) -> str:
         "up": 1 if health["status"] in ("ok", "degraded") else 0,
         "memory_peak_bytes": health["memory"].get("peak_bytes"),
         "uptime_seconds": health["uptime_s"],
+        "batch_size": health["batch"]["size"],
+        "batch_decoding": health["batch"]["decoding"],
+        "batch_max": health["batch"]["max_batch"],
+        "decode_tokens_per_second": health["batch"]["decode_tok_s"],
+        "request_tokens_per_second": [
+            ({"position": str(i)}, r["tok_s"]) for i, r in enumerate(health["batch"]["running"])
+        ],
     }
     for k, v in health["requests"].items():  # counters end in _total, as Prometheus names them
         samples[f"requests_{k}" if k in ("total", "active", "queued") else f"requests_{k}_total"] = v

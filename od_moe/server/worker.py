@@ -1,12 +1,14 @@
-"""The generation worker: one thread that owns the engine and runs requests one at a time, in order.
+"""The generation worker: one thread that owns the engine and runs the requests, in order of arrival.
 
-MLX work stays on this thread (the engine may even be loaded on it). Each job streams events to its own
-queue: ("text", str) pieces, then ("done", finish_reason, usage, matched stop string or None) or
-("error", ApiError). A job whose client went away is cancelled and its generation stopped at the next
-token or, during a long prompt, at the next prefill chunk. The KV cache of the previous request is kept
-with the tokens it holds and reused for the longest common token prefix of the next prompt; a failed or
-cancelled request drops it, so it is never reused wrongly. `shutdown` ends the running and queued jobs
-with an error event and waits for the thread, so no MLX work is under way when the process exits.
+With `max_batch` 1 it runs them one at a time; above 1 up to `max_batch` decode together, joining and
+leaving between decode steps (`batching.py`). MLX work stays on this thread (the engine may even be loaded
+on it). Each job streams events to its own queue: ("text", str) pieces, then ("done", finish_reason,
+usage, matched stop string or None) or ("error", ApiError). A job whose client went away is cancelled and
+its generation stopped at the next token or, during a long prompt, at the next prefill chunk. The KV
+cache of the request that ended last is kept with the tokens it holds and reused for the longest common
+token prefix of the next prompt; a failed or cancelled request drops the cache it took, so it is never
+reused wrongly. `shutdown` ends the running and queued jobs with an error event and waits for the
+thread, so no MLX work is under way when the process exits.
 Not here: HTTP (`app.py`).
 """
 
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import UserError
+from .batching import RunningBatch, fitting_batch
 from .requests import ApiError, GenerationParams
+from .schedule import ScheduleLog
 
 
 @dataclass
@@ -67,12 +71,13 @@ class DecodeClock:
         self.lock = threading.Lock()
         self.tokens, self.seconds, self.since = 0, 0.0, None
 
-    def tick(self):
-        """A token came: the first of a request starts the clock; each later one is counted."""
+    def tick(self, tokens: int = 1):
+        """A token came (or a batch pass gave `tokens`): the first of a request (or of a busy batch)
+        starts the clock; each later one is counted."""
         t = self.now()
         with self.lock:
             if self.since is not None:
-                self.tokens += 1
+                self.tokens += tokens
                 self.seconds += t - self.since
             self.since = t
 
@@ -125,11 +130,25 @@ class PromptCache:
 
 
 class GenerationWorker:
-    """The thread that owns the engine; `prefill_step` tokens are prefilled between cancellation checks."""
+    """The thread that owns the engine; `prefill_step` tokens are prefilled between cancellation checks;
+    `max_batch` requests decode together (1: one at a time, with prompt-cache reuse); `schedule`, if given,
+    logs the batch's schedule (`schedule.py`)."""
 
-    def __init__(self, engine=None, loader: Callable | None = None, prefill_step: int = 256):
+    def __init__(
+        self,
+        engine=None,
+        loader: Callable | None = None,
+        prefill_step: int = 256,
+        max_batch: int = 1,
+        schedule: ScheduleLog | None = None,
+    ):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise UserError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.engine = engine
         self.prefill_step = prefill_step
+        self.max_batch, self.schedule = max_batch, schedule
+        self.batch: RunningBatch | None = None
+        self.batch_cut: str | None = None  # why max_batch was cut to what memory holds, if it was
         self.stopping = False
         self.failures_in_a_row = 0  # server errors (not user mistakes) since the last success
         self.last_error: str | None = None
@@ -182,8 +201,9 @@ class GenerationWorker:
         when it has finished: no MLX work is left running)."""
         with self.lock:
             self.stopping = True
-            if self.current is not None:
-                self.current.cancelled.set()
+            running = [self.current] if self.current is not None else []
+        for job in running + (self.batch.jobs() if self.batch is not None else []):
+            job.cancelled.set()
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -204,7 +224,13 @@ class GenerationWorker:
             self.load_error = e
             self.ready.set()
             return
+        if self.max_batch > 1:
+            self.max_batch, self.batch_cut = fitting_batch(self.engine, self.max_batch)
+        if self.max_batch > 1:
+            self.batch = RunningBatch(self, self.max_batch, self.prefill_step, self.schedule)
         self.ready.set()
+        if self.batch is not None:
+            return self._serve_batches()
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set() or self.stopping:
                 self._count("cancelled")
@@ -221,22 +247,7 @@ class GenerationWorker:
                     outcome = "cancelled"
             except Exception as e:
                 self.prompt_cache = PromptCache()
-                self._count("failed")
-                user = isinstance(e, (ApiError, UserError))
-                error = (
-                    e
-                    if isinstance(e, ApiError)
-                    else ApiError(
-                        400 if user else 500,
-                        str(e),
-                        kind="invalid_request_error" if user else "server_error",
-                    )
-                )
-                with self.lock:
-                    if not user:
-                        self.failures_in_a_row += 1
-                        self.last_error = str(e)
-                job.events.put(("error", error))
+                self.finish(job, "failed", error=e)
             else:
                 self._count(outcome)
                 if outcome == "completed":
@@ -248,6 +259,66 @@ class GenerationWorker:
                 self.decode_clock.stop()
                 with self.lock:
                     self.active, self.current = 0, None
+
+    def _serve_batches(self):
+        """Up to `max_batch` jobs decode together: waiting jobs join between steps while there is room."""
+        batch, ended = self.batch, False
+        while not ended or len(batch):
+            while not ended and batch.room():
+                try:
+                    job = self.jobs.get() if not len(batch) else self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    ended = True
+                elif job.cancelled.is_set() or self.stopping:
+                    self._count("cancelled")
+                    if self.stopping:
+                        self._tell_stopping(job)
+                else:
+                    try:
+                        batch.admit(job)
+                    except Exception as e:
+                        self.finish(job, "failed", error=e)
+            batch.drop_cancelled()
+            with self.lock:
+                self.active = len(batch)
+            if len(batch):
+                try:
+                    batch.step()
+                    if batch.decoding:
+                        self.decode_clock.tick(batch.decoding)
+                except Exception as e:
+                    batch.fail(e)
+            with self.lock:
+                self.active = len(batch)
+            if not len(batch):
+                self.decode_clock.stop()
+        with self.lock:
+            self.active = 0
+
+    def finish(self, job: Job, outcome: str, usage: dict | None = None, error: Exception | None = None):
+        """Count a job's end: "completed" (with its usage), "cancelled" or "failed" (`error` is then sent
+        to its client: a user's mistake as a 400, anything else as a 500 that degrades /health)."""
+        self._count(outcome)
+        if outcome == "completed":
+            with self.lock:
+                self.failures_in_a_row = 0
+                self.prompt_tokens += usage["prompt_tokens"]
+                self.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+                self.completion_tokens += usage["completion_tokens"]
+        elif outcome == "cancelled" and self.stopping:  # the client is still there: tell it why
+            self._tell_stopping(job)
+        elif error is not None:
+            user = isinstance(error, (ApiError, UserError))
+            if not user:
+                with self.lock:
+                    self.failures_in_a_row += 1
+                    self.last_error = str(error)
+            if not isinstance(error, ApiError):
+                kind = "invalid_request_error" if user else "server_error"
+                error = ApiError(400 if user else 500, str(error), kind=kind)
+            job.events.put(("error", error))
 
     def _tell_stopping(self, job: Job):
         job.events.put(("error", _shutting_down()))

@@ -97,6 +97,12 @@ function render(d) {
   show("completed", req.completed, String(req.completed));
   show("cancelled", req.cancelled, String(req.cancelled));
   show("failed", req.failed, String(req.failed));
+  const batch = d.batch, each = batch.running.map((r) => r.tok_s).filter((x) => x != null);
+  show("batch-size", batch.size, String(batch.size));
+  show("batch-max", batch.max_batch, String(batch.max_batch));
+  show("queued", batch.queued, String(batch.queued));
+  show("request-tok-s", each.length ? each.join(",") : null,
+    each.length ? each.map((x) => num(x, 1)).join(" · ") : "–");
   const peak = Math.max(1, ...d.history.map((p) => p[2] || 0));
   show("tok-s-peak", peak, num(peak, 1));
   // the x axis grows with the samples kept, from MIN_SPAN_S to PLOT_S seconds

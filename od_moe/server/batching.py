@@ -1,0 +1,271 @@
+"""Continuous batching for the server: the requests decoding together on the generation thread.
+
+`RunningBatch` holds one mlx-lm `BatchGenerator` over the engine's model (as `od_moe/batch.py` does) and
+the requests in it. Requests join between steps (`admit`), and leave when mlx-lm ends them (the token
+limit, an end-of-sequence token), when a stop string matches, or when their client goes away (`remove` at
+the next step). One step is one `BatchGenerator.next()`: a decode pass of every decoding sequence and,
+while the batch has room, one chunk of at most `prefill_step` prompt tokens of the sequences still
+prefilling (mlx-lm's own schedule: a joining sequence's prompt is prefilled chunk by chunk between the
+running batch's decode passes; its last prompt token runs as its own first pass, then it decodes with the
+others). Each request's text, stop strings, finish reason and usage are made exactly as the one-at-a-time
+path makes them (`worker.py`), and so is the prompt-cache reuse: the KV cache of the request that ended
+last (by its limit, an end-of-sequence token or a stop string) is kept and a joining request whose prompt
+shares a prefix with it starts from it (one cache kept, taken by one request). The schedule can be
+logged (`schedule.py`) and replayed through mlx-lm. Per step, the decode lookups, misses and experts read
+are booked by the number of sequences decoded.
+Not here: the queue of waiting requests and the thread (`worker.py`), HTTP (`app.py`).
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mlx_lm.generate import BatchGenerator
+
+from .. import backend
+from ..capacity import kv_nbytes_per_token
+from ..sampling import make_sampler, vocab_size_of
+from .schedule import Join, ScheduleLog
+
+
+@dataclass
+class Sequence:
+    """One request in the batch: its job, the text made so far and what has been sent."""
+
+    job: object
+    uid: int
+    detokenizer: object
+    stops: list[str]
+    hold: int  # characters held back while a stop string could still be matching
+    reused: int = 0  # prompt tokens taken from a kept KV cache
+    joined: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    text: str = ""
+    sent: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+def fitting_batch(engine, max_batch: int, available: int | None = None) -> tuple[int, str | None]:
+    """`max_batch` bounded by memory: each running request may grow a KV cache over the model's whole
+    context (prompt and completion), on top of the memory the engine was budgeted; as many fit as the
+    memory available after loading holds (at least 1). (the batch size, why it was cut, or None)"""
+    per_request = kv_nbytes_per_token(engine.model) * engine.max_positions
+    available = backend.available_memory_bytes() if available is None else available
+    fits = max(1, available // per_request) if per_request else max_batch
+    if fits >= max_batch:
+        return max_batch, None
+    return fits, (
+        f"--max-batch {max_batch} cut to {fits}: a request's KV cache over {engine.max_positions} positions "
+        f"takes {per_request / 1e6:.0f} MB and {available / 1e6:.0f} MB are available"
+    )
+
+
+class RunningBatch:
+    """The sequences decoding together, at most `max_batch`; `worker` ends their jobs (`finish`)."""
+
+    def __init__(self, worker, max_batch: int, prefill_step: int, schedule: ScheduleLog | None = None):
+        self.worker, self.engine = worker, worker.engine
+        self.max_batch, self.prefill_step = max_batch, prefill_step
+        self.schedule = schedule
+        self.prefill_batch = min(max_batch, 8)
+        if schedule is not None:
+            schedule.completion_batch_size, schedule.prefill_batch_size = max_batch, self.prefill_batch
+            schedule.prefill_step_size = prefill_step
+        self.vocab = vocab_size_of(self.engine.model)
+        self.sequences: dict[int, Sequence] = {}
+        self.kept_from: int | None = None  # the sequence whose KV cache `worker.prompt_cache` holds
+        self.steps = 0  # BatchGenerator.next() calls so far: the schedule's clock
+        self.decoding = 0  # sequences decoded in the last step
+        self.lock = threading.Lock()  # guards `sequences` for readers on other threads
+        self.passes: dict[int, dict[str, float]] = {}  # sequences decoded -> per-step decode counts
+        self.generator = self._new_generator()
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def room(self) -> int:
+        return self.max_batch - len(self.sequences)
+
+    def jobs(self) -> list:
+        with self.lock:
+            return [s.job for s in self.sequences.values()]
+
+    # -- joining and leaving ---------------------------------------------------------------------
+    def admit(self, job):
+        """Put a request in the batch; its prefill starts at the next step. A prompt that leaves no
+        room for a token, or sampling settings that cannot be sampled with, raise a UserError."""
+        p = job.params
+        limit = self.engine.token_limit(len(job.prompt), p.max_tokens)
+        sampler = make_sampler(p.temperature, p.top_p, p.top_k, 0.0, p.seed, self.vocab)
+        if not self.sequences:
+            self.engine.runtime.start_prompt(job.prompt)
+        cache, rest, reused = self.worker.prompt_cache.take(self.engine.model, list(job.prompt))
+        kept_from, self.kept_from = self.kept_from if reused else None, None
+        caches = {"caches": [cache], "all_tokens": [list(job.prompt[:reused])]} if reused else {}
+        (uid,) = self.generator.insert([rest], [limit], samplers=[sampler], **caches)
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        seq = Sequence(job, uid, self.engine.tokenizer.detokenizer, p.stop, hold, reused)
+        with self.lock:
+            self.sequences[uid] = seq
+        if self.schedule is not None:
+            settings = (p.temperature, p.top_p, p.top_k, p.seed, reused, kept_from)
+            self.schedule.join(Join(self.steps, uid, list(job.prompt), limit, *settings))
+
+    def drop_cancelled(self):
+        """Remove at once the sequences whose client went away (or that shutdown cancelled)."""
+        gone = [s for s in self.sequences.values() if s.job.cancelled.is_set()]
+        for seq in gone:
+            self._remove(seq)
+            self.worker.finish(seq.job, "cancelled")
+
+    def fail(self, error: Exception):
+        """A step failed: every sequence ends with `error`, and the batch starts over with a new generator
+        (the failed one's caches are in an unknown state)."""
+        for seq in list(self.sequences.values()):
+            with self.lock:
+                del self.sequences[seq.uid]
+            self.worker.finish(seq.job, "failed", error=error)
+        self.generator.close()
+        self.generator = self._new_generator()
+        if self.schedule is not None:
+            self.schedule.reset(self.steps)
+        self.engine.runtime.settle()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self):
+        """One `BatchGenerator.next()`: a decode pass and a prefill chunk; each new token goes to its
+        request, and requests that end leave."""
+        ledger = self.engine.runtime.ledger
+        before = _decode_counts(ledger)
+        try:
+            responses = self.generator.next()[1]
+        finally:
+            self.steps += 1
+        self._book(len(responses), before, _decode_counts(ledger))
+        self.decoding = len(responses)
+        ledger.count_generated(len(responses))
+        now = time.perf_counter()
+        for r in responses:
+            seq = self.sequences[r.uid]
+            seq.first_token = seq.first_token or now
+            seq.last_token = now
+            self._deliver(seq, r)
+        if not self.sequences:
+            self.engine.runtime.settle()
+
+    def _deliver(self, seq: Sequence, response):
+        """The token's text, cut at a stop string, sent once no stop string can still match across it."""
+        if self.schedule is not None:
+            self.schedule.token(seq.uid, response.token, self.steps - 1)
+        seq.tokens.append(response.token)
+        if response.finish_reason != "stop":
+            seq.detokenizer.add_token(response.token)
+        if response.finish_reason is not None:
+            seq.detokenizer.finalize()
+        seq.text += seq.detokenizer.last_segment
+        found = [(i, s) for s in seq.stops if (i := seq.text.find(s, max(0, seq.sent - len(s)))) >= 0]
+        if found:
+            cut, matched = min(found)
+            seq.text = seq.text[:cut]
+            if response.finish_reason is None:
+                self._keep(seq, *self._remove(seq, keep_cache=True))
+            else:
+                self._keep(seq, response.prompt_cache, response.all_tokens)
+            return self._done(seq, "stop", matched)
+        safe = len(seq.text) - seq.hold if seq.stops else len(seq.text)
+        if safe > seq.sent:
+            seq.job.events.put(("text", seq.text[seq.sent : safe]))
+            seq.sent = safe
+        if response.finish_reason is not None:
+            self._keep(seq, response.prompt_cache, response.all_tokens)
+            self._done(seq, response.finish_reason, None)
+
+    def _done(self, seq: Sequence, finish: str, matched: str | None):
+        if len(seq.text) > seq.sent:
+            seq.job.events.put(("text", seq.text[seq.sent :]))
+        n, prompt = len(seq.tokens), len(seq.job.prompt)
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": n,
+            "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": seq.reused},
+            "generation_s": time.perf_counter() - seq.joined,
+        }
+        self.worker.finish(seq.job, "completed", usage=usage)
+        seq.job.events.put(("done", finish, usage, matched))
+
+    def _remove(self, seq: Sequence, keep_cache: bool = False):
+        """Take a sequence the generator still runs out of it (logged: the replay removes it too); with
+        `keep_cache`, its (KV cache, the tokens it holds)."""
+        caches = self.generator.remove([seq.uid], return_prompt_caches=keep_cache)
+        if self.schedule is not None:
+            self.schedule.leave(self.steps, seq.uid)
+        self._forget(seq)
+        return caches.get(seq.uid, (None, []))
+
+    def _keep(self, seq: Sequence, cache, tokens):
+        """A sequence ended well: its KV cache is the one the next joining request may start from."""
+        self._forget(seq)
+        if cache is not None:
+            self.worker.prompt_cache.keep(cache, list(tokens))
+            self.kept_from = seq.uid if self.worker.prompt_cache.cache is cache else None
+
+    def _forget(self, seq: Sequence):
+        with self.lock:
+            self.sequences.pop(seq.uid, None)
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.engine.forward,
+            stop_tokens=[[t] for t in self.engine.tokenizer.eos_token_ids],
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=self.prefill_batch,
+            prefill_step_size=self.prefill_step,
+        )
+
+    # -- what /health shows ----------------------------------------------------------------------
+    def _book(self, decoded: int, before: tuple, after: tuple):
+        """Book a step's decode counts by the tokens it gave out (0: only joining sequences' first passes
+        ran, whose tokens come with the next step)."""
+        if not decoded and after == before:
+            return
+        row = self.passes.setdefault(
+            decoded, dict.fromkeys(("steps", "lookups", "misses", "experts_read"), 0)
+        )
+        row["steps"] += 1
+        for key, a, b in zip(("lookups", "misses", "experts_read"), before, after):
+            row[key] += b - a
+
+    def figures(self, now: float | None = None) -> dict:
+        """The batch as /health shows it: sizes, each request's figures, and the per-step booking."""
+        now = time.perf_counter() if now is None else now
+        with self.lock:
+            sequences = list(self.sequences.values())
+            passes = {str(k): dict(v) for k, v in sorted(self.passes.items())}
+        running = []
+        for s in sequences:
+            span = (s.last_token or now) - (s.first_token or now)
+            running.append(
+                {
+                    "prompt_tokens": len(s.job.prompt),
+                    "completion_tokens": len(s.tokens),
+                    "state": "decoding" if s.first_token else "prefilling",
+                    "tok_s": (len(s.tokens) - 1) / span if span > 0 else None,
+                    "time_to_first_token_s": (s.first_token - s.joined) if s.first_token else None,
+                }
+            )
+        return {
+            "max_batch": self.max_batch,
+            "size": len(sequences),
+            "decoding": sum(r["state"] == "decoding" for r in running),
+            "steps": self.steps,
+            "running": running,
+            "passes_by_batch_size": passes,
+        }
+
+
+def _decode_counts(ledger) -> tuple[float, float, float]:
+    """Decode lookups, misses and experts read so far, all layers together."""
+    lookups = ledger.total("lookups", "decode")
+    return lookups, lookups - ledger.total("hits", "decode"), ledger.total("experts_read", "decode")

@@ -1,0 +1,237 @@
+"""Continuous batching in `od-moe serve` (`server/batching.py`): concurrent greedy requests served in one
+running batch give, request by request, the tokens mlx-lm's own `BatchGenerator` gives on the stock model
+when driven through the schedule the server logged (`server/schedule.py`), all experts resident and at
+25%; a long prompt prefills in chunks between the running batch's decode steps; a hang-up leaves at once;
+/health, /metrics and the live page show the batch."""
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import mlx_lm
+import pytest
+from werkzeug.serving import make_server
+
+import od_moe
+from od_moe import backend
+from od_moe.cli import main
+from od_moe.server import create_app
+from od_moe.server.batching import fitting_batch
+from od_moe.server.schedule import ScheduleLog, replay
+from od_moe.server.worker import GenerationWorker
+
+PROMPTS = [f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(6)]
+
+
+def start(engine, **kwargs):
+    log = ScheduleLog()
+    worker = GenerationWorker(engine, schedule=log, **kwargs)
+    app = create_app(worker=worker)
+    srv = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_port}", log, srv, worker
+
+
+def call(base, path, body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        text = r.read().decode()
+        return json.loads(text) if r.headers.get_content_type() == "application/json" else text
+
+
+def hang_up_after_first_token(base, body):
+    host, port = base.split("//")[1].split(":")
+    raw = json.dumps(dict(body, stream=True)).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
+    )
+    received = b""
+    while b'"text": "' not in received:
+        received += sock.recv(4096)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def stock():
+    model, tokenizer = mlx_lm.load(str(od_moe.DEFAULT_MODEL))
+    model.set_dtype(backend.compute_dtype("auto"))
+    return model, tokenizer
+
+
+def text_of(tokenizer, tokens, eos):
+    """The text mlx-lm's streaming detokenizer makes of `tokens` (an end-of-sequence token adds none)."""
+    detokenizer = tokenizer.detokenizer
+    for t in tokens:
+        if t not in eos:
+            detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+@pytest.mark.parametrize("capacity", [None, "25%"])
+def test_batched_requests_give_the_tokens_of_their_schedule_replayed_through_mlx_lm(capacity, stock):
+    engine = od_moe.load(capacity=capacity)
+    base, log, srv, worker = start(engine, max_batch=4)
+    bodies = [{"prompt": p, "max_tokens": 8 + 3 * i, "temperature": 0} for i, p in enumerate(PROMPTS)]
+    bodies[2]["stop"] = ["(x"]  # every completion here starts a new `def function_...(x)`
+    replies = [None] * len(bodies)
+
+    def client(i):
+        time.sleep(0.04 * i)  # arrivals spread over the first steps: requests join a running batch
+        replies[i] = call(base, "/v1/completions", bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    threads.append(
+        threading.Thread(target=hang_up_after_first_token, args=(base, dict(bodies[0], max_tokens=400)))
+    )
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    deadline = time.time() + 60
+    while worker.active or worker.counters["cancelled"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    srv.shutdown()
+    worker.stop()
+
+    eos = set(engine.tokenizer.eos_token_ids)
+    replayed = replay(stock[0], log, eos)
+    assert replayed == log.tokens  # every sequence, the hung-up one too
+    uid_of = {tuple(j.prompt): j.uid for j in log.joins if j.max_tokens != 400}
+    for body, reply in zip(bodies, replies):
+        tokens = replayed[uid_of[tuple(engine.tokenizer.encode(body["prompt"]))]]
+        choice = reply["choices"][0]
+        assert reply["usage"]["completion_tokens"] == len(tokens)
+        whole = text_of(engine.tokenizer, tokens, eos)
+        if body.get("stop"):
+            assert choice["finish_reason"] == "stop" and choice["text"] == whole[: whole.index("(x")]
+        else:
+            assert choice["text"] == whole
+            assert choice["finish_reason"] == ("stop" if tokens[-1] in eos else "length")
+            assert tokens[-1] in eos or len(tokens) == body["max_tokens"]
+    # a real continuous batch: joins at several steps, up to four decoding at once, two left early
+    assert len({j.step for j in log.joins}) >= 3
+    assert max(int(k) for k in worker.batch.passes) == 4
+    assert len(log.leaves) == 2  # the stop string and the hang-up, removed by the worker
+
+
+def test_a_long_prompt_prefills_in_chunks_between_the_running_batchs_decode_steps(stock):
+    engine = od_moe.load()
+    base, log, srv, worker = start(engine, max_batch=4, prefill_step=16)
+    long_prompt = "".join(f"value_{i} = compute({i})\n" for i in range(24))
+    replies = {}
+
+    def run(name, body):
+        replies[name] = call(base, "/v1/completions", body)
+
+    first = threading.Thread(
+        target=run, args=("short", {"prompt": "import os\n", "max_tokens": 48, "temperature": 0})
+    )
+    first.start()
+    while not any(log.tokens.values()):
+        time.sleep(0.01)
+    run("long", {"prompt": long_prompt, "max_tokens": 4, "temperature": 0})
+    first.join(300)
+    srv.shutdown()
+    worker.stop()
+    short, long = log.joins
+    chunks = -(-(len(long.prompt) - 1) // 16)  # the last prompt token is the sequence's first pass
+    first_step = log.token_steps[long.uid][0]
+    assert first_step >= long.step + chunks
+    # the short request got a token at every step while the long prompt was prefilled
+    assert set(range(long.step, first_step)) <= set(log.token_steps[short.uid])
+    assert replay(stock[0], log, engine.tokenizer.eos_token_ids) == log.tokens
+    assert replies["long"]["usage"]["prompt_tokens"] == len(long.prompt)
+
+
+def test_health_metrics_and_the_live_page_show_the_running_batch():
+    engine = od_moe.load(capacity="50%")
+    base, log, srv, worker = start(engine, max_batch=3)
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(call(base, "/health")["batch"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    clients = [
+        threading.Thread(target=call, args=(base, "/v1/completions", {"prompt": p, "max_tokens": 24}))
+        for p in PROMPTS[:5]
+    ]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(300)
+    done.set()
+    watcher.join(30)
+    assert max(b["size"] for b in seen) == 3 and max(b["queued"] for b in seen) >= 1
+    assert all(b["max_batch"] == 3 and b["size"] <= 3 for b in seen)
+    rates = [r["tok_s"] for b in seen for r in b["running"] if r["tok_s"] is not None]
+    assert rates and all(r > 0 for r in rates)
+    health = call(base, "/health")
+    batch = health["batch"]
+    assert batch["size"] == batch["queued"] == 0 and batch["decode_tok_s"] > 0
+    booked, cache = batch["passes_by_batch_size"], health["expert_cache_stats"]
+    # every token given out was decoded in a booked step, and every decode lookup was booked (under 0: steps
+    # where only joining sequences' first passes ran); a step's lookups are at least its sequences' (top-k of
+    # each layer for each; a joining one's first pass adds)
+    assert sum(int(k) * v["steps"] for k, v in booked.items()) == cache["generated_tokens"]
+    assert sum(v["lookups"] for v in booked.values()) == cache["decode_lookups"]
+    per_sequence = engine.top_k * cache["moe_layers"]
+    assert "3" in booked
+    assert all(v["lookups"] >= int(k) * v["steps"] * per_sequence for k, v in booked.items())
+    metrics = call(base, "/metrics")
+    assert re.search(r"^od_moe_batch_max 3\.0$", metrics, re.M)
+    assert re.search(r"^od_moe_decode_tokens_per_second [0-9.e+]+$", metrics, re.M)
+    page = call(base, "/dashboard/data")["batch"]
+    assert page["max_batch"] == 3 and page["size"] == 0
+    srv.shutdown()
+    worker.stop()
+
+
+def test_seeded_sampling_in_a_batch_repeats_and_max_batch_is_checked():
+    engine = od_moe.load(capacity="50%")
+    base, _, srv, worker = start(engine, max_batch=4)
+    body = {"prompt": "class Stack:", "max_tokens": 12, "temperature": 0.9, "seed": 7}
+    assert (
+        call(base, "/v1/completions", body)["choices"][0]["text"]
+        == call(base, "/v1/completions", body)["choices"][0]["text"]
+    )
+    srv.shutdown()
+    worker.stop()
+    with pytest.raises(SystemExit) as exit_code:
+        main(["serve", "--max-batch", "0"])
+    assert exit_code.value.code == 2
+
+
+def test_max_batch_is_cut_to_the_kv_caches_that_fit_in_memory():
+    engine = od_moe.load(capacity="50%")
+    per_request = 8 * 2 * 2 * 48 * 4 * 2048  # layers x (k, v) x kv heads x head dim x float32 x positions
+    assert fitting_batch(engine, 8, available=100 * per_request) == (8, None)
+    cut, why = fitting_batch(engine, 8, available=3 * per_request + 1)
+    assert cut == 3 and "--max-batch 8 cut to 3" in why
+    assert fitting_batch(engine, 8, available=per_request // 2)[0] == 1
+
+
+def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
+    engine = od_moe.load(capacity="50%")
+    base, log, srv, worker = start(engine, max_batch=1)
+    first = engine.tokenizer.encode("import json\nimport os\n\n\ndef load_config(path):\n")
+    second = first + engine.tokenizer.encode("    with open(path) as f:\n")
+    call(base, "/v1/completions", {"prompt": first, "max_tokens": 4, "temperature": 0})
+    warm = call(base, "/v1/completions", {"prompt": second, "max_tokens": 12, "temperature": 0})
+    srv.shutdown()
+    worker.stop()
+    assert worker.batch is None and not log.joins  # no BatchGenerator ran
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first)
+    alone = "".join(r.text for r in engine.stream_generate(second, max_tokens=12))
+    assert warm["choices"][0]["text"] == alone

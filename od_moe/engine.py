@@ -17,7 +17,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse
 
-from . import backend, governor
+from . import backend, governor, pipeline
 from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import parse_capacity, resolve_capacity, working_nbytes
 from .errors import ExpertReadError, UserError
@@ -41,7 +41,7 @@ from .runtime import MISS_POLICIES, OffloadRuntime
 from .sampling import make_sampler, vocab_size_of
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
-from .surgery import MoEBlock, offloadable_blocks, top_k_of, weight_nbytes
+from .surgery import MoEBlock, find_moe_blocks, offloadable_blocks, top_k_of, weight_nbytes
 from .switch import OffloadedSwitch
 from .two_tier import build as build_two_tier
 
@@ -75,6 +75,7 @@ class Engine:
         self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
+        self.stage = None  # this rank's part of a pipeline over several processes (`pipeline.Stage`)
 
     @property
     def caches(self) -> list[LayerCache]:
@@ -125,12 +126,14 @@ class Engine:
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        # the request's own random key: a failed or seeded request never touches another's sampling
-        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         prompt = self.encode(prompt)
+        if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
+            prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
+        # the request's own random key: a failed or seeded request never touches another's sampling
+        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
         context = max([o for o in held if o is not None], default=0) + len(prompt)
         max_tokens = self.token_limit(context, max_tokens)
         self.runtime.start_prompt(prompt)
@@ -316,6 +319,7 @@ def load(
     read_threads: int | None = None,
     packed: bool | str = "auto",
     two_tier: bool | str = "auto",
+    ranks="auto",
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -339,6 +343,9 @@ def load(
         layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
         holds the experts and no predictive prefetch or skip mode is asked for), True or False; then
         capacity may be 0. `Engine.mode` says which path runs and why.
+    ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`pipeline.py`: each
+        rank caches and reads its own layers' experts, with this budget); None: one process; or an
+        `mx.distributed.Group`.
     """
     if miss_policy not in MISS_POLICIES:
         raise UserError(f"unknown miss policy {miss_policy!r}: use one of {', '.join(MISS_POLICIES)}")
@@ -347,7 +354,16 @@ def load(
     path = resolve_model_path(model)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = open_store(path, packed, direct_io)
+    group = pipeline.group_for(ranks)
+    if group is not None:  # before any other collective: a rank started otherwise must not hang the rest
+        settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
+        pipeline.check_same(group, dict(settings, model=model_identity(path, store), ranks=group.size()))
+        if predictor is not None:
+            raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
     mlx_model, tokenizer = open_model(path, dtype)
+    stage = None
+    if group is not None:
+        stage = pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
@@ -367,6 +383,9 @@ def load(
     if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
         raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
     runtime = _runtime(store, blocks, caches, tiered, miss_policy, read_threads)
+    if stage is not None:
+        pipeline.wrap_seams(mlx_model, stage)
+        runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(
         mlx_model,
@@ -379,6 +398,7 @@ def load(
         non_expert,
     )
     engine.mode = ("two-tier" if tiered else "per-layer", why)
+    engine.stage = stage
     if two_tier != "auto" or tiered:
         _say(why)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output

@@ -203,7 +203,10 @@ def cmd_inspect(args):
 
     from .preflight import format_inspection, inspect_model
 
-    report = inspect_model(args.model, args.memory_budget, args.capacity, _predictor_arg(args.predictor))
+    if args.ranks < 1:
+        raise UserError(f"--ranks must be a positive integer, got {args.ranks}")
+    predictor = _predictor_arg(args.predictor)
+    report = inspect_model(args.model, args.memory_budget, args.capacity, predictor, ranks=args.ranks)
     print(json.dumps(report, indent=1) if args.json else format_inspection(report))
 
 

@@ -1,0 +1,79 @@
+"""A model split over two ranks (`pipeline.py`), launched with `mlx.launch` on loopback (ring backend, CPU):
+greedy tokens equal single-process stock mlx-lm's at 25% and 100% of experts resident, on the bundled
+model and on a tiny random Mixtral; each rank holds, and reads from disk, only its own layers' experts;
+a rank started with another budget is refused at start in one line; `od-moe generate` prints on rank 0."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import od_moe
+from conftest import reference_tokens
+from launch import launch
+from od_moe.engine import model_layouts
+from od_moe.pipeline import stage_ranges
+from tiny_models import MIXTRAL, write_mlx_model
+
+RANK_SCRIPT = Path(__file__).parent / "pipeline_rank.py"
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
+NEW_TOKENS = 12
+
+
+def _layer(name: str) -> int:
+    return int(re.search(r"layers\.(\d+)\.", name).group(1))
+
+
+def _run_ranks(tmp_path, model, prompts):
+    result = launch(RANK_SCRIPT, [model, tmp_path, "0.25,1.0", NEW_TOKENS, json.dumps(prompts)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_split(ranks, reference, num_layers, model):
+    store, layouts = model_layouts(model)
+    store.close()
+    moe_paths = set()
+    for rank in ranks:
+        start, end = rank["start"], rank["end"]
+        assert [start, end] == rank["ranges"][rank["rank"]] and start < end
+        for capacity, run in rank["runs"].items():
+            assert run["tokens"] == reference, (rank["rank"], capacity)
+            # only this rank's layers: its MoE blocks, what it read from disk, every weight it holds
+            assert run["moe_paths"] and all(start <= _layer(p) < end for p in run["moe_paths"])
+            assert run["reads"] and set(run["reads"]) <= set(run["moe_paths"])
+            layers = {_layer(k) for k in run["parameters"] if re.search(r"layers\.\d+\.", k)}
+            assert layers == set(range(start, end)), (layers, start, end)
+        full, quarter = rank["runs"]["1.0"], rank["runs"]["0.25"]
+        # at 100% every own expert is read once at load: its layers' expert bytes, no more
+        assert sum(full["reads"].values()) == sum(full["expert_nbytes"])
+        assert quarter["slot_bytes"] == pytest.approx(full["slot_bytes"] / 4, rel=0.01)
+        assert quarter["misses"] > 0
+        moe_paths |= set(full["moe_paths"])
+    assert len(moe_paths) == sum(len(r["runs"]["1.0"]["moe_paths"]) for r in ranks)  # no layer on both
+    assert moe_paths == {layout.module_path for layout in layouts}
+    whole = sum(layout.expert_nbytes * layout.num_experts for layout in layouts)
+    assert sum(sum(r["runs"]["1.0"]["reads"].values()) for r in ranks) == whole
+    assert ranks[0]["start"] == ranks[1]["end"] and ranks[1]["start"] == 0 and ranks[0]["end"] == num_layers
+
+
+def test_stage_ranges_balance_moe_layers():
+    assert stage_ranges(list(range(8)), 8, 2) == [(4, 8), (0, 4)]  # rank 0 the last layers, as mlx-lm
+    assert stage_ranges([1, 2, 3], 4, 2) == [(2, 4), (0, 2)]  # the dense first layer goes with layer 1
+    assert stage_ranges([1, 2, 3], 4, 3) == [(3, 4), (2, 3), (0, 2)]
+    with pytest.raises(od_moe.UserError, match="cannot be split over 4 ranks"):
+        stage_ranges([1, 2, 3], 4, 4)
+
+
+def test_bundled_model_over_two_ranks_matches_mlx_lm(tmp_path):
+    reference = reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS, NEW_TOKENS)
+    _check_split(_run_ranks(tmp_path, "-", PROMPTS), reference, 8, None)
+
+
+def test_mixtral_over_two_ranks_matches_mlx_lm(tmp_path):
+    path = write_mlx_model(tmp_path / "mixtral", MIXTRAL)
+    prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
+    out = tmp_path / "out"
+    out.mkdir()
+    _check_split(_run_ranks(out, str(path), prompts), reference_tokens(path, prompts, NEW_TOKENS), 2, path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import GenerationResponse, generation_stream
 
 from . import backend, governor, pipeline
 from .cache import EVICTION_POLICIES, LayerCache
@@ -153,6 +153,8 @@ class Engine:
             raise
         finally:
             self.runtime.settle()
+            if self.stage is not None:  # the pass computed ahead, on mlx-lm's stream, still talks to peers
+                mx.synchronize(generation_stream)
 
     def token_limit(self, context: int, max_tokens: int, which: str = "the prompt") -> int:
         """`max_tokens` capped where `context` tokens (prompt and reused cache) and the completion fill the

@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, _BaseCache
 
 from .errors import UserError
+from .units import format_bytes
 
 _LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
 
@@ -234,6 +235,19 @@ class Stage:
 
     def _sum(self, values: list[int]) -> list[int]:
         return mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group).tolist()
+
+
+def rank_lines(engine) -> list[str]:
+    """One line per rank: its layers, decode hit rate and bytes read (gathered: every rank must call it)."""
+    stats, stage = engine.stats(), engine.stage
+    total = stats["total"]
+    mine = [stage.start, stage.end, total["hits"], total["lookups"], total["bytes_read"]]
+    rows = stage.gather_numbers([float(v) for v in mine])
+    return [
+        f"rank {r}: layers {int(a)}-{int(b) - 1}, hit rate {hits / max(lookups, 1):.3f}, "
+        f"{format_bytes(int(read))} read"
+        for r, (a, b, hits, lookups, read) in enumerate(rows)
+    ]
 
 
 def check_same(group, what: dict):

@@ -77,3 +77,47 @@ def test_mixtral_over_two_ranks_matches_mlx_lm(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     _check_split(_run_ranks(out, str(path), prompts), reference_tokens(path, prompts, NEW_TOKENS), 2, path)
+
+
+def _script(tmp_path, text: str) -> Path:
+    path = tmp_path / "rank_script.py"
+    path.write_text(text)
+    return path
+
+
+def test_generate_command_prints_on_rank_zero_only(tmp_path):
+    cli = _script(tmp_path, "import sys\nfrom od_moe.cli import main\nsys.exit(main())\n")
+    args = [
+        "generate",
+        "--prompt",
+        PROMPTS[0],
+        "--ignore-chat-template",
+        "--max-tokens",
+        8,
+        "--capacity",
+        "25%",
+    ]
+    result = launch(cli, [*args, "--stats"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = od_moe.load(capacity=1.0, ranks=None).tokenizer
+    text = tokenizer.decode(reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[:1], 8)[0])
+    assert result.stdout.count(text.strip()) == 1, result.stdout  # once: rank 0 printed, rank 1 followed
+    lines = [line for line in result.stderr.splitlines() if line.startswith("rank ")]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], result.stderr
+    assert "layers 4-7" in lines[0] and "layers 0-3" in lines[1] and " 0 B read" not in result.stderr
+
+
+def test_a_rank_started_otherwise_is_refused_and_serve_says_it_does_not_run_across_ranks(tmp_path):
+    other = _script(
+        tmp_path,
+        "import os, sys\nimport od_moe\ntry:\n"
+        "    od_moe.load(capacity=0.25 if os.environ['MLX_RANK'] == '0' else 0.5)\n"
+        "except od_moe.UserError as e:\n    print(f'refused: {e}')\n    sys.exit(2)\n",
+    )
+    result = launch(other, timeout=120)
+    refusals = [line for line in result.stdout.splitlines() if line.startswith("refused: ")]
+    assert len(refusals) == 2 and all("rank 1 was started with another model, budget" in r for r in refusals)
+    cli = tmp_path / "cli.py"
+    cli.write_text("import sys\nfrom od_moe.cli import main\nsys.exit(main())\n")
+    result = launch(cli, ["serve", "--port", 0], timeout=120)
+    assert result.stderr.count("od-moe: error: serve does not run across ranks yet") == 2, result.stderr

@@ -11,8 +11,8 @@ import pytest
 
 import od_moe
 from conftest import reference_tokens
-from launch import launch
 from od_moe.engine import model_layouts
+from od_moe.local_ranks import launch
 from od_moe.pipeline import stage_ranges
 from tiny_models import MIXTRAL, write_mlx_model
 
@@ -26,7 +26,8 @@ def _layer(name: str) -> int:
 
 
 def _run_ranks(tmp_path, model, prompts):
-    result = launch(RANK_SCRIPT, [model, tmp_path, "0.25,1.0", NEW_TOKENS, json.dumps(prompts)])
+    args = [model, tmp_path, "0.25,1.0", NEW_TOKENS, json.dumps(prompts)]
+    result = launch(RANK_SCRIPT, args, extra_path=[Path(__file__).parent])
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -1,7 +1,8 @@
-"""Starting a script on several local ranks with `mlx.launch` (ring backend over loopback), as the
-pipeline tests and the bench do: a free port range for each launch (the launcher's default port is fixed,
-and several test workers or users launch at once), this checkout on the ranks' import path, and a deadline
-after which the whole process group is killed (a dead rank leaves the others blocked in a collective)."""
+"""Starting a script on several ranks of this machine with `mlx.launch` (ring backend over loopback), as the
+pipeline tests and `tools/pipeline_bench.py` do: a free port range for each launch (the launcher's default
+port is fixed, and several test workers or users may launch at once), the od-moe being run on the ranks'
+import path, and a deadline after which the whole process group is killed (a rank that died leaves the
+others blocked in a collective: `mx.distributed` has no timeouts). Not here: the pipeline (`pipeline.py`)."""
 
 import os
 import signal
@@ -10,9 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import od_moe
-
-CHECKOUT = Path(od_moe.__file__).resolve().parent.parent
+CHECKOUT = Path(__file__).resolve().parent.parent  # the folder od_moe is imported from
 
 
 def free_ports(count: int) -> int:
@@ -38,14 +37,13 @@ def free_ports(count: int) -> int:
     raise RuntimeError("no free range of loopback ports")
 
 
-def launch(script, args=(), ranks: int = 2, timeout: float = 240, env: dict | None = None):
-    """Run `script args` on `ranks` loopback ranks; returns the CompletedProcess (stdout and stderr text)."""
-    path = os.pathsep.join([str(CHECKOUT), str(Path(__file__).parent)])
+def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=()):
+    """Run `script args` on `ranks` loopback ranks, `extra_path` folders on their import path beside od-moe's;
+    returns the CompletedProcess (stdout and stderr as text)."""
+    path = os.pathsep.join([str(CHECKOUT), *extra_path])
     command = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
     command += ["-n", str(ranks), "--backend", "ring"]
     command += ["--starting-port", str(free_ports(ranks)), "--env", f"PYTHONPATH={path}"]
-    for key, value in (env or {}).items():
-        command += ["--env", f"{key}={value}"]
     command += ["--python", sys.executable, str(script), *map(str, args)]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -40,7 +40,7 @@ def free_ports(count: int) -> int:
 def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=()):
     """Run `script args` on `ranks` loopback ranks, `extra_path` folders on their import path beside od-moe's;
     returns the CompletedProcess (stdout and stderr as text)."""
-    path = os.pathsep.join([str(CHECKOUT), *extra_path])
+    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path]))
     command = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
     command += ["-n", str(ranks), "--backend", "ring"]
     command += ["--starting-port", str(free_ports(ranks)), "--env", f"PYTHONPATH={path}"]

@@ -6,6 +6,7 @@ a rank started with another budget is refused at start in one line; `od-moe gene
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,3 +123,17 @@ def test_a_rank_started_otherwise_is_refused_and_serve_says_it_does_not_run_acro
     cli.write_text("import sys\nfrom od_moe.cli import main\nsys.exit(main())\n")
     result = launch(cli, ["serve", "--port", 0], timeout=120)
     assert result.stderr.count("od-moe: error: serve does not run across ranks yet") == 2, result.stderr
+
+
+def test_a_snapshot_of_one_rank_is_refused_elsewhere(tmp_path):
+    """A rank's snapshot names its decoder layers: another rank with as many MoE layers (or one process)
+    refuses it instead of filling its slots with another layer's experts."""
+    engine = od_moe.load(capacity=0.25, ranks=None)
+    engine.stage = SimpleNamespace(start=4, end=8)  # as rank 0 of two holds them
+    engine.save_snapshot(tmp_path / "rank0", weights=True)
+    engine.stage = SimpleNamespace(start=0, end=4)
+    with pytest.raises(od_moe.UserError, match="decoder_layers"):
+        engine.load_snapshot(tmp_path / "rank0")
+    engine.stage = None
+    with pytest.raises(od_moe.UserError, match="decoder_layers"):
+        engine.load_snapshot(tmp_path / "rank0")

@@ -188,13 +188,21 @@ class Engine:
         (`batch.batch_generate`: texts, statistics, token ids); misses are read once for the batch."""
         from .batch import batch_generate
 
+        self._single_process("batched decoding")
+
         return batch_generate(self, prompts, max_tokens, **kwargs)
 
     def stream_batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
         """Yield each batch pass's new tokens, one `batch.BatchToken` per sequence decoded in it."""
         from .batch import stream_batch_generate
 
+        self._single_process("batched decoding")
+
         return stream_batch_generate(self, prompts, max_tokens, **kwargs)
+
+    def _single_process(self, what: str):
+        if self.stage is not None:
+            raise UserError(f"{what} does not run across ranks yet: run it in one process")
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
         """Generate and return the routing of every forward pass, [{layer: ids (tokens, k)}, ...]: what
@@ -356,16 +364,10 @@ def load(
     path = resolve_model_path(model)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = open_store(path, packed, direct_io)
-    group = pipeline.group_for(ranks)
-    if group is not None:  # before any other collective: a rank started otherwise must not hang the rest
-        settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
-        pipeline.check_same(group, dict(settings, model=model_identity(path, store), ranks=group.size()))
-        if predictor is not None:
-            raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
+    settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
+    group = pipeline.join(ranks, dict(settings, model=model_identity(path, store)), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
-    stage = None
-    if group is not None:
-        stage = pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
+    stage = group and pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
@@ -385,7 +387,7 @@ def load(
     if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
         raise UserError(f"read_threads must be a positive integer, got {read_threads!r}")
     runtime = _runtime(store, blocks, caches, tiered, miss_policy, read_threads)
-    if stage is not None:
+    if stage:
         pipeline.wrap_seams(mlx_model, stage)
         runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
@@ -400,7 +402,7 @@ def load(
         non_expert,
     )
     engine.mode = ("two-tier" if tiered else "per-layer", why)
-    engine.stage = stage
+    engine.stage = stage or None
     if two_tier != "auto" or tiered:
         _say(why)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output

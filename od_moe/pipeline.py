@@ -250,6 +250,18 @@ def rank_lines(engine) -> list[str]:
     ]
 
 
+def join(ranks, settings: dict, predictor=None) -> mx.distributed.Group | None:
+    """The group `load` splits over (`group_for`), once every rank is known to have been started with the
+    same `settings` (`check_same`: before any other collective, so a rank started otherwise stops the rest
+    instead of hanging them); None on one process."""
+    group = group_for(ranks)
+    if group is not None:
+        check_same(group, dict(settings, ranks=group.size()))
+        if predictor is not None:
+            raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
+    return group
+
+
 def check_same(group, what: dict):
     """Refuse to start where another rank was started with another model, budget or settings: every rank
     compares a digest of `what` with rank 0's (one all_gather) and raises the same one-line UserError."""

@@ -137,3 +137,29 @@ def test_a_snapshot_of_one_rank_is_refused_elsewhere(tmp_path):
     engine.stage = None
     with pytest.raises(od_moe.UserError, match="decoder_layers"):
         engine.load_snapshot(tmp_path / "rank0")
+
+
+def test_inspect_ranks_gives_each_rank_its_layers_and_memory(capsys):
+    from od_moe.cli import main
+    from od_moe.preflight import inspect_model
+
+    whole = inspect_model(ranks=1)
+    report = inspect_model(ranks=2)
+    rows = report["ranks"]
+    assert [r["layers"] for r in rows] == [[4, 8], [0, 4]] and [r["moe_layers"] for r in rows] == [4, 4]
+    assert sum(r["all_experts_bytes"] for r in rows) == whole["all_experts_bytes"]
+    shared = 2 * whole["non_expert_bytes"] - sum(r["non_expert_bytes"] for r in rows)  # held on both
+    assert 0 < shared < whole["non_expert_bytes"]
+    for r in rows:
+        assert r["budgets"]["0.25"] < r["budgets"]["1"] < whole["budgets"]["1"]
+    assert "cannot be split over 9 ranks" in inspect_model(ranks=9)["ranks"]["error"]
+    assert main(["inspect", "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0     layers 4-7 (4 MoE)" in out and "rank 1     layers 0-3 (4 MoE)" in out
+
+
+def test_batches_are_refused_across_ranks():
+    engine = od_moe.load(capacity=0.25, ranks=None)
+    engine.stage = SimpleNamespace(start=0, end=4, rank=1)
+    with pytest.raises(od_moe.UserError, match="batched decoding does not run across ranks"):
+        engine.batch_generate(["def f():"], max_tokens=2)

@@ -286,6 +286,12 @@ def _add_inspect(sub):
     )
     ins.add_argument("--capacity", help="experts per layer (16, 0.25 or 25%%) whose memory budget to report")
     ins.add_argument("--predictor", help="a predictor folder to check (default: one beside the model)")
+    ins.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="processes to split the layers over: each rank's layers and memory",
+    )
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

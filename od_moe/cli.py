@@ -90,6 +90,7 @@ def _chat_prompt(tokenizer, prompt: str, args, options: dict) -> str:
 
 def cmd_generate(args):
     from . import load
+    from .pipeline import rank_lines
     from .report import format_stats
     from .sampling import check_sampling
 
@@ -114,8 +115,13 @@ def cmd_generate(args):
     prompt = _chat_prompt(engine.tokenizer, prompt, args, template)
     if oracle:  # the routing of this very generation, recorded by a scratch engine with the same settings
         engine.configure_prefetch("oracle", load(args.model, **options).record_routing(prompt, **sampling))
+    shown = engine.stage is None or engine.stage.rank == 0  # across ranks, rank 0 prints; the rest follow
     for response in engine.stream_generate(prompt, **sampling):
-        print(response.text, end="", flush=True)
+        if shown:
+            print(response.text, end="", flush=True)
+    ranks = engine.stage is not None and args.stats and rank_lines(engine)  # every rank takes part
+    if not shown:
+        return
     print()
     if response.finish_reason == "length" and response.generation_tokens < args.max_tokens:
         print(
@@ -127,6 +133,8 @@ def cmd_generate(args):
         engine.save_snapshot(args.save_snapshot)
     if args.stats:
         print(format_stats(engine.stats(), response), file=sys.stderr)
+        for line in ranks or ():
+            print(line, file=sys.stderr)
 
 
 def _print_report(report: dict, as_json: bool):
@@ -173,7 +181,14 @@ def cmd_eval_predictor(args):
 
 
 def cmd_serve(args):
+    from .pipeline import group_for
     from .server import serve
+
+    if group_for("auto") is not None:
+        raise UserError(
+            "serve does not run across ranks yet (started under mlx.launch): run it as one process, or use "
+            "`od-moe generate` or the Python API across ranks"
+        )
 
     names = (
         "model",
@@ -204,7 +219,10 @@ def cmd_inspect(args):
 
     from .preflight import format_inspection, inspect_model
 
-    report = inspect_model(args.model, args.memory_budget, args.capacity, _predictor_arg(args.predictor))
+    if args.ranks < 1:
+        raise UserError(f"--ranks must be a positive integer, got {args.ranks}")
+    predictor = _predictor_arg(args.predictor)
+    report = inspect_model(args.model, args.memory_budget, args.capacity, predictor, ranks=args.ranks)
     print(json.dumps(report, indent=1) if args.json else format_inspection(report))
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend, governor
+from . import backend, governor, pipeline
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -48,7 +48,7 @@ from .runtime import OffloadRuntime
 from .sampling import make_sampler, vocab_size_of
 from .stats import io_by_phase, layer_rows, prefetch_counts, totals
 from .store import ExpertStore
-from .surgery import offloadable_blocks, top_k_of, weight_nbytes
+from .surgery import find_moe_blocks, offloadable_blocks, top_k_of, weight_nbytes
 
 
 class Engine:
@@ -80,6 +80,7 @@ class Engine:
         self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
+        self.stage = None  # this rank's part of a pipeline over several processes (`pipeline.Stage`)
 
     @property
     def caches(self) -> list[LayerCache]:
@@ -130,12 +131,14 @@ class Engine:
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        # the request's own random key: a failed or seeded request never touches another's sampling
-        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         prompt = self.encode(prompt)
+        if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
+            prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
+        # the request's own random key: a failed or seeded request never touches another's sampling
+        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
         context = max([o for o in held if o is not None], default=0) + len(prompt)
         max_tokens = self.token_limit(context, max_tokens)
         self.runtime.start_prompt(prompt)
@@ -155,6 +158,8 @@ class Engine:
             raise
         finally:
             self.runtime.settle()
+            if self.stage is not None:  # the pass computed ahead, on mlx-lm's stream, still talks to peers
+                mx.synchronize(generation_stream)
 
     def token_limit(self, context: int, max_tokens: int, which: str = "the prompt") -> int:
         """`max_tokens` capped where `context` tokens (prompt and reused cache) and the completion fill the
@@ -188,13 +193,21 @@ class Engine:
         (`batch.batch_generate`: texts, statistics, token ids); misses are read once for the batch."""
         from .batch import batch_generate
 
+        self._single_process("batched decoding")
+
         return batch_generate(self, prompts, max_tokens, **kwargs)
 
     def stream_batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
         """Yield each batch pass's new tokens, one `batch.BatchToken` per sequence decoded in it."""
         from .batch import stream_batch_generate
 
+        self._single_process("batched decoding")
+
         return stream_batch_generate(self, prompts, max_tokens, **kwargs)
+
+    def _single_process(self, what: str):
+        if self.stage is not None:
+            raise UserError(f"{what} does not run across ranks yet: run it in one process")
 
     def record_routing(self, prompt, max_tokens: int, **kwargs) -> list:
         """Generate and return the routing of every forward pass, [{layer: ids (tokens, k)}, ...]: what
@@ -321,6 +334,7 @@ def load(
     read_threads: int | None = None,
     packed: bool | str = "auto",
     two_tier: bool | str = "auto",
+    ranks="auto",
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -344,12 +358,18 @@ def load(
         layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
         holds the experts and no predictive prefetch or skip mode is asked for), True or False; then
         capacity may be 0. `Engine.mode` says which path runs and why.
+    ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`pipeline.py`: each
+        rank caches and reads its own layers' experts, with this budget); None: one process; or an
+        `mx.distributed.Group`.
     """
     check_policies(miss_policy, eviction)
     path = resolve_model_path(model)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = open_store(path, packed, direct_io)
+    settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
+    group = pipeline.join(ranks, dict(settings, model=model_identity(path, store)), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
+    stage = group and pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts  # before the caches make the switch arrays slot-sized
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
@@ -358,6 +378,9 @@ def load(
     slots = expert_slots(capacity, memory_budget, tiered, mlx_model, blocks, slot_nbytes, non_expert)
     caches = [cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
     runtime = build_runtime(store, blocks, caches, tiered, miss_policy, read_threads_of(read_threads, caches))
+    if stage:
+        pipeline.wrap_seams(mlx_model, stage)
+        runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     engine = Engine(
         mlx_model,
@@ -370,6 +393,7 @@ def load(
         non_expert,
     )
     engine.mode = ("two-tier" if tiered else "per-layer", why)
+    engine.stage = stage or None
     if two_tier != "auto" or tiered:
         say(why)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output

@@ -11,11 +11,13 @@ trained predictor is there and fits, and whether exact mode is supported (or the
 """
 
 import json
+import re
 import threading
 import weakref
 from pathlib import Path
 
 import mlx_lm.utils
+from mlx.utils import tree_flatten
 
 from . import backend
 from .capacity import (
@@ -29,6 +31,7 @@ from .capacity import (
 )
 from .errors import UserError
 from .packed import default_path as default_packed_path
+from .pipeline import layers_of, stage_ranges
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore
 from .surgery import offloadable_blocks, top_k_of, weight_nbytes
@@ -74,12 +77,15 @@ def _predictor_report(path: Path, predictor, identity: str, moe_layers: int, num
     return {"path": None, "present": False, "fits": False, "reason": "none found: `od-moe train-predictor`"}
 
 
-def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None, dtype: str = "auto") -> dict:
+def inspect_model(
+    model=None, memory_budget=None, capacity=None, predictor=None, dtype: str = "auto", ranks: int = 1
+) -> dict:
     """What `od_moe.load(model, ...)` would find and use, from config.json and the safetensors headers.
 
     memory_budget: bytes or "8GB" (None: 70% of available memory, as `load`); capacity: a count, fraction
     or "25%" whose budget to report; predictor: a predictor folder to check (None: the one beside the
-    model, `<model>-predictor`, or the bundled one for the bundled model)."""
+    model, `<model>-predictor`, or the bundled one for the bundled model); ranks: processes to split the
+    decoder layers over (`pipeline.py`): more than 1 adds each rank's layers and memory."""
     from .model_files import model_identity, resolve_model_path
 
     path = resolve_model_path(model)
@@ -141,10 +147,53 @@ def inspect_model(model=None, memory_budget=None, capacity=None, predictor=None,
     tiered, why = backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers)
     # two-tier mode: every expert in host memory, the budget's slots on the device (`two_tier.py`)
     report["two_tier"] = {"auto": tiered, "reason": why, "host_bytes": slot_nbytes * num_experts * moe_layers}
+    if ranks > 1:
+        try:
+            report["ranks"] = _rank_rows(mlx_model, blocks, slot_nbytes, ranks)
+        except UserError as e:
+            report["ranks"] = {"error": str(e)}
     if capacity is not None:
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
         report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
     return report
+
+
+def _rank_rows(mlx_model, blocks, slot_nbytes: int, ranks: int) -> list[dict]:
+    """Per rank of a pipeline over `ranks` processes: its decoder layers, MoE layers, the bytes of its
+    experts and of its other weights (its layers' and those every rank holds: embeddings, final norm, head),
+    and the budget each listed capacity needs there (the arithmetic `load` does on that rank)."""
+    layers_path, moe = layers_of(mlx_model, [b.path for b in blocks])
+    num_layers = len((dict(mlx_model.named_modules())[layers_path] if layers_path else mlx_model).layers)
+    prefix = re.compile(rf"^{re.escape(layers_path + '.' if layers_path else '')}layers\.(\d+)\.")
+    per_layer, shared = {}, 0
+    for name, value in tree_flatten(mlx_model.parameters()):
+        m = prefix.match(name)
+        if m is None:
+            shared += value.nbytes
+        else:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + value.nbytes
+    num_experts = blocks[0].num_experts
+    rows = []
+    for rank, (start, end) in enumerate(stage_ranges(moe, num_layers, ranks)):
+        count = sum(start <= i < end for i in moe)
+        experts = slot_nbytes * num_experts * count
+        non_expert = shared + sum(per_layer.get(i, 0) for i in range(start, end)) - experts
+        working = working_nbytes(mlx_model, count, num_experts)
+        budgets = {
+            f"{f:g}": budget_for(max(1, round(f * num_experts)), count, slot_nbytes, non_expert, working)
+            for f in FRACTIONS
+        }
+        rows.append(
+            dict(
+                rank=rank,
+                layers=[start, end],
+                moe_layers=count,
+                all_experts_bytes=experts,
+                non_expert_bytes=non_expert,
+                budgets=budgets,
+            )
+        )
+    return rows
 
 
 _computed = weakref.WeakKeyDictionary()  # engine -> its capabilities
@@ -219,4 +268,17 @@ def format_inspection(report: dict) -> str:
     )
     packed = report["packed"]
     lines.append(f"packed     {packed}" if packed else "packed     none (`od-moe pack`: one read per expert)")
-    return "\n".join(lines)
+    return "\n".join(lines + _rank_lines(report.get("ranks")))
+
+
+def _rank_lines(rows) -> list[str]:
+    if rows is None:
+        return []
+    if isinstance(rows, dict):
+        return [f"ranks      cannot split: {rows['error']}"]
+    return [
+        f"rank {r['rank']:<5} layers {r['layers'][0]}-{r['layers'][1] - 1} ({r['moe_layers']} MoE), "
+        f"{_size(r['all_experts_bytes'])} of experts, {_size(r['non_expert_bytes'])} non-expert; needs "
+        + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in r["budgets"].items())
+        for r in rows
+    ]

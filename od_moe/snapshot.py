@@ -30,7 +30,7 @@ META = "snapshot.json"
 def snapshot_key(engine) -> dict:
     predictor = getattr(engine.predictor, "identity", None) if engine.predictor is not None else None
     dtypes = sorted({str(t) for c in engine.caches for t in c.targets.values()})
-    return {
+    key = {
         "format": FORMAT,
         "model": engine.identity,
         "capacity": engine.capacity,
@@ -39,6 +39,10 @@ def snapshot_key(engine) -> dict:
         "dtypes": dtypes,
         "predictor": predictor,
     }
+    stage = getattr(engine, "stage", None)
+    if stage is not None:  # one rank's layers of a pipeline (`pipeline.py`): never another rank's
+        key["decoder_layers"] = [stage.start, stage.end]
+    return key
 
 
 def file_sha256(path: Path, bar=None) -> str:
@@ -147,7 +151,9 @@ def load_snapshot(engine, path):
     expected = snapshot_key(engine)
     if key != expected:
         diff = ", ".join(
-            f"{k}: snapshot {key.get(k)!r} vs engine {v!r}" for k, v in expected.items() if key.get(k) != v
+            f"{k}: snapshot {key.get(k)!r} vs engine {expected.get(k)!r}"
+            for k in sorted(set(expected) | set(key))
+            if key.get(k) != expected.get(k)
         )
         raise UserError(
             f"snapshot {path} was saved for another configuration ({diff}): save a new snapshot for this one"

@@ -1,0 +1,57 @@
+"""Starting a script on several ranks of this machine with `mlx.launch` (ring backend over loopback), as the
+pipeline tests and `tools/pipeline_bench.py` do: a free port range for each launch (the launcher's default
+port is fixed, and several test workers or users may launch at once), the od-moe being run on the ranks'
+import path, and a deadline after which the whole process group is killed (a rank that died leaves the
+others blocked in a collective: `mx.distributed` has no timeouts). Not here: the pipeline (`pipeline.py`)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parent.parent  # the folder od_moe is imported from
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports that are free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(first, first + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free range of loopback ports")
+
+
+def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=()):
+    """Run `script args` on `ranks` loopback ranks, `extra_path` folders on their import path beside od-moe's;
+    returns the CompletedProcess (stdout and stderr as text)."""
+    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path]))
+    command = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
+    command += ["-n", str(ranks), "--backend", "ring"]
+    command += ["--starting-port", str(free_ports(ranks)), "--env", f"PYTHONPATH={path}"]
+    command += ["--python", sys.executable, str(script), *map(str, args)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"mlx.launch did not finish in {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)

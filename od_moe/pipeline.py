@@ -1,0 +1,304 @@
+"""A model's decoder layers split over the ranks of an `mx.distributed` group: a pipeline.
+
+Started under `mlx.launch` (a group of more than one process), `od_moe.load` gives each rank a contiguous
+run of the decoder layers, in mlx-lm's order (`mlx_lm/models/pipeline.py`): rank 0 runs the last layers,
+the highest rank the first, hidden states flow from the highest rank down to rank 0 and are then gathered
+to every rank, so each computes the same logits and samples the same token (rank 0 prints and streams).
+It works on any family's `layers` list, not only on those mlx-lm gives a `pipeline` method:
+- another rank's layer is replaced by a `PassThrough` that holds no weight, hands the hidden state on in
+  the structure the layer returns, and advances the layer's attention cache by one dummy key per position,
+  so masks and offsets the model makes from that cache are the real ones;
+- the rank's first and last layers are wrapped in a `Seam` that receives the hidden state from the rank
+  before and sends it to the rank after (`mx.distributed.recv_like` / `send`); the model's last layer
+  gathers it to every rank.
+The split balances MoE layers, where the experts (so the memory and the reads) are: a dense layer goes with
+the MoE layer after it. Each rank then loads, caches and reads only its own layers' experts, exactly as one
+process does (`engine.load` finds only the blocks left in the model). A pipeline does no arithmetic
+differently: the tokens are single-process mlx-lm's.
+Not here: the expert cache, reads or prefetch (each rank's engine runs them over its own layers).
+"""
+
+import hashlib
+import os
+import random
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, _BaseCache
+
+from .errors import UserError
+from .units import format_bytes
+
+_LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
+
+
+def group_for(ranks) -> mx.distributed.Group | None:
+    """The group `load(ranks=...)` splits over: "auto" is the launcher's (`mlx.launch` sets MLX_RANK; MPI
+    its own variables), None or 1 none; a `Group` itself. None where there is one process."""
+    if ranks in (None, 1):
+        return None
+    if ranks == "auto":
+        launched = any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+        group = mx.distributed.init() if launched else None
+    elif isinstance(ranks, mx.distributed.Group):
+        group = ranks
+    else:
+        raise UserError(f"ranks must be 'auto', None or an mx.distributed.Group, got {ranks!r}")
+    return group if group is not None and group.size() > 1 else None
+
+
+def layers_of(model: nn.Module, block_paths: list[str]) -> tuple[str, list[int]]:
+    """(the module path that holds the decoder `layers` list, the indices of the layers with an MoE block)."""
+    prefixes, moe = set(), set()
+    for p in block_paths:
+        m = _LAYER_PATH.match(p)
+        if m is None:
+            raise UserError(
+                f"the MoE block {p} is not inside a `layers` list: od-moe cannot split this model"
+            )
+        prefixes.add(m.group(1) or "")
+        moe.add(int(m.group(2)))
+    if len(prefixes) != 1:
+        raise UserError(
+            f"MoE blocks sit in several layer lists ({sorted(prefixes)}): cannot split this model"
+        )
+    return prefixes.pop(), sorted(moe)
+
+
+def stage_ranges(moe_layers: list[int], num_layers: int, size: int) -> list[tuple[int, int]]:
+    """Per rank, the decoder layers [start, end) it runs: MoE layers shared as evenly as they go (low ranks
+    take one more, as in mlx-lm), rank 0 the last layers, each dense layer with the MoE layer after it."""
+    if len(moe_layers) < size:
+        raise UserError(
+            f"the model has {len(moe_layers)} MoE layers: it cannot be split over {size} ranks (at most "
+            f"{len(moe_layers)})"
+        )
+    base, extra = divmod(len(moe_layers), size)
+    counts = [base + (1 if r < extra else 0) for r in range(size)]
+    starts, first = [], 0  # stage s (first layers first) is rank size - 1 - s
+    for stage in range(size):
+        starts.append(0 if stage == 0 else moe_layers[first])
+        first += counts[size - 1 - stage]
+    ends = starts[1:] + [num_layers]
+    return [(starts[size - 1 - r], ends[size - 1 - r]) for r in range(size)]
+
+
+def _flags(layer) -> dict:
+    """A layer's plain attributes (`is_linear`, `block_type`, `layer_type`...) that models read in their loop
+    or when making caches."""
+    return {
+        k: v
+        for k, v in vars(layer).items()
+        if not k.startswith("_") and isinstance(v, (bool, int, float, str))
+    }
+
+
+def _caches(args, kwargs) -> list:
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, _BaseCache)]
+
+
+def _advance(cache, x: mx.array):
+    """Grow an attention cache by one dummy key per position of `x` (tied to `x`, so evaluating the cache
+    evaluates what `x` depends on: a send before it)."""
+    if isinstance(cache, ArraysCache) or not hasattr(cache, "update_and_fetch"):
+        return
+    dummy = mx.depends(mx.zeros((x.shape[0], 1, x.shape[1], 1), dtype=x.dtype), x)
+    cache.update_and_fetch(dummy, dummy)
+
+
+def _tie(cache, h: mx.array):
+    """Make evaluating `cache` evaluate `h` (a send): a prefill evaluates the caches, not the logits."""
+    if isinstance(cache, ArraysCache) and cache[0] is not None:
+        cache[0] = mx.depends(cache[0], h)
+    elif getattr(cache, "keys", None) is not None:
+        cache.keys = mx.depends(cache.keys, h)
+
+
+def _gather(h: mx.array, group) -> mx.array:
+    """Rank 0's hidden state (the model's last layer ran there) on every rank, kept in the graph."""
+    return mx.distributed.all_gather(h, group=group)[: h.shape[0]]
+
+
+class PassThrough(nn.Module):
+    """Another rank's decoder layer: hands the hidden state on unchanged, in the structure the layer
+    returns (`outputs` items, the hidden state first; 0: the bare array), and advances its attention cache.
+    The model's last layer also gathers rank 0's hidden state (`gather`: the group). Holds no weight."""
+
+    def __init__(self, layer: nn.Module, outputs: int, gather=None):
+        super().__init__()
+        for k, v in _flags(layer).items():
+            setattr(self, k, v)
+        self._outputs, self._gather = outputs, gather
+
+    def __call__(self, x, *args, **kwargs):
+        for c in _caches(args, kwargs):
+            _advance(c, x)
+        if self._gather is not None:
+            x = _gather(x, self._gather)
+        return x if self._outputs == 0 else (x,) + (None,) * (self._outputs - 1)
+
+
+class Seam(nn.Module):
+    """One of this rank's layers at an edge of its stage: it receives the hidden state from the rank before
+    (`receive`), sends its output to the rank after (`send`), and, the model's last layer, gathers rank 0's
+    output to every rank (`gather`). Wrapped after the rank's experts are located: parameter paths below it
+    gain a `layer.` that nothing reads any more."""
+
+    def __init__(self, layer: nn.Module, group, receive: bool, send: bool, gather: bool):
+        super().__init__()
+        for k, v in _flags(layer).items():
+            setattr(self, k, v)
+        self.layer = layer
+        self._group, self._rank = group, group.rank()
+        self._receive, self._send, self._gather = receive, send, gather
+
+    def __call__(self, x, *args, **kwargs):
+        if self._receive:
+            x = mx.distributed.recv_like(x, self._rank + 1, group=self._group)
+        out = self.layer(x, *args, **kwargs)
+        h = out[0] if isinstance(out, tuple) else out
+        if self._send:
+            h = mx.distributed.send(h, self._rank - 1, group=self._group)
+            for c in _caches(args, kwargs):
+                _tie(c, h)
+        if self._gather:
+            h = _gather(h, self._group)
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+
+class _Probe:
+    """Stands where a layer is for one lazy forward pass and records how many outputs it returns."""
+
+    def __init__(self, layer, seen: list):
+        self._layer, self._seen = layer, seen
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._seen.append(len(out) if isinstance(out, tuple) else 0)
+        return out
+
+
+def _outputs_of(model: nn.Module, layers: list) -> int:
+    """How many outputs the decoder layers return (0: the hidden state alone), from one lazy forward pass
+    (a graph is built, nothing is computed or read)."""
+    seen = []
+    originals = list(layers)
+    layers[:] = [_Probe(layer, seen) for layer in originals]
+    try:
+        model(mx.array([[0]]))
+    finally:
+        layers[:] = originals
+    if len(set(seen)) != 1:
+        raise UserError("the model's decoder layers return different structures: od-moe cannot split it")
+    return seen[0]
+
+
+@dataclass
+class Stage:
+    """This rank's part of a pipeline: its decoder layers [start, end) and every rank's (`ranges`)."""
+
+    group: mx.distributed.Group
+    start: int
+    end: int
+    ranges: list
+    layers_path: str
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def share_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's prompt on every rank (the others follow it)."""
+        n = self._sum([len(tokens) if self.rank == 0 else 0])[0]
+        return self._sum(tokens if self.rank == 0 else [0] * n)
+
+    def share_seed(self, seed: int | None) -> int | None:
+        """The sampling seed every rank uses: the one given (the same command on every rank), else one rank
+        0 draws."""
+        if seed is not None:
+            return seed
+        return self._sum([random.getrandbits(31) if self.rank == 0 else 0])[0]
+
+    def gather_numbers(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (the same count on each), rank by rank."""
+        mine = mx.array(values, dtype=mx.float32)
+        return mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1).tolist()
+
+    def _sum(self, values: list[int]) -> list[int]:
+        return mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group).tolist()
+
+
+def rank_lines(engine) -> list[str]:
+    """One line per rank: its layers, decode hit rate and bytes read (gathered: every rank must call it)."""
+    stats, stage = engine.stats(), engine.stage
+    total = stats["total"]
+    mine = [stage.start, stage.end, total["hits"], total["lookups"], total["bytes_read"]]
+    rows = stage.gather_numbers([float(v) for v in mine])
+    return [
+        f"rank {r}: layers {int(a)}-{int(b) - 1}, hit rate {hits / max(lookups, 1):.3f}, "
+        f"{format_bytes(int(read))} read"
+        for r, (a, b, hits, lookups, read) in enumerate(rows)
+    ]
+
+
+def join(ranks, settings: dict, predictor=None) -> mx.distributed.Group | None:
+    """The group `load` splits over (`group_for`), once every rank is known to have been started with the
+    same `settings` (`check_same`: before any other collective, so a rank started otherwise stops the rest
+    instead of hanging them); None on one process."""
+    group = group_for(ranks)
+    if group is not None:
+        check_same(group, dict(settings, ranks=group.size()))
+        if predictor is not None:
+            raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
+    return group
+
+
+def check_same(group, what: dict):
+    """Refuse to start where another rank was started with another model, budget or settings: every rank
+    compares a digest of `what` with rank 0's (one all_gather) and raises the same one-line UserError."""
+    digest = hashlib.sha256(repr(sorted(what.items())).encode()).digest()[:16]
+    every = mx.distributed.all_gather(mx.array(list(digest), dtype=mx.int32), group=group)
+    every = every.reshape(group.size(), -1).tolist()
+    others = [r for r, d in enumerate(every) if d != every[0]]
+    if others:
+        raise UserError(
+            f"rank {others[0]} was started with another model, budget or settings than rank 0 (this is "
+            f"rank {group.rank()}: {', '.join(f'{k}={v}' for k, v in sorted(what.items()))}): start every "
+            "rank with the same command"
+        )
+
+
+def split(model: nn.Module, group, block_paths: list[str]) -> Stage:
+    """Replace the decoder layers other ranks run by `PassThrough`s (their weights dropped with them) and
+    return this rank's `Stage`; `wrap_seams` finishes the split once the rank's experts are located."""
+    path, moe_layers = layers_of(model, block_paths)
+    owner = dict(model.named_modules())[path] if path else model
+    layers = owner.layers
+    outputs = _outputs_of(model, layers)
+    ranges = stage_ranges(moe_layers, len(layers), group.size())
+    start, end = ranges[group.rank()]
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        if not start <= i < end:
+            layers[i] = PassThrough(layer, outputs, gather=group if i == last else None)
+    return Stage(group, start, end, ranges, path)
+
+
+def wrap_seams(model: nn.Module, stage: Stage):
+    """Wrap this rank's first and last layers to receive, send and gather the hidden state."""
+    owner = dict(model.named_modules())[stage.layers_path] if stage.layers_path else model
+    layers, last, rank = owner.layers, len(owner.layers) - 1, stage.rank
+    edges = {stage.start, stage.end - 1}
+    for i in sorted(edges):
+        receive = i == stage.start and stage.start > 0
+        send = i == stage.end - 1 and rank > 0
+        layers[i] = Seam(layers[i], stage.group, receive, send, gather=i == last)

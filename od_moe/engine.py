@@ -347,9 +347,8 @@ def load(
     prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `policies.py`); default:
         "predictor" with a predictor, else "none".
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
-    direct_io: read experts past the OS page cache (Linux O_DIRECT, macOS F_NOCACHE): True, False, or
-        "auto" (on when the model's files are larger than the memory available, where caching their
-        pages would only push out the expert cache).
+    direct_io: read experts past the OS page cache (O_DIRECT, F_NOCACHE): True, False, or "auto" (on when
+        the model's files are larger than the memory available: their pages would push out the cache).
     read_threads: expert reads in flight at once (demand and prefetch); None: 4 for experts of 1 MiB or
         more (SSDs read faster with a few in flight), 1 for smaller ones.
     packed: read experts from packed rows (`od-moe pack`, one request per expert): "auto" (where the model
@@ -359,15 +358,15 @@ def load(
         holds the experts and no predictive prefetch or skip mode is asked for), True or False; then
         capacity may be 0. `Engine.mode` says which path runs and why.
     ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`pipeline.py`: each
-        rank caches and reads its own layers' experts, with this budget); None: one process; or an
-        `mx.distributed.Group`.
+        rank caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     """
     check_policies(miss_policy, eviction)
     path = resolve_model_path(model)
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = open_store(path, packed, direct_io)
+    identity = model_identity(path, store)
     settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
-    group = pipeline.join(ranks, dict(settings, model=model_identity(path, store)), predictor)
+    group = pipeline.join(ranks, dict(settings, model=identity), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
     stage = group and pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
     blocks = offloadable_blocks(mlx_model, path)
@@ -382,16 +381,8 @@ def load(
         pipeline.wrap_seams(mlx_model, stage)
         runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
-    engine = Engine(
-        mlx_model,
-        tokenizer,
-        path,
-        runtime,
-        [b.block for b in blocks],
-        model_identity(path, store),
-        top_k_of(blocks[0].block),
-        non_expert,
-    )
+    modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
+    engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, non_expert)
     engine.mode = ("two-tier" if tiered else "per-layer", why)
     engine.stage = stage or None
     if two_tier != "auto" or tiered:

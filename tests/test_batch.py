@@ -44,6 +44,19 @@ def test_a_batch_gives_stock_mlx_lms_batch_tokens(capacity, reference):
     assert total["lookups"] == total["hits"] + total["misses"] > 0
 
 
+@pytest.mark.parametrize("capacity", [0, 0.25])
+def test_a_two_tier_batch_gives_stock_mlx_lms_batch_tokens(capacity, reference):
+    """Two-tier mode batches too: lanes of every sequence whose expert has no slot are read in place (a
+    batch's union of experts overflows 16 slots at 25%), nothing is read from disk, and the counts add up."""
+    engine = od_moe.load(capacity=capacity, two_tier=True)
+    got = engine.batch_generate(PROMPTS, max_tokens=TOKENS)
+    assert got.token_ids == reference.token_ids
+    stats = engine.stats()
+    total = stats["total"]
+    assert total["lookups"] == total["hits"] + total["misses"] > 0
+    assert total["bytes_read"] == 0 and (total["hits"] > 0) == (capacity > 0)
+
+
 def test_streamed_batch_tokens_come_with_their_prompt_index(reference):
     engine = od_moe.load(capacity="25%")
     tokens, finished = [[] for _ in PROMPTS], [None] * len(PROMPTS)

@@ -24,6 +24,7 @@ class DeviceTally:
         self.layers, self.experts, self.phases = layers, experts, phases
         self.counts = mx.zeros((layers * experts,), mx.int32)
         self.hits = mx.zeros((phases * layers,), mx.int32)
+        mx.eval(self.counts, self.hits)  # now: another thread may generate, and MLX streams are per thread
         self._offsets: dict[tuple, mx.array] = {}
         self._added: int | None = None  # the pass whose additions are not launched yet
         self._launched: deque[tuple[int, mx.array, mx.array]] = deque()  # (pass, counts, hits)

@@ -368,4 +368,5 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], progress=None) -
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype
             )
     runtime._refresh()
+    mx.eval([t.rows for t in runtime._tables] + [t.hit for t in runtime._tables])  # before another thread
     return runtime

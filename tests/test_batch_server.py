@@ -9,6 +9,7 @@ import re
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import mlx_lm
@@ -74,9 +75,11 @@ def text_of(tokenizer, tokens, eos):
     return detokenizer.text
 
 
-@pytest.mark.parametrize("capacity", [None, "25%"])
-def test_batched_requests_give_the_tokens_of_their_schedule_replayed_through_mlx_lm(capacity, stock):
-    engine = od_moe.load(capacity=capacity)
+@pytest.mark.parametrize("capacity, two_tier", [(None, False), ("25%", False), ("25%", True)])
+def test_batched_requests_give_the_tokens_of_their_schedule_replayed_through_mlx_lm(
+    capacity, two_tier, stock
+):
+    engine = od_moe.load(capacity=capacity, two_tier=two_tier)
     base, log, srv, worker = start(engine, max_batch=4)
     bodies = [{"prompt": p, "max_tokens": 8 + 3 * i, "temperature": 0} for i, p in enumerate(PROMPTS)]
     bodies[2]["stop"] = ["(x"]  # every completion here starts a new `def function_...(x)`
@@ -235,3 +238,29 @@ def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first)
     alone = "".join(r.text for r in engine.stream_generate(second, max_tokens=12))
     assert warm["choices"][0]["text"] == alone
+
+
+def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves_on(monkeypatch):
+    """A step that raises, and a ledger that cannot settle after it, end the running requests with a 5xx
+    error; the generation thread lives on and the next request is answered."""
+    engine = od_moe.load(capacity="50%")
+    base, _, srv, worker = start(engine, max_batch=2)
+    from od_moe.server import batching
+
+    step, settle, broken = batching.RunningBatch.step, engine.runtime.settle, [True]
+
+    def step_once_broken(self):
+        if broken[0]:
+            broken[0] = False
+            monkeypatch.setattr(engine.runtime, "settle", lambda: 1 / 0)
+            raise RuntimeError("the device went away")
+        return step(self)
+
+    monkeypatch.setattr(batching.RunningBatch, "step", step_once_broken)
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        call(base, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert failed.value.code >= 500
+    monkeypatch.setattr(engine.runtime, "settle", settle)
+    answer = call(base, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
+    assert answer["choices"][0]["text"] and worker.thread.is_alive()
+    srv.shutdown()

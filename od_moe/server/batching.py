@@ -130,7 +130,10 @@ class RunningBatch:
         self.generator = self._new_generator()
         if self.schedule is not None:
             self.schedule.reset(self.steps)
-        self.engine.runtime.settle()
+        try:
+            self.engine.runtime.settle()
+        except Exception:  # the failed step's counts may be lost; the worker must live on to serve the next
+            pass
 
     # -- one step --------------------------------------------------------------------------------
     def step(self):

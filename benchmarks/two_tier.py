@@ -29,14 +29,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm import load as mlx_lm_load
 
 import od_moe
-from od_moe import backend
-from od_moe.bench.foundation import PROMPTS, stock_decode
+from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock
 from od_moe.report import table
-
-WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n    "
 
 
 def model_path(args) -> Path:
@@ -65,18 +62,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     if kind == "static":
         engine.runtime.admissions = False
     engine.reset_stats()
-    ratios, speeds, same = [], [], 0
-    for _ in range(args.rounds):
-        pairs = []
-        for i, prompt in enumerate(PROMPTS):
-            s = stock_decode(stock, tokenizer, prompt, args.tokens)[0]
-            responses = list(engine.stream_generate(prompt, max_tokens=args.tokens))
-            same += [r.token for r in responses] == reference[i]
-            pairs.append((s, responses[-1].generation_tps))
-        stock_tps = statistics.mean(p[0] for p in pairs)
-        tps = statistics.mean(p[1] for p in pairs)
-        ratios.append(tps / stock_tps)
-        speeds.append((stock_tps, tps))
+    ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds)
     stats = engine.stats()
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
@@ -114,12 +100,7 @@ def main():
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     path = model_path(args)
-    stock, tokenizer = mlx_lm_load(str(path))
-    dtype = backend.compute_dtype()
-    if dtype is not None:
-        stock.set_dtype(dtype)
-    stock_decode(stock, tokenizer, WARM_PROMPT, 8)
-    reference = [stock_decode(stock, tokenizer, p, args.tokens)[1] for p in PROMPTS]
+    stock, tokenizer, reference = load_stock(path, args.tokens)
     rows = []
     for spec in args.rows.split(","):
         row = run_row(spec, path, stock, tokenizer, reference, args)

@@ -13,13 +13,13 @@ import statistics
 import time
 from pathlib import Path
 
-from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
 
-from .. import backend, load
+from .. import load
 from ..engine import DEFAULT_MODEL
 from ..report import table
 from ..training.data import load_documents
+from .foundation import stock_model
 from .widen import widen_model
 
 
@@ -54,10 +54,7 @@ def _decode(run, prompts: list, max_tokens: int) -> dict:
 
 def _stock_runner(path):
     """Stock mlx-lm's `batch_generate` on `path` fully resident, in od-moe's compute dtype, warmed up."""
-    model, tokenizer = mlx_lm_load(str(path))
-    target = backend.compute_dtype("auto")
-    if target is not None:
-        model.set_dtype(target)
+    model, tokenizer = stock_model(path)
 
     def run(prompts, n, seen):
         ids = [tokenizer.encode(p) for p in prompts]

@@ -181,7 +181,7 @@ def _batch_sizes(args) -> list[int]:
 
 
 def _two_tier(args, fractions, rounds: int, printer) -> dict:
-    from .prefetch import _widened
+    from .prefetch import widened_copy
     from .two_tier_grid import run_two_tier_grid
 
     models = [("bundled", DEFAULT_MODEL, args.max_tokens)]
@@ -189,7 +189,7 @@ def _two_tier(args, fractions, rounds: int, printer) -> dict:
         models.append(
             (
                 "widened",
-                _widened(args.widen, Path(args.workdir), False, printer or (lambda *_: None)),
+                widened_copy(args.widen, Path(args.workdir), False, printer or (lambda *_: None)),
                 args.widened_tokens,
             )
         )

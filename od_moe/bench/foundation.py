@@ -40,14 +40,21 @@ def stock_decode(model, tokenizer, prompt: str, max_tokens: int) -> tuple[float,
     return last.generation_tps, tokens
 
 
-def run_stock(path, prompts, max_tokens):
-    """Stock mlx-lm with od-moe's backend cast: tokens, decode tok/s, peak memory."""
-    mx.clear_cache()
-    backend.reset_peak_memory()
+def stock_model(path):
+    """Stock mlx-lm's model and tokenizer for `path`, every expert resident, cast as od-moe computes on
+    this backend (`backend.compute_dtype`): the reference the benchmarks compare with."""
     model, tokenizer = mlx_lm_load(str(path))
     dtype = backend.compute_dtype()
     if dtype is not None:
         model.set_dtype(dtype)
+    return model, tokenizer
+
+
+def run_stock(path, prompts, max_tokens):
+    """Stock mlx-lm with od-moe's backend cast: tokens, decode tok/s, peak memory."""
+    mx.clear_cache()
+    backend.reset_peak_memory()
+    model, tokenizer = stock_model(path)
     tokens, tps = [], []
     for p in prompts:
         t, last = _decode(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens))

@@ -220,7 +220,7 @@ def run_prefetch_grid(
     settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:  # a bad folder or another model's predictor fails before any run
         load_predictor(predictor_dir, _bundled_identity())
-    wide = _widened(widen, workdir, pack, say) if widen else None
+    wide = widened_copy(widen, workdir, pack, say) if widen else None
     rows = []
     for model, path, n_tokens, fractions, temps, misses, policy_set in _plan(
         grid, max_tokens, wide, widened_tokens
@@ -269,7 +269,7 @@ def run_prefetch_grid(
     return {"rows": rows}
 
 
-def _widened(widen: int, workdir: Path, pack: bool, say) -> Path:
+def widened_copy(widen: int, workdir: Path, pack: bool, say) -> Path:
     """The widened copy of the bundled model (built or verified), its experts packed if asked."""
     t0 = time.perf_counter()
     wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)

@@ -25,14 +25,14 @@ import time
 import urllib.error
 import urllib.request
 
-from mlx_lm import load as mlx_lm_load
 from werkzeug.serving import make_server
 
-from .. import backend, load
+from .. import load
 from ..engine import DEFAULT_MODEL
 from ..server import create_app
 from ..server.schedule import ScheduleLog, replay
 from .batching import batch_prompts
+from .foundation import stock_model
 
 
 def start_server(capacity, max_batch: int):
@@ -56,13 +56,20 @@ def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _all_at_once(client, count: int) -> float:
+    """Run `client(0)` .. `client(count - 1)` on threads started together; the seconds until all ended."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
 def replayed_tokens(log: ScheduleLog, stop_tokens) -> dict[int, list[int]]:
     """The logged schedule replayed through mlx-lm's BatchGenerator on the stock embedded model."""
-    model, _ = mlx_lm_load(str(DEFAULT_MODEL))
-    target = backend.compute_dtype("auto")
-    if target is not None:
-        model.set_dtype(target)
-    return replay(model, log, stop_tokens)
+    return replay(stock_model(DEFAULT_MODEL)[0], log, stop_tokens)
 
 
 def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
@@ -75,13 +82,7 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
     def client(i):
         replies[i] = post(base, {"prompt": texts[i], "max_tokens": max_tokens, "temperature": 0})
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(texts))]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    wall = _all_at_once(client, len(texts))
     server.shutdown()
     app.worker.shutdown()
     served = {tuple(j.prompt): log.tokens[j.uid] for j in log.joins}
@@ -127,13 +128,7 @@ def soak(clients: int, requests: int, capacity, max_batch: int, seed: int = 0) -
             with lock:
                 outcomes.append(dict(outcome, kind=kind, client=c, request=r))
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    wall = _all_at_once(client, clients)
     deadline = time.time() + 60
     while app.worker.active and time.time() < deadline:
         time.sleep(0.1)

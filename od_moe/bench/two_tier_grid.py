@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm import load as mlx_lm_load
 
-from .. import backend, load
+from .. import load
 from ..replay import replay_recording
 from ..report import table
 from ..two_tier import TwoTierSwitch
 from ..units import MB
-from .foundation import PROMPTS, stock_decode
+from .foundation import PROMPTS, stock_decode, stock_model
 from .roofline import roofline_ms
 
 WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n    "
@@ -54,8 +53,16 @@ def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
     return cache.num_experts * cache.layout.expert_nbytes / best
 
 
-def _alternate(engine, stock, tokenizer, reference, tokens: int, rounds: int):
-    """(ratios, (stock tok/s, tok/s) per round, prompts that gave stock's tokens)."""
+def load_stock(path: Path, tokens: int):
+    """Stock mlx-lm on `path` (`stock_model`), warmed up, and its greedy tokens for `PROMPTS`."""
+    stock, tokenizer = stock_model(path)
+    stock_decode(stock, tokenizer, WARM_PROMPT, 8)
+    return stock, tokenizer, [stock_decode(stock, tokenizer, p, tokens)[1] for p in PROMPTS]
+
+
+def alternate(engine, stock, tokenizer, reference, tokens: int, rounds: int):
+    """Rounds of `PROMPTS`, stock and `engine` alternating prompt by prompt: (each round's tok/s over
+    stock's, (stock tok/s, tok/s) per round, prompts that gave stock's tokens)."""
     ratios, speeds, same = [], [], 0
     for _ in range(rounds):
         pairs = []
@@ -90,7 +97,7 @@ def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: in
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
         list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
     engine.reset_stats()
-    ratios, speeds, same = _alternate(engine, stock, tokenizer, reference, tokens, rounds)
+    ratios, speeds, same = alternate(engine, stock, tokenizer, reference, tokens, rounds)
     stats = engine.stats()
     passes = max(1, stats["positions"]["decode"])
     mapped = stats["total"]["decode"]["misses"] / passes
@@ -151,12 +158,7 @@ def run_two_tier_grid(models: list[tuple[str, Path, int]], fractions, rounds: in
     say = printer or (lambda *_: None)
     rows = []
     for name, path, tokens in models:
-        stock, tokenizer = mlx_lm_load(str(path))
-        dtype = backend.compute_dtype()
-        if dtype is not None:
-            stock.set_dtype(dtype)
-        stock_decode(stock, tokenizer, WARM_PROMPT, 8)
-        reference = [stock_decode(stock, tokenizer, p, tokens)[1] for p in PROMPTS]
+        stock, tokenizer, reference = load_stock(path, tokens)
         bw, model_rows = None, []
         for fraction in fractions:
             row = run_row(path, fraction, stock, tokenizer, reference, tokens, rounds, bw)

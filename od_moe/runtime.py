@@ -141,6 +141,10 @@ class OffloadRuntime:
         """Read experts `ids` of `cache`'s layer and install them, now (`Loader.load`)."""
         self.loader.load(cache, ids, protect, **kwargs)
 
+    def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
+        """What `cache`'s slots hold, by `proj.part` name (snapshots; two tiers keep them elsewhere)."""
+        return cache.stacked_arrays()
+
     def close(self):
         """Stop prefetching and the reader threads (demand reads start them again)."""
         self.loader.close()

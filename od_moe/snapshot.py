@@ -86,7 +86,7 @@ def save_snapshot(engine, path, weights: bool = False):
             arrays = {
                 f"layer{i}.{name}": a
                 for i, c in enumerate(engine.caches)
-                for name, a in _slot_arrays(engine, c).items()
+                for name, a in engine.runtime.slot_arrays(c).items()
             }
             nbytes = sum(a.nbytes for a in arrays.values())
             with byte_progress("saving snapshot", 2 * nbytes) as bar:  # writing, then hashing
@@ -194,13 +194,6 @@ def _fill(engine, path: Path, layers: list, packed: dict | None, bar):
         if saved.get("pinned"):
             cache.pin(slots[np.asarray(saved["pinned"], dtype=np.int64)])
         bar.update((cache.slot_nbytes if packed is not None else cache.layout.expert_nbytes) * cache.capacity)
-
-
-def _slot_arrays(engine, cache) -> dict:
-    """What a layer's slots hold, by `proj.part` name (in two-tier mode, the last rows of its stacks)."""
-    if getattr(engine.runtime, "two_tier", False):
-        return engine.runtime.slot_arrays(cache)
-    return cache.stacked_arrays()
 
 
 def _read_into_slots(engine, cache, ids, saved_slots):

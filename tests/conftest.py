@@ -48,8 +48,7 @@ def slots_hold_their_experts(engine, model_dir=None):
     for cache in engine.caches:
         consistent(cache)
         resident = np.flatnonzero(cache.slot_of >= 0)
-        two_tier = getattr(engine.runtime, "two_tier", False)
-        slots = engine.runtime.slot_arrays(cache) if two_tier else cache.stacked_arrays()
+        slots = engine.runtime.slot_arrays(cache)
         for part in cache.layout.parts:
             held = slots[f"{part.proj}.{part.name}"][mx.array(cache.slot_of[resident])]
             expected = weights[f"{cache.layout.module_path}.{part.proj}.{part.name}"][mx.array(resident)]

@@ -21,6 +21,7 @@ there, the speeds are the CPU's.
 """
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -31,7 +32,10 @@ from pathlib import Path
 import mlx.core as mx
 
 import od_moe
+import od_moe.assembly
+from od_moe import lookahead
 from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.prefetch import _predictor_for
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock
 from od_moe.report import table
 
@@ -46,10 +50,36 @@ def model_path(args) -> Path:
 
 def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     kind, fraction, *knobs = spec.split(":")
+    label = " ".join([kind, f"{float(fraction):.1%}", *knobs])
     fraction = float(fraction)
+    ahead = dict(
+        k.split("=")
+        for k in knobs
+        if k.split("=")[0] in ("ahead", "forecast", "distance", "blocks", "nocopy", "demand")
+    )
+    knobs = [k for k in knobs if k.split("=")[0] not in ahead]
+    build = od_moe.assembly.build_two_tier
+    if "ahead" in ahead:
+        od_moe.assembly.build_two_tier = functools.partial(build, lookahead_rows=int(ahead["ahead"]))
     t0 = time.perf_counter()
-    engine = od_moe.load(str(path), capacity=fraction, two_tier=kind != "exact")
+    try:
+        engine = od_moe.load(str(path), capacity=fraction, two_tier=kind != "exact")
+    finally:
+        od_moe.assembly.build_two_tier = build
     load_s = time.perf_counter() - t0
+    if "ahead" in ahead:
+        distance = int(ahead.get("distance", 1))
+        if ahead.get("forecast", "shadow") == "none":
+            pass
+        elif ahead.get("forecast", "shadow") == "shadow":
+            predictor = _predictor_for(engine.identity)
+            predictor.attach_routers(*engine.routers())
+            engine.runtime.forecast = lookahead.shadow_forecast(predictor, distance)
+        else:
+            engine.runtime.forecast = lookahead.next_gate_forecast(engine.routers(), distance)
+        engine.runtime.lookahead.blocks = int(ahead.get("blocks", lookahead.BLOCKS))
+        engine.runtime.lookahead.copy = "nocopy" not in ahead
+        engine.runtime.lookahead.demand = ahead.get("demand", "1") == "1"
     for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
         name, value = knob.split("=")
         if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
@@ -67,7 +97,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
-        "row": " ".join([kind, f"{fraction:.1%}", *knobs]),
+        "row": label,
         "mode": engine.mode[0],
         "capacity": engine.capacity,
         "stock_tok_s": statistics.median(s for s, _ in speeds),
@@ -80,6 +110,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
         "load_s": load_s,
         "stack_moves": getattr(engine.runtime, "stack_moves", 0),
+        "wrong_lookahead_rows": lookahead.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
     }
     del engine
     gc.collect()

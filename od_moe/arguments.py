@@ -29,10 +29,11 @@ def _direct_io_arg(parser: argparse.ArgumentParser):
 def _two_tier_arg(parser: argparse.ArgumentParser):
     parser.add_argument(
         "--two-tier",
-        choices=["auto", "on", "off"],
+        choices=["auto", "on", "off", "lru"],
         default="auto",
         help="every expert in host memory, read in place on a miss, --capacity experts per layer in device "
-        "slots (default auto: on CUDA where host memory holds the experts)",
+        "slots (default auto: on CUDA where host memory holds the experts; lru: on, its slots kept on the "
+        "device, least recently used, each miss copied in)",
     )
 
 

@@ -55,9 +55,17 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 
 def two_tier_mode(two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor) -> tuple[bool, str]:
     """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
-    host and device allow it)."""
-    if two_tier not in (True, False, "auto"):
-        raise UserError(f"two_tier must be True, False or 'auto', got {two_tier!r}")
+    host and device allow it); "lru" (truthy) where asked for: its slots kept on the device
+    (`lookahead.py`)."""
+    if two_tier not in (True, False, "auto", "lru"):
+        raise UserError(f"two_tier must be True, False, 'auto' or 'lru', got {two_tier!r}")
+    if two_tier == "lru":
+        on, why = two_tier_mode(True, expert_nbytes, miss_policy, prefetch, predictor)
+        return (
+            "lru",
+            f"{why}; slots kept by the device where fewer than the experts: least recently used, each "
+            "miss copied in",
+        )
     on, why = backend.two_tier_choice(two_tier, expert_nbytes)
     predicts = prefetch in ("next-gate", "predictor", "oracle") or (
         prefetch is None and predictor is not None
@@ -83,7 +91,7 @@ def build_runtime(store, blocks, caches, tiered: bool, miss_policy: str, read_th
     if tiered:
         nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
         with byte_progress("mapping experts", nbytes) as bar:
-            return build_two_tier(store, blocks, caches, bar)
+            return build_two_tier(store, blocks, caches, bar, device_lru=tiered == "lru")
     runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
     for i, block in enumerate(blocks):
         block.replace_switch(OffloadedSwitch(block.switch, runtime, i))

@@ -13,7 +13,7 @@ from .errors import ExpertReadError, UserError
 
 def _direct_io(value: str):
     """auto/on/off as `load` takes it (for --direct-io and --two-tier)."""
-    return {"auto": "auto", "on": True, "off": False}[value]
+    return {"auto": "auto", "on": True, "off": False, "lru": "lru"}[value]
 
 
 def _check_writable(folder: str):

@@ -355,8 +355,8 @@ def load(
         folder has them), True (required), False, or the path of a packed file.
     two_tier: every expert in host memory, read in place by the device on a miss, `capacity` experts per
         layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
-        holds the experts and no predictive prefetch or skip mode is asked for), True or False; then
-        capacity may be 0. `Engine.mode` says which path runs and why.
+        holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by the
+        device: `lookahead.py`); then capacity may be 0. `Engine.mode` says which path runs and why.
     ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`pipeline.py`: each
         rank caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     """

@@ -39,6 +39,7 @@ from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
 from .host_ring import HostRing
+from .lookahead import LookaheadRows
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
 from .stats import PHASES, Ledger
@@ -114,6 +115,9 @@ class TwoTierRuntime:
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
         self._since_admission = 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
+        self.lookahead: LookaheadRows | None = None  # rows after the slots, filled by prediction
+        self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`lookahead.py`)
+        self.device_lru = False  # the slots are kept on the device (`lookahead.py`), none by the host
         weakref.finalize(self, _release, stacks)
 
     # -- the engine's interface ------------------------------------------------------------------
@@ -157,6 +161,10 @@ class TwoTierRuntime:
         still computing."""
         if self._book(self.tally.read()) or self._recorded:
             self.host_syncs += 1
+        if self.lookahead is not None:
+            for layer, copies in enumerate(self.lookahead.read()):
+                if copies:
+                    self.ledger.add("decode", layer, installed=int(copies), evictions=0, install_s=0.0)
         if self._recorded:
             mx.eval([ids for ids, _ in self._recorded])
             for ids, k in self._recorded:
@@ -167,6 +175,8 @@ class TwoTierRuntime:
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **_):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
         snapshots, a fully resident start), free slots first, then the most evictable."""
+        if self.device_lru:  # the device fills its slots from the routing; the host places nothing
+            return
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[cache.slot_of[ids] < 0]
         if ids.size:
@@ -177,6 +187,8 @@ class TwoTierRuntime:
         """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's slots), the others
         emptied."""
         cache.restore(np.full(cache.capacity, -1))
+        if self.device_lru:
+            return
         held = np.asarray(expert_in_slot, dtype=np.int64)
         slots = np.flatnonzero(held >= 0)
         if slots.size:
@@ -185,8 +197,8 @@ class TwoTierRuntime:
     def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
         """The slot rows of `cache`'s layer by `proj.part` name, as `LayerCache.stacked_arrays` names them
         (for snapshots)."""
-        E = self.num_experts
-        return {f"{proj}.{name}": rows[E:] for (proj, name), rows in self.stacks[cache.layer].items()}
+        E, C = self.num_experts, cache.capacity
+        return {f"{proj}.{name}": rows[E : E + C] for (proj, name), rows in self.stacks[cache.layer].items()}
 
     # -- a pass --------------------------------------------------------------------------------
     def compute(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array):
@@ -194,15 +206,22 @@ class TwoTierRuntime:
         if layer == 0:
             self._begin_pass(x)
         lanes = indices.size
+        ahead = self.lookahead is not None and self.phase == "decode"
+        if ahead and self.forecast is not None:
+            for target, scores in self.forecast(layer, x):
+                self.lookahead.expect(target, scores)
         if self._full[layer]:  # no lane can miss: nothing to count on the device
             y = stacked(x, self._tables[layer].rows[indices])
             self.ledger.count_lookups(self.phase, layer, lanes, lanes)
         else:
             self._routed[layer] = indices
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
-            if self._resident[layer].any():
-                self._hit[layer] = self._tables[layer].hit[indices]
-                y = stacked(x, self._tables[layer].rows[indices])
+            rows = found = self._tables[layer].rows
+            if ahead:  # rows found holding an expert, and rows read (after the layer's own copies)
+                found, rows = self.lookahead.rows(layer, rows, indices)
+            if ahead or self._resident[layer].any():
+                self._hit[layer] = found[indices] >= self.num_experts
+                y = stacked(x, rows[indices])
             else:  # rows are expert ids
                 y = stacked(x, indices)
         if self._recording is not None:
@@ -234,6 +253,8 @@ class TwoTierRuntime:
     def _end_pass(self, k: int):
         counted = {i: ids for i, ids in self._routed.items() if not self._full[i]}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit)
+        if self.lookahead is not None:
+            self.lookahead.end_pass()
         if self._recording is not None:
             ids = mx.stack([self._routed[i].reshape(-1) for i in range(len(self.caches))])
             self._recorded.append((ids, k))
@@ -355,12 +376,31 @@ def _release(stacks):
         release_stack(stack)
 
 
-def build(store: ExpertStore, blocks, caches: list[LayerCache], progress=None) -> TwoTierRuntime:
+def build(
+    store: ExpertStore,
+    blocks,
+    caches: list[LayerCache],
+    progress=None,
+    lookahead_rows: int = 0,
+    device_lru: bool = False,
+) -> TwoTierRuntime:
     """Read every layer's stack (`progress.update(bytes)` as it goes), make the runtime and put a
     `TwoTierSwitch` where each block's switch was. `caches` were made over the blocks' switches; their own
-    slot arrays are given back (the slots are the stacks' last rows)."""
-    stacks = [read_stack(store, cache.layout, cache.targets, cache.capacity, progress) for cache in caches]
+    slot arrays are given back (the slots are the stacks' last rows). `lookahead_rows`: device rows per
+    layer after the slots, kept on the device (`lookahead.py`: filled by the layer's misses and, once
+    `forecast` is set, by predictions). `device_lru`: the slots themselves are such rows (the host's
+    caches stay empty, admission off), unless every expert fits in them."""
+    device_lru = device_lru and caches[0].capacity < caches[0].num_experts
+    rows = [cache.capacity + lookahead_rows for cache in caches]
+    stacks = [read_stack(store, c.layout, c.targets, n, progress) for c, n in zip(caches, rows)]
     runtime = TwoTierRuntime(store, caches, stacks)
+    if device_lru:
+        slots, kept = [0] * len(caches), rows[0]
+        runtime.admissions, runtime.device_lru = False, True
+    else:
+        slots, kept = [c.capacity for c in caches], lookahead_rows
+    if kept:
+        runtime.lookahead = LookaheadRows(stacks, runtime.num_experts, slots, kept, kept)
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         block.replace_switch(TwoTierSwitch(switch_on(block.switch, stack), runtime, i))
         for part in cache.layout.parts:

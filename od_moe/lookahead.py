@@ -1,0 +1,418 @@
+"""Lookahead rows: experts predicted for a layer copied into device rows while earlier layers compute.
+
+Two-tier mode (`two_tier.py`) reads a miss in place, from host memory, inside the kernel that needs it,
+so its bytes cross PCIe after the layers before it and add to the pass's time. Here each MoE layer has
+S more device rows after its C slots (stack rows E+C .. E+C+S-1). During a decode pass, at a source
+layer some layers before a target, the predictor (the shadow network, or next-gate: the target's router
+applied to the source's hidden state) scores the target's experts on the device; the top P not in a slot
+are copied into lookahead rows by one kernel, and the target's expert->row table for this pass is that
+kernel's output. The copy depends only on the prediction, so on CUDA it runs beside the layers in between
+(MLX's CUDA graphs order kernels by the buffers they read and write, not one after another), and the
+target reads the experts it was predicted from device memory. Nothing waits for the host.
+
+What a lookahead row holds is known only on the device (`held`, an output of each copy that the next
+pass's copy takes as input). A row is rewritten only by a pass whose prediction depends on every earlier
+pass's output, so no read of the old contents can still be in flight; a prediction that misses costs PCIe
+bytes, never a wrong token (an expert not copied is read in place, as before).
+
+On the CPU (and Metal) the stacks are host memory and no kernel runs: `plan` decides in numpy what the
+kernel decides, after waiting for the prediction, and writes the rows through numpy views, so the same
+tables and rows are exercised by the tests. Not here: the slots and their admission (`two_tier.py`).
+"""
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import cuda, slot_fill
+
+THREADS = 256
+BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
+_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
+
+AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first
+MAX_DEMAND = 64  # routed lanes a layer's own call takes (batch 8 at top-8); past it, misses are read in place
+
+_SOURCE = """
+    using U = {unit};
+    int want[P];  // the candidates in order, -1 where repeated or already in a slot
+    if (SCORES) {{  // the top P of E scores (ties: the lower id)
+        float last_v = INFINITY;
+        int last_i = -1;
+        for (int q = 0; q < P; ++q) {{
+            int best = -1;
+            float best_v = -INFINITY;
+            for (int e = 0; e < E; ++e) {{
+                float v = static_cast<float>(cand[e]);
+                bool below = v < last_v || (v == last_v && e > last_i);
+                if (below && (best < 0 || v > best_v)) {{
+                    best = e;
+                    best_v = v;
+                }}
+            }}
+            last_v = best_v;
+            last_i = best;
+            want[q] = best;
+        }}
+    }} else {{  // P expert ids
+        for (int q = 0; q < P; ++q) {{
+            int e = (int)static_cast<float>(cand[q]);
+            for (int r = 0; r < q; ++r) e = (want[r] == e) ? -1 : e;
+            want[q] = e;
+        }}
+    }}
+    for (int q = 0; q < P; ++q) {{
+        int e = want[q];
+        want[q] = (e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
+    }}
+    int now[S];
+    int new_age[S];
+    bool free_row[S];
+    for (int s = 0; s < S; ++s) {{
+        now[s] = held[s];
+        bool keep = false;
+        for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
+        free_row[s] = !keep && COPY;
+        new_age[s] = keep ? 0 : (DEMAND ? min(age[s] + 1, {empty}) : age[s]);
+    }}
+    int into = -1;  // the row this block's expert is copied to
+    int copies = 0;
+    for (int q = 0; q < P; ++q) {{
+        if (want[q] < 0) continue;
+        bool there = false;
+        for (int s = 0; s < S; ++s) there = there || (!free_row[s] && now[s] == want[q]);
+        if (there) continue;
+        int v = -1;  // the least recently used free row (empty ones first; ties: the lower row)
+        for (int s = 0; s < S; ++s) if (free_row[s] && (v < 0 || age[s] > age[v])) v = s;
+        if (v < 0) break;
+        free_row[v] = false;
+        now[v] = want[q];
+        new_age[v] = 0;
+        copies += 1;
+        if (q == (int)blockIdx.y) into = v;
+    }}
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {{
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {{
+            uint32_t row = base[i], was = base[i];
+            for (int s = 0; s < S; ++s) {{
+                if (now[s] == i && row < (uint32_t)E) row = E + C + s;
+                if (held[s] == i && was < (uint32_t)E) was = E + C + s;
+            }}
+            rows[i] = row;
+            found[i] = was;
+        }}
+        if (threadIdx.x == 0) {{
+            for (int s = 0; s < S; ++s) {{
+                held_out[s] = now[s];
+                age_out[s] = new_age[s];
+            }}
+            copied[0] = copies;
+        }}
+    }}
+    if (into < 0) return;
+    size_t from_row = (size_t)want[blockIdx.y];
+    size_t to_row = (size_t)(E + C + into);
+    size_t step = (size_t)gridDim.x * blockDim.x;
+    size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    switch (blockIdx.z) {{
+{cases}
+    }}
+"""
+
+_CASE = """        case {i}: {{
+            U* rows_{i} = const_cast<U*>(reinterpret_cast<const U*>(a{i}));
+            for (size_t u = first; u < {units}; u += step)
+                rows_{i}[to_row * {units} + u] = rows_{i}[from_row * {units} + u];
+            break;
+        }}"""
+
+
+def plan(want: list[int], base: np.ndarray, held: np.ndarray, age: np.ndarray, E: int, C: int, demand: bool):
+    """What the kernel decides, in numpy: (rows (E,), held after (S,), ages after (S,), [(expert, row) to
+    copy]). `want`: candidate experts, best first; those in a slot or repeated are dropped. A row holding
+    a wanted expert keeps it (age 0); each other wanted expert goes to the least recently used row not
+    holding a wanted one (empty rows first; ties: the lower row), until none is left; a `demand` call
+    (the layer's own routing) ages every other row by one."""
+    seen, kept = set(), []
+    for e in want:
+        if 0 <= e < E and base[e] < E and e not in seen:
+            kept.append(e)
+        seen.add(e)
+    wanted = set(kept)
+    now, new_age = held.astype(np.int64).copy(), age.astype(np.int64).copy()
+    free = np.array([int(h) not in wanted for h in held])
+    if demand:
+        new_age[free] = np.minimum(new_age[free] + 1, AGE_EMPTY)
+    new_age[~free] = 0
+    copies = []
+    for e in kept:
+        if any(not free[s] and now[s] == e for s in range(len(now))):
+            continue
+        rows_free = np.flatnonzero(free)
+        if not rows_free.size:
+            break
+        v = int(rows_free[np.argmax(age[rows_free])])  # argmax: the first (lowest) row among equals
+        free[v], now[v], new_age[v] = False, e, 0
+        copies.append((e, E + C + v))
+    return _overlay(base, now, E, C), now, new_age, copies
+
+
+def _overlay(base: np.ndarray, held: np.ndarray, E: int, C: int) -> np.ndarray:
+    """`base` with each expert `held` in a row (not in a slot) pointing at that row."""
+    rows = base.astype(np.int64).copy()
+    for s, e in enumerate(held):
+        if e >= 0 and rows[e] < E:
+            rows[e] = E + C + s
+    return rows
+
+
+def top(scores: np.ndarray, count: int) -> list[int]:
+    """The `count` best-scored experts, best first (ties: the lower id), as the kernel ranks them."""
+    return [int(e) for e in np.argsort(-scores, kind="stable")[:count]]
+
+
+class LookaheadRows:
+    """S rows per layer after its C slots (`stacks` must have E + C + S rows), least recently used first,
+    filled on the device: by predictions of the layer's experts made some layers before it (`expect`,
+    `per_layer` experts each) and, where `demand` is on, by the layer's own routing (copied, then read)."""
+
+    def __init__(self, stacks: list[dict], num_experts: int, slots: list[int], rows: int, per_layer: int):
+        self.stacks, self.E, self.C, self.S, self.P = stacks, num_experts, slots, rows, per_layer
+        self.on_device = slot_fill.available()
+        self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
+        self.demand = True
+        self._kernels: dict[tuple, object] = {}
+        self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
+        self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
+        mx.eval(self.held, self.age)
+        self._held_host = [np.full(rows, -1, np.int64) for _ in stacks]  # host path
+        self._age_host = [np.full(rows, AGE_EMPTY, np.int64) for _ in stacks]
+        self._predicted: dict[int, mx.array] = {}
+        self._copied: list[tuple[int, mx.array]] = []  # this pass's copy counts, per call
+        self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
+        self._pending: list[tuple[list[int], mx.array]] = []
+
+    def expect(self, target: int, scores: mx.array):
+        """Scores (n, E) for layer `target`'s experts in this pass (lazy): its top `per_layer` (for several
+        tokens, by summed probability) are copied ahead of it."""
+        if scores.shape[0] > 1:
+            scores = mx.softmax(scores.astype(mx.float32), axis=-1).sum(axis=0)
+        self._predicted[target] = scores.reshape(-1)  # the kernel ranks them: no sort of its own
+
+    def rows(self, layer: int, base: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
+        """Layer `layer`'s expert->row tables for this pass: `base` (the slots') with the experts in its
+        rows, (before, after) the routed ones are copied (`demand` on; otherwise both the same). What was
+        there before counts as a hit; what the layer copied for itself crossed PCIe when needed: a miss."""
+        scores = self._predicted.pop(layer, None)
+        rows = base
+        if scores is not None:  # what the prediction copied is there when the layer runs
+            _, rows = self._call(layer, scores, base, ahead=True)
+        if self.demand and indices.size <= MAX_DEMAND:
+            return self._call(layer, indices.reshape(-1), base, ahead=False)
+        return rows, rows
+
+    def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, mx.array]:
+        """One kernel (or `plan` on the host): the layer's tables (before, after) its copies of `cand`."""
+        if not self.on_device:
+            return self._on_host(layer, cand, base, ahead)
+        stack = self.stacks[layer]
+        units = [a.nbytes // a.shape[0] // self._unit(layer) for a in stack.values()]
+        count = self.P if ahead else cand.size
+        threads = min(max(units), THREADS * self.blocks)
+        rows, found, held, age, copied = self._kernel(layer)(
+            inputs=[*stack.values(), cand, base, self.held[layer], self.age[layer]],
+            template=[
+                ("E", self.E),
+                ("C", self.C[layer]),
+                ("S", self.S),
+                ("P", count),
+                ("SCORES", int(ahead)),
+                ("DEMAND", int(not ahead)),
+                ("COPY", int(self.copy)),
+            ],
+            grid=(threads, count, len(stack)),
+            threadgroup=(min(THREADS, threads), 1, 1),
+            output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,)],
+            output_dtypes=[mx.uint32, mx.uint32, mx.int32, mx.int32, mx.int32],
+        )
+        self.held[layer], self.age[layer] = held, age
+        self._copied.append((layer, copied))
+        return found, rows
+
+    def end_pass(self):
+        """Queue this pass's copy counts (read by `read`); drop predictions no layer asked for."""
+        self._predicted = {}
+        if self._copied:
+            layers = [layer for layer, _ in self._copied]
+            self._pending.append((layers, mx.concatenate([c for _, c in self._copied])))
+            self._copied = []
+
+    def read(self) -> np.ndarray:
+        """Copies per layer since the last read (waits for the passes that made them)."""
+        if self._pending:
+            mx.eval([counts for _, counts in self._pending])
+        out = np.zeros(len(self.stacks), np.int64)
+        for layers, counts in self._pending:
+            np.add.at(out, layers, np.array(counts).astype(np.int64))
+        self._pending = []
+        out += self.copies
+        self.copies = np.zeros(len(self.stacks), np.int64)
+        return out
+
+    def _unit(self, layer: int) -> int:
+        sizes = [a.nbytes // a.shape[0] for a in self.stacks[layer].values()]
+        return next(u for u in _UNIT_TYPES if all(size % u == 0 for size in sizes))
+
+    def _kernel(self, layer: int):
+        stack = self.stacks[layer]
+        unit = self._unit(layer)
+        units = tuple(a.nbytes // a.shape[0] // unit for a in stack.values())
+        key = (unit, units)
+        if key not in self._kernels:
+            cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
+            self._kernels[key] = mx.fast.cuda_kernel(
+                name=f"od_moe_lookahead_{len(self._kernels)}",
+                input_names=[*(f"a{i}" for i in range(len(units))), "cand", "base", "held", "age"],
+                output_names=["rows", "found", "held_out", "age_out", "copied"],
+                source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases, empty=AGE_EMPTY),
+            )
+        return self._kernels[key]
+
+    def _on_host(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> mx.array:
+        """`_call` where the stacks are host memory: wait for the candidates (which wait for every earlier
+        pass, so nothing still reads the rows), decide with `plan` and copy through numpy views."""
+        values = np.array(cand.astype(mx.float32))
+        want = top(values, self.P) if ahead else [int(e) for e in values]
+        E, C = self.E, self.C[layer]
+        held, age = self._held_host[layer], self._age_host[layer]
+        found = _overlay(np.array(base), held, E, C)
+        rows, held, age, copies = plan(want, np.array(base), held, age, E, C, demand=not ahead)
+        for array in self.stacks[layer].values():
+            view = cuda.numpy_view(array)
+            for expert, row in copies:
+                view[row] = view[expert]
+        self._held_host[layer], self._age_host[layer] = held, age
+        self.copies[layer] += len(copies)
+        return mx.array(found.astype(np.uint32)), mx.array(rows.astype(np.uint32))
+
+
+def next_gate_forecast(routers: tuple, distance: int):
+    """Predictions from the target layers' routers applied to the source layer's hidden state:
+    `forecast(source, x)` -> [(target, scores (n, E))] for target = source + distance (and, from layer 0,
+    the layers before that). One matmul per target, in the hidden state's dtype."""
+    weights, biases = routers
+    layers = weights.shape[0]
+    made = _Matrices(lambda: (np.ascontiguousarray(np.swapaxes(weights, 1, 2)), biases))
+
+    def forecast(source: int, x: mx.array) -> list[tuple[int, mx.array]]:
+        x = x.reshape(-1, x.shape[-1])
+        w, b = made(x.dtype)
+        return [(t, mx.addmm(b[t], x, w[t])) for t in _targets(source, distance, layers)]
+
+    return forecast
+
+
+def shadow_forecast(predictor, distance: int):
+    """Predictions from the shadow network (`predictor/model.py`, its routers attached) at `distance`
+    layers ahead (at most its lookahead), from the source layer's hidden state. The network is folded
+    for inference (the router logits it reads are a linear map of the same state, so they fold into its
+    first layer; the next-gate term folds into its head): two or three matmuls per source layer."""
+    c = predictor.config
+    distance = min(distance, c.lookahead)
+    made = {
+        source: _Matrices(functools.partial(_folded, predictor, source)) for source in range(c.num_layers - 1)
+    }
+
+    def forecast(source: int, x: mx.array) -> list[tuple[int, mx.array]]:
+        targets = _targets(source, distance, c.num_layers)
+        if not targets:
+            return []
+        x = x.reshape(-1, x.shape[-1])
+        first, first_b, deep, head, head_b, gate = made[source](x.dtype)
+        h = nn.silu(mx.addmm(first_b, x, first))
+        for w, b in deep:
+            h = h + nn.silu(mx.addmm(b, h, w))
+        out = []
+        for t in targets:
+            n = t - source - 1
+            out.append((t, mx.addmm(mx.addmm(head_b[n], h, head[n]), x, gate[n])))
+        return out
+
+    return forecast
+
+
+class _Matrices:
+    """Numpy matrices made once (`make()` -> a tree of arrays), as MLX arrays of each dtype asked for."""
+
+    def __init__(self, make):
+        self.make, self._host, self._by_dtype = make, None, {}
+
+    def __call__(self, dtype):
+        if dtype not in self._by_dtype:
+            if self._host is None:
+                self._host = self.make()
+            self._by_dtype[dtype] = _tree_map(
+                lambda a: mx.array(a.astype(np.float32)).astype(dtype), self._host
+            )
+            mx.eval(_leaves(self._by_dtype[dtype]))
+        return self._by_dtype[dtype]
+
+
+def _folded(predictor, source: int):
+    """The shadow network at `source` as plain matrices (float32 numpy): first layer (H, R) and bias with
+    the router logits folded in, the deep layers [(R, R), bias], and per target the head (R, E), its bias
+    with the next-gate bias scaled, and the next-gate weights scaled (H, E)."""
+    c = predictor.config
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    weights, biases = (f32(a) for a in predictor._routers)
+    trunk_w, trunk_b = f32(predictor.trunks[source].weight), f32(predictor.trunks[source].bias)
+    H = c.hidden_size
+    tx, tl = trunk_w[:, :H], trunk_w[:, H:]  # (R, H), (R, E)
+    first = tx.T + weights[source].T @ tl.T  # logits = x @ W_s.T + b_s
+    first_b = trunk_b + biases[source] @ tl.T
+    deep = [(f32(layer.weight).T.copy(), f32(layer.bias)) for layer in predictor.deep[source]]
+    targets = c.targets(source)
+    head_w = f32(predictor.heads[source].weight).reshape(len(targets), c.num_experts, -1)
+    head_b = f32(predictor.heads[source].bias).reshape(len(targets), c.num_experts)
+    scales = f32(predictor.gate_scales[source])
+    heads, head_bs, gates = [], [], []
+    for n, t in enumerate(targets):
+        heads.append(head_w[n].T.copy())
+        head_bs.append(head_b[n] + biases[t] * scales[n])
+        gates.append(weights[t].T * scales[n][None, :])
+    return first, first_b, deep, heads, head_bs, gates
+
+
+def _tree_map(fn, tree):
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map(fn, t) for t in tree)
+    return fn(tree)
+
+
+def _leaves(tree):
+    if isinstance(tree, (list, tuple)):
+        return [leaf for t in tree for leaf in _leaves(t)]
+    return [tree]
+
+
+def _targets(source: int, distance: int, layers: int) -> list[int]:
+    near = list(range(1, min(distance, layers))) if source == 0 else []
+    far = [source + distance] if source + distance < layers else []
+    return near + far
+
+
+def wrong_rows(lookahead: LookaheadRows) -> int:
+    """Lookahead rows whose bytes differ from the expert they are said to hold (want 0): a check for the
+    benches, which waits for every pass."""
+    wrong = 0
+    for layer, stack in enumerate(lookahead.stacks):
+        held = np.array(lookahead.held[layer]) if lookahead.on_device else lookahead._held_host[layer]
+        first = lookahead.E + lookahead.C[layer]
+        for array in stack.values():
+            view = cuda.numpy_view(array)
+            wrong += sum(
+                int(not np.array_equal(view[first + s], view[e])) for s, e in enumerate(held) if e >= 0
+            )
+    return wrong

@@ -1,0 +1,118 @@
+"""Rows kept by the device in two-tier mode (`od_moe/lookahead.py`): least recently used, filled by the
+layer's misses and by predictions; exact tokens, rows holding what they say, and the decisions the CUDA
+kernel makes (its numpy twin `plan`, which the CPU runs)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
+from od_moe import lookahead, two_tier
+from od_moe.bench.prefetch import _predictor_for
+from od_moe.errors import UserError
+from tiny_models import FAMILIES, write_mlx_model
+
+E, C, EMPTY = 16, 2, lookahead.AGE_EMPTY
+
+
+def test_plan_keeps_wanted_rows_and_evicts_the_least_recently_used():
+    base = np.arange(E)  # nothing in a slot
+    held, age = np.array([3, 5, -1, 7]), np.array([0, 4, EMPTY, 2])
+    rows, now, new_age, copies = lookahead.plan([5, 9, 9, 11], base, held, age, E, C, demand=True)
+    # 5 is kept; 9 (once) goes to the empty row, 11 to the oldest of the rest (row 3, age 2 beats 0)
+    assert copies == [(9, E + C + 2), (11, E + C + 3)]
+    assert now.tolist() == [3, 5, 9, 11] and new_age.tolist() == [1, 0, 0, 0]
+    assert rows[5] == E + C + 1 and rows[9] == E + C + 2 and rows[3] == E + C + 0 and rows[7] == 7
+
+
+def test_plan_skips_experts_in_slots_and_stops_when_rows_run_out():
+    base = np.arange(E)
+    base[4] = E + 1  # expert 4 is in slot 1
+    held, age = np.array([-1, -1]), np.array([EMPTY, EMPTY])
+    rows, now, new_age, copies = lookahead.plan([4, 6, 8, 10], base, held, age, E, C, demand=False)
+    assert [e for e, _ in copies] == [6, 8] and rows[4] == E + 1 and rows[10] == 10
+    # a prediction (not the layer's own routing) ages nothing
+    _, _, aged, _ = lookahead.plan([], base, now, new_age, E, C, demand=False)
+    assert aged.tolist() == [0, 0]
+
+
+def test_top_ranks_as_the_kernel_does():
+    scores = np.array([0.5, 2.0, 2.0, -1.0, 3.0], np.float32)
+    assert lookahead.top(scores, 3) == [4, 1, 2]  # ties: the lower id first
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
+def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
+    engine = od_moe.load(capacity=fraction, two_tier="lru")
+    runtime = engine.runtime
+    assert runtime.device_lru and runtime.lookahead.S == engine.capacity and not runtime.admissions
+    assert "least recently used" in engine.mode[1]
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    stats = engine.stats()
+    total = stats["total"]
+    assert total["lookups"] == total["hits"] + total["misses"] and 0 < total["hits"] < total["lookups"]
+    # every decoded miss was copied into a row (prefill reads in place); nothing read from disk
+    assert total["experts_loaded"] == total["decode"]["misses"] > 0 and total["bytes_read"] == 0
+    assert lookahead.wrong_rows(runtime.lookahead) == 0
+    assert all((c.slot_of < 0).all() for c in engine.caches)  # the host keeps none
+
+
+def test_device_lru_at_full_capacity_is_the_plain_mode(bundled_reference):
+    engine = od_moe.load(capacity=1.0, two_tier="lru")
+    assert not engine.runtime.device_lru and engine.runtime.lookahead is None
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_device_lru_other_families(tmp_path, name):
+    path = write_mlx_model(tmp_path / name, FAMILIES[name])
+    prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
+    engine = od_moe.load(str(path), capacity=0.25, two_tier="lru")
+    assert od_moe_tokens(engine, prompts, 12) == reference_tokens(path, prompts, 12)
+    assert lookahead.wrong_rows(engine.runtime.lookahead) == 0
+
+
+@pytest.mark.parametrize("forecast", ["shadow", "next-gate"])
+def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypatch, forecast):
+    """Slots kept by the host (admission) plus 8 rows per layer filled from predictions one layer ahead:
+    hits rise above the slots' own, every copy is booked, tokens stay stock's."""
+    monkeypatch.setattr(od_moe.assembly, "build_two_tier", _with_rows(8))
+    engine = od_moe.load(capacity=0.125, two_tier=True)
+    runtime = engine.runtime
+    runtime.lookahead.demand = False
+    if forecast == "shadow":
+        predictor = _predictor_for(engine.identity)
+        predictor.attach_routers(*engine.routers())
+        runtime.forecast = lookahead.shadow_forecast(predictor, 1)
+    else:
+        runtime.forecast = lookahead.next_gate_forecast(engine.routers(), 1)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    total = engine.stats()["total"]
+    assert total["decode"]["hit_rate"] > 0.5 and total["experts_loaded"] > 0
+    assert lookahead.wrong_rows(runtime.lookahead) == 0
+
+
+def test_the_folded_shadow_network_scores_as_the_network():
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    predictor = _predictor_for(engine.identity)
+    predictor.attach_routers(*engine.routers())
+    weights, biases = (mx.array(a) for a in engine.routers())
+    x = mx.random.normal((3, weights.shape[-1]), key=mx.random.key(0))
+    forecast = lookahead.shadow_forecast(predictor, 2)
+    for source in (0, 4):
+        reference = predictor(source, x, x @ weights[source].T + biases[source])
+        for target, scores in forecast(source, x):
+            assert np.allclose(scores, reference[:, target - source - 1], atol=1e-4)
+
+
+def test_a_bad_two_tier_value_is_refused():
+    with pytest.raises(UserError, match="'lru'"):
+        od_moe.load(capacity=0.25, two_tier="sometimes")
+
+
+def _with_rows(rows: int):
+    def build(store, blocks, caches, progress=None, device_lru=False):
+        return two_tier.build(store, blocks, caches, progress, lookahead_rows=rows)
+
+    return build

@@ -264,3 +264,34 @@ def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves
     answer = call(base, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
     assert answer["choices"][0]["text"] and worker.thread.is_alive()
     srv.shutdown()
+
+
+def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(monkeypatch):
+    """The first token's text goes out when the step that computed it ends, not a step later when mlx-lm's
+    generator gives the token out; a stop string in it, a limit of one token and the text are as before."""
+    from od_moe.server import batching
+
+    engine = od_moe.load(capacity="25%")
+    base, log, srv, worker = start(engine, max_batch=2)
+    sent_at, send = {}, batching.RunningBatch._send
+
+    def send_and_note(self, seq):
+        before = seq.sent
+        send(self, seq)
+        if seq.sent > before:
+            sent_at.setdefault(seq.uid, self.steps)
+
+    monkeypatch.setattr(batching.RunningBatch, "_send", send_and_note)
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    whole = call(base, "/v1/completions", body)["choices"][0]
+    stopped = call(base, "/v1/completions", dict(body, stop=["de"]))["choices"][0]
+    one = call(base, "/v1/completions", dict(body, max_tokens=1))["choices"][0]
+    srv.shutdown()
+    worker.stop()
+    first = log.joins[0].uid
+    # steps counts BatchGenerator.next() calls: the token given out by call n was sent after call n - 1
+    assert sent_at[first] == log.token_steps[first][0]
+    alone = [r.text for r in engine.stream_generate(engine.encode(PROMPTS[0]), max_tokens=6)]
+    assert whole["text"] == "".join(alone) and alone[0] == "def"
+    assert (stopped["text"], stopped["finish_reason"]) == ("", "stop")
+    assert (one["text"], one["finish_reason"]) == ("def", "length")

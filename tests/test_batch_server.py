@@ -295,3 +295,47 @@ def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(mon
     assert whole["text"] == "".join(alone) and alone[0] == "def"
     assert (stopped["text"], stopped["finish_reason"]) == ("", "stop")
     assert (one["text"], one["finish_reason"]) == ("def", "length")
+
+
+def test_the_ledger_books_decode_lookups_per_sequence_and_per_pass():
+    """/health and /metrics: a decode lookup per sequence and routed expert (the hit rate's), and per pass the
+    distinct experts a layer's pass routed to (the batch's union, looked up once); each request's figures,
+    the last completed kept."""
+    engine = od_moe.load(capacity="25%")
+    base, _, srv, worker = start(engine, max_batch=3)
+    clients = [
+        threading.Thread(
+            target=call, args=(base, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0})
+        )
+        for p in PROMPTS[:3]
+    ]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(300)
+    health, metrics = call(base, "/health"), call(base, "/metrics")
+    srv.shutdown()
+    worker.stop()
+    cache, booked = health["expert_cache_stats"], health["batch"]["passes_by_batch_size"]
+    per, k, layers = cache["decode_per_pass"], engine.top_k, cache["moe_layers"]
+    assert per["positions"] == cache["decode_positions"] > cache["decode_passes"] == per["passes"]
+    assert per["routings_read"] == per["passes"] * layers  # at 25% every decode layer reads its routing
+    assert per["lookups_per_layer_pass"] == pytest.approx(per["sequences_per_pass"] * k)
+    # a pass of three sequences looks each shared expert up once: fewer experts than lookups, k at least
+    three = booked["3"]
+    assert three["experts"] < three["lookups"] and k <= three["experts_per_layer_pass"] < 3 * k
+    assert sum(v["experts"] for v in booked.values()) == per["experts"]
+    assert 0 <= per["pass_hit_rate"] <= 1 and per["sequence_hit_rate"] == cache["decode_hit_rate"]
+    assert re.search(rf"^od_moe_model_decode_positions_total {per['positions']}\.0$", metrics, re.M)
+    assert re.search(rf"^od_moe_expert_cache_decode_pass_experts_total {per['experts']}\.0$", metrics, re.M)
+    finished = health["batch"]["finished"]
+    assert len(finished) == 3 and all(r["state"] == "finished" and r["tok_s"] > 0 for r in finished)
+    assert all(r["queued_s"] >= 0 and r["time_to_first_token_s"] > 0 for r in finished)
+    # one sequence alone: per pass and per sequence are the same (its k experts are distinct)
+    engine.runtime.ledger.reset()
+    engine.generate(PROMPTS[3], max_tokens=6)
+    alone = engine.stats()["per_pass"]["decode"]
+    assert (
+        alone["sequences_per_pass"] == 1
+        and alone["experts"] == alone["lookups_per_layer_pass"] * alone["routings_read"]
+    )

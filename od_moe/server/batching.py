@@ -22,6 +22,7 @@ Not here: the queue of waiting requests and the thread (`worker.py`), HTTP (`app
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from mlx_lm.generate import BatchGenerator
@@ -30,6 +31,8 @@ from .. import backend
 from ..capacity import kv_nbytes_per_token
 from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
+
+FINISHED_KEPT = 16  # completed requests whose figures /health keeps
 
 
 @dataclass
@@ -87,6 +90,9 @@ class RunningBatch:
         self.decoding = 0  # sequences decoded in the last step
         self.lock = threading.Lock()  # guards `sequences` for readers on other threads
         self.passes: dict[int, dict[str, float]] = {}  # sequences decoded -> per-step decode counts
+        self.finished: deque[dict] = deque(
+            maxlen=FINISHED_KEPT
+        )  # the last requests completed, as /health shows
         self.generator = self._new_generator()
 
     def __len__(self) -> int:
@@ -234,6 +240,10 @@ class RunningBatch:
         }
         self.worker.finish(seq.job, "completed", usage=usage)
         seq.job.events.put(("done", finish, usage, matched))
+        with self.lock:
+            self.finished.append(
+                dict(_request(seq, time.perf_counter()), state="finished", finish_reason=finish)
+            )
 
     def _remove(self, seq: Sequence, keep_cache: bool = False):
         """Take a sequence the generator still runs out of it (logged: the replay removes it too); with
@@ -270,11 +280,9 @@ class RunningBatch:
         ran, whose tokens come with the next step)."""
         if not decoded and after == before:
             return
-        row = self.passes.setdefault(
-            decoded, dict.fromkeys(("steps", "lookups", "misses", "experts_read"), 0)
-        )
+        row = self.passes.setdefault(decoded, dict.fromkeys(("steps",) + BOOKED, 0))
         row["steps"] += 1
-        for key, a, b in zip(("lookups", "misses", "experts_read"), before, after):
+        for key, a, b in zip(BOOKED, before, after):
             row[key] += b - a
 
     def figures(self, now: float | None = None) -> dict:
@@ -282,31 +290,51 @@ class RunningBatch:
         now = time.perf_counter() if now is None else now
         with self.lock:
             sequences = list(self.sequences.values())
-            passes = {str(k): dict(v) for k, v in sorted(self.passes.items())}
-        running = []
-        for s in sequences:
-            given = len(s.tokens) + (s.early is not None)  # tokens whose text went out (or is held back)
-            span = (s.last_token or now) - (s.first_token or now)
-            running.append(
-                {
-                    "prompt_tokens": len(s.job.prompt),
-                    "completion_tokens": given,
-                    "state": "decoding" if s.first_token else "prefilling",
-                    "tok_s": (given - 1) / span if given > 1 and span > 0 else None,
-                    "time_to_first_token_s": (s.first_token - s.joined) if s.first_token else None,
-                }
-            )
+            passes = {str(k): _per_layer_pass(v) for k, v in sorted(self.passes.items())}
+        running = [_request(s, now) for s in sequences]
+        with self.lock:
+            finished = list(self.finished)
         return {
             "max_batch": self.max_batch,
             "size": len(sequences),
             "decoding": sum(r["state"] == "decoding" for r in running),
             "steps": self.steps,
             "running": running,
+            "finished": finished,
             "passes_by_batch_size": passes,
         }
 
 
-def _decode_counts(ledger) -> tuple[float, float, float]:
-    """Decode lookups, misses and experts read so far, all layers together."""
+# a step's decode counts, booked by the sequences it decoded: lookups (one per sequence and routed expert),
+# misses among them, experts read (once for the batch), and per pass: the distinct experts a layer's pass
+# routed to (the batch's union), over the layer passes whose routing was read (`stats.py`)
+BOOKED = ("lookups", "misses", "experts_read", "experts", "routings_read")
+
+
+def _decode_counts(ledger) -> tuple[float, ...]:
+    """The `BOOKED` decode counts so far, all layers together."""
     lookups = ledger.total("lookups", "decode")
-    return lookups, lookups - ledger.total("hits", "decode"), ledger.total("experts_read", "decode")
+    misses = lookups - ledger.total("hits", "decode")
+    rest = (ledger.total(name, "decode") for name in ("experts_read", "experts", "routings_read"))
+    return (lookups, misses, *rest)
+
+
+def _request(s: Sequence, now: float) -> dict:
+    """One request's figures: its tokens, state, decode tok/s (from its first token to its last), the
+    seconds it waited in the queue and from joining the batch to its first token."""
+    given = len(s.tokens) + (s.early is not None)  # tokens whose text went out (or is held back)
+    span = (s.last_token or now) - (s.first_token or now)
+    return {
+        "prompt_tokens": len(s.job.prompt),
+        "completion_tokens": given,
+        "state": "decoding" if s.first_token else "prefilling",
+        "tok_s": (given - 1) / span if given > 1 and span > 0 else None,
+        "queued_s": s.joined - s.job.submitted,
+        "time_to_first_token_s": (s.first_token - s.joined) if s.first_token else None,
+    }
+
+
+def _per_layer_pass(row: dict) -> dict:
+    """A booked row with the distinct experts a layer's pass routed to, on average (None: not read)."""
+    routings = row["routings_read"]
+    return dict(row, experts_per_layer_pass=row["experts"] / routings if routings else None)

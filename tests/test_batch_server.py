@@ -7,6 +7,8 @@ when driven through the schedule the server logged (`server/schedule.py`), all e
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -339,3 +341,48 @@ def test_the_ledger_books_decode_lookups_per_sequence_and_per_pass():
         alone["sequences_per_pass"] == 1
         and alone["experts"] == alone["lookups_per_layer_pass"] * alone["routings_read"]
     )
+
+
+def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_path):
+    """`od-moe serve --schedule-log PATH`: the schedule is written as it runs; `python3 -m
+    od_moe.server.schedule PATH` replays it through stock mlx-lm (exit 0), and a log whose tokens are not
+    the replay's is caught (exit 1)."""
+    path = tmp_path / "schedule.jsonl"
+    command = [
+        sys.executable,
+        "-m",
+        "od_moe",
+        "serve",
+        "--port",
+        "0",
+        "--capacity",
+        "25%",
+        "--max-batch",
+        "3",
+    ]
+    proc = subprocess.Popen(command + ["--schedule-log", str(path)], stderr=subprocess.PIPE, text=True)
+    try:
+        base = "http://127.0.0.1:" + re.search(r"127\.0\.0\.1:(\d+)", proc.stderr.readline()).group(1)
+        bodies = [{"prompt": p, "max_tokens": 6 + i, "temperature": 0} for i, p in enumerate(PROMPTS[:3])]
+        bodies.append({"prompt": PROMPTS[3], "max_tokens": 5, "temperature": 0.8, "seed": 1})
+        clients = [threading.Thread(target=call, args=(base, "/v1/completions", b)) for b in bodies]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(300)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log = ScheduleLog.read(path)
+    assert len(log.joins) == 4 and log.stop_tokens and log.model.endswith("tiny-qwen3-moe-4bit")
+    assert sorted(len(t) for t in log.tokens.values()) == [5, 6, 7, 8]
+    replayer = [sys.executable, "-m", "od_moe.server.schedule", str(path)]
+    done = subprocess.run(replayer, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "3 greedy: 3 got their replayed tokens" in done.stdout, done
+    greedy = next(j.uid for j in log.joins if j.temperature == 0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    changed = next(e for e in lines if e["event"] == "token" and e["uid"] == greedy)
+    changed["token"] += 1
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    done = subprocess.run(replayer, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and f"these did not: [{greedy}]" in done.stdout, done

@@ -80,8 +80,8 @@ class RunningBatch:
         self.schedule = schedule
         self.prefill_batch = min(max_batch, 8)
         if schedule is not None:
-            schedule.completion_batch_size, schedule.prefill_batch_size = max_batch, self.prefill_batch
-            schedule.prefill_step_size = prefill_step
+            model, eos = str(self.engine.model_path), self.engine.tokenizer.eos_token_ids
+            schedule.configure(max_batch, self.prefill_batch, prefill_step, model, eos)
         self.vocab = vocab_size_of(self.engine.model)
         self.eos = set(self.engine.tokenizer.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}

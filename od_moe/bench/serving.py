@@ -4,7 +4,8 @@
 each answer is compared with the same prompt generated alone (`Engine.stream_generate`, stock mlx-lm's
 arithmetic) and with the server's logged schedule replayed through mlx-lm's `BatchGenerator` on the stock
 model. Batched kernels (other shapes, other reduction orders) may round differently from one sequence
-alone, so "same as alone" is measured, and "same as the replay" must hold.
+alone, so "same as alone" is measured, and "same as the replay" must hold. `decode_per_pass`: the ledger's
+decode lookups per sequence and per pass (`stats.per_pass`), served together and then each prompt alone.
 `soak`: `--clients` threads each send `--requests` requests in turn: greedy and seeded-sampled, streamed
 and not, with stop strings, some hung up mid-stream, some malformed (which must get a 4xx JSON error).
 It reports what was lost or failed, throughput, and whether every greedy answer equals its replay.
@@ -54,6 +55,8 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
     app.worker.shutdown()
     served = {tuple(j.prompt): log.tokens[j.uid] for j in log.joins}
     reference = replayed_tokens(log, engine.tokenizer.eos_token_ids)
+    per_pass = {"served": engine.stats()["per_pass"]["decode"]}
+    engine.runtime.ledger.reset()  # from here: each prompt alone
     rows, same_alone, same_replay = [], 0, 0
     for text, (status, reply) in zip(texts, replies):
         ids = engine.encode(text)
@@ -74,6 +77,7 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
         "same_as_replay": same_replay,
         "largest_batch": _largest_batch(app.worker),
         "wall_s": wall,
+        "decode_per_pass": dict(per_pass, alone=engine.stats()["per_pass"]["decode"]),
         "rows": rows,
     }
 

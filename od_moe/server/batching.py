@@ -182,9 +182,10 @@ class RunningBatch:
             for i, uid in enumerate(getattr(batch, "uids", ()))
             if (seq := self.sequences.get(uid)) is not None and seq.first_token is None
         ]
-        if not joined:
+        pending = getattr(batch, "_next_tokens", None)
+        if not joined or pending is None:  # (another mlx-lm: its tokens come with the next step)
             return
-        tokens = batch._next_tokens.tolist()  # the passes the step started, computed now
+        tokens = pending.tolist()  # the passes the step started, computed now
         now = time.perf_counter()
         for i, seq in joined:
             if tokens[i] in self.eos:

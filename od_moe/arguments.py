@@ -164,6 +164,13 @@ def _add_serve(sub):
         "reusing the previous request's KV cache for a shared prompt prefix)",
     )
     srv.add_argument(
+        "--schedule-log",
+        metavar="PATH",
+        help="write the running batch's schedule to PATH as it runs (one JSON event a line: joins with their "
+        "prompt tokens, leaves, the tokens given), to replay it through stock mlx-lm with `python3 -m "
+        "od_moe.server.schedule PATH` (needs --max-batch 2 or more)",
+    )
+    srv.add_argument(
         "--allow-host",
         action="append",
         default=[],

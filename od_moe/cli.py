@@ -200,6 +200,7 @@ def cmd_serve(args):
         "max_tokens",
         "max_input_tokens",
         "max_batch",
+        "schedule_log",
         "allow_host",
         "allow_origin",
     )

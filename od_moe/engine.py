@@ -46,7 +46,7 @@ from .progress import byte_progress
 from .routing import router_matrices, router_of, tap_router
 from .runtime import OffloadRuntime
 from .sampling import make_sampler, vocab_size_of
-from .stats import io_by_phase, layer_rows, prefetch_counts, totals
+from .stats import PHASES, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
 from .store import ExpertStore
 from .surgery import find_moe_blocks, offloadable_blocks, top_k_of, weight_nbytes
 
@@ -283,6 +283,7 @@ class Engine:
             "passes": ledger.passes,
             "generated_tokens": ledger.generated,
             "io": io_by_phase(ledger),
+            "per_pass": {phase: per_pass(ledger, phase) for phase in PHASES},
             "direct_io": runtime.store.direct_io,
             "packed_experts": str(runtime.store.packed) if runtime.store.packed else None,
             "forwards": ledger.forwards,

@@ -245,8 +245,9 @@ class OffloadRuntime:
             self.reader.withdraw(layer)
             loader.install_ready({layer: uniq})
         resident = cache.slot_of[uniq] >= 0
-        self.ledger.count_lookups(step.phase, layer, ids.size, counts[resident].sum())
-        loader.touch(cache, uniq[resident], counts[resident])
+        hits = counts[resident]
+        self.ledger.count_lookups(step.phase, layer, ids.size, hits.sum(), uniq.size, hits.size)
+        loader.touch(cache, uniq[resident], hits)
         missing = uniq[~resident]
         self.pass_missed |= bool(missing.size)
         if missing.size and step.prefetching:
@@ -333,8 +334,9 @@ class OffloadRuntime:
         self._after_routing(Step(self.passes.index, layer, phase, None, None, False, False), ids)
         uniq, counts = np.unique(ids, return_counts=True)
         resident = cache.slot_of[uniq] >= 0
-        self.ledger.count_lookups(phase, layer, ids.size, counts[resident].sum())
-        self.loader.touch(cache, uniq[resident], counts[resident])
+        hits = counts[resident]
+        self.ledger.count_lookups(phase, layer, ids.size, hits.sum(), uniq.size, hits.size)
+        self.loader.touch(cache, uniq[resident], hits)
         return uniq[~resident], counts[~resident]
 
     # -- routing known ---------------------------------------------------------------------------

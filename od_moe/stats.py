@@ -7,7 +7,13 @@ The ledger is live: it changes as layers run, and any thread may read a snapshot
 generation thread writes (numpy copies under the GIL; figures may lag by one layer, never go back).
 
 Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
-- lookups, hits: the routed experts of the layer, and those already resident, when it ran;
+- lookups, hits: the routed experts of the layer, and those already resident, when it ran: one lookup per
+  (position, routed expert), so per sequence in a batch (the demand hit rate of DESIGN.md);
+- the same per pass: `experts`, `expert_hits`, the distinct experts a pass of the layer routed to (a
+  batch's union, looked up once for all its sequences), and those resident; counted where the routing is
+  read on the host (`routings_read`: the layer passes counted), not where nothing reads it (every expert
+  resident and nothing watching, the two-tier mode's device tally): a host sync would cost more than the
+  figure is worth there;
 - reads on the generation thread (demand misses, profile seeding, snapshots): experts, bytes, seconds;
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
@@ -28,6 +34,9 @@ PHASES = ("prefill", "decode")
 LAYER_FIELDS = (
     "lookups",
     "hits",
+    "experts",
+    "expert_hits",
+    "routings_read",
     "experts_read",
     "bytes_read",
     "read_s",
@@ -47,6 +56,7 @@ READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 _LOOKUPS, _HITS = _FIELD["lookups"], _FIELD["hits"]
+_EXPERTS, _EXPERT_HITS, _ROUTINGS = _FIELD["experts"], _FIELD["expert_hits"], _FIELD["routings_read"]
 
 
 class Ledger:
@@ -70,11 +80,19 @@ class Ledger:
         for name, value in counts.items():
             row[_FIELD[name]] += value
 
-    def count_lookups(self, phase: str, layer: int, lookups: int, hits: int):
-        """`add(phase, layer, lookups=..., hits=...)`, without the keyword loop: it runs at every layer."""
+    def count_lookups(
+        self, phase: str, layer: int, lookups: int, hits: int, experts: int = 0, expert_hits: int = 0
+    ):
+        """`add(phase, layer, lookups=..., hits=...)`, without the keyword loop: it runs at every layer.
+        `experts`, `expert_hits`: the pass's distinct routed experts and those resident, where the routing
+        was read (a layer pass routes to one at least)."""
         row = self.layers[_PHASE[phase], layer]
         row[_LOOKUPS] += lookups
         row[_HITS] += hits
+        if experts:
+            row[_EXPERTS] += experts
+            row[_EXPERT_HITS] += expert_hits
+            row[_ROUTINGS] += 1
 
     def count_forward(self, phase: str, positions: int):
         self.forwards += 1
@@ -170,6 +188,36 @@ def totals(rows: list[dict]) -> dict:
             sum(r[phase]["lookups"] for r in rows), sum(r[phase]["hits"] for r in rows)
         )
     return out
+
+
+def per_pass(led: Ledger, phase: str = "decode") -> dict:
+    """A phase's lookups per sequence and per pass, each MoE layer's average: the sequences a pass ran
+    (decode: the batch), their lookups (sequences x top-k), the distinct experts they routed to (the
+    batch's union, looked up and read once for all) and the share of those resident, the experts read;
+    per sequence, the hit rate and the experts read. None where nothing was counted (`experts`: where no
+    routing was read on the host)."""
+    layers, n = led.num_layers, _PHASE[phase]
+    passes, positions = led.passes[phase], led.positions[phase]
+
+    def f(name):
+        return float(led.field(name)[n].sum())
+
+    lookups, read, routings = f("lookups"), f("experts_read") + f("prefetch_taken"), f("routings_read")
+    experts = f("experts")
+    return {
+        "passes": passes,
+        "positions": positions,
+        "experts": int(experts),
+        "expert_hits": int(f("expert_hits")),
+        "routings_read": int(routings),
+        "sequences_per_pass": positions / passes if passes else None,
+        "lookups_per_layer_pass": lookups / (passes * layers) if passes and layers else None,
+        "experts_per_layer_pass": experts / routings if routings else None,
+        "pass_hit_rate": _rate(f("expert_hits"), experts),
+        "experts_read_per_layer_pass": read / (passes * layers) if passes and layers else None,
+        "sequence_hit_rate": _rate(f("hits"), lookups),
+        "experts_read_per_sequence": read / positions if positions else None,
+    }
 
 
 def io_by_phase(led: Ledger) -> dict[str, dict]:

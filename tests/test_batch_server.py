@@ -7,6 +7,8 @@ when driven through the schedule the server logged (`server/schedule.py`), all e
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -264,3 +266,123 @@ def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves
     answer = call(base, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
     assert answer["choices"][0]["text"] and worker.thread.is_alive()
     srv.shutdown()
+
+
+def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(monkeypatch):
+    """The first token's text goes out when the step that computed it ends, not a step later when mlx-lm's
+    generator gives the token out; a stop string in it, a limit of one token and the text are as before."""
+    from od_moe.server import batching
+
+    engine = od_moe.load(capacity="25%")
+    base, log, srv, worker = start(engine, max_batch=2)
+    sent_at, send = {}, batching.RunningBatch._send
+
+    def send_and_note(self, seq):
+        before = seq.sent
+        send(self, seq)
+        if seq.sent > before:
+            sent_at.setdefault(seq.uid, self.steps)
+
+    monkeypatch.setattr(batching.RunningBatch, "_send", send_and_note)
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    whole = call(base, "/v1/completions", body)["choices"][0]
+    stopped = call(base, "/v1/completions", dict(body, stop=["de"]))["choices"][0]
+    one = call(base, "/v1/completions", dict(body, max_tokens=1))["choices"][0]
+    srv.shutdown()
+    worker.stop()
+    first = log.joins[0].uid
+    # steps counts BatchGenerator.next() calls: the token given out by call n was sent after call n - 1
+    assert sent_at[first] == log.token_steps[first][0]
+    alone = [r.text for r in engine.stream_generate(engine.encode(PROMPTS[0]), max_tokens=6)]
+    assert whole["text"] == "".join(alone) and alone[0] == "def"
+    assert (stopped["text"], stopped["finish_reason"]) == ("", "stop")
+    assert (one["text"], one["finish_reason"]) == ("def", "length")
+
+
+def test_the_ledger_books_decode_lookups_per_sequence_and_per_pass():
+    """/health and /metrics: a decode lookup per sequence and routed expert (the hit rate's), and per pass the
+    distinct experts a layer's pass routed to (the batch's union, looked up once); each request's figures,
+    the last completed kept."""
+    engine = od_moe.load(capacity="25%")
+    base, _, srv, worker = start(engine, max_batch=3)
+    clients = [
+        threading.Thread(
+            target=call, args=(base, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0})
+        )
+        for p in PROMPTS[:3]
+    ]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(300)
+    health, metrics = call(base, "/health"), call(base, "/metrics")
+    srv.shutdown()
+    worker.stop()
+    cache, booked = health["expert_cache_stats"], health["batch"]["passes_by_batch_size"]
+    per, k, layers = cache["decode_per_pass"], engine.top_k, cache["moe_layers"]
+    assert per["positions"] == cache["decode_positions"] > cache["decode_passes"] == per["passes"]
+    assert per["routings_read"] == per["passes"] * layers  # at 25% every decode layer reads its routing
+    assert per["lookups_per_layer_pass"] == pytest.approx(per["sequences_per_pass"] * k)
+    # a pass of three sequences looks each shared expert up once: fewer experts than lookups, k at least
+    three = booked["3"]
+    assert three["experts"] < three["lookups"] and k <= three["experts_per_layer_pass"] < 3 * k
+    assert sum(v["experts"] for v in booked.values()) == per["experts"]
+    assert 0 <= per["pass_hit_rate"] <= 1 and per["sequence_hit_rate"] == cache["decode_hit_rate"]
+    assert re.search(rf"^od_moe_model_decode_positions_total {per['positions']}\.0$", metrics, re.M)
+    assert re.search(rf"^od_moe_expert_cache_decode_pass_experts_total {per['experts']}\.0$", metrics, re.M)
+    finished = health["batch"]["finished"]
+    assert len(finished) == 3 and all(r["state"] == "finished" and r["tok_s"] > 0 for r in finished)
+    assert all(r["queued_s"] >= 0 and r["time_to_first_token_s"] > 0 for r in finished)
+    # one sequence alone: per pass and per sequence are the same (its k experts are distinct)
+    engine.runtime.ledger.reset()
+    engine.generate(PROMPTS[3], max_tokens=6)
+    alone = engine.stats()["per_pass"]["decode"]
+    assert (
+        alone["sequences_per_pass"] == 1
+        and alone["experts"] == alone["lookups_per_layer_pass"] * alone["routings_read"]
+    )
+
+
+def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_path):
+    """`od-moe serve --schedule-log PATH`: the schedule is written as it runs; `python3 -m
+    od_moe.server.schedule PATH` replays it through stock mlx-lm (exit 0), and a log whose tokens are not
+    the replay's is caught (exit 1)."""
+    path = tmp_path / "schedule.jsonl"
+    command = [
+        sys.executable,
+        "-m",
+        "od_moe",
+        "serve",
+        "--port",
+        "0",
+        "--capacity",
+        "25%",
+        "--max-batch",
+        "3",
+    ]
+    proc = subprocess.Popen(command + ["--schedule-log", str(path)], stderr=subprocess.PIPE, text=True)
+    try:
+        base = "http://127.0.0.1:" + re.search(r"127\.0\.0\.1:(\d+)", proc.stderr.readline()).group(1)
+        bodies = [{"prompt": p, "max_tokens": 6 + i, "temperature": 0} for i, p in enumerate(PROMPTS[:3])]
+        bodies.append({"prompt": PROMPTS[3], "max_tokens": 5, "temperature": 0.8, "seed": 1})
+        clients = [threading.Thread(target=call, args=(base, "/v1/completions", b)) for b in bodies]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(300)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    log = ScheduleLog.read(path)
+    assert len(log.joins) == 4 and log.stop_tokens and log.model.endswith("tiny-qwen3-moe-4bit")
+    assert sorted(len(t) for t in log.tokens.values()) == [5, 6, 7, 8]
+    replayer = [sys.executable, "-m", "od_moe.server.schedule", str(path)]
+    done = subprocess.run(replayer, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "3 greedy: 3 got their replayed tokens" in done.stdout, done
+    greedy = next(j.uid for j in log.joins if j.temperature == 0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    changed = next(e for e in lines if e["event"] == "token" and e["uid"] == greedy)
+    changed["token"] += 1
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    done = subprocess.run(replayer, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and f"these did not: [{greedy}]" in done.stdout, done

@@ -75,6 +75,8 @@ def test_console_script_runs_on_the_embedded_default():
         (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
         (["serve", "--model", "/no/such/dir"], "does not exist"),
         (["serve", "--predictor", "/no/such/dir"], "not a predictor folder"),
+        (["serve", "--port", "0", "--schedule-log", "/no/such/dir/log"], "cannot write the schedule log"),
+        (["serve", "--port", "0", "--max-batch", "1", "--schedule-log", "x"], "needs --max-batch 2 or more"),
         (["bench", "--predictor", "/no/such/dir"], "not a predictor folder"),
     ],
 )

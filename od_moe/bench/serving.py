@@ -4,67 +4,35 @@
 each answer is compared with the same prompt generated alone (`Engine.stream_generate`, stock mlx-lm's
 arithmetic) and with the server's logged schedule replayed through mlx-lm's `BatchGenerator` on the stock
 model. Batched kernels (other shapes, other reduction orders) may round differently from one sequence
-alone, so "same as alone" is measured, and "same as the replay" must hold.
+alone, so "same as alone" is measured, and "same as the replay" must hold. `decode_per_pass`: the ledger's
+decode lookups per sequence and per pass (`stats.per_pass`), served together and then each prompt alone.
 `soak`: `--clients` threads each send `--requests` requests in turn: greedy and seeded-sampled, streamed
 and not, with stop strings, some hung up mid-stream, some malformed (which must get a 4xx JSON error).
 It reports what was lost or failed, throughput, and whether every greedy answer equals its replay.
 `alone`: one request at a time, to a server at `--max-batch` 1 (the one-at-a-time path) and one at
 `--max-batch` N (the batch path with a batch of one), alternating, `--rounds` each: the latency a lone
-client sees on each path. All run the servers in this process on loopback ports.
+client sees on each path.
+`ttft`: time to first token through the server, `--prompts` streamed greedy requests alone and arriving
+together, beside stock mlx-lm's floor (`first_token.py`); a table, then the JSON.
+All run the servers in this process on loopback ports (`clients.py`).
 Not here: `od-moe bench --batch` (`batching.py`: one batch at a time, no server).
 """
 
 import argparse
 import json
+import logging
 import random
-import socket
 import statistics
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
-from werkzeug.serving import make_server
-
-from .. import load
 from ..engine import DEFAULT_MODEL
-from ..server import create_app
 from ..server.schedule import ScheduleLog, replay
 from .batching import batch_prompts
+from .clients import all_at_once, hang_up, post, post_stream, start_server
+from .first_token import ttft, ttft_table
 from .foundation import stock_model
-
-
-def start_server(capacity, max_batch: int):
-    """(base URL, schedule log, werkzeug server, app) of a server over the embedded model."""
-    engine = load(capacity=capacity)
-    log = ScheduleLog()
-    app = create_app(engine, max_batch=max_batch, schedule=log)
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_port}", log, server, app
-
-
-def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _all_at_once(client, count: int) -> float:
-    """Run `client(0)` .. `client(count - 1)` on threads started together; the seconds until all ended."""
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - started
 
 
 def replayed_tokens(log: ScheduleLog, stop_tokens) -> dict[int, list[int]]:
@@ -82,11 +50,13 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
     def client(i):
         replies[i] = post(base, {"prompt": texts[i], "max_tokens": max_tokens, "temperature": 0})
 
-    wall = _all_at_once(client, len(texts))
+    wall = all_at_once(client, len(texts))
     server.shutdown()
     app.worker.shutdown()
     served = {tuple(j.prompt): log.tokens[j.uid] for j in log.joins}
     reference = replayed_tokens(log, engine.tokenizer.eos_token_ids)
+    per_pass = {"served": engine.stats()["per_pass"]["decode"]}
+    engine.runtime.ledger.reset()  # from here: each prompt alone
     rows, same_alone, same_replay = [], 0, 0
     for text, (status, reply) in zip(texts, replies):
         ids = engine.encode(text)
@@ -107,6 +77,7 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
         "same_as_replay": same_replay,
         "largest_batch": _largest_batch(app.worker),
         "wall_s": wall,
+        "decode_per_pass": dict(per_pass, alone=engine.stats()["per_pass"]["decode"]),
         "rows": rows,
     }
 
@@ -128,7 +99,7 @@ def soak(clients: int, requests: int, capacity, max_batch: int, seed: int = 0) -
             with lock:
                 outcomes.append(dict(outcome, kind=kind, client=c, request=r))
 
-    wall = _all_at_once(client, clients)
+    wall = all_at_once(client, clients)
     deadline = time.time() + 60
     while app.worker.active and time.time() < deadline:
         time.sleep(0.1)
@@ -201,60 +172,33 @@ def _one(base: str, kind: str, body: dict, rng: random.Random) -> dict:
     elif kind == "stop":
         body["stop"] = ["\n", "("]
     if kind == "hang-up":
-        _hang_up(base, dict(body, stream=True, max_tokens=200))
+        hang_up(base, dict(body, stream=True, max_tokens=200))
         return {"status": None, "latency_s": time.perf_counter() - started}
     status, reply = post_stream(base, body) if body.get("stream") else post(base, body)
     tokens = reply.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0
     return {"status": status, "tokens": tokens, "latency_s": time.perf_counter() - started}
 
 
-def post_stream(base: str, body: dict) -> tuple[int, dict]:
-    """A streamed request read to its end: (status, the usage chunk), or (status, error) before a stream."""
-    body = dict(body, stream=True, stream_options={"include_usage": True})
-    req = urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            lines = [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    if lines[-1] != "[DONE]":
-        return 500, {"error": lines[-1]}  # an error event ended the stream
-    return 200, json.loads(lines[-2])
-
-
-def _hang_up(base: str, body: dict):
-    host, port = base.split("//")[1].split(":")
-    raw = json.dumps(body).encode()
-    with socket.create_connection((host, int(port)), timeout=120) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
-        )
-        received = b""
-        while b'"text": "' not in received and len(received) < 1 << 16:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            received += chunk
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m od_moe.bench.serving", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("what", choices=["agreement", "soak", "alone"])
+    parser.add_argument("what", choices=["agreement", "soak", "alone", "ttft"])
     parser.add_argument("--capacity", default=None, help="experts per layer (default: all that fit)")
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=16, help="agreement: concurrent greedy requests")
-    parser.add_argument("--max-tokens", type=int, default=32, help="agreement, alone: tokens per request")
-    parser.add_argument("--rounds", type=int, default=6, help="alone: requests on each path")
+    parser.add_argument("--prompts", type=int, help="agreement, ttft: concurrent greedy requests (16, 8)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--rounds", type=int, default=6, help="alone: requests on each path; ttft: rounds")
     parser.add_argument("--clients", type=int, default=16, help="soak: client threads")
     parser.add_argument("--requests", type=int, default=20, help="soak: requests per client")
     args = parser.parse_args(argv)
-    if args.what == "agreement":
-        report = agreement(args.prompts, args.max_tokens, args.capacity, args.max_batch)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
+    if args.what == "ttft":
+        capacities = (None, "25%") if args.capacity is None else (args.capacity,)
+        report = ttft(args.prompts or 8, args.rounds, args.max_tokens, args.max_batch, capacities)
+        print(ttft_table(report))
+    elif args.what == "agreement":
+        report = agreement(args.prompts or 16, args.max_tokens, args.capacity, args.max_batch)
     elif args.what == "alone":
         report = alone(args.rounds, args.max_tokens, args.capacity, args.max_batch)
     else:

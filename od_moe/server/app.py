@@ -31,6 +31,7 @@ from ..units import MB
 from . import anthropic, dashboard, guard, openai
 from .health import health_body, prometheus_text
 from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
+from .schedule import ScheduleLog
 from .worker import GenerationWorker
 
 # Used when a tokenizer has no chat template (the embedded model ships one of its own).
@@ -299,14 +300,21 @@ def serve(
     log=print,
     two_tier="auto",
     max_batch=8,
+    schedule_log=None,
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
-    end the running streams with an error event and stop the generation thread before returning."""
+    end the running streams with an error event and stop the generation thread before returning.
+    `schedule_log`: a file the running batch's schedule is written to (`schedule.py`)."""
     from werkzeug.serving import make_server
 
     from .. import load
 
     listener = bind(host, port)  # a busy port is found before the model loads
+    try:
+        sink = _schedule_sink(schedule_log, max_batch)  # and a file that cannot be written
+    except UserError:
+        listener.close()
+        raise
     worker = GenerationWorker(
         loader=lambda: load(
             model,
@@ -318,6 +326,7 @@ def serve(
             two_tier=two_tier,
         ),
         max_batch=max_batch,
+        schedule=None if sink is None else ScheduleLog(sink=sink),
     )
     try:
         app = create_app(
@@ -352,6 +361,20 @@ def serve(
         server.server_close()
         if finished:
             worker.engine.close()
+        if sink is not None:
+            sink.close()
+
+
+def _schedule_sink(path, max_batch: int):
+    """The file `--schedule-log` names, opened for writing (None without one)."""
+    if path is None:
+        return None
+    if max_batch < 2:
+        raise UserError("--schedule-log needs --max-batch 2 or more: one request at a time runs no batch")
+    try:
+        return open(path, "w")
+    except OSError as e:
+        raise UserError(f"cannot write the schedule log {path}: {e.strerror}") from None
 
 
 class _RequestLog(WSGIRequestHandler):

@@ -1,23 +1,28 @@
 """Continuous batching for the server: the requests decoding together on the generation thread.
 
-`RunningBatch` holds one mlx-lm `BatchGenerator` over the engine's model (as `od_moe/batch.py` does) and
-the requests in it. Requests join between steps (`admit`), and leave when mlx-lm ends them (the token
-limit, an end-of-sequence token), when a stop string matches, or when their client goes away (`remove` at
-the next step). One step is one `BatchGenerator.next()`: a decode pass of every decoding sequence and,
-while the batch has room, one chunk of at most `prefill_step` prompt tokens of the sequences still
-prefilling (mlx-lm's own schedule: a joining sequence's prompt is prefilled chunk by chunk between the
-running batch's decode passes; its last prompt token runs as its own first pass, then it decodes with the
-others). Each request's text, stop strings, finish reason and usage are made exactly as the one-at-a-time
-path makes them (`worker.py`), and so is the prompt-cache reuse: the KV cache of the request that ended
-last (by its limit, an end-of-sequence token or a stop string) is kept and a joining request whose prompt
-shares a prefix with it starts from it (one cache kept, taken by one request). The schedule can be
-logged (`schedule.py`) and replayed through mlx-lm. Per step, the decode lookups, misses and experts read
-are booked by the number of sequences decoded.
+`RunningBatch` holds one mlx-lm `BatchGenerator` over the engine's model (as `od_moe/batch.py` does) and the
+requests in it. Requests join between steps (`admit`), and leave when mlx-lm ends them (the token limit, an
+end-of-sequence token), when a stop string matches, or when their client goes away (`remove` at the next
+step). One step is one `BatchGenerator.next()`: a decode pass of every decoding sequence and, while the batch
+has room, one chunk of at most `prefill_step` prompt tokens of the sequences still prefilling (mlx-lm's own
+schedule: a joining sequence's prompt is prefilled chunk by chunk between the running batch's decode passes;
+its last prompt token runs as its own first pass, then it decodes with the others). A sequence's first token
+is read at the end of the step that ran its first pass and its text sent then (`_first_tokens`), not a step
+later when the generator gives it out: mlx-lm builds a sequence's next pass before reading its last token,
+and where experts are missing, building a pass computes it (every layer's routing is read on the host), so
+waiting would cost each joining request a whole pass of the batch before its first text. The tokens and the
+schedule are the generator's either way. Each request's text, stop strings, finish reason and usage are made
+exactly as the one-at-a-time path makes them (`worker.py`), and so is the prompt-cache reuse: the KV cache of
+the request that ended last (by its limit, an end-of-sequence token or a stop string) is kept and a joining
+request whose prompt shares a prefix with it starts from it (one cache kept, taken by one request). The
+schedule can be logged (`schedule.py`) and replayed through mlx-lm. Per step, the decode lookups, misses and
+experts read are booked by the number of sequences decoded.
 Not here: the queue of waiting requests and the thread (`worker.py`), HTTP (`app.py`).
 """
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from mlx_lm.generate import BatchGenerator
@@ -26,6 +31,8 @@ from .. import backend
 from ..capacity import kv_nbytes_per_token
 from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
+
+FINISHED_KEPT = 16  # completed requests whose figures /health keeps
 
 
 @dataclass
@@ -40,6 +47,7 @@ class Sequence:
     reused: int = 0  # prompt tokens taken from a kept KV cache
     joined: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    early: int | None = None  # its first token, read and sent before the generator gave it out
     last_token: float | None = None
     text: str = ""
     sent: int = 0
@@ -64,21 +72,27 @@ def fitting_batch(engine, max_batch: int, available: int | None = None) -> tuple
 class RunningBatch:
     """The sequences decoding together, at most `max_batch`; `worker` ends their jobs (`finish`)."""
 
+    first_token_early = True  # read a joining sequence's first token in the step of its first pass
+
     def __init__(self, worker, max_batch: int, prefill_step: int, schedule: ScheduleLog | None = None):
         self.worker, self.engine = worker, worker.engine
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.schedule = schedule
         self.prefill_batch = min(max_batch, 8)
         if schedule is not None:
-            schedule.completion_batch_size, schedule.prefill_batch_size = max_batch, self.prefill_batch
-            schedule.prefill_step_size = prefill_step
+            model, eos = str(self.engine.model_path), self.engine.tokenizer.eos_token_ids
+            schedule.configure(max_batch, self.prefill_batch, prefill_step, model, eos)
         self.vocab = vocab_size_of(self.engine.model)
+        self.eos = set(self.engine.tokenizer.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self.kept_from: int | None = None  # the sequence whose KV cache `worker.prompt_cache` holds
         self.steps = 0  # BatchGenerator.next() calls so far: the schedule's clock
         self.decoding = 0  # sequences decoded in the last step
         self.lock = threading.Lock()  # guards `sequences` for readers on other threads
         self.passes: dict[int, dict[str, float]] = {}  # sequences decoded -> per-step decode counts
+        self.finished: deque[dict] = deque(
+            maxlen=FINISHED_KEPT
+        )  # the last requests completed, as /health shows
         self.generator = self._new_generator()
 
     def __len__(self) -> int:
@@ -154,15 +168,48 @@ class RunningBatch:
             seq.first_token = seq.first_token or now
             seq.last_token = now
             self._deliver(seq, r)
+        if self.first_token_early:
+            self._first_tokens()
         if not self.sequences:
             self.engine.runtime.settle()
+
+    def _first_tokens(self):
+        """Read the first token of the sequences whose first pass this step ran, and send its text (not an
+        end-of-sequence token: that ends the sequence, which the generator reports with the next step)."""
+        batch = getattr(self.generator, "_generation_batch", None)  # mlx-lm's own, 0.32: read only
+        joined = [
+            (i, seq)
+            for i, uid in enumerate(getattr(batch, "uids", ()))
+            if (seq := self.sequences.get(uid)) is not None and seq.first_token is None
+        ]
+        pending = getattr(batch, "_next_tokens", None)
+        if not joined or pending is None:  # (another mlx-lm: its tokens come with the next step)
+            return
+        tokens = pending.tolist()  # the passes the step started, computed now
+        now = time.perf_counter()
+        for i, seq in joined:
+            if tokens[i] in self.eos:
+                continue
+            seq.first_token, seq.early = now, tokens[i]
+            seq.detokenizer.add_token(tokens[i])
+            seq.text += seq.detokenizer.last_segment
+            if not any(seq.text.find(s, max(0, seq.sent - len(s))) >= 0 for s in seq.stops):
+                self._send(seq)  # a stop string that matched is found again when the token is given out
+
+    def _send(self, seq: Sequence):
+        """The text no stop string can still match across, sent."""
+        safe = len(seq.text) - seq.hold if seq.stops else len(seq.text)
+        if safe > seq.sent:
+            seq.job.events.put(("text", seq.text[seq.sent : safe]))
+            seq.sent = safe
 
     def _deliver(self, seq: Sequence, response):
         """The token's text, cut at a stop string, sent once no stop string can still match across it."""
         if self.schedule is not None:
             self.schedule.token(seq.uid, response.token, self.steps - 1)
         seq.tokens.append(response.token)
-        if response.finish_reason != "stop":
+        early, seq.early = seq.early, None
+        if response.finish_reason != "stop" and early is None:
             seq.detokenizer.add_token(response.token)
         if response.finish_reason is not None:
             seq.detokenizer.finalize()
@@ -176,10 +223,7 @@ class RunningBatch:
             else:
                 self._keep(seq, response.prompt_cache, response.all_tokens)
             return self._done(seq, "stop", matched)
-        safe = len(seq.text) - seq.hold if seq.stops else len(seq.text)
-        if safe > seq.sent:
-            seq.job.events.put(("text", seq.text[seq.sent : safe]))
-            seq.sent = safe
+        self._send(seq)
         if response.finish_reason is not None:
             self._keep(seq, response.prompt_cache, response.all_tokens)
             self._done(seq, response.finish_reason, None)
@@ -197,6 +241,10 @@ class RunningBatch:
         }
         self.worker.finish(seq.job, "completed", usage=usage)
         seq.job.events.put(("done", finish, usage, matched))
+        with self.lock:
+            self.finished.append(
+                dict(_request(seq, time.perf_counter()), state="finished", finish_reason=finish)
+            )
 
     def _remove(self, seq: Sequence, keep_cache: bool = False):
         """Take a sequence the generator still runs out of it (logged: the replay removes it too); with
@@ -233,11 +281,9 @@ class RunningBatch:
         ran, whose tokens come with the next step)."""
         if not decoded and after == before:
             return
-        row = self.passes.setdefault(
-            decoded, dict.fromkeys(("steps", "lookups", "misses", "experts_read"), 0)
-        )
+        row = self.passes.setdefault(decoded, dict.fromkeys(("steps",) + BOOKED, 0))
         row["steps"] += 1
-        for key, a, b in zip(("lookups", "misses", "experts_read"), before, after):
+        for key, a, b in zip(BOOKED, before, after):
             row[key] += b - a
 
     def figures(self, now: float | None = None) -> dict:
@@ -245,30 +291,51 @@ class RunningBatch:
         now = time.perf_counter() if now is None else now
         with self.lock:
             sequences = list(self.sequences.values())
-            passes = {str(k): dict(v) for k, v in sorted(self.passes.items())}
-        running = []
-        for s in sequences:
-            span = (s.last_token or now) - (s.first_token or now)
-            running.append(
-                {
-                    "prompt_tokens": len(s.job.prompt),
-                    "completion_tokens": len(s.tokens),
-                    "state": "decoding" if s.first_token else "prefilling",
-                    "tok_s": (len(s.tokens) - 1) / span if span > 0 else None,
-                    "time_to_first_token_s": (s.first_token - s.joined) if s.first_token else None,
-                }
-            )
+            passes = {str(k): _per_layer_pass(v) for k, v in sorted(self.passes.items())}
+        running = [_request(s, now) for s in sequences]
+        with self.lock:
+            finished = list(self.finished)
         return {
             "max_batch": self.max_batch,
             "size": len(sequences),
             "decoding": sum(r["state"] == "decoding" for r in running),
             "steps": self.steps,
             "running": running,
+            "finished": finished,
             "passes_by_batch_size": passes,
         }
 
 
-def _decode_counts(ledger) -> tuple[float, float, float]:
-    """Decode lookups, misses and experts read so far, all layers together."""
+# a step's decode counts, booked by the sequences it decoded: lookups (one per sequence and routed expert),
+# misses among them, experts read (once for the batch), and per pass: the distinct experts a layer's pass
+# routed to (the batch's union), over the layer passes whose routing was read (`stats.py`)
+BOOKED = ("lookups", "misses", "experts_read", "experts", "routings_read")
+
+
+def _decode_counts(ledger) -> tuple[float, ...]:
+    """The `BOOKED` decode counts so far, all layers together."""
     lookups = ledger.total("lookups", "decode")
-    return lookups, lookups - ledger.total("hits", "decode"), ledger.total("experts_read", "decode")
+    misses = lookups - ledger.total("hits", "decode")
+    rest = (ledger.total(name, "decode") for name in ("experts_read", "experts", "routings_read"))
+    return (lookups, misses, *rest)
+
+
+def _request(s: Sequence, now: float) -> dict:
+    """One request's figures: its tokens, state, decode tok/s (from its first token to its last), the
+    seconds it waited in the queue and from joining the batch to its first token."""
+    given = len(s.tokens) + (s.early is not None)  # tokens whose text went out (or is held back)
+    span = (s.last_token or now) - (s.first_token or now)
+    return {
+        "prompt_tokens": len(s.job.prompt),
+        "completion_tokens": given,
+        "state": "decoding" if s.first_token else "prefilling",
+        "tok_s": (given - 1) / span if given > 1 and span > 0 else None,
+        "queued_s": s.joined - s.job.submitted,
+        "time_to_first_token_s": (s.first_token - s.joined) if s.first_token else None,
+    }
+
+
+def _per_layer_pass(row: dict) -> dict:
+    """A booked row with the distinct experts a layer's pass routed to, on average (None: not read)."""
+    routings = row["routings_read"]
+    return dict(row, experts_per_layer_pass=row["experts"] / routings if routings else None)

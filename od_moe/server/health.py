@@ -1,9 +1,11 @@
 """The server's `/health` document and `/metrics` (the same figures in the Prometheus text format).
 
 Both read the engine's live ledger from any thread (`engine.stats(settle=False)`) and the worker's
-counters; `status` is the worker's real state (`GenerationWorker.state`); `batch` is the running batch
-(`batch_figures`: its size, the queue, each request's and the total tok/s, the decode steps booked by
-batch size). Not here: routes (`app.py`).
+counters; `status` is the worker's real state (`GenerationWorker.state`); `decode_per_pass` books decode
+lookups per sequence and per pass (`stats.per_pass`: the batch's distinct experts, looked up once for all
+its sequences, against its sequences' lookups); `batch` is the running batch (`batch_figures`: its size,
+the queue, each request's and the total tok/s, the decode steps booked by batch size). Not here: routes
+(`app.py`).
 """
 
 import time
@@ -22,6 +24,24 @@ METRICS = {
         "counter",
         "Decode passes the model ran: one more per request than tokens generated (mlx-lm computes a token "
         "ahead, and that pass reads experts too).",
+    ),
+    "model_decode_positions_total": (
+        "counter",
+        "Sequences decoded, pass by pass: a decode pass of a batch of 8 counts 8.",
+    ),
+    "expert_cache_decode_pass_experts_total": (
+        "counter",
+        "Distinct experts routed by a decode pass of an MoE layer (a batch's union, looked up once for all "
+        "its sequences), summed over the layer passes whose routing was read on the host.",
+    ),
+    "expert_cache_decode_pass_hits_total": ("counter", "Of those, the experts resident when the layer ran."),
+    "expert_cache_decode_routings_read_total": (
+        "counter",
+        "Decode layer passes whose routing was read on the host (where the distinct experts are counted).",
+    ),
+    "expert_cache_decode_experts_per_layer_pass": (
+        "gauge",
+        "Distinct experts per MoE layer per decode pass (the batch's union), where the routing was read.",
     ),
     "expert_cache_capacity": ("gauge", "Expert slots per MoE layer."),
     "prefetch_precision": ("gauge", "Fraction of prefetched experts used before eviction."),
@@ -95,7 +115,9 @@ def health_body(worker, name: str, started: float) -> dict:
             # decode passes run one ahead of the tokens given out (stats.py): never add one to the other
             "prefill_positions": stats["positions"]["prefill"],
             "decode_passes": stats["passes"]["decode"],
+            "decode_positions": stats["positions"]["decode"],
             "generated_tokens": stats["generated_tokens"],
+            "decode_per_pass": stats["per_pass"]["decode"],
         },
         "memory": stats.get("memory", {}),
         "uptime_s": time.time() - started,
@@ -132,6 +154,11 @@ def prometheus_text(health: dict) -> str:
         "expert_stall_seconds_total": c["stall_s"],
         "expert_cache_resident": c["working_set_experts"],
         "model_decode_passes_total": c["decode_passes"],
+        "model_decode_positions_total": c["decode_positions"],
+        "expert_cache_decode_pass_experts_total": c["decode_per_pass"]["experts"],
+        "expert_cache_decode_pass_hits_total": c["decode_per_pass"]["expert_hits"],
+        "expert_cache_decode_routings_read_total": c["decode_per_pass"]["routings_read"],
+        "expert_cache_decode_experts_per_layer_pass": c["decode_per_pass"]["experts_per_layer_pass"],
         "expert_cache_capacity": c["capacity"],
         "prefetch_precision": prefetch.get("precision"),
         "prefetch_issued_total": prefetch.get("issued"),

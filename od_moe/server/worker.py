@@ -33,6 +33,7 @@ class Job:
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     alive: Callable[[], bool] = lambda: True  # False once the client has gone away
+    submitted: float = field(default_factory=time.perf_counter)  # when it was queued
 
     def stream(self, timeout_s: float, poll_s: float = 0.2):
         """The job's events until its last one. A worker silent for `timeout_s` cancels it; so does a

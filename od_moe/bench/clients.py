@@ -1,0 +1,100 @@
+"""Clients of a server run in this process, for the serving benchmarks (`serving.py`, `first_token.py`):
+a server over the embedded model on a loopback port, requests sent whole, streamed, or hung up on, and
+clients started together.
+"""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from werkzeug.serving import make_server
+
+from .. import load
+from ..server import create_app
+from ..server.schedule import ScheduleLog
+
+
+def start_server(capacity, max_batch: int):
+    """(base URL, schedule log, werkzeug server, app) of a server over the embedded model."""
+    engine = load(capacity=capacity)
+    log = ScheduleLog()
+    app = create_app(engine, max_batch=max_batch, schedule=log)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}", log, server, app
+
+
+def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post_stream(base: str, body: dict) -> tuple[int, dict]:
+    """A streamed request read to its end: (status, the usage chunk), or (status, error) before a stream."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            lines = [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    if lines[-1] != "[DONE]":
+        return 500, {"error": lines[-1]}  # an error event ended the stream
+    return 200, json.loads(lines[-2])
+
+
+def first_token_s(base: str, body: dict) -> tuple[float | None, str]:
+    """Send one streamed request and read it to its end: (seconds until the first chunk carrying text, the
+    whole text); None when no text came."""
+    body = dict(body, stream=True)
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    started, first, text = time.perf_counter(), None, ""
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("text") or ""
+            if piece and first is None:
+                first = time.perf_counter() - started
+            text += piece
+    return first, text
+
+
+def all_at_once(client, count: int) -> float:
+    """Run `client(0)` .. `client(count - 1)` on threads started together; the seconds until all ended."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
+def hang_up(base: str, body: dict):
+    host, port = base.split("//")[1].split(":")
+    raw = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
+        )
+        received = b""
+        while b'"text": "' not in received and len(received) < 1 << 16:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            received += chunk

@@ -12,7 +12,8 @@ compare with learned admission on the same slots count.
     python benchmarks/two_tier.py [--model PATH | --widen 128] [--rows tt:0,tt:0.25,...] [--rounds 4]
         [--tokens 48] [--json out.json]
 
-Rows: `tt:F` two-tier at fraction F; `static:F` the same with admission frozen after the warm-up;
+Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`);
+`static:F` the same as `tt` with admission frozen after the warm-up;
 `exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
 `tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
 admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). On the CPU
@@ -63,7 +64,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         od_moe.assembly.build_two_tier = functools.partial(build, lookahead_rows=int(ahead["ahead"]))
     t0 = time.perf_counter()
     try:
-        engine = od_moe.load(str(path), capacity=fraction, two_tier=kind != "exact")
+        engine = od_moe.load(
+            str(path), capacity=fraction, two_tier={"exact": False, "lru": "lru"}.get(kind, True)
+        )
     finally:
         od_moe.assembly.build_two_tier = build
     load_s = time.perf_counter() - t0

@@ -8,6 +8,7 @@ engine also chooses the prefetch policy, reports the ledger (`stats`) and saves 
 CLI, the server, the per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
+import contextlib
 from collections.abc import Generator
 from pathlib import Path
 
@@ -127,7 +128,8 @@ class Engine:
         included), with finish reason "length"; a prompt that leaves no room is a `UserError`.
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
         and a `prompt_cache` passed in is trimmed back to what it held before (where its caches can be
-        trimmed; others must be made anew).
+        trimmed; others must be made anew). Across ranks, a rank found gone fails it with `RankLost` (or
+        ends the process where nothing else frees a collective: `heartbeat.py`).
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -135,12 +137,16 @@ class Engine:
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         prompt = self.encode(prompt)
-        if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
-            prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
-        # the request's own random key: a failed or seeded request never touches another's sampling
-        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
-        context = max([o for o in held if o is not None], default=0) + len(prompt)
-        max_tokens = self.token_limit(context, max_tokens)
+        with self._pipeline_work():
+            if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
+                prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
+            # the request's own random key: a failed or seeded request never touches another's sampling
+            sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
+            context = max([o for o in held if o is not None], default=0) + len(prompt)
+            max_tokens = self.token_limit(context, max_tokens)
+            yield from self._generate(prompt, max_tokens, sampler, held, kwargs)
+
+    def _generate(self, prompt: list[int], max_tokens: int, sampler, held: list, kwargs: dict):
         self.runtime.start_prompt(prompt)
         ledger, counted = self.runtime.ledger, 0
         try:
@@ -160,6 +166,10 @@ class Engine:
             self.runtime.settle()
             if self.stage is not None:  # the pass computed ahead, on mlx-lm's stream, still talks to peers
                 mx.synchronize(generation_stream)
+
+    def _pipeline_work(self):
+        """Across ranks, the heartbeat's watch over pipeline work (`heartbeat.Supervisor.busy`)."""
+        return self.stage.supervisor.busy() if self.stage is not None else contextlib.nullcontext()
 
     def token_limit(self, context: int, max_tokens: int, which: str = "the prompt") -> int:
         """`max_tokens` capped where `context` tokens (prompt and reused cache) and the completion fill the

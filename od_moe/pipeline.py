@@ -28,7 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, _BaseCache
 
-from .errors import UserError
+from . import heartbeat
+from .errors import RankLost, UserError
 from .units import format_bytes
 
 _LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
@@ -207,6 +208,7 @@ class Stage:
     end: int
     ranges: list
     layers_path: str
+    supervisor: heartbeat.Supervisor  # the ranks' heartbeat: pipeline work runs inside its `busy`
 
     @property
     def rank(self) -> int:
@@ -231,7 +233,8 @@ class Stage:
     def gather_numbers(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values` (the same count on each), rank by rank."""
         mine = mx.array(values, dtype=mx.float32)
-        return mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1).tolist()
+        with self.supervisor.busy():
+            return mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1).tolist()
 
     def _sum(self, values: list[int]) -> list[int]:
         return mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group).tolist()
@@ -253,12 +256,16 @@ def rank_lines(engine) -> list[str]:
 def join(ranks, settings: dict, predictor=None) -> mx.distributed.Group | None:
     """The group `load` splits over (`group_for`), once every rank is known to have been started with the
     same `settings` (`check_same`: before any other collective, so a rank started otherwise stops the rest
-    instead of hanging them); None on one process."""
+    instead of hanging them) and the ranks' heartbeat runs (`heartbeat.supervise`); None on one process."""
     group = group_for(ranks)
     if group is not None:
-        check_same(group, dict(settings, ranks=group.size()))
+        try:
+            check_same(group, dict(settings, ranks=group.size()))
+        except RuntimeError as e:  # the backend's error: a rank ended before the others had started
+            raise RankLost(f"a rank ended while the ranks were starting ({e}): start every rank again")
         if predictor is not None:
             raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
+        heartbeat.supervise(group)
     return group
 
 
@@ -290,7 +297,7 @@ def split(model: nn.Module, group, block_paths: list[str]) -> Stage:
     for i, layer in enumerate(layers):
         if not start <= i < end:
             layers[i] = PassThrough(layer, outputs, gather=group if i == last else None)
-    return Stage(group, start, end, ranges, path)
+    return Stage(group, start, end, ranges, path, heartbeat.supervise(group))
 
 
 def wrap_seams(model: nn.Module, stage: Stage):

@@ -17,7 +17,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend, governor, pipeline
+from . import backend, governor, pipeline, seams
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -82,6 +82,7 @@ class Engine:
         self._routers = None
         self.max_positions = max_positions(model_path)
         self.stage = None  # this rank's part of a pipeline over several processes (`pipeline.Stage`)
+        self.seam_receiver = None  # across ranks: the predictions the rank before sends (`seams.py`)
 
     @property
     def caches(self) -> list[LayerCache]:
@@ -249,7 +250,7 @@ class Engine:
             raise UserError(
                 f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
             )
-        chosen = make_policy(policy, self, oracle_trace)
+        chosen = seams.attach(self, make_policy(policy, self, oracle_trace))  # across ranks: the seam too
         if policy == "predictor":  # it reads the routers' outputs
             self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
         predicts = policy in ("next-gate", "predictor", "oracle")
@@ -378,7 +379,7 @@ def load(
     settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
     group = pipeline.join(ranks, dict(settings, model=identity), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
-    stage = group and pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
+    stage = group and pipeline.split(mlx_model, group, find_moe_blocks(mlx_model))
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts  # before the caches make the switch arrays slot-sized
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)

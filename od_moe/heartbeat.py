@@ -14,8 +14,9 @@ rank's `on_lost` decides what follows:
   code 1, as nothing else frees a thread blocked in a collective. A loss while idle is recorded; the next
   `busy` raises `RankLost`;
 - the server (`server/ranks.py`) ends its clients' requests with an error and says so on /health.
-The same connections carry the server's own messages (rank 0's requests and per-token decisions, the
-other ranks' statistics): every kind but a beat, a loss or a goodbye goes to `inbox`, in order.
+The same connections carry other messages: the server's (rank 0's requests and per-token decisions, the
+other ranks' statistics) go to `inbox`, in order; a kind with a handler (`handlers`: the seam's
+predictions, `seams.py`) is handed to it on the reader thread; rank 0 relays a message `to` another rank.
 Not here: the split itself (`pipeline.py`) or serving across ranks (`server/ranks.py`).
 """
 
@@ -105,6 +106,7 @@ class Supervisor:
     def __init__(self, rank: int, size: int, links: dict, timeout: float):
         self.rank, self.size, self.timeout, self.links = rank, size, timeout, links
         self.inbox: queue.Queue = queue.Queue()  # (rank, message) of the server's kinds, in order
+        self.handlers: dict = {}  # kind -> called with (rank, message) on the reader thread instead
         self.payload = None  # a callable whose dict goes with every beat (the server's statistics)
         self.payloads: dict[int, dict] = {}  # rank -> the last payload it sent
         self.on_lost = self._stop_if_stuck  # called once, with the one-line message, from a reader thread
@@ -200,6 +202,10 @@ class Supervisor:
                 self._ended.add(peer)
             elif kind == "lost":
                 self._lose(message["rank"], message["why"])
+            elif message.get("to", self.rank) != self.rank:  # the hub relays
+                self.send(message, to=message["to"])
+            elif kind in self.handlers:
+                self.handlers[kind](peer, message)
             else:
                 self.inbox.put((peer, message))
         self._lose(peer, why)

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import ArraysCache, _BaseCache
 
 from . import heartbeat
 from .errors import RankLost, UserError
+from .routing import router_matrices
 from .units import format_bytes
 
 _LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
@@ -145,7 +146,8 @@ class Seam(nn.Module):
     """One of this rank's layers at an edge of its stage: it receives the hidden state from the rank before
     (`receive`), sends its output to the rank after (`send`), and, the model's last layer, gathers rank 0's
     output to every rank (`gather`). Wrapped after the rank's experts are located: parameter paths below it
-    gain a `layer.` that nothing reads any more."""
+    gain a `layer.` that nothing reads any more. `watch`, if set, is called once the hidden state has been
+    received (it is evaluated there: one more sync, to measure `seams.py`)."""
 
     def __init__(self, layer: nn.Module, group, receive: bool, send: bool, gather: bool):
         super().__init__()
@@ -154,10 +156,14 @@ class Seam(nn.Module):
         self.layer = layer
         self._group, self._rank = group, group.rank()
         self._receive, self._send, self._gather = receive, send, gather
+        self.watch = None
 
     def __call__(self, x, *args, **kwargs):
         if self._receive:
             x = mx.distributed.recv_like(x, self._rank + 1, group=self._group)
+            if self.watch is not None:
+                mx.eval(x)
+                self.watch()
         out = self.layer(x, *args, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
         if self._send:
@@ -209,6 +215,7 @@ class Stage:
     ranges: list
     layers_path: str
     supervisor: heartbeat.Supervisor  # the ranks' heartbeat: pipeline work runs inside its `busy`
+    next_router: tuple | None = None  # the next rank's first MoE router (weights, biases): `seams.py`
 
     @property
     def rank(self) -> int:
@@ -284,9 +291,10 @@ def check_same(group, what: dict):
         )
 
 
-def split(model: nn.Module, group, block_paths: list[str]) -> Stage:
+def split(model: nn.Module, group, blocks: list) -> Stage:
     """Replace the decoder layers other ranks run by `PassThrough`s (their weights dropped with them) and
     return this rank's `Stage`; `wrap_seams` finishes the split once the rank's experts are located."""
+    block_paths = [b.path for b in blocks]  # `surgery.MoEBlock`s
     path, moe_layers = layers_of(model, block_paths)
     owner = dict(model.named_modules())[path] if path else model
     layers = owner.layers
@@ -294,10 +302,21 @@ def split(model: nn.Module, group, block_paths: list[str]) -> Stage:
     ranges = stage_ranges(moe_layers, len(layers), group.size())
     start, end = ranges[group.rank()]
     last = len(layers) - 1
+    after = [b.block for b in blocks if int(_LAYER_PATH.match(b.path).group(2)) == end]  # the next rank's
+    next_router = _router(after[0]) if after and group.rank() > 0 else None
     for i, layer in enumerate(layers):
         if not start <= i < end:
             layers[i] = PassThrough(layer, outputs, gather=group if i == last else None)
-    return Stage(group, start, end, ranges, path, heartbeat.supervise(group))
+    return Stage(group, start, end, ranges, path, heartbeat.supervise(group), next_router)
+
+
+def _router(block: nn.Module) -> tuple | None:
+    """A block's router as dense float32 (weights (1, E, H), biases (1, E)), or None where it has no
+    linear router (then no prediction crosses the seam)."""
+    try:
+        return router_matrices([block])
+    except UserError:
+        return None
 
 
 def wrap_seams(model: nn.Module, stage: Stage):

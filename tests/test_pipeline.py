@@ -54,6 +54,12 @@ def _check_split(ranks, reference, num_layers, model):
         assert quarter["slot_bytes"] == pytest.approx(full["slot_bytes"] / 4, rel=0.01)
         assert quarter["misses"] > 0
         moe_paths |= set(full["moe_paths"])
+    # across the seam: rank 1 predicted rank 0's first MoE layer every decode pass at 25% (none at 100%:
+    # nothing misses); rank 0 got the predictions and read what was absent before the hidden state came
+    sent, got = ranks[1]["runs"]["0.25"]["seam_sent"], ranks[0]["runs"]["0.25"]["seam_received"]
+    assert sent >= len(reference) * (NEW_TOKENS - 2) and got["predictions"] == sent
+    assert got["late"] <= 2 and got["started_before_hidden_state"] <= got["reads"]
+    assert ranks[1]["runs"]["0.25"]["seam_received"] is None and ranks[0]["runs"]["0.25"]["seam_sent"] is None
     assert len(moe_paths) == sum(len(r["runs"]["1.0"]["moe_paths"]) for r in ranks)  # no layer on both
     assert moe_paths == {layout.module_path for layout in layouts}
     whole = sum(layout.expert_nbytes * layout.num_experts for layout in layouts)

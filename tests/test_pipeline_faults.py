@@ -127,10 +127,14 @@ def test_serve_over_two_ranks_and_a_rank_that_dies_mid_stream(ranks):
             base, "/v1/completions", {"prompt": prompt, "max_tokens": tokens, "temperature": 0}
         )
         assert status == 200 and body["choices"][0]["text"] == text
-    time.sleep(1.2)  # the other rank's figures come with its beats, every 0.5 s
-    status, health = _call(base, "/health")
+    deadline = time.monotonic() + 30  # the other rank's figures come with its beats, every 0.5 s
+    while True:
+        status, health = _call(base, "/health")
+        rows = health["ranks"]
+        if rows[1].get("decode_lookups") == rows[0]["decode_lookups"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert status == 200 and health["status"] == "ok"
-    rows = health["ranks"]
     assert [(row["rank"], row["layers"], row["state"]) for row in rows] == [
         (0, [4, 7], "ok"),
         (1, [0, 3], "ok"),

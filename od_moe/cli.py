@@ -2,13 +2,14 @@
 `inspect` and `pack`.
 
 User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2; an
-expert that cannot be read while generating (the model's files changed) prints one line and exits with 1.
+expert that cannot be read while generating (the model's files changed), or another rank of a pipeline
+gone, prints one line and exits with 1.
 """
 
 import sys
 
 from .arguments import build_parser
-from .errors import ExpertReadError, UserError
+from .errors import ExpertReadError, RankLost, UserError
 
 
 def _direct_io(value: str):
@@ -181,14 +182,7 @@ def cmd_eval_predictor(args):
 
 
 def cmd_serve(args):
-    from .pipeline import group_for
     from .server import serve
-
-    if group_for("auto") is not None:
-        raise UserError(
-            "serve does not run across ranks yet (started under mlx.launch): run it as one process, or use "
-            "`od-moe generate` or the Python API across ranks"
-        )
 
     names = (
         "model",
@@ -275,7 +269,7 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"od-moe: error: {e}", file=sys.stderr)
         return 2
-    except ExpertReadError as e:  # the model's files changed under a running command
+    except (ExpertReadError, RankLost) as e:  # the model's files changed, or a rank is gone
         print(f"od-moe: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

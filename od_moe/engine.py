@@ -8,6 +8,7 @@ engine also chooses the prefetch policy, reports the ledger (`stats`) and saves 
 CLI, the server, the per-layer path (`runtime.py`), reading bytes or cache policy.
 """
 
+import contextlib
 from collections.abc import Generator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend, governor, pipeline
+from . import backend, governor, pipeline, seams
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -81,6 +82,7 @@ class Engine:
         self._routers = None
         self.max_positions = max_positions(model_path)
         self.stage = None  # this rank's part of a pipeline over several processes (`pipeline.Stage`)
+        self.seam_receiver = None  # across ranks: the predictions the rank before sends (`seams.py`)
 
     @property
     def caches(self) -> list[LayerCache]:
@@ -127,7 +129,8 @@ class Engine:
         included), with finish reason "length"; a prompt that leaves no room is a `UserError`.
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
         and a `prompt_cache` passed in is trimmed back to what it held before (where its caches can be
-        trimmed; others must be made anew).
+        trimmed; others must be made anew). Across ranks, a rank found gone fails it with `RankLost` (or
+        ends the process where nothing else frees a collective: `heartbeat.py`).
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -135,12 +138,16 @@ class Engine:
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
         prompt = self.encode(prompt)
-        if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
-            prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
-        # the request's own random key: a failed or seeded request never touches another's sampling
-        sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
-        context = max([o for o in held if o is not None], default=0) + len(prompt)
-        max_tokens = self.token_limit(context, max_tokens)
+        with self._pipeline_work():
+            if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
+                prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
+            # the request's own random key: a failed or seeded request never touches another's sampling
+            sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
+            context = max([o for o in held if o is not None], default=0) + len(prompt)
+            max_tokens = self.token_limit(context, max_tokens)
+            yield from self._generate(prompt, max_tokens, sampler, held, kwargs)
+
+    def _generate(self, prompt: list[int], max_tokens: int, sampler, held: list, kwargs: dict):
         self.runtime.start_prompt(prompt)
         ledger, counted = self.runtime.ledger, 0
         try:
@@ -160,6 +167,10 @@ class Engine:
             self.runtime.settle()
             if self.stage is not None:  # the pass computed ahead, on mlx-lm's stream, still talks to peers
                 mx.synchronize(generation_stream)
+
+    def _pipeline_work(self):
+        """Across ranks, the heartbeat's watch over pipeline work (`heartbeat.Supervisor.busy`)."""
+        return self.stage.supervisor.busy() if self.stage is not None else contextlib.nullcontext()
 
     def token_limit(self, context: int, max_tokens: int, which: str = "the prompt") -> int:
         """`max_tokens` capped where `context` tokens (prompt and reused cache) and the completion fill the
@@ -239,7 +250,7 @@ class Engine:
             raise UserError(
                 f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
             )
-        chosen = make_policy(policy, self, oracle_trace)
+        chosen = seams.attach(self, make_policy(policy, self, oracle_trace))  # across ranks: the seam too
         if policy == "predictor":  # it reads the routers' outputs
             self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
         predicts = policy in ("next-gate", "predictor", "oracle")
@@ -369,7 +380,7 @@ def load(
     settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
     group = pipeline.join(ranks, dict(settings, model=identity), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
-    stage = group and pipeline.split(mlx_model, group, [b.path for b in find_moe_blocks(mlx_model)])
+    stage = group and pipeline.split(mlx_model, group, find_moe_blocks(mlx_model))
     blocks = offloadable_blocks(mlx_model, path)
     num_experts = blocks[0].num_experts  # before the caches make the switch arrays slot-sized
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)

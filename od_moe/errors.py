@@ -3,8 +3,10 @@
 A `UserError` carries a message that says what went wrong and what to do; the CLI prints it on one line
 and exits with code 2, the server turns it into an HTTP 4xx. An `ExpertReadError` fails the one request
 whose expert could not be read (the CLI prints it on one line, the server answers 500 and /health shows
-it); the engine, its caches and the next request are unaffected. Programming errors stay ordinary
-exceptions.
+it); the engine, its caches and the next request are unaffected. A `RankLost` says another rank of a
+pipeline is gone (`heartbeat.py`): nothing can be generated until every rank is started again (the CLI
+prints one line and exits with 1, the server answers 503 and /health says "error"). Programming errors
+stay ordinary exceptions.
 """
 
 
@@ -15,3 +17,8 @@ class UserError(ValueError):
 class ExpertReadError(OSError):
     """An expert's bytes could not be read from the model's files (a file shrank, vanished or the disk
     failed): the request that needed it fails; nothing was installed from the failed read."""
+
+
+class RankLost(RuntimeError):
+    """Another rank of a pipeline is gone (its process ended or stopped answering, or its machine went
+    away): this rank cannot compute its share of a pass any more; every rank must be started again."""

@@ -227,11 +227,13 @@ class Loader:
         return _scratch_slots(cache, scratch)[indices], cache.arrays.with_scratch(rows)
 
     # -- prefetch --------------------------------------------------------------------------------
-    def submit(self, predictions: list[Prediction]):
+    def submit(self, predictions: list[Prediction]) -> dict[int, list]:
         """Queue the predicted experts that are not resident; the governor says how many per layer, and
-        where the policy estimates next uses, only those needed sooner than the experts they would evict."""
+        where the policy estimates next uses, only those needed sooner than the experts they would evict.
+        Returns the experts asked to be read, by layer."""
+        asked = {}
         if not predictions:
-            return
+            return asked
         t0 = time.perf_counter()
         floor = self.governor.min_score
         for layer, experts, scores in predictions:
@@ -245,7 +247,9 @@ class Loader:
                 protect = list(chosen) + self.reader.wanted(layer)
                 absent = _worth(cache, absent, protect, future, self.passes.clock, strict=True)
             self.reader.submit(layer, chosen, absent)
+            asked[layer] = absent
         self.ledger.reader["busy_s"] += time.perf_counter() - t0
+        return asked
 
     def drain(self):
         """Synchronous prefetch: every read requested so far lands before this layer runs."""

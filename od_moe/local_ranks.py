@@ -2,8 +2,11 @@
 pipeline tests and `tools/pipeline_bench.py` do: a free port range for each launch (the launcher's default
 port is fixed, and several test workers or users may launch at once), the od-moe being run on the ranks'
 import path, and a deadline after which the whole process group is killed (a rank that died leaves the
-others blocked in a collective: `mx.distributed` has no timeouts). Not here: the pipeline (`pipeline.py`)."""
+others blocked in a collective: `mx.distributed` has no timeouts). `start` starts the ranks as the
+launcher does but without it (the launcher stops every rank once one fails), so that the fault tests can
+watch what a surviving rank does by itself. Not here: the pipeline (`pipeline.py`)."""
 
+import json
 import os
 import signal
 import socket
@@ -55,3 +58,25 @@ def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=())
         out, err = process.communicate()
         raise AssertionError(f"mlx.launch did not finish in {timeout} s:\n{out}\n{err}")
     return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def start(script, args=(), ranks: int = 2, folder=None, extra_path=(), env=None) -> list[subprocess.Popen]:
+    """Start `script args` as `ranks` processes of one ring group on loopback, as `mlx.launch` does (a
+    hostfile in `folder`, MLX_RANK, MLX_HOSTFILE), each its own process group with stdout and stderr piped
+    (text); `env`: more variables. The caller waits for them and kills them."""
+    first = free_ports(ranks)
+    hostfile = Path(folder or ".") / f"ranks-{first}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(ranks)]))
+    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path]))
+    common = dict(os.environ, PYTHONPATH=path, MLX_HOSTFILE=str(hostfile), **(env or {}))
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            env=dict(common, MLX_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(ranks)
+    ]

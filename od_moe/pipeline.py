@@ -28,7 +28,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, _BaseCache
 
-from .errors import UserError
+from . import heartbeat
+from .errors import RankLost, UserError
+from .routing import router_matrices
 from .units import format_bytes
 
 _LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
@@ -144,7 +146,8 @@ class Seam(nn.Module):
     """One of this rank's layers at an edge of its stage: it receives the hidden state from the rank before
     (`receive`), sends its output to the rank after (`send`), and, the model's last layer, gathers rank 0's
     output to every rank (`gather`). Wrapped after the rank's experts are located: parameter paths below it
-    gain a `layer.` that nothing reads any more."""
+    gain a `layer.` that nothing reads any more. `watch`, if set, is called once the hidden state has been
+    received (it is evaluated there: one more sync, to measure `seams.py`)."""
 
     def __init__(self, layer: nn.Module, group, receive: bool, send: bool, gather: bool):
         super().__init__()
@@ -153,10 +156,14 @@ class Seam(nn.Module):
         self.layer = layer
         self._group, self._rank = group, group.rank()
         self._receive, self._send, self._gather = receive, send, gather
+        self.watch = None
 
     def __call__(self, x, *args, **kwargs):
         if self._receive:
             x = mx.distributed.recv_like(x, self._rank + 1, group=self._group)
+            if self.watch is not None:
+                mx.eval(x)
+                self.watch()
         out = self.layer(x, *args, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
         if self._send:
@@ -207,6 +214,8 @@ class Stage:
     end: int
     ranges: list
     layers_path: str
+    supervisor: heartbeat.Supervisor  # the ranks' heartbeat: pipeline work runs inside its `busy`
+    next_router: tuple | None = None  # the next rank's first MoE router (weights, biases): `seams.py`
 
     @property
     def rank(self) -> int:
@@ -231,7 +240,8 @@ class Stage:
     def gather_numbers(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values` (the same count on each), rank by rank."""
         mine = mx.array(values, dtype=mx.float32)
-        return mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1).tolist()
+        with self.supervisor.busy():
+            return mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1).tolist()
 
     def _sum(self, values: list[int]) -> list[int]:
         return mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group).tolist()
@@ -253,12 +263,16 @@ def rank_lines(engine) -> list[str]:
 def join(ranks, settings: dict, predictor=None) -> mx.distributed.Group | None:
     """The group `load` splits over (`group_for`), once every rank is known to have been started with the
     same `settings` (`check_same`: before any other collective, so a rank started otherwise stops the rest
-    instead of hanging them); None on one process."""
+    instead of hanging them) and the ranks' heartbeat runs (`heartbeat.supervise`); None on one process."""
     group = group_for(ranks)
     if group is not None:
-        check_same(group, dict(settings, ranks=group.size()))
+        try:
+            check_same(group, dict(settings, ranks=group.size()))
+        except RuntimeError as e:  # the backend's error: a rank ended before the others had started
+            raise RankLost(f"a rank ended while the ranks were starting ({e}): start every rank again")
         if predictor is not None:
             raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
+        heartbeat.supervise(group)
     return group
 
 
@@ -277,9 +291,10 @@ def check_same(group, what: dict):
         )
 
 
-def split(model: nn.Module, group, block_paths: list[str]) -> Stage:
+def split(model: nn.Module, group, blocks: list) -> Stage:
     """Replace the decoder layers other ranks run by `PassThrough`s (their weights dropped with them) and
     return this rank's `Stage`; `wrap_seams` finishes the split once the rank's experts are located."""
+    block_paths = [b.path for b in blocks]  # `surgery.MoEBlock`s
     path, moe_layers = layers_of(model, block_paths)
     owner = dict(model.named_modules())[path] if path else model
     layers = owner.layers
@@ -287,10 +302,21 @@ def split(model: nn.Module, group, block_paths: list[str]) -> Stage:
     ranges = stage_ranges(moe_layers, len(layers), group.size())
     start, end = ranges[group.rank()]
     last = len(layers) - 1
+    after = [b.block for b in blocks if int(_LAYER_PATH.match(b.path).group(2)) == end]  # the next rank's
+    next_router = _router(after[0]) if after and group.rank() > 0 else None
     for i, layer in enumerate(layers):
         if not start <= i < end:
             layers[i] = PassThrough(layer, outputs, gather=group if i == last else None)
-    return Stage(group, start, end, ranges, path)
+    return Stage(group, start, end, ranges, path, heartbeat.supervise(group), next_router)
+
+
+def _router(block: nn.Module) -> tuple | None:
+    """A block's router as dense float32 (weights (1, E, H), biases (1, E)), or None where it has no
+    linear router (then no prediction crosses the seam)."""
+    try:
+        return router_matrices([block])
+    except UserError:
+        return None
 
 
 def wrap_seams(model: nn.Module, stage: Stage):

@@ -191,6 +191,11 @@ class Reader:
         with self._lock:
             return sorted(self._wanted.get(layer, ()))
 
+    def started(self, layer: int, experts: Sequence[int]) -> list[bool]:
+        """Whether each of `experts` has left the queue of `layer` (being read or read, or withdrawn)."""
+        with self._lock:
+            return [(layer, int(e)) not in self._pending for e in experts]
+
     def take_ready(self) -> list[Read]:
         """Every finished prefetch (the caller installs or discards them, then `recycle`s them)."""
         with self._lock:

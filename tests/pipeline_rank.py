@@ -1,7 +1,9 @@
 """Run on each rank by `tests/test_pipeline.py` (through `mlx.launch`): load a model split over the ranks at
 each capacity given, generate greedily from the prompts, and write what this rank did to OUT/rank<r>.json:
 the tokens, its stage, the module paths of its MoE layers, every expert read by module path (recorded at
-the store, load-time reads included), the bytes its slots hold and the names of the parameters it holds.
+the store, load-time reads included), the bytes its slots hold, the names of the parameters it holds, and
+what crossed the seam (`seams.py`: next-gate prefetch with the governor's precision check only, so that it
+predicts every decode pass; the reads started before the hidden state came are counted).
 
     pipeline_rank.py MODEL OUT CAPACITIES(comma) MAX_TOKENS PROMPTS(JSON)
 """
@@ -14,6 +16,8 @@ from pathlib import Path
 from mlx.utils import tree_flatten
 
 import od_moe
+from od_moe import seams
+from od_moe.governor import PrefetchSettings
 from od_moe.store import ExpertStore
 
 model, out, capacities, max_tokens, prompts = sys.argv[1:6]
@@ -30,7 +34,9 @@ ExpertStore.read = counted_read
 runs = {}
 for capacity in capacities.split(","):
     reads.clear()
-    engine = od_moe.load(None if model == "-" else model, capacity=float(capacity), prefetch="next-gate")
+    engine = od_moe.load(None if model == "-" else model, capacity=float(capacity))
+    engine.configure_prefetch("next-gate", settings=PrefetchSettings(timed_checks=False))
+    seams.watch(engine)
     tokens = [
         [r.token for r in engine.stream_generate(p, max_tokens=int(max_tokens))] for p in json.loads(prompts)
     ]
@@ -43,6 +49,8 @@ for capacity in capacities.split(","):
         "slot_bytes": stats["memory"]["expert_cache_bytes"],
         "misses": stats["total"]["misses"],
         "parameters": [k for k, _ in tree_flatten(engine.model.parameters())],
+        "seam_sent": getattr(engine.runtime.policy, "sent", None),
+        "seam_received": engine.seam_receiver.counts if engine.seam_receiver is not None else None,
     }
     engine.close()
 stage = engine.stage

@@ -24,11 +24,11 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import WSGIRequestHandler
 
-from ..errors import UserError
+from ..errors import RankLost, UserError
 from ..preflight import engine_capabilities
 from ..sampling import vocab_size_of
 from ..units import MB
-from . import anthropic, dashboard, guard, openai
+from . import anthropic, dashboard, guard, openai, ranks
 from .health import health_body, prometheus_text
 from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
 from .schedule import ScheduleLog
@@ -304,30 +304,29 @@ def serve(
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
     end the running streams with an error event and stop the generation thread before returning.
-    `schedule_log`: a file the running batch's schedule is written to (`schedule.py`)."""
+    `schedule_log`: a file the running batch's schedule is written to (`schedule.py`). Under
+    `mlx.launch` rank 0 serves and the other ranks follow its requests (`ranks.py`); where a rank was
+    lost, `serve` raises `RankLost` once it stops."""
     from werkzeug.serving import make_server
 
     from .. import load
+    from ..pipeline import group_for
 
+    def loader():
+        options = dict(capacity=capacity, memory_budget=memory_budget, prefetch=prefetch)
+        return load(model, predictor=predictor, direct_io=direct_io, two_tier=two_tier, **options)
+
+    group = group_for("auto")
+    if group is not None and group.rank() > 0:
+        return ranks.follow(loader(), log)
     listener = bind(host, port)  # a busy port is found before the model loads
     try:
         sink = _schedule_sink(schedule_log, max_batch)  # and a file that cannot be written
     except UserError:
         listener.close()
         raise
-    worker = GenerationWorker(
-        loader=lambda: load(
-            model,
-            capacity=capacity,
-            memory_budget=memory_budget,
-            predictor=predictor,
-            prefetch=prefetch,
-            direct_io=direct_io,
-            two_tier=two_tier,
-        ),
-        max_batch=max_batch,
-        schedule=None if sink is None else ScheduleLog(sink=sink),
-    )
+    schedule = None if sink is None else ScheduleLog(sink=sink)
+    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule)
     try:
         app = create_app(
             worker=worker,
@@ -348,6 +347,7 @@ def serve(
     )
     if worker.batch_cut:
         log(f"od-moe: {worker.batch_cut}")
+    leader = ranks.Leader(worker, log) if worker.engine.stage is not None else None
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None
     try:
@@ -355,14 +355,23 @@ def serve(
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        log("od-moe: shutting down")
-        finished = worker.shutdown()
-        _wait_for_relays(worker)
-        server.server_close()
-        if finished:
-            worker.engine.close()
-        if sink is not None:
-            sink.close()
+        _shut_down(worker, leader, server, sink, log)
+    if worker.broken is not None:
+        raise RankLost(worker.broken)
+
+
+def _shut_down(worker, leader, server, sink, log):
+    """Stop the generation thread, the other ranks, the server and the schedule log, in that order."""
+    log("od-moe: shutting down")
+    finished = worker.shutdown()
+    if leader is not None and worker.broken is None:
+        leader.end()
+    _wait_for_relays(worker)
+    server.server_close()
+    if finished:
+        worker.engine.close()
+    if sink is not None:
+        sink.close()
 
 
 def _schedule_sink(path, max_batch: int):

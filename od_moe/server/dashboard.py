@@ -131,6 +131,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         "history": recent["points"],
         "requests": requests,
         "batch": batch_figures(worker),
+        "ranks": worker.ranks.rows() if worker.ranks is not None else None,  # across ranks: one row each
         "cache": {
             "capacity": stats["capacity"],
             "num_experts": stats["num_experts"],

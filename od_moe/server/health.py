@@ -4,8 +4,9 @@ Both read the engine's live ledger from any thread (`engine.stats(settle=False)`
 counters; `status` is the worker's real state (`GenerationWorker.state`); `decode_per_pass` books decode
 lookups per sequence and per pass (`stats.per_pass`: the batch's distinct experts, looked up once for all
 its sequences, against its sequences' lookups); `batch` is the running batch (`batch_figures`: its size,
-the queue, each request's and the total tok/s, the decode steps booked by batch size). Not here: routes
-(`app.py`).
+the queue, each request's and the total tok/s, the decode steps booked by batch size); across ranks,
+`ranks` has one row per rank (`ranks.Leader.rows`: its layers, state, hit rate and reads), else null.
+Not here: routes (`app.py`).
 """
 
 import time
@@ -67,6 +68,12 @@ METRICS = {
     ),
     "request_tokens_per_second": ("gauge", "Decode tok/s of each request in the running batch."),
     "up": ("gauge", "1 while the generation thread can serve requests, else 0."),
+    "rank_up": ("gauge", "Across ranks: 1 while a rank runs its layers, else 0."),
+    "rank_decode_hit_rate": (
+        "gauge",
+        "Across ranks: the fraction of a rank's decode lookups found resident.",
+    ),
+    "rank_expert_bytes_read_total": ("counter", "Across ranks: bytes of expert weights a rank read."),
     "memory_peak_bytes": ("gauge", "Peak memory of the MLX backend, in bytes."),
     "uptime_seconds": ("gauge", "Seconds since the server started."),
 }
@@ -123,6 +130,7 @@ def health_body(worker, name: str, started: float) -> dict:
         "uptime_s": time.time() - started,
         "requests": requests,
         "batch": batch_figures(worker),
+        "ranks": worker.ranks.rows() if worker.ranks is not None else None,
     }
 
 
@@ -175,6 +183,12 @@ def prometheus_text(health: dict) -> str:
             ({"position": str(i)}, r["tok_s"]) for i, r in enumerate(health["batch"]["running"])
         ],
     }
+    for key, field in (
+        ("rank_decode_hit_rate", "decode_hit_rate"),
+        ("rank_expert_bytes_read_total", "bytes_read"),
+    ):
+        samples[key] = [({"rank": str(r["rank"])}, r.get(field)) for r in health["ranks"] or ()]
+    samples["rank_up"] = [({"rank": str(r["rank"])}, int(r["state"] == "ok")) for r in health["ranks"] or ()]
     for k, v in health["requests"].items():  # counters end in _total, as Prometheus names them
         samples[f"requests_{k}" if k in ("total", "active", "queued") else f"requests_{k}_total"] = v
     lines = []

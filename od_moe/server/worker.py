@@ -9,6 +9,8 @@ cache of the request that ended last is kept with the tokens it holds and reused
 token prefix of the next prompt; a failed or cancelled request drops the cache it took, so it is never
 reused wrongly. `shutdown` ends the running and queued jobs with an error event and waits for the
 thread, so no MLX work is under way when the process exits.
+Across ranks (`ranks.py`) a worker on every rank runs each job rank 0 announces (`announce`), one at a
+time, with every cancellation check decided by rank 0 (`lockstep`); a rank gone ends them with a 503.
 Not here: HTTP (`app.py`).
 """
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from ..errors import UserError
+from ..errors import RankLost, UserError
 from .batching import RunningBatch, fitting_batch
 from .requests import ApiError, GenerationParams
 from .schedule import ScheduleLog
@@ -165,6 +167,10 @@ class GenerationWorker:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.decode_clock = DecodeClock()
         self._loader = loader
+        self.announce: Callable | None = None  # across ranks (`ranks.py`)
+        self.lockstep: Callable[[bool], bool] | None = None
+        self.ranks = None  # rank 0's `ranks.Leader`: the other ranks' figures for /health
+        self.broken: str | None = None  # why the pipeline can generate no more (a rank is gone)
         self.thread = threading.Thread(target=self._run, name="od-moe-generation", daemon=True)
         self.thread.start()
 
@@ -177,6 +183,10 @@ class GenerationWorker:
             job.alive = alive
         with self.lock:
             self.counters["total"] += 1
+            if self.broken is not None:
+                self.counters["failed"] += 1
+                job.events.put(("error", _broken(self.broken)))
+                return job
             if self.stopping:
                 self._tell_stopping(job)
                 return job
@@ -188,7 +198,7 @@ class GenerationWorker:
 
     def state(self) -> str:
         """ "ok", "degraded" (the last request failed on the server's side), "stopping" or "error"."""
-        if self.load_error is not None or not self.thread.is_alive():
+        if self.load_error is not None or not self.thread.is_alive() or self.broken is not None:
             return "error"
         if self.stopping:
             return "stopping"
@@ -199,7 +209,10 @@ class GenerationWorker:
 
     def shutdown(self, timeout_s: float = 30.0) -> bool:
         """End the running and queued jobs with an error event, stop the thread and wait for it (True
-        when it has finished: no MLX work is left running)."""
+        when it has finished: no MLX work is left running; never where a rank is gone, as the thread may be
+        blocked in a collective)."""
+        if self.broken is not None:
+            return False
         with self.lock:
             self.stopping = True
             running = [self.current] if self.current is not None else []
@@ -225,6 +238,11 @@ class GenerationWorker:
             self.load_error = e
             self.ready.set()
             return
+        if self.max_batch > 1 and self.engine.stage is not None:
+            self.batch_cut = (
+                f"batching is off across ranks: one request at a time (--max-batch {self.max_batch})"
+            )
+            self.max_batch = 1
         if self.max_batch > 1:
             self.max_batch, self.batch_cut = fitting_batch(self.engine, self.max_batch)
         if self.max_batch > 1:
@@ -246,6 +264,8 @@ class GenerationWorker:
                 except Cancelled:
                     self.prompt_cache = PromptCache()
                     outcome = "cancelled"
+            except RankLost as e:
+                self.break_pipeline(str(e), job)
             except Exception as e:
                 self.prompt_cache = PromptCache()
                 self.finish(job, "failed", error=e)
@@ -321,6 +341,24 @@ class GenerationWorker:
                 error = ApiError(400 if user else 500, str(error), kind=kind)
             job.events.put(("error", error))
 
+    def break_pipeline(self, message: str, running: Job | None = None):
+        """A rank is gone (`heartbeat.py`): end the running and queued jobs with a 503 saying so, and every
+        later one; /health says "error". From any thread (the generation thread may be blocked for good)."""
+        with self.lock:
+            first, self.broken = self.broken is None, self.broken or message
+            self.last_error = self.broken
+            ended = [running, self.current] + _drain(self.jobs)
+        for job in {id(j): j for j in ended if j is not None}.values():  # once each, in order
+            self._count("failed")
+            job.events.put(("error", _broken(self.broken)))
+        return first
+
+    def _cancelled(self, job: Job) -> bool:
+        """Whether the job's client went away: across ranks, as rank 0 found it (every rank checks at the
+        same points and must decide alike)."""
+        cancelled = job.cancelled.is_set()
+        return self.lockstep(cancelled) if self.lockstep is not None else cancelled
+
     def _tell_stopping(self, job: Job):
         job.events.put(("error", _shutting_down()))
         self.told_to_stop.append(job)
@@ -333,8 +371,11 @@ class GenerationWorker:
         engine, p = self.engine, job.params
         cache, rest, reused = self.prompt_cache.take(engine.model, job.prompt)
 
+        if self.announce is not None:
+            self.announce(job)
+
         def between_chunks(done, total):
-            if job.cancelled.is_set():
+            if self._cancelled(job):
                 raise Cancelled  # the cache is dropped: it is not kept below
 
         stops, hold = p.stop, max((len(s) for s in p.stop), default=1) - 1
@@ -352,7 +393,7 @@ class GenerationWorker:
             prompt_progress_callback=between_chunks,
         ):
             self.decode_clock.tick()
-            if job.cancelled.is_set():
+            if self._cancelled(job):
                 return "cancelled"  # the cache is dropped: it is not kept below
             tokens.append(response.token)
             text += response.text
@@ -389,3 +430,21 @@ def _shutting_down() -> ApiError:
     return ApiError(
         503, "the server is shutting down: send the request again once it is back", kind="server_error"
     )
+
+
+def _broken(message: str) -> ApiError:
+    return ApiError(503, f"{message} (this server generates nothing until then)", kind="server_error")
+
+
+def _drain(jobs: queue.Queue) -> list:
+    """The jobs waiting in `jobs`, taken out (up to a stop, which stays: the thread still ends there)."""
+    taken = []
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return taken
+        if job is None:
+            jobs.put(None)
+            return taken
+        taken.append(job)

@@ -73,6 +73,24 @@ function drawStrip(layers) {
   canvas.dataset.counts = JSON.stringify(counts);
 }
 
+function drawRanks(ranks) {
+  // across ranks: one row per rank (its layers, state, decode hit rate and reads); hidden on one process
+  $("ranks").hidden = !ranks;
+  const body = $("rank-rows");
+  body.replaceChildren(...(ranks || []).map((r) => {
+    const row = document.createElement("tr");
+    const layers = r.layers ? r.layers[0] + "–" + r.layers[1] : "–";
+    for (const text of [String(r.rank), layers, r.state, pct(r.decode_hit_rate), bytes(r.bytes_read),
+      r.experts_read == null ? "–" : String(r.experts_read)]) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      row.appendChild(cell);
+    }
+    row.className = r.state === "ok" ? "" : "bad";
+    return row;
+  }));
+}
+
 function render(d) {
   const dec = d.decode, pre = d.prefetch, req = d.requests;
   $("model").textContent = d.model;
@@ -116,6 +134,7 @@ function render(d) {
   $("cache-shape").textContent = d.cache.layers.length + " layers × " + d.cache.num_experts +
     " experts, " + d.cache.capacity + " slots each";
   drawStrip(d.cache.layers);
+  drawRanks(d.ranks);
   updates += 1;
   lastOk = Date.now();
   document.body.dataset.updates = String(updates);

@@ -40,12 +40,14 @@ def free_ports(count: int) -> int:
     raise RuntimeError("no free range of loopback ports")
 
 
-def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=()):
-    """Run `script args` on `ranks` loopback ranks, `extra_path` folders on their import path beside od-moe's;
-    returns the CompletedProcess (stdout and stderr as text)."""
-    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path]))
+def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=(), backend: str = "ring"):
+    """Run `script args` on `ranks` ranks of this machine (`backend`: "ring" on loopback, or "nccl" over its
+    GPUs), `extra_path` folders on their import path beside od-moe's; returns the CompletedProcess (stdout
+    and stderr as text)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # e.g. where mlx is
+    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path, *inherited]))
     command = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
-    command += ["-n", str(ranks), "--backend", "ring"]
+    command += ["-n", str(ranks), "--backend", backend]
     command += ["--starting-port", str(free_ports(ranks)), "--env", f"PYTHONPATH={path}"]
     command += ["--python", sys.executable, str(script), *map(str, args)]
     process = subprocess.Popen(

@@ -7,7 +7,7 @@ page cache: `drop_after_read`, the page cache dropped before each prompt), greed
 decode tok/s (mean over prompts of mlx-lm's generation tok/s) and, per rank, decode hit rate and MB read
 per decode pass; and whether the tokens equal the one process's.
 
-    python tools/pipeline_bench.py [--widen 32] [--max-tokens 24] [--fraction 0.25]
+    python tools/pipeline_bench.py [--widen 32] [--max-tokens 24] [--fraction 0.25] [--backend nccl]
 
 The bundled model, and a copy widened `--widen` times (`od_moe.bench.widen`, 0: none) written to
 `--workdir`. Run by hand; CI runs the exactness tests instead (`tests/test_pipeline.py`).
@@ -26,7 +26,7 @@ def run_here(model: str, capacity: float, max_tokens: int) -> dict:
     """Generate the prompts cold with this process's engine (split over the ranks under mlx.launch)."""
     import od_moe
 
-    engine = od_moe.load(model, capacity=capacity, prefetch="none")
+    engine = od_moe.load(model, capacity=capacity, prefetch="none", two_tier=False)  # the exact SSD path
     store = engine.runtime.store
     store.drop_after_read = True
     tokens, tps = [], []
@@ -52,14 +52,14 @@ def _row(name: str, result: dict, reference) -> str:
     return f"{name:<34} {result['tok_s']:6.2f} tok/s  ({ranks}{same})"
 
 
-def compare(model: str, fraction: float, max_tokens: int, label: str) -> list[str]:
+def compare(model: str, fraction: float, max_tokens: int, label: str, backend: str = "ring") -> list[str]:
     from od_moe.local_ranks import launch
 
     one = run_here(model, fraction, max_tokens)
     with tempfile.TemporaryDirectory() as out:
         args = ["--rank-run", model, str(2 * fraction), str(max_tokens), out]
-        done = launch(Path(__file__).resolve(), args, timeout=1800)
-        if done.returncode != 0:
+        done = launch(Path(__file__).resolve(), args, timeout=1800, backend=backend)
+        if done.returncode != 0 or not (Path(out) / "rank0.json").exists():
             raise SystemExit(f"the ranks failed:\n{done.stderr[-3000:]}")
         two = json.loads((Path(out) / "rank0.json").read_text())
     return [
@@ -83,15 +83,18 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--workdir", default="/tmp/od-moe-bench")
+    parser.add_argument("--backend", default="ring", help="ring (loopback) or nccl (this machine's GPUs)")
+    parser.add_argument("--skip-bundled", action="store_true", help="only the widened copy")
     args = parser.parse_args()
     from od_moe.bench.widen import widen_model
     from od_moe.model_files import DEFAULT_MODEL
 
-    lines = compare(str(DEFAULT_MODEL), args.fraction, args.max_tokens, "bundled")
-    print("\n".join(lines), flush=True)
+    if not args.skip_bundled:
+        lines = compare(str(DEFAULT_MODEL), args.fraction, args.max_tokens, "bundled", args.backend)
+        print("\n".join(lines), flush=True)
     if args.widen:
         wide = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
-        lines = compare(str(wide), args.fraction, args.max_tokens, f"widened x{args.widen}")
+        lines = compare(str(wide), args.fraction, args.max_tokens, f"widened x{args.widen}", args.backend)
         print("\n".join(lines), flush=True)
 
 

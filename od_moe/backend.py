@@ -79,6 +79,15 @@ def arrays_in_host_memory() -> bool:
     return not (mx.default_device().type == mx.gpu and not mx.metal.is_available())
 
 
+def sends_between_ranks() -> bool:
+    """Whether `mx.distributed.send`/`recv` run on this device: not on CUDA (MLX 0.32: "Send has no CUDA
+    implementation"), where a pipeline hands hidden states over with a collective instead (`pipeline.py`).
+    OD_MOE_SEAMS=collective asks for the collective anywhere (to test it on the CPU)."""
+    if os.environ.get("OD_MOE_SEAMS") == "collective":
+        return False
+    return not (mx.cuda.is_available() and mx.default_device().type == mx.gpu)
+
+
 _managed_staging = cuda.ManagedStaging()
 _copies = cuda.DeviceCopies()
 _host_mapping = cuda.HostMapping()

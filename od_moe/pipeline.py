@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, _BaseCache
 
-from . import heartbeat
+from . import backend, heartbeat
 from .errors import RankLost, UserError
 from .routing import router_matrices
 from .units import format_bytes
@@ -173,6 +173,25 @@ class Seam(nn.Module):
         if self._gather:
             h = _gather(h, self._group)
         return (h, *out[1:]) if isinstance(out, tuple) else h
+
+
+class Handover(nn.Module):
+    """A stage's first layer on every rank, where point-to-point sends do not run: the hidden state entering
+    it is the one rank `sender` (the stage before) computed, taken from an `all_gather` every rank joins
+    (each rank's own input there is a stand-in, or the sender's real one). Costs the group's size times the
+    state's bytes per pass instead of one copy; the arithmetic is the same."""
+
+    def __init__(self, layer: nn.Module, group, sender: int):
+        super().__init__()
+        for k, v in _flags(layer).items():
+            setattr(self, k, v)
+        self.layer = layer
+        self._group, self._sender = group, sender
+
+    def __call__(self, x, *args, **kwargs):
+        n = x.shape[0]
+        x = mx.distributed.all_gather(x, group=self._group)[self._sender * n : (self._sender + 1) * n]
+        return self.layer(x, *args, **kwargs)
 
 
 class _Probe:
@@ -320,11 +339,18 @@ def _router(block: nn.Module) -> tuple | None:
 
 
 def wrap_seams(model: nn.Module, stage: Stage):
-    """Wrap this rank's first and last layers to receive, send and gather the hidden state."""
+    """Wrap this rank's first and last layers to receive, send and gather the hidden state. Where sends do
+    not run on the device (`backend.sends_between_ranks`), every rank instead hands the state over at each
+    stage's first layer with a collective (`Handover`)."""
     owner = dict(model.named_modules())[stage.layers_path] if stage.layers_path else model
     layers, last, rank = owner.layers, len(owner.layers) - 1, stage.rank
+    sends = backend.sends_between_ranks()
     edges = {stage.start, stage.end - 1}
     for i in sorted(edges):
-        receive = i == stage.start and stage.start > 0
-        send = i == stage.end - 1 and rank > 0
+        receive = i == stage.start and stage.start > 0 and sends
+        send = i == stage.end - 1 and rank > 0 and sends
         layers[i] = Seam(layers[i], stage.group, receive, send, gather=i == last)
+    if not sends:
+        for sender, (start, _) in enumerate(stage.ranges):
+            if start > 0:  # rank `sender - 1` starts there, from rank `sender`'s output
+                layers[start] = Handover(layers[start], stage.group, sender + 1)

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 import od_moe
 from od_moe import seams
 from od_moe.governor import PrefetchSettings
+from od_moe.pipeline import Handover
 from od_moe.store import ExpertStore
 
 model, out, capacities, max_tokens, prompts = sys.argv[1:6]
@@ -54,8 +55,16 @@ for capacity in capacities.split(","):
     }
     engine.close()
 stage = engine.stage
+handovers = sum(isinstance(m, Handover) for _, m in engine.model.named_modules())
 Path(out, f"rank{stage.rank}.json").write_text(
     json.dumps(
-        {"rank": stage.rank, "start": stage.start, "end": stage.end, "ranges": stage.ranges, "runs": runs}
+        {
+            "rank": stage.rank,
+            "start": stage.start,
+            "end": stage.end,
+            "ranges": stage.ranges,
+            "runs": runs,
+            "handovers": handovers,
+        }
     )
 )

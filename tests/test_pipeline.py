@@ -88,6 +88,20 @@ def test_mixtral_over_two_ranks_matches_mlx_lm(tmp_path):
     _check_split(_run_ranks(out, str(path), prompts), reference_tokens(path, prompts, NEW_TOKENS), 2, path)
 
 
+def test_a_collective_hand_over_gives_the_same_tokens(tmp_path, monkeypatch):
+    """Where sends do not run on the device (CUDA), each stage's first layer takes the hidden state from an
+    all_gather every rank joins (`pipeline.Handover`): the same tokens, asked for here on the CPU."""
+    monkeypatch.setenv("OD_MOE_SEAMS", "collective")
+    path = write_mlx_model(tmp_path / "mixtral", MIXTRAL)
+    prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
+    out = tmp_path / "out"
+    out.mkdir()
+    reference = reference_tokens(path, prompts, NEW_TOKENS)
+    for rank in _run_ranks(out, str(path), prompts):
+        assert rank["handovers"] == 1, rank["rank"]
+        assert all(run["tokens"] == reference for run in rank["runs"].values()), rank["rank"]
+
+
 def _script(tmp_path, text: str) -> Path:
     path = tmp_path / "rank_script.py"
     path.write_text(text)

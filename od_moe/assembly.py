@@ -109,6 +109,8 @@ def attach_predictor(engine, predictor):
             f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
             f"this model is {engine.identity}): train one for this model"
         )
+    if engine.stage is not None:  # a pipeline rank predicts its own layers
+        predictor = predictor.for_layers(engine.stage.moe_offset, len(engine.caches))
     c, weights = predictor.config, engine.routers()[0]
     expected = {"num_layers": len(engine.caches), "num_experts": engine.num_experts}
     expected["hidden_size"] = weights.shape[-1]

@@ -235,6 +235,7 @@ class Stage:
     layers_path: str
     supervisor: heartbeat.Supervisor  # the ranks' heartbeat: pipeline work runs inside its `busy`
     next_router: tuple | None = None  # the next rank's first MoE router (weights, biases): `seams.py`
+    moe_offset: int = 0  # the model's MoE layers before this rank's first (a predictor's layer numbers)
 
     @property
     def rank(self) -> int:
@@ -286,11 +287,9 @@ def join(ranks, settings: dict, predictor=None) -> mx.distributed.Group | None:
     group = group_for(ranks)
     if group is not None:
         try:
-            check_same(group, dict(settings, ranks=group.size()))
+            check_same(group, dict(settings, ranks=group.size(), predictor=str(predictor)))
         except RuntimeError as e:  # the backend's error: a rank ended before the others had started
             raise RankLost(f"a rank ended while the ranks were starting ({e}): start every rank again")
-        if predictor is not None:
-            raise UserError("a predictor across ranks is not supported yet: use --prefetch next-gate or none")
         heartbeat.supervise(group)
     return group
 
@@ -326,7 +325,8 @@ def split(model: nn.Module, group, blocks: list) -> Stage:
     for i, layer in enumerate(layers):
         if not start <= i < end:
             layers[i] = PassThrough(layer, outputs, gather=group if i == last else None)
-    return Stage(group, start, end, ranges, path, heartbeat.supervise(group), next_router)
+    offset = sum(1 for m in moe_layers if m < start)
+    return Stage(group, start, end, ranges, path, heartbeat.supervise(group), next_router, offset)
 
 
 def _router(block: nn.Module) -> tuple | None:

@@ -401,7 +401,12 @@ def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_lay
                 "prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
                 "(train one with `od-moe train-predictor`)"
             )
-        lens = NextTokenLens.of(engine.model, engine.moe_blocks, engine.router(0))
+        # the lens reads the next token's first MoE layer off the last one: a pipeline rank holds one of them
+        lens = (
+            None
+            if engine.stage is not None
+            else NextTokenLens.of(engine.model, engine.moe_blocks, engine.router(0))
+        )
         return PredictorPolicy(engine.predictor, per_layer, lens, engine.caches)
     if name == "oracle":
         if oracle_trace is None:

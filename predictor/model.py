@@ -125,6 +125,29 @@ class ShadowPredictor(nn.Module):
         scores = self(source, x, logits, prev=prev)
         return mx.argsort(-scores, axis=-1)[..., :k]
 
+    def for_layers(self, first: int, count: int) -> "ShadowPredictor":
+        """The predictor of MoE layers first .. first+count-1 alone (one pipeline rank's, `pipeline.py`),
+        indexed from 0: each source keeps its heads for the targets inside that range (a prediction past
+        its end is the next rank's: next-gate carries it across the seam), the next-use head its layers.
+        Shares the weights; attach the rank's routers to it."""
+        c = self.config
+        if first == 0 and count == c.num_layers:
+            return self
+        E = c.num_experts
+        part = ShadowPredictor(replace(c, num_layers=count, lookahead=min(c.lookahead, max(count - 1, 1))))
+        for local in range(count - 1):
+            source, n = first + local, len(part.config.targets(local))
+            part.trunks[local], part.deep[local] = self.trunks[source], self.deep[source]
+            head = nn.Linear(c.rank, n * E)
+            head.weight, head.bias = self.heads[source].weight[: n * E], self.heads[source].bias[: n * E]
+            part.heads[local] = head
+            part.gate_scales[local] = self.gate_scales[source][:n]
+            part.prev_scales[local] = self.prev_scales[source][:n]
+        if c.next_use:
+            for name in ("proj", "proj_bias", "scale", "weights", "bias"):
+                setattr(part.next_use, name, getattr(self.next_use, name)[first : first + count])
+        return part
+
     def retarget(self, model_identity: str):
         """Tie the predictor to another model whose hidden states and routing are the same as the one it
         was trained on (the benchmark's widened copy of the bundled model); nothing checks that they are."""

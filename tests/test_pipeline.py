@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 import od_moe
@@ -128,6 +129,38 @@ def test_generate_command_prints_on_rank_zero_only(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("rank ")]
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], result.stderr
     assert "layers 4-7" in lines[0] and "layers 0-3" in lines[1] and " 0 B read" not in result.stderr
+
+
+def test_the_shadow_predictor_predicts_each_ranks_own_layers(tmp_path):
+    """`--predictor` across ranks: each rank predicts its own layers with its part of the network
+    (`ShadowPredictor.for_layers`); rank 0 prints stock's text and says what its prefetch read."""
+    cli = _script(tmp_path, "import sys\nfrom od_moe.cli import main\nsys.exit(main())\n")
+    args = ["generate", "--prompt", PROMPTS[0], "--ignore-chat-template", "--max-tokens", 12]
+    result = launch(cli, [*args, "--capacity", "25%", "--predictor", "bundled", "--stats"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = od_moe.load(capacity=1.0, ranks=None).tokenizer
+    text = tokenizer.decode(reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[:1], 12)[0])
+    assert result.stdout.count(text.strip()) == 1, result.stdout
+    read_ahead = re.search(r"prefetch predictor: (\d+) experts read ahead", result.stderr)
+    assert read_ahead and int(read_ahead.group(1)) > 0, result.stderr[-2000:]
+
+
+def test_a_ranks_part_of_the_predictor_scores_as_the_whole():
+    from od_moe.predictor import load_predictor
+
+    engine = od_moe.load(capacity=0.25, ranks=None)
+    whole = load_predictor(od_moe.DEFAULT_PREDICTOR, engine.identity)
+    whole.attach_routers(*engine.routers())
+    part = whole.for_layers(4, 4)
+    weights, biases = engine.routers()
+    part.attach_routers(weights[4:], biases[4:])
+    x = mx.random.normal((2, weights.shape[-1]), key=mx.random.key(1))
+    for local in range(3):
+        logits = x @ mx.array(weights[4 + local]).T + mx.array(biases[4 + local])
+        got, want = part(local, x, logits), whole(4 + local, x, logits)
+        assert got.shape[1] == len(part.config.targets(local)) == 3 - local
+        assert mx.allclose(got, want[:, : got.shape[1]], atol=1e-5)
+    assert mx.array_equal(part.next_use.proj, whole.next_use.proj[4:])
 
 
 def test_a_rank_started_otherwise_is_refused(tmp_path):

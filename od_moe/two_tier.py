@@ -28,7 +28,6 @@ Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py
 import time
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,11 +68,6 @@ class TwoTierSwitch(nn.Module):
         return self.runtime.compute(self.layer, self.stacked, x, indices)
 
 
-class _Tables(NamedTuple):
-    rows: mx.array  # (E,) uint32: the stack row of each expert, E + its slot where resident
-    hit: mx.array  # (E,) bool
-
-
 class TwoTierRuntime:
     """What the engine drives in two-tier mode: the same interface as `OffloadRuntime` where the engine
     uses it (ledger, caches, settle, recording, policy), with no reads after load and no prefetch."""
@@ -97,7 +91,8 @@ class TwoTierRuntime:
         self.token_miss_rate, self.host_syncs, self.copy_installs = 0.0, 0, False
         self.clock, self.phase = 0, "prefill"
         self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
-        self._tables: list[_Tables | None] = [None] * len(caches)
+        # per layer, (E,) uint32: the stack row of each expert, E + its slot where resident (a hit)
+        self._tables: list[mx.array | None] = [None] * len(caches)
         self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
         self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
         self._addresses = [_addresses(stack) for stack in stacks]
@@ -211,17 +206,18 @@ class TwoTierRuntime:
             for target, scores in self.forecast(layer, x):
                 self.lookahead.expect(target, scores)
         if self._full[layer]:  # no lane can miss: nothing to count on the device
-            y = stacked(x, self._tables[layer].rows[indices])
+            y = stacked(x, self._tables[layer][indices])
             self.ledger.count_lookups(self.phase, layer, lanes, lanes)
         else:
             self._routed[layer] = indices
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
-            rows = found = self._tables[layer].rows
+            rows = found = self._tables[layer]
             if ahead:  # rows found holding an expert, and rows read (after the layer's own copies)
                 found, rows = self.lookahead.rows(layer, rows, indices)
             if ahead or self._resident[layer].any():
-                self._hit[layer] = found[indices] >= self.num_experts
-                y = stacked(x, rows[indices])
+                read = rows[indices]
+                self._hit[layer] = (read if found is rows else found[indices]) >= self.num_experts
+                y = stacked(x, read)
             else:  # rows are expert ids
                 y = stacked(x, indices)
         if self._recording is not None:
@@ -270,13 +266,12 @@ class TwoTierRuntime:
         resident = slot_of >= 0
         rows = self._table_ring.write(np.where(resident, E + slot_of, np.arange(E))) + 0
         self._table_ring.used_by(rows)
-        hits = rows >= E
         self._resident, self._full = resident, resident.all(axis=1)
-        self._tables = [_Tables(rows[i], hits[i]) for i in range(len(self.caches))]
+        self._tables = [rows[i] for i in range(len(self.caches))]
         for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
-            self._tables[layer] = _Tables(rows[layer] + (landed * 0).astype(mx.uint32), hits[layer])
+            self._tables[layer] = rows[layer] + (landed * 0).astype(mx.uint32)
         self._landed = {}
-        mx.async_eval([t.rows for t in self._tables] + [t.hit for t in self._tables])  # now, not in the pass
+        mx.async_eval(self._tables)  # now, not in the pass
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
@@ -408,5 +403,5 @@ def build(
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype
             )
     runtime._refresh()
-    mx.eval([t.rows for t in runtime._tables] + [t.hit for t in runtime._tables])  # before another thread
+    mx.eval(runtime._tables)  # before another thread
     return runtime

@@ -1,4 +1,5 @@
-"""Lookahead rows: experts predicted for a layer copied into device rows while earlier layers compute.
+"""Rows kept by the device in two-tier mode: a layer's misses copied into its least recently used rows
+before it reads them, and experts predicted for a layer copied there while earlier layers compute.
 
 Two-tier mode (`two_tier.py`) reads a miss in place, from host memory, inside the kernel that needs it,
 so its bytes cross PCIe after the layers before it and add to the pass's time. Here each MoE layer has
@@ -8,7 +9,10 @@ applied to the source's hidden state) scores the target's experts on the device;
 are copied into lookahead rows by one kernel, and the target's expert->row table for this pass is that
 kernel's output. The copy depends only on the prediction, so on CUDA it runs beside the layers in between
 (MLX's CUDA graphs order kernels by the buffers they read and write, not one after another), and the
-target reads the experts it was predicted from device memory. Nothing waits for the host.
+target reads the experts it was predicted from device memory. Nothing waits for the host. The layer itself
+(`demand`) copies its routed experts not yet in a row the same way, just before it reads them
+(`two_tier="lru"`: the slots are all such rows): one copy per miss, the bytes a read in place would cross,
+and the expert stays for the next tokens.
 
 What a lookahead row holds is known only on the device (`held`, an output of each copy that the next
 pass's copy takes as input). A row is rewritten only by a pass whose prediction depends on every earlier
@@ -183,7 +187,8 @@ class LookaheadRows:
         self.on_device = slot_fill.available()
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
         self.demand = True
-        self._kernels: dict[tuple, object] = {}
+        self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
+        self._by_layer: dict[int, tuple] = {}  # layer -> (kernel, most units of a row)
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         mx.eval(self.held, self.age)
@@ -218,10 +223,10 @@ class LookaheadRows:
         if not self.on_device:
             return self._on_host(layer, cand, base, ahead)
         stack = self.stacks[layer]
-        units = [a.nbytes // a.shape[0] // self._unit(layer) for a in stack.values()]
+        kernel, units = self._kernel(layer)
         count = self.P if ahead else cand.size
-        threads = min(max(units), THREADS * self.blocks)
-        rows, found, held, age, copied = self._kernel(layer)(
+        threads = min(units, THREADS * self.blocks)
+        rows, found, held, age, copied = kernel(
             inputs=[*stack.values(), cand, base, self.held[layer], self.age[layer]],
             template=[
                 ("E", self.E),
@@ -261,24 +266,24 @@ class LookaheadRows:
         self.copies = np.zeros(len(self.stacks), np.int64)
         return out
 
-    def _unit(self, layer: int) -> int:
-        sizes = [a.nbytes // a.shape[0] for a in self.stacks[layer].values()]
-        return next(u for u in _UNIT_TYPES if all(size % u == 0 for size in sizes))
-
-    def _kernel(self, layer: int):
-        stack = self.stacks[layer]
-        unit = self._unit(layer)
-        units = tuple(a.nbytes // a.shape[0] // unit for a in stack.values())
-        key = (unit, units)
-        if key not in self._kernels:
-            cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
-            self._kernels[key] = mx.fast.cuda_kernel(
-                name=f"od_moe_lookahead_{len(self._kernels)}",
-                input_names=[*(f"a{i}" for i in range(len(units))), "cand", "base", "held", "age"],
-                output_names=["rows", "found", "held_out", "age_out", "copied"],
-                source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases, empty=AGE_EMPTY),
-            )
-        return self._kernels[key]
+    def _kernel(self, layer: int) -> tuple:
+        """(the layer's kernel, the most copy units of a row among its arrays), made once per layer; layers
+        whose rows are alike share one kernel."""
+        if layer not in self._by_layer:
+            sizes = [a.nbytes // a.shape[0] for a in self.stacks[layer].values()]
+            unit = next(u for u in _UNIT_TYPES if all(size % u == 0 for size in sizes))
+            units = tuple(size // unit for size in sizes)
+            key = (unit, units)
+            if key not in self._kernels:
+                cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
+                self._kernels[key] = mx.fast.cuda_kernel(
+                    name=f"od_moe_lookahead_{len(self._kernels)}",
+                    input_names=[*(f"a{i}" for i in range(len(units))), "cand", "base", "held", "age"],
+                    output_names=["rows", "found", "held_out", "age_out", "copied"],
+                    source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases, empty=AGE_EMPTY),
+                )
+            self._by_layer[layer] = (self._kernels[key], max(units))
+        return self._by_layer[layer]
 
     def _on_host(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> mx.array:
         """`_call` where the stacks are host memory: wait for the candidates (which wait for every earlier

@@ -44,8 +44,7 @@ def launch(script, args=(), ranks: int = 2, timeout: float = 240, extra_path=(),
     """Run `script args` on `ranks` ranks of this machine (`backend`: "ring" on loopback, or "nccl" over its
     GPUs), `extra_path` folders on their import path beside od-moe's; returns the CompletedProcess (stdout
     and stderr as text)."""
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # e.g. where mlx is
-    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path, *inherited]))
+    path = _import_path(extra_path)
     command = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
     command += ["-n", str(ranks), "--backend", backend]
     command += ["--starting-port", str(free_ports(ranks)), "--env", f"PYTHONPATH={path}"]
@@ -69,7 +68,7 @@ def start(script, args=(), ranks: int = 2, folder=None, extra_path=(), env=None)
     first = free_ports(ranks)
     hostfile = Path(folder or ".") / f"ranks-{first}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(ranks)]))
-    path = os.pathsep.join(map(str, [CHECKOUT, *extra_path]))
+    path = _import_path(extra_path)
     common = dict(os.environ, PYTHONPATH=path, MLX_HOSTFILE=str(hostfile), **(env or {}))
     return [
         subprocess.Popen(
@@ -82,3 +81,9 @@ def start(script, args=(), ranks: int = 2, folder=None, extra_path=(), env=None)
         )
         for r in range(ranks)
     ]
+
+
+def _import_path(extra_path) -> str:
+    """The ranks' PYTHONPATH: this checkout, `extra_path`, then the caller's own (where MLX may live)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(map(str, [CHECKOUT, *extra_path, *inherited]))

@@ -24,11 +24,19 @@ class DeviceTally:
         self.layers, self.experts, self.phases = layers, experts, phases
         self.counts = mx.zeros((layers * experts,), mx.int32)
         self.hits = mx.zeros((phases * layers,), mx.int32)
-        mx.eval(self.counts, self.hits)  # now: another thread may generate, and MLX streams are per thread
+        self.union = mx.zeros((phases * layers, 3), mx.int32)  # staged: experts, in device rows, passes
+        mx.eval(
+            self.counts, self.hits, self.union
+        )  # now: another thread may generate, and MLX streams are per thread
         self._offsets: dict[tuple, mx.array] = {}
         self._added: int | None = None  # the pass whose additions are not launched yet
-        self._launched: deque[tuple[int, mx.array, mx.array]] = deque()  # (pass, counts, hits)
-        self._seen = (0, np.zeros(layers * experts, np.int64), np.zeros(phases * layers, np.int64))
+        self._launched: deque[tuple] = deque()  # (pass, counts, hits, union)
+        self._seen = (
+            0,
+            np.zeros(layers * experts, np.int64),
+            np.zeros(phases * layers, np.int64),
+            np.zeros((phases * layers, 3), np.int64),
+        )
 
     def _offset(self, rows: tuple[int, ...], stride: int) -> mx.array:
         key = (rows, stride)
@@ -36,9 +44,17 @@ class DeviceTally:
             self._offsets[key] = mx.array((np.asarray(rows, np.int32) * stride)[:, None])
         return self._offsets[key]
 
-    def add(self, clock: int, phase: int, routed: dict[int, mx.array], hit: dict[int, mx.array]):
-        """Pass `clock`'s routed ids of the layers in `routed` (each layer's ids the same shape), and the
-        hit lanes (bool, the ids' shape) of the layers in `hit`, added lazily."""
+    def add(
+        self,
+        clock: int,
+        phase: int,
+        routed: dict[int, mx.array],
+        hit: dict[int, mx.array],
+        union: dict[int, mx.array] | None = None,
+    ):
+        """Pass `clock`'s routed ids of the layers in `routed` (each layer's ids the same shape), the hit
+        lanes (bool, the ids' shape) of the layers in `hit`, and the union counts ((3,) int32) of the
+        layers in `union`, added lazily."""
         if routed:
             layers = tuple(routed)
             ids = mx.stack([routed[i].reshape(-1) for i in layers]).astype(mx.int32)
@@ -48,34 +64,40 @@ class DeviceTally:
             lanes = mx.stack([hit[i].reshape(-1) for i in layers]).astype(mx.int32).sum(axis=1)
             where = self._offset(tuple(phase * self.layers + i for i in layers), 1).reshape(-1)
             self.hits = self.hits.at[where].add(lanes)
-        if routed or hit:
+        if union:
+            layers = tuple(union)
+            where = self._offset(tuple(phase * self.layers + i for i in layers), 1).reshape(-1)
+            self.union = self.union.at[where].add(mx.stack([union[i] for i in layers]))
+        if routed or hit or union:
             self._added = clock
 
     def launch(self):
         """Start computing what the last pass added (call between passes: it is queued after that pass)."""
         if self._added is not None:
-            mx.async_eval(self.counts, self.hits)
-            self._launched.append((self._added, self.counts, self.hits))
+            mx.async_eval(self.counts, self.hits, self.union)
+            self._launched.append((self._added, self.counts, self.hits, self.union))
             self._added = None
 
-    def read(self, done_by: int | None = None) -> tuple[int, np.ndarray, np.ndarray] | None:
-        """(passes covered since the last read, routing counts (layers, experts), hits (phases, layers))
-        added since the last read, as of the newest launched pass numbered `done_by` or less; None where
-        there is none. `done_by=None`: everything, launched or not, waiting for it."""
+    def read(self, done_by: int | None = None) -> tuple | None:
+        """(passes covered since the last read, routing counts (layers, experts), hits (phases, layers),
+        staged passes' union counts (phases, layers, 3)) added since the last read, as of the newest
+        launched pass numbered `done_by` or less; None where there is none. `done_by=None`: everything,
+        launched or not, waiting for it."""
         if done_by is None:
             self.launch()
             done_by = self._launched[-1][0] if self._launched else -1
         ready = [entry for entry in self._launched if entry[0] <= done_by]
         if not ready:
             return None
-        clock, counts, hits = ready[-1]
-        counts, hits = np.array(counts).astype(np.int64), np.array(hits).astype(np.int64)
+        clock, *arrays = ready[-1]
+        counts, hits, union = (np.array(a).astype(np.int64) for a in arrays)
         while self._launched and self._launched[0][0] <= clock:
             self._launched.popleft()
-        seen_clock, seen_counts, seen_hits = self._seen
-        self._seen = (clock, counts, hits)
+        seen_clock, seen_counts, seen_hits, seen_union = self._seen
+        self._seen = (clock, counts, hits, union)
         return (
             clock - seen_clock,
             (counts - seen_counts).reshape(self.layers, self.experts),
             (hits - seen_hits).reshape(self.phases, self.layers),
+            (union - seen_union).reshape(self.phases, self.layers, 3),
         )

@@ -41,6 +41,7 @@ from .host_ring import HostRing
 from .lookahead import LookaheadRows
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
+from .staging import STAGE_LANES, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .switch import switch_on
@@ -106,6 +107,8 @@ class TwoTierRuntime:
         self._dirty = True  # slots changed since the tables were made
         self._routed: dict[int, mx.array] = {}
         self._hit: dict[int, mx.array] = {}
+        self._union: dict[int, mx.array] = {}  # staged layers' counts (`staging.staged_switch`)
+        self.stage_lanes = STAGE_LANES  # a layer pass with this many lanes or more is staged
         self._recording: list | None = None
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
         self._since_admission = 0
@@ -214,12 +217,17 @@ class TwoTierRuntime:
             rows = found = self._tables[layer]
             if ahead:  # rows found holding an expert, and rows read (after the layer's own copies)
                 found, rows = self.lookahead.rows(layer, rows, indices)
-            if ahead or self._resident[layer].any():
+            tiers = ahead or self._resident[layer].any()  # else rows are expert ids: every lane mapped
+            if tiers:
                 read = rows[indices]
                 self._hit[layer] = (read if found is rows else found[indices]) >= self.num_experts
-                y = stacked(x, read)
-            else:  # rows are expert ids
-                y = stacked(x, indices)
+            if lanes >= self.stage_lanes:  # each expert across PCIe once, not once per lane
+                on_device, self._union[layer] = staged_switch(
+                    stacked, self.stacks[layer], rows, indices, self.num_experts
+                )
+                y = on_device(x, indices)
+            else:
+                y = stacked(x, read if tiers else indices)
         if self._recording is not None:
             self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:
@@ -244,18 +252,18 @@ class TwoTierRuntime:
         if self._dirty:
             self._refresh()
             self._dirty = False
-        self._routed, self._hit = {}, {}
+        self._routed, self._hit, self._union = {}, {}, {}
 
     def _end_pass(self, k: int):
         counted = {i: ids for i, ids in self._routed.items() if not self._full[i]}
-        self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit)
+        self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:
             ids = mx.stack([self._routed[i].reshape(-1) for i in range(len(self.caches))])
             self._recorded.append((ids, k))
         self._prompt_done = self._prompt_done or self.phase == "prefill"
-        self._routed, self._hit = {}, {}
+        self._routed, self._hit, self._union = {}, {}, {}
 
     def _refresh(self):
         """Remake the device tables after slots changed (admission, seeding, a snapshot): all layers' rows
@@ -278,10 +286,13 @@ class TwoTierRuntime:
         """Put a tally read into the ledger (hits) and admission (counts); False where there was none."""
         if read is None:
             return False
-        passes, counts, hits = read
+        passes, counts, hits, union = read
         for p, phase in enumerate(PHASES):
             for layer in np.flatnonzero(hits[p]):
                 self.ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
+            for layer in np.flatnonzero(union[p, :, 0]):
+                experts, held, passes = (int(n) for n in union[p, layer])
+                self.ledger.add(phase, int(layer), experts=experts, expert_hits=held, routings_read=passes)
         self.admission.add(counts, passes)
         return True
 
@@ -386,7 +397,7 @@ def build(
     `forecast` is set, by predictions). `device_lru`: the slots themselves are such rows (the host's
     caches stay empty, admission off), unless every expert fits in them."""
     device_lru = device_lru and caches[0].capacity < caches[0].num_experts
-    rows = [cache.capacity + lookahead_rows for cache in caches]
+    rows = [max(1, cache.capacity + lookahead_rows) for cache in caches]  # one in device memory at least
     stacks = [read_stack(store, c.layout, c.targets, n, progress) for c, n in zip(caches, rows)]
     runtime = TwoTierRuntime(store, caches, stacks)
     if device_lru:

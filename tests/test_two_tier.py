@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
-from od_moe import tally, two_tier
+from od_moe import stats, tally, two_tier
 from od_moe.admission import Admission
 from od_moe.errors import UserError
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
@@ -153,6 +153,43 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     assert len(ages) >= 2 and min(ages) >= two_tier.LAG
     assert out == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[1:2], 25)[0][:24]
     assert engine.stats()["total"]["hits"] > 0
+
+
+@pytest.mark.parametrize("stage_lanes", [1, 10**9])
+def test_staged_passes_match_mlx_lm(bundled_reference, stage_lanes):
+    """Every layer pass staged (decode's too) or none: stock's tokens. A staged pass books its distinct
+    experts and those in device rows from the device; with one sequence a decode pass's 8 lanes are 8
+    distinct experts, so those counts equal the lanes' lookups and hits."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    engine.runtime.stage_lanes = stage_lanes
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    led, layers = engine.runtime.ledger, engine.stats()["moe_layers"]
+    prefill, decode = stats.per_pass(led, "prefill"), stats.per_pass(led, "decode")
+    if stage_lanes > 1:
+        assert prefill["routings_read"] == decode["routings_read"] == 0
+        return
+    assert prefill["routings_read"] == prefill["passes"] * layers
+    assert decode["routings_read"] == decode["passes"] * layers
+    assert 8 < prefill["experts_per_layer_pass"] < prefill["lookups_per_layer_pass"]
+    assert decode["experts"] == led.total("lookups", "decode")
+    assert decode["expert_hits"] == led.total("hits", "decode") > 0
+    slots_hold_their_experts(engine)
+
+
+def test_a_long_prompt_is_staged_and_exact():
+    """A prompt past `STAGE_LANES` lanes is staged by default, at 0% (no slot: one device row is there to
+    stand in for experts not routed) and 25% (its slots found in device rows), and gives stock's tokens."""
+    prompt = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(12))
+    reference = reference_tokens(od_moe.DEFAULT_MODEL, [prompt], 16)
+    for fraction in (0, 0.25):
+        engine = od_moe.load(capacity=fraction, two_tier=True)
+        assert od_moe_tokens(engine, [prompt], 16) == reference, fraction
+        engine.reset_stats()  # the second time, the slots hold what the first admitted
+        assert od_moe_tokens(engine, [prompt], 16) == reference, fraction
+        prefill = stats.per_pass(engine.runtime.ledger, "prefill")
+        assert prefill["routings_read"] == prefill["passes"] * engine.stats()["moe_layers"] > 0
+        assert prefill["experts_per_layer_pass"] <= 64 < prefill["lookups_per_layer_pass"]
+        assert (prefill["expert_hits"] > 0) == (fraction > 0)
 
 
 def test_modes_are_chosen_and_said():

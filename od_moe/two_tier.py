@@ -41,7 +41,7 @@ from .host_ring import HostRing
 from .lookahead import LookaheadRows
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
-from .staging import STAGE_LANES, staged_switch
+from .staging import STAGE_POSITIONS, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .switch import switch_on
@@ -108,7 +108,7 @@ class TwoTierRuntime:
         self._routed: dict[int, mx.array] = {}
         self._hit: dict[int, mx.array] = {}
         self._union: dict[int, mx.array] = {}  # staged layers' counts (`staging.staged_switch`)
-        self.stage_lanes = STAGE_LANES  # a layer pass with this many lanes or more is staged
+        self.stage_positions = STAGE_POSITIONS  # a layer pass of this many positions or more is staged
         self._recording: list | None = None
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
         self._since_admission = 0
@@ -221,11 +221,11 @@ class TwoTierRuntime:
             if tiers:
                 read = rows[indices]
                 self._hit[layer] = (read if found is rows else found[indices]) >= self.num_experts
-            if lanes >= self.stage_lanes:  # each expert across PCIe once, not once per lane
-                on_device, self._union[layer] = staged_switch(
+            if lanes >= self.stage_positions * indices.shape[-1]:  # each expert across PCIe once a pass
+                on_device, places, self._union[layer] = staged_switch(
                     stacked, self.stacks[layer], rows, indices, self.num_experts
                 )
-                y = on_device(x, indices)
+                y = on_device(x, places)
             else:
                 y = stacked(x, read if tiers else indices)
         if self._recording is not None:

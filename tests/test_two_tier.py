@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
-from od_moe import stats, tally, two_tier
+from od_moe import staging, stats, tally, two_tier
 from od_moe.admission import Admission
 from od_moe.errors import UserError
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
@@ -155,17 +155,17 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     assert engine.stats()["total"]["hits"] > 0
 
 
-@pytest.mark.parametrize("stage_lanes", [1, 10**9])
-def test_staged_passes_match_mlx_lm(bundled_reference, stage_lanes):
+@pytest.mark.parametrize("stage_positions", [1, 10**9])
+def test_staged_passes_match_mlx_lm(bundled_reference, stage_positions):
     """Every layer pass staged (decode's too) or none: stock's tokens. A staged pass books its distinct
     experts and those in device rows from the device; with one sequence a decode pass's 8 lanes are 8
     distinct experts, so those counts equal the lanes' lookups and hits."""
     engine = od_moe.load(capacity=0.25, two_tier=True)
-    engine.runtime.stage_lanes = stage_lanes
+    engine.runtime.stage_positions = stage_positions
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     led, layers = engine.runtime.ledger, engine.stats()["moe_layers"]
     prefill, decode = stats.per_pass(led, "prefill"), stats.per_pass(led, "decode")
-    if stage_lanes > 1:
+    if stage_positions > 1:
         assert prefill["routings_read"] == decode["routings_read"] == 0
         return
     assert prefill["routings_read"] == prefill["passes"] * layers
@@ -176,8 +176,32 @@ def test_staged_passes_match_mlx_lm(bundled_reference, stage_lanes):
     slots_hold_their_experts(engine)
 
 
+def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order(monkeypatch):
+    """`staged_switch`'s copy: min(E, lanes) rows, the routed experts' rows (from their slot where the
+    table says so) in expert order, the rest copies of the device row; each lane's place names its
+    expert's row; the counts are the union's."""
+    E, C = 8, 2
+    rows = mx.arange((E + C) * 3, dtype=mx.float32).reshape(E + C, 3)
+    table = mx.array([0, 1, E + 1, 3, 4, 5, E, 7], dtype=mx.uint32)  # experts 2 and 6 in slots
+    seen = {}
+
+    class Stacked:  # the switch: `switch_on` (patched) records the arrays it is given
+        pass
+
+    monkeypatch.setattr(staging, "switch_on", lambda stacked, arrays: seen.update(arrays) or stacked)
+    indices = mx.array([[6, 1], [1, 3], [6, 6]], dtype=mx.uint32)  # 3 positions, top-2: 6 lanes
+    _, places, counts = staging.staged_switch(Stacked(), {("p", "weight"): rows}, table, indices, E)
+    copy = np.array(seen[("p", "weight")])
+    host = np.array(rows)
+    assert copy.shape == (6, 3)  # min(E, lanes)
+    assert np.array_equal(copy[:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
+    assert np.array_equal(copy[3:], host[[E] * 3])  # the device row
+    assert np.array_equal(np.array(places), [[2, 0], [0, 1], [2, 2]])
+    assert np.array(counts).tolist() == [3, 1, 1]
+
+
 def test_a_long_prompt_is_staged_and_exact():
-    """A prompt past `STAGE_LANES` lanes is staged by default, at 0% (no slot: one device row is there to
+    """A prompt is staged by default, at 0% (no slot: one device row is there to
     stand in for experts not routed) and 25% (its slots found in device rows), and gives stock's tokens."""
     prompt = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(12))
     reference = reference_tokens(od_moe.DEFAULT_MODEL, [prompt], 16)

@@ -10,7 +10,11 @@ decoded token. `static` rows stop admission after the warm-up (its slots are tha
 compare with learned admission on the same slots count.
 
     python benchmarks/two_tier.py [--model PATH | --widen 128] [--rows tt:0,tt:0.25,...] [--rounds 4]
-        [--tokens 48] [--json out.json]
+        [--tokens 48] [--prefill 512] [--json out.json]
+
+`--prefill N`: per row also prompt tok/s of an N-token prompt (od-moe's own Python source) against stock,
+alternating, median of `--rounds` ratios (`stage=P` sets the positions from which a pass is staged,
+`staging.py`; `stage=0` stages nothing).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`);
 `static:F` the same as `tt` with admission frozen after the warm-up;
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm
 
 import od_moe
 import od_moe.assembly
@@ -85,6 +90,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         engine.runtime.lookahead.demand = ahead.get("demand", "1") == "1"
     for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
         name, value = knob.split("=")
+        if name == "stage":  # positions from which a pass is staged (0: none)
+            engine.runtime.stage_positions = int(value) or 2**31
+            continue
         if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
             engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
             continue
@@ -97,6 +105,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     engine.reset_stats()
     ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds)
     stats = engine.stats()
+    prefill = prefill_ratios(engine, stock, tokenizer, args.prefill, args.rounds) if args.prefill else None
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
@@ -115,10 +124,28 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "stack_moves": getattr(engine.runtime, "stack_moves", 0),
         "wrong_lookahead_rows": lookahead.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
     }
+    if prefill:
+        row["prefill_stock_tok_s"] = statistics.median(s for s, _ in prefill)
+        row["prefill_tok_s"] = statistics.median(t for _, t in prefill)
+        row["prefill_x_stock"] = statistics.median(t / s for s, t in prefill)
     del engine
     gc.collect()
     mx.clear_cache()
     return row
+
+
+def prefill_ratios(engine, stock, tokenizer, length: int, rounds: int) -> list[tuple[float, float]]:
+    """(stock's, the engine's) prompt tok/s on a `length`-token prompt (od-moe's own source, real Python),
+    alternating, after one of each to warm up."""
+    text = "".join(path.read_text() for path in sorted(Path(od_moe.__file__).parent.glob("*.py")))
+    prompt = tokenizer.encode(text)[:length]
+
+    def tps(generate) -> float:
+        return [r for r in generate(prompt, max_tokens=1)][-1].prompt_tps
+
+    stock_run = functools.partial(mlx_lm.stream_generate, stock, tokenizer)
+    tps(stock_run), tps(engine.stream_generate)
+    return [(tps(stock_run), tps(engine.stream_generate)) for _ in range(rounds)]
 
 
 def main():
@@ -131,6 +158,7 @@ def main():
     parser.add_argument("--rows", default="exact:0.25,tt:0,tt:0.25,static:0.25,tt:0.5,tt:1")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prefill", type=int, default=0, help="also prompt tok/s of a prompt this long")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     path = model_path(args)
@@ -162,6 +190,7 @@ def main():
             r["copies_per_token"],
         ]
         + [r["same_tokens"]]
+        + ([r["prefill_tok_s"], r["prefill_x_stock"]] if args.prefill else [])
         for r in rows
     ]
     title = (
@@ -169,7 +198,8 @@ def main():
         f"{args.tokens} tokens, {args.rounds} rounds alternating with stock; x stock: median of the "
         "rounds' ratios"
     )
-    print(table(headers + ["same tokens"], cells, title=title))
+    prefill = [f"prefill {args.prefill} tok/s", "prefill x stock"] if args.prefill else []
+    print(table(headers + ["same tokens"] + prefill, cells, title=title))
     if args.json:
         Path(args.json).write_text(json.dumps({"title": title, "rows": rows}, indent=1))
 

@@ -32,10 +32,10 @@ def staged_switch(
     stacked: nn.Module, stack: dict, table: mx.array, indices: mx.array, device_row: int
 ) -> tuple[nn.Module, mx.array, mx.array]:
     """(`stacked` computing on device copies of the experts `indices` route to; the indices to call it
-    with; the union's counts (3,) int32: distinct experts routed, those in device rows by `table`, and 1
-    (this layer pass)). `table`: each expert's row in `stack` (E + slot on the device, else its host
-    row); `device_row`: a row in device memory, copied where fewer experts are routed than the copy has
-    rows (min(E, lanes))."""
+    with; the pass's counts (4,) int32: distinct experts routed, those in device rows by `table`, 1 (this
+    layer pass), and lanes whose expert is in no device row). `table`: each expert's row in `stack` (E +
+    slot on the device, else its host row); `device_row`: a row in device memory, copied where fewer
+    experts are routed than the copy has rows (min(E, lanes))."""
     E, flat = table.shape[0], indices.reshape(-1)
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
@@ -46,5 +46,7 @@ def staged_switch(
     )
     sources = sources[:rows]
     on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
-    counts = mx.stack([used.sum(), (used & (table >= E)).sum(), mx.array(1)]).astype(mx.int32)
+    held = table >= E
+    counts = [used.sum(), (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
+    counts = mx.stack(counts).astype(mx.int32)
     return switch_on(stacked, on_device), place[indices].astype(indices.dtype), counts

@@ -17,7 +17,9 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - reads on the generation thread (demand misses, profile seeding, snapshots): experts, bytes, seconds;
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
-- prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late.
+- prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late;
+- two-tier mode's staged passes (`staging.py`): `staged_misses`, their lanes whose expert was in no device
+  row (among the misses, but each such expert crossed PCIe once a pass: `experts` - `expert_hits`).
 Per phase: passes of the model, and positions they ran (a prefill chunk's prompt positions; a decode
 pass one per sequence it decodes, so a batch of 8 runs 8). In all: forward passes, and tokens generated
 (given to the caller). mlx-lm computes one token ahead of the
@@ -51,6 +53,7 @@ LAYER_FIELDS = (
     "prefetch_useful",
     "prefetch_wasted",
     "prefetch_late",
+    "staged_misses",
 )
 READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}

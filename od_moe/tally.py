@@ -24,7 +24,7 @@ class DeviceTally:
         self.layers, self.experts, self.phases = layers, experts, phases
         self.counts = mx.zeros((layers * experts,), mx.int32)
         self.hits = mx.zeros((phases * layers,), mx.int32)
-        self.union = mx.zeros((phases * layers, 3), mx.int32)  # staged: experts, in device rows, passes
+        self.union = mx.zeros((phases * layers, 4), mx.int32)  # staged: `staging.staged_switch`'s counts
         mx.eval(
             self.counts, self.hits, self.union
         )  # now: another thread may generate, and MLX streams are per thread
@@ -35,7 +35,7 @@ class DeviceTally:
             0,
             np.zeros(layers * experts, np.int64),
             np.zeros(phases * layers, np.int64),
-            np.zeros((phases * layers, 3), np.int64),
+            np.zeros((phases * layers, 4), np.int64),
         )
 
     def _offset(self, rows: tuple[int, ...], stride: int) -> mx.array:
@@ -53,7 +53,7 @@ class DeviceTally:
         union: dict[int, mx.array] | None = None,
     ):
         """Pass `clock`'s routed ids of the layers in `routed` (each layer's ids the same shape), the hit
-        lanes (bool, the ids' shape) of the layers in `hit`, and the union counts ((3,) int32) of the
+        lanes (bool, the ids' shape) of the layers in `hit`, and the union counts ((4,) int32) of the
         layers in `union`, added lazily."""
         if routed:
             layers = tuple(routed)
@@ -80,7 +80,7 @@ class DeviceTally:
 
     def read(self, done_by: int | None = None) -> tuple | None:
         """(passes covered since the last read, routing counts (layers, experts), hits (phases, layers),
-        staged passes' union counts (phases, layers, 3)) added since the last read, as of the newest
+        staged passes' counts (phases, layers, 4)) added since the last read, as of the newest
         launched pass numbered `done_by` or less; None where there is none. `done_by=None`: everything,
         launched or not, waiting for it."""
         if done_by is None:
@@ -99,5 +99,5 @@ class DeviceTally:
             clock - seen_clock,
             (counts - seen_counts).reshape(self.layers, self.experts),
             (hits - seen_hits).reshape(self.phases, self.layers),
-            (union - seen_union).reshape(self.phases, self.layers, 3),
+            (union - seen_union).reshape(self.phases, self.layers, 4),
         )

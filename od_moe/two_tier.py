@@ -291,8 +291,15 @@ class TwoTierRuntime:
             for layer in np.flatnonzero(hits[p]):
                 self.ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
             for layer in np.flatnonzero(union[p, :, 0]):
-                experts, held, passes = (int(n) for n in union[p, layer])
-                self.ledger.add(phase, int(layer), experts=experts, expert_hits=held, routings_read=passes)
+                experts, held, passes, missed = (int(n) for n in union[p, layer])
+                self.ledger.add(
+                    phase,
+                    int(layer),
+                    experts=experts,
+                    expert_hits=held,
+                    routings_read=passes,
+                    staged_misses=missed,
+                )
         self.admission.add(counts, passes)
         return True
 
@@ -357,20 +364,24 @@ class TwoTierRuntime:
             rows[to] = copied
         mx.eval([rows for rows, *_ in copies])
         for cache, _, _ in fills:
-            self._check_in_place(cache.layer)
+            layer = cache.layer
+            self.stack_moves += _follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
         self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
 
-    def _check_in_place(self, layer: int):
-        """A stack MLX copied instead of writing it in place lost its device advice (its slots would sit
-        wherever the copy put them), and the buffer it left keeps it: move the advice, and count it."""
-        stack = self.stacks[layer]
-        for key, address in _addresses(stack).items():
-            if address != self._addresses[layer][key]:
-                self.stack_moves += 1
-                backend.unmap_at(self._addresses[layer][key])  # MLX may hand that buffer to any array
-                E, rows = self.num_experts, stack[key]
-                backend.map_for_device(rows, rows.nbytes // rows.shape[0] * (rows.shape[0] - E))
-                self._addresses[layer][key] = address
+
+def _follow_moves(stack: dict, addresses: dict, E: int) -> int:
+    """After a fill: a stack MLX copied instead of writing it in place lost its device advice (its slots
+    would sit wherever the copy put them), and the buffer it left keeps it: move the advice, note the new
+    address in `addresses`, and return how many moved (want 0)."""
+    moved = 0
+    for key, address in _addresses(stack).items():
+        if address != addresses[key]:
+            moved += 1
+            backend.unmap_at(addresses[key])  # MLX may hand that buffer to any array
+            rows = stack[key]
+            backend.map_for_device(rows, rows.nbytes // rows.shape[0] * (rows.shape[0] - E))
+            addresses[key] = address
+    return moved
 
 
 def _addresses(stack: dict[tuple[str, str], mx.array]) -> dict[tuple[str, str], int]:

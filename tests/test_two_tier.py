@@ -173,6 +173,7 @@ def test_staged_passes_match_mlx_lm(bundled_reference, stage_positions):
     assert 8 < prefill["experts_per_layer_pass"] < prefill["lookups_per_layer_pass"]
     assert decode["experts"] == led.total("lookups", "decode")
     assert decode["expert_hits"] == led.total("hits", "decode") > 0
+    assert led.total("staged_misses") == led.total("lookups") - led.total("hits")  # every lane was staged
     slots_hold_their_experts(engine)
 
 
@@ -197,7 +198,7 @@ def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order(monkeypatch
     assert np.array_equal(copy[:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
     assert np.array_equal(copy[3:], host[[E] * 3])  # the device row
     assert np.array_equal(np.array(places), [[2, 0], [0, 1], [2, 2]])
-    assert np.array(counts).tolist() == [3, 1, 1]
+    assert np.array(counts).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
 
 
 def test_a_long_prompt_is_staged_and_exact():

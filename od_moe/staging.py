@@ -19,7 +19,30 @@ Not here: the tables and slots the rows come from (`two_tier.py`), the kernels' 
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import slot_fill
 from .switch import switch_on
+
+THREADS = 256
+BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
+_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
+_SOURCE = """
+    using U = {unit};
+    uint32_t row = blockIdx.y;
+    if (row >= (uint32_t)count[0]) return;  // rows no expert needs are never read
+    size_t from = (size_t)sources[row];
+    size_t step = (size_t)gridDim.x * blockDim.x;
+    size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    switch (blockIdx.z) {{
+{cases}
+    }}
+"""
+_CASE = """        case {i}: {{
+            const U* a = reinterpret_cast<const U*>(a{i}) + from * {units};
+            U* o = reinterpret_cast<U*>(o{i}) + (size_t)row * {units};
+            for (size_t u = first; u < {units}; u += step) o[u] = a[u];
+            break;
+        }}"""
+_kernels: dict[tuple, object] = {}
 
 # positions of a layer pass from which it is staged: a decode token's lanes route to distinct experts, which
 # staging would only copy once more. H200, widened x128 copy at 25% (`docs/two-tier-h100.md`, "Staged
@@ -29,13 +52,19 @@ STAGE_POSITIONS = 2
 
 
 def staged_switch(
-    stacked: nn.Module, stack: dict, table: mx.array, indices: mx.array, device_row: int
+    stacked: nn.Module,
+    stack: dict,
+    table: mx.array,
+    indices: mx.array,
+    device_row: int,
+    copy_by_kernel: bool = True,
 ) -> tuple[nn.Module, mx.array, mx.array]:
     """(`stacked` computing on device copies of the experts `indices` route to; the indices to call it
     with; the pass's counts (4,) int32: distinct experts routed, those in device rows by `table`, 1 (this
     layer pass), and lanes whose expert is in no device row). `table`: each expert's row in `stack` (E +
     slot on the device, else its host row); `device_row`: a row in device memory, copied where fewer
-    experts are routed than the copy has rows (min(E, lanes))."""
+    experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy is one kernel of 16-byte
+    loads (`copy_by_kernel`), elsewhere `mx.take`."""
     E, flat = table.shape[0], indices.reshape(-1)
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
@@ -45,8 +74,37 @@ def staged_switch(
         mx.where(used, table.astype(mx.int32) - device_row, 0)
     )
     sources = sources[:rows]
-    on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
+    if copy_by_kernel and slot_fill.available():
+        on_device = _copy_rows(stack, sources, used.sum(), rows)
+    else:
+        on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
     held = table >= E
     counts = [used.sum(), (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
     return switch_on(stacked, on_device), place[indices].astype(indices.dtype), counts
+
+
+def _copy_rows(stack: dict, sources: mx.array, count: mx.array, rows: int) -> dict:
+    """`mx.take(array, sources, axis=0)` of every array of `stack` as one CUDA kernel that loads 16 bytes
+    a thread and leaves rows from `count` on unwritten (no lane reads them)."""
+    keys, arrays = list(stack), list(stack.values())
+    sizes = [a.nbytes // a.shape[0] for a in arrays]
+    unit = next(u for u in _UNIT_TYPES if all(size % u == 0 for size in sizes))
+    units = tuple(size // unit for size in sizes)
+    if (unit, units) not in _kernels:
+        cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
+        _kernels[(unit, units)] = mx.fast.cuda_kernel(
+            name=f"od_moe_stage_{len(_kernels)}",
+            input_names=[*(f"a{i}" for i in range(len(units))), "sources", "count"],
+            output_names=[f"o{i}" for i in range(len(units))],
+            source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases),
+        )
+    threads = min(max(units), THREADS * BLOCKS)
+    out = _kernels[(unit, units)](
+        inputs=[*arrays, sources, count.astype(mx.int32).reshape(1)],
+        grid=(threads, rows, len(arrays)),
+        threadgroup=(min(THREADS, threads), 1, 1),
+        output_shapes=[(rows, *a.shape[1:]) for a in arrays],
+        output_dtypes=[a.dtype for a in arrays],
+    )
+    return dict(zip(keys, out))

@@ -15,7 +15,7 @@ shapes, and what needs the routing itself, the hits and `Admission`'s counts, is
 when recording stops.
 Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from their
 host rows into slot rows. MLX writes an array in place only where nothing else holds it, so a fill first
-waits for the passes in flight (`mx.synchronize`, once per admission: every `ADMIT_EVERY` passes); a pass
+waits for the passes in flight (`mx.synchronize`, once per admission: every `ADMIT_EVERY` positions); a pass
 in flight therefore never sees a slot change, and the stack never moves (checked: a copy would leave the
 slots' device placement behind).
 Measured on an H100 (`tools/two_tier_probe.py`, 8 Qwen3-30B-shaped layers, slots' pages on the device
@@ -47,12 +47,15 @@ from .store import ExpertStore
 from .switch import switch_on
 from .tally import DeviceTally
 
-# passes between admissions (a prompt's prefill is admitted at once). On an H200 (widened x128 copy, 25% of
-# experts in slots, 3 prompts x 48 tokens; `docs/two-tier-h100.md`), with slots filled by kernels and tables
-# written into host rings, a pass that fills costs about 4 ms more than another; every 16 passes against
-# every 64 hit 0.59 against 0.51 of lookups, and gave 4.63 against 5.24 ms a token by median pass times
-# but 180 against 189 tok/s by mlx-lm's count: no gain that holds, so admissions stay rare
-ADMIT_EVERY = 64
+# positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
+# passes. On an H200 (widened x128 copy, 25% of experts in slots, 3 prompts x 48 tokens;
+# `docs/two-tier-h100.md`), with slots filled by kernels and tables written into host rings, a pass that
+# fills costs about 4 ms more than another; every 16 passes against every 64 hit 0.59 against 0.51 of
+# lookups, and gave 4.63 against 5.24 ms a token by median pass times but 180 against 189 tok/s by
+# mlx-lm's count: no gain that holds, so admissions stay rare. A batch's pass brings the routing of all its
+# sequences: on an H100, batches of 8 admitted every 8 passes hit 0.470 of lookups against 0.340 every 64
+# (`od-moe bench --batch`, widened copy at 25%); every 2 passes (batches of 32) decoded 4-6% slower
+ADMIT_EVERY, ADMIT_PASSES = 64, 8
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 
@@ -111,7 +114,7 @@ class TwoTierRuntime:
         self.stage_positions = STAGE_POSITIONS  # a layer pass of this many positions or more is staged
         self._recording: list | None = None
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
-        self._since_admission = 0
+        self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
         self.lookahead: LookaheadRows | None = None  # rows after the slots, filled by prediction
         self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`lookahead.py`)
@@ -242,8 +245,9 @@ class TwoTierRuntime:
         self.phase = "decode" if x.ndim < 2 or x.shape[-2] == 1 else "prefill"
         self.clock += 1
         self.ledger.count_forward(self.phase, tokens)
-        self._since_admission += 1
-        if self.admissions and self._since_admission >= self.admit_every:
+        self._since_admission += tokens  # positions, and passes in `clock`
+        due = self._since_admission >= self.admit_every and self.clock - self._admitted_at >= ADMIT_PASSES
+        if self.admissions and due:
             # passes LAG back are done in a pipelined loop (mlx-lm waits for each token two passes on)
             self._admit(self.tally.read(done_by=self.clock - LAG))
         elif self.admissions and self._prompt_done and self.phase == "decode":
@@ -307,7 +311,7 @@ class TwoTierRuntime:
         """Book a tally read, then copy into slots the experts `Admission` names."""
         if not self._book(read):
             return
-        self._since_admission = 0
+        self._since_admission, self._admitted_at = 0, self.clock
         fills = [
             (cache, *self.admission.swaps(i, cache.expert_in_slot)) for i, cache in enumerate(self.caches)
         ]

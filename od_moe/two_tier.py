@@ -12,7 +12,9 @@ the table's rows: bytes cross PCIe only for misses, and the output is stock mlx-
 kernel on the same bytes per lane). Nothing in a pass waits for the host: lookups are booked from the ids'
 shapes, and what needs the routing itself, the hits and `Admission`'s counts, is added up on the device
 (`tally.py`) and read by the host a few passes late, when it is done; `record_routing`'s trace is read
-when recording stops.
+when recording stops. A pass of several positions (prefill, a batch) is staged instead (`staging.py`): its
+routed experts copied once into device memory, then computed there, since a lane read in place crosses
+PCIe once per lane.
 Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from their
 host rows into slot rows. MLX writes an array in place only where nothing else holds it, so a fill first
 waits for the passes in flight (`mx.synchronize`, once per admission: every `ADMIT_EVERY` positions); a pass

@@ -297,13 +297,13 @@ class TwoTierRuntime:
             for layer in np.flatnonzero(hits[p]):
                 self.ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
             for layer in np.flatnonzero(union[p, :, 0]):
-                experts, held, passes, missed = (int(n) for n in union[p, layer])
+                experts, held, staged, missed = (int(n) for n in union[p, layer])
                 self.ledger.add(
                     phase,
                     int(layer),
                     experts=experts,
                     expert_hits=held,
-                    routings_read=passes,
+                    routings_read=staged,
                     staged_misses=missed,
                 )
         self.admission.add(counts, passes)

@@ -201,6 +201,24 @@ def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order(monkeypatch
     assert np.array(counts).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
 
 
+def test_admission_decays_by_every_pass_once(monkeypatch):
+    """The tally's reads give admission the passes they cover (its counts decay by them): through a batch
+    whose passes are staged while two sequences decode and not once one is left, they add up to the
+    passes run."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    runtime, covered = engine.runtime, []
+    add = runtime.admission.add
+    monkeypatch.setattr(
+        runtime.admission, "add", lambda counts, passes: (covered.append(passes), add(counts, passes))
+    )
+    runtime.admit_every = 8  # positions: a read every 8 passes (`ADMIT_PASSES`)
+    engine.batch_generate(PROMPTS[:2], max_tokens=[6, 40])
+    runtime.settle()
+    decode = stats.per_pass(runtime.ledger, "decode")
+    assert 0 < decode["routings_read"] < decode["passes"] * engine.stats()["moe_layers"]  # some staged
+    assert len(covered) > 2 and sum(covered) == runtime.clock
+
+
 def test_a_long_prompt_is_staged_and_exact():
     """A prompt is staged by default, at 0% (no slot: one device row is there to
     stand in for experts not routed) and 25% (its slots found in device rows), and gives stock's tokens."""

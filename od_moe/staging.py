@@ -68,6 +68,7 @@ def staged_switch(
     E, flat = table.shape[0], indices.reshape(-1)
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
+    distinct = used.sum()
     place = mx.cumsum(used.astype(mx.int32)) - 1  # each routed expert's row in the copy
     sources = mx.full((rows + 1,), device_row, mx.int32)  # the last row takes what is not routed, then goes
     sources = sources.at[mx.where(used, place, rows)].add(
@@ -75,11 +76,11 @@ def staged_switch(
     )
     sources = sources[:rows]
     if copy_by_kernel and slot_fill.available():
-        on_device = _copy_rows(stack, sources, used.sum(), rows)
+        on_device = _copy_rows(stack, sources, distinct, rows)
     else:
         on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
     held = table >= E
-    counts = [used.sum(), (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
+    counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
     return switch_on(stacked, on_device), place[indices].astype(indices.dtype), counts
 

@@ -25,9 +25,8 @@ class DeviceTally:
         self.counts = mx.zeros((layers * experts,), mx.int32)
         self.hits = mx.zeros((phases * layers,), mx.int32)
         self.union = mx.zeros((phases * layers, 4), mx.int32)  # staged: `staging.staged_switch`'s counts
-        mx.eval(
-            self.counts, self.hits, self.union
-        )  # now: another thread may generate, and MLX streams are per thread
+        # evaluated now: another thread may generate, and MLX streams are per thread
+        mx.eval(self.counts, self.hits, self.union)
         self._offsets: dict[tuple, mx.array] = {}
         self._added: int | None = None  # the pass whose additions are not launched yet
         self._launched: deque[tuple] = deque()  # (pass, counts, hits, union)

@@ -27,10 +27,14 @@ def start_server(capacity, max_batch: int):
     return f"http://127.0.0.1:{server.server_port}", log, server, app
 
 
-def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-    req = urllib.request.Request(
+def _completion(base: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(
         base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
+
+
+def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
+    req = _completion(base, body)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -41,9 +45,7 @@ def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
 def post_stream(base: str, body: dict) -> tuple[int, dict]:
     """A streamed request read to its end: (status, the usage chunk), or (status, error) before a stream."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
-    req = urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    req = _completion(base, body)
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             lines = [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
@@ -58,9 +60,7 @@ def first_token_s(base: str, body: dict) -> tuple[float | None, str]:
     """Send one streamed request and read it to its end: (seconds until the first chunk carrying text, the
     whole text); None when no text came."""
     body = dict(body, stream=True)
-    req = urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    req = _completion(base, body)
     started, first, text = time.perf_counter(), None, ""
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:

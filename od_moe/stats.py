@@ -11,9 +11,9 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
   (position, routed expert), so per sequence in a batch (the demand hit rate of DESIGN.md);
 - the same per pass: `experts`, `expert_hits`, the distinct experts a pass of the layer routed to (a
   batch's union, looked up once for all its sequences), and those resident; counted where the routing is
-  read on the host (`routings_read`: the layer passes counted), not where nothing reads it (every expert
-  resident and nothing watching, the two-tier mode's device tally): a host sync would cost more than the
-  figure is worth there;
+  read (`routings_read`: the layer passes counted): on the host, or on the device for the two-tier mode's
+  staged passes (`staging.py`); not where nothing reads it (every expert resident and nothing watching,
+  the two-tier mode's passes of one position): a host sync would cost more than the figure is worth there;
 - reads on the generation thread (demand misses, profile seeding, snapshots): experts, bytes, seconds;
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
@@ -198,7 +198,7 @@ def per_pass(led: Ledger, phase: str = "decode") -> dict:
     (decode: the batch), their lookups (sequences x top-k), the distinct experts they routed to (the
     batch's union, looked up and read once for all) and the share of those resident, the experts read;
     per sequence, the hit rate and the experts read. None where nothing was counted (`experts`: where no
-    routing was read on the host)."""
+    routing was read)."""
     layers, n = led.num_layers, _PHASE[phase]
     passes, positions = led.passes[phase], led.positions[phase]
 

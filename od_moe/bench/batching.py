@@ -87,13 +87,12 @@ def _od_moe(path, capacity, prompts, max_tokens) -> dict:
     # two-tier mode reads nothing from disk: its bytes are the lanes read in place (a lane reads its
     # expert's rows), the experts a staged pass copied across PCIe (once for all its lanes: `staging.py`),
     # and slot copies
-    led = engine.runtime.ledger
-    staged = led.total("experts") - led.total("expert_hits") - led.total("staged_misses")
-    moved = (
-        total["misses"] + staged + total["experts_loaded"]
-        if engine.mode[0] == "two-tier"
-        else total["experts_read"]
-    )
+    if engine.mode[0] == "two-tier":
+        led = engine.runtime.ledger
+        staged = led.total("experts") - led.total("expert_hits") - led.total("staged_misses")
+        moved = total["misses"] + staged + total["experts_loaded"]
+    else:
+        moved = total["experts_read"]
     result["experts_per_token"] = moved / generated
     result["hit_rate"] = stats["total"]["decode"]["hit_rate"]
     engine.close()

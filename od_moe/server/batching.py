@@ -90,9 +90,8 @@ class RunningBatch:
         self.decoding = 0  # sequences decoded in the last step
         self.lock = threading.Lock()  # guards `sequences` for readers on other threads
         self.passes: dict[int, dict[str, float]] = {}  # sequences decoded -> per-step decode counts
-        self.finished: deque[dict] = deque(
-            maxlen=FINISHED_KEPT
-        )  # the last requests completed, as /health shows
+        # the last requests completed, as /health shows
+        self.finished: deque[dict] = deque(maxlen=FINISHED_KEPT)
         self.generator = self._new_generator()
 
     def __len__(self) -> int:

@@ -33,12 +33,13 @@ METRICS = {
     "expert_cache_decode_pass_experts_total": (
         "counter",
         "Distinct experts routed by a decode pass of an MoE layer (a batch's union, looked up once for all "
-        "its sequences), summed over the layer passes whose routing was read on the host.",
+        "its sequences), summed over the layer passes whose routing was read (on the host, or on the "
+        "device for two-tier staged passes).",
     ),
     "expert_cache_decode_pass_hits_total": ("counter", "Of those, the experts resident when the layer ran."),
     "expert_cache_decode_routings_read_total": (
         "counter",
-        "Decode layer passes whose routing was read on the host (where the distinct experts are counted).",
+        "Decode layer passes whose routing was read (where the distinct experts are counted).",
     ),
     "expert_cache_decode_experts_per_layer_pass": (
         "gauge",

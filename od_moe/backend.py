@@ -14,12 +14,17 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 - Two-tier mode (`two_tier.py`) keeps every expert in host memory for the GPU to read in place where the
   GPU has memory of its own (CUDA) and the host holds the experts (`two_tier_choice`); `map_for_device`
   advises such a stack (`cuda.HostMapping`). On the CPU and Metal the same code runs on plain memory.
+  MLX counts a mapped stack as active memory against its memory limit (on CUDA 0.95 of the device's
+  memory), so the limit is raised by the bytes kept in host memory (`map_for_device`, `unmap`).
 - That fallback's arrays are managed memory made from host bytes, which migrates page by page on first
   touch: `stage_for_device` asks the driver to keep such an array's pages in host memory, mapped for the
   GPU, so neither side faults. The advice stays with the memory when MLX recycles the buffer, so only
   buffers od-moe keeps are advised, and `unstage` takes the advice back before they go: a recycled
   host-preferred buffer under the slots or activations of a later engine slowed its decode (H100,
   widened x128 at 25%).
+- On CUDA attention runs on MLX's own kernels, not cuDNN's (`MLX_CUDA_USE_CUDNN_SDPA=0` unless the user
+  set it): cuDNN builds a graph for every new prompt shape, about 40 ms each where a prefill takes 3
+  (`attention_choice`).
 Nothing else in od-moe asks which backend it is on.
 """
 
@@ -30,6 +35,25 @@ import mlx.core as mx
 import numpy as np
 
 from . import cuda
+
+CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
+def attention_choice() -> str | None:
+    """On CUDA, prefill attention by MLX's own kernels unless the environment asks for cuDNN's: cuDNN
+    builds a graph for each new (batch, prompt length) on first use, 39-47 ms against 2.7-3.2 ms for the
+    same prefill once built (H200, bundled model; MLX's kernels 3.7-4.1 ms the first time), and a server
+    meets new shapes with nearly every request (8 streamed requests arriving together: first tokens 13.0x
+    the time of one alone with cuDNN, 4.35x without; docs/GPU.md). Long prompts are prefilled in chunks,
+    which bounds the scores MLX's kernels hold. MLX reads the setting at its first attention on the GPU,
+    so it is made when od-moe is imported. Returns the setting made, or None."""
+    if CUDNN_ATTENTION in os.environ or not mx.cuda.is_available():
+        return None
+    os.environ[CUDNN_ATTENTION] = "0"
+    return "0"
+
+
+attention_choice()
 
 
 def is_cpu_backend() -> bool:
@@ -123,19 +147,37 @@ def map_for_device(array: mx.array, device_tail: int) -> bool:
     True where advice was given."""
     if arrays_in_host_memory():
         return False
+    _hold_in_host(cuda.address_of(array), array.nbytes - device_tail)
     return _host_mapping.apply(array, device_tail)
 
 
 def unmap(array: mx.array):
     """Undo `map_for_device` before `array` is let go."""
     if not arrays_in_host_memory():
-        _host_mapping.release(array)
+        unmap_at(cuda.address_of(array))
 
 
 def unmap_at(address: int):
     """Undo `map_for_device` for an array MLX has let go of, by the address it had."""
     if not arrays_in_host_memory():
         _host_mapping.release_at(address)
+        _hold_in_host(address, 0)
+
+
+_held_in_host: dict[int, int] = {}  # address of a mapped array -> its bytes kept in host memory
+
+
+def _hold_in_host(address: int, nbytes: int):
+    """Keep MLX's memory limit a bound on device memory: raised by the bytes of mapped arrays kept in host
+    memory (0: one let go). MLX counts them as active memory, and past its limit it waits for the GPU
+    after every operation and empties its buffer cache at every allocation: two-tier decode at 25% of the
+    widened x128 copy ran at 108-110 tok/s with the limit below the mapped bytes against 176-179 above
+    them (H100, one process, `docs/two-tier-h100.md`), which a model larger than the GPU's memory meets."""
+    change = nbytes - _held_in_host.pop(address, 0)
+    if nbytes:
+        _held_in_host[address] = nbytes
+    if change:
+        mx.set_memory_limit(max(0, mx.get_memory_limit() + change))
 
 
 def stage_for_device(array: mx.array) -> mx.array:

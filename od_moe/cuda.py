@@ -258,7 +258,7 @@ class HostMapping:
     whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its last
     `device_tail` bytes (the layer's slots) preferred on the device and moved there, so that a hit reads
     device memory (a row on the host cost as much as a miss: H100, 11.1 ms a token at every hit rate
-    against 1.51-10.4 ms with that row on the device, `tools/two_tier_probe.py`). `release` takes the
+    against 1.51-10.4 ms with that row on the device, `tools/two_tier_probe.py`). `release_at` takes the
     advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the
     runtime's error state; the arrays then stay as MLX made them (still exact, read as MLX places them)."""
 
@@ -320,12 +320,8 @@ class HostMapping:
                     return False
             return True
 
-    def release(self, array: mx.array):
-        """Take back the advice given to `array`'s buffer (before MLX may recycle it)."""
-        self.release_at(address_of(array))
-
     def release_at(self, address: int):
-        """Take back the advice given to the buffer at `address` (one MLX may have recycled already)."""
+        """Take back the advice given to the buffer at `address` (before MLX may recycle it, or after)."""
         with self.lock:
             if not self.on:
                 return

@@ -22,7 +22,9 @@ import od_moe
 from od_moe import backend
 from od_moe.cli import main
 from od_moe.server import create_app
+from od_moe.server.arrivals import Arrivals
 from od_moe.server.batching import fitting_batch
+from od_moe.server.requests import parse_params
 from od_moe.server.schedule import ScheduleLog, replay
 from od_moe.server.worker import GenerationWorker
 
@@ -386,3 +388,59 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
     path.write_text("".join(json.dumps(e) + "\n" for e in lines))
     done = subprocess.run(replayer, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and f"these did not: [{greedy}]" in done.stdout, done
+
+
+def test_arrivals_wait_for_requests_being_read_and_a_grace_after_the_last_at_most_a_bound():
+    """`Arrivals.wait`: at once with none being read; until the last ends (queued by the `queue` it is
+    given, once however often it is ended) and a grace after it, extended by one starting in the grace;
+    never past its bound."""
+    arrivals, queued = Arrivals(), []
+    started = time.monotonic()
+    assert not arrivals.wait(timeout_s=5) and time.monotonic() - started < 0.05
+    first = arrivals.begin()
+
+    def later():
+        time.sleep(0.05)
+        second = arrivals.begin()
+        first.end(queue=lambda: queued.append("first"))
+        first.end(queue=lambda: queued.append("again"))
+        time.sleep(0.05)
+        second.end()
+
+    helper = threading.Thread(target=later)
+    helper.start()
+    started = time.monotonic()
+    assert arrivals.wait(timeout_s=5, grace_s=0.02)
+    waited = time.monotonic() - started
+    helper.join()
+    assert 0.12 <= waited < 2 and queued == ["first"] and len(arrivals) == 0
+    stuck = arrivals.begin()  # a slow body: the wait ends at its bound
+    started = time.monotonic()
+    assert arrivals.wait(timeout_s=0.1) and 0.1 <= time.monotonic() - started < 1
+    stuck.end()
+    assert len(arrivals) == 0
+
+
+def test_requests_still_being_read_when_one_joins_prefill_in_the_same_step(monkeypatch):
+    """A request queued while another is being read waits for it (bounded), so both join the batch before
+    the same step and are prefilled together; without the wait the first would start alone. Requests the
+    server refuses, and requests it serves, end their arrivals."""
+    from od_moe.server import arrivals
+
+    monkeypatch.setattr(arrivals, "ARRIVAL_WAIT_S", 10.0)  # a slow machine still joins them
+    engine = od_moe.load(capacity="25%")
+    base, log, srv, worker = start(engine, max_batch=4)
+    body = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
+    params = parse_params(body, 256, 256)
+    reading = worker.arrivals.begin()  # the second request, still being read
+    threading.Timer(0.3, lambda: worker.submit(engine.encode(PROMPTS[2]), params, arrival=reading)).start()
+    worker.submit(engine.encode(PROMPTS[1]), params)
+    while not log.token_steps or len(log.joins) < 2 or not all(log.token_steps.get(j.uid) for j in log.joins):
+        time.sleep(0.01)
+    assert [j.step for j in log.joins] == [log.joins[0].step] * 2
+    assert call(base, "/v1/completions", body)["choices"][0]["text"]
+    with pytest.raises(urllib.error.HTTPError):
+        call(base, "/v1/completions", dict(body, max_tokens=-1))
+    srv.shutdown()
+    worker.stop()
+    assert len(worker.arrivals) == 0

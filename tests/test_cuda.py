@@ -213,6 +213,43 @@ def test_cuda_staging_hints_are_taken_back_from_a_buffer_before_mlx_recycles_it(
     assert len(runtime.cudaMemAdvise.calls) == 6
 
 
+class _Mapping:
+    def __init__(self):
+        self.advised, self.released = [], []
+
+    def apply(self, array, device_tail):
+        self.advised.append(device_tail)
+        return True
+
+    def release_at(self, address):
+        self.released.append(address)
+
+
+def test_mapped_stacks_raise_mlx_memory_limit_by_their_host_bytes_until_let_go(monkeypatch):
+    """MLX counts a mapped stack as active memory, and past its limit it waits for the GPU after every
+    operation: `map_for_device` (as on CUDA, through a recording mapping) raises the limit by the bytes
+    kept in host memory (not the device tail), once per array however often it is mapped, and `unmap` /
+    `unmap_at` lower it back to what it was."""
+    monkeypatch.setattr(backend, "arrays_in_host_memory", lambda: False)
+    monkeypatch.setattr(backend, "_host_mapping", mapping := _Mapping())
+    monkeypatch.setattr(backend, "_held_in_host", {})
+    limit = mx.get_memory_limit()
+    try:
+        one, two = mx.array(np.zeros(1 << 20, np.uint8)), mx.array(np.zeros(1 << 19, np.uint8))
+        assert backend.map_for_device(one, 1 << 18) and backend.map_for_device(two, 0)
+        assert mx.get_memory_limit() == limit + (1 << 20) - (1 << 18) + (1 << 19)
+        backend.map_for_device(one, 1 << 18)  # advised again: counted once
+        assert mx.get_memory_limit() == limit + (1 << 20) - (1 << 18) + (1 << 19)
+        backend.unmap(one)
+        assert mx.get_memory_limit() == limit + (1 << 19)
+        backend.unmap_at(cuda.address_of(two))
+        backend.unmap_at(cuda.address_of(two))  # let go twice: lowered once
+        assert mx.get_memory_limit() == limit and mapping.advised == [1 << 18, 0, 1 << 18]
+        assert mapping.released == [cuda.address_of(one)] + [cuda.address_of(two)] * 2
+    finally:
+        mx.set_memory_limit(limit)
+
+
 def test_a_host_ring_rewrites_an_array_only_after_what_was_made_from_it():
     """`HostRing` (two-tier tables, slot fills): each write lands in the next array of the ring, holds the
     values given, and waits for what the device made from that array last time before writing it."""

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 import jinja2
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import WSGIRequestHandler
 
@@ -156,6 +156,9 @@ def _register_guards(app: Flask, worker, hosts, origins, max_body_bytes: int):
         return response
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+
+
 def _register_generation(app: Flask, worker, name: str, limits: _Limits):
     """The three generation endpoints: validate, tokenize, queue a job, relay its events."""
     engine, tokenizer = worker.engine, worker.engine.tokenizer
@@ -177,9 +180,20 @@ def _register_generation(app: Flask, worker, name: str, limits: _Limits):
             raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages")
         return list(tokens)
 
+    @app.before_request
+    def arriving():  # a batch about to prefill waits for requests still being read (`arrivals.py`)
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            g.arrival = worker.arrivals.begin()
+
+    @app.teardown_request
+    def arrived(_error=None):  # refused before it was queued
+        if (arrival := g.pop("arrival", None)) is not None:
+            arrival.end()
+
     def submit(tokens: list[int], params):
         _check_prompt(tokens, limits, engine.max_positions)
-        return worker.submit(tokens, params, guard.client_alive(request.environ))
+        alive = guard.client_alive(request.environ)
+        return worker.submit(tokens, params, alive, g.pop("arrival", None))
 
     def respond(tokens, params, chat: bool):
         reply = openai.Reply(submit(tokens, params), name, chat, limits.event_timeout_s)

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-
 from ..errors import RankLost, UserError
+from .arrivals import Arrival, Arrivals
 from .batching import RunningBatch, fitting_batch
+from .prompt_cache import PromptCache
 from .requests import ApiError, GenerationParams
 from .schedule import ScheduleLog
 
@@ -103,35 +103,6 @@ class Cancelled(Exception):
     """Raised between prefill chunks when the job's client has gone away."""
 
 
-class PromptCache:
-    """The KV cache left by the previous request and the tokens it holds."""
-
-    def __init__(self):
-        self.cache, self.tokens = None, []
-
-    def take(self, model, prompt: list[int]):
-        """(cache, tokens still to prefill, tokens reused) for `prompt`."""
-        n = 0
-        if self.cache is not None:
-            limit = min(len(self.tokens), len(prompt) - 1)  # at least one prompt token must be fed
-            while n < limit and self.tokens[n] == prompt[n]:
-                n += 1
-            if n < len(self.tokens) and not (can_trim_prompt_cache(self.cache) and n > 0):
-                n = 0
-        if n == 0:
-            self.cache, self.tokens = make_prompt_cache(model), []
-        elif n < len(self.tokens):
-            trim_prompt_cache(self.cache, len(self.tokens) - n)
-        cache, self.cache, self.tokens = self.cache, None, []  # held by the running request only
-        return cache, prompt[n:], n
-
-    def keep(self, cache, tokens: list[int]):
-        offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
-        if offset is None or offset > len(tokens):
-            return
-        self.cache, self.tokens = cache, tokens[:offset]
-
-
 class GenerationWorker:
     """The thread that owns the engine; `prefill_step` tokens are prefilled between cancellation checks;
     `max_batch` requests decode together (1: one at a time, with prompt-cache reuse); `schedule`, if given,
@@ -158,6 +129,7 @@ class GenerationWorker:
         self.current: Job | None = None
         self.told_to_stop: list[Job] = []  # jobs ended by shutdown, whose relays may still be sending
         self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.arrivals = Arrivals()  # requests being read, not queued yet
         self.prompt_cache = PromptCache()
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -176,8 +148,14 @@ class GenerationWorker:
 
     # -- called from request threads ---------------------------------------------------------------
     def submit(
-        self, prompt: list[int], params: GenerationParams, alive: Callable[[], bool] | None = None
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        alive: Callable[[], bool] | None = None,
+        arrival: Arrival | None = None,
     ) -> Job:
+        """Queue a job; its `arrival` (`arrivals.py`) ends as it is queued, so that a batch waiting for
+        the requests being read finds it there."""
         job = Job(prompt, params)
         if alive is not None:
             job.alive = alive
@@ -190,7 +168,10 @@ class GenerationWorker:
             if self.stopping:
                 self._tell_stopping(job)
                 return job
-        self.jobs.put(job)
+        if arrival is None:
+            self.jobs.put(job)
+        else:
+            arrival.end(queue=lambda: self.jobs.put(job))
         return job
 
     def queued(self) -> int:
@@ -282,25 +263,13 @@ class GenerationWorker:
                     self.active, self.current = 0, None
 
     def _serve_batches(self):
-        """Up to `max_batch` jobs decode together: waiting jobs join between steps while there is room."""
+        """Up to `max_batch` jobs decode together: waiting jobs join between steps while there is room,
+        with the requests still being read when some join (`arrivals.py`)."""
         batch, ended = self.batch, False
         while not ended or len(batch):
-            while not ended and batch.room():
-                try:
-                    job = self.jobs.get() if not len(batch) else self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    ended = True
-                elif job.cancelled.is_set() or self.stopping:
-                    self._count("cancelled")
-                    if self.stopping:
-                        self._tell_stopping(job)
-                else:
-                    try:
-                        batch.admit(job)
-                    except Exception as e:
-                        self.finish(job, "failed", error=e)
+            joined, ended = self._join(batch, ended)
+            if joined and batch.room() and self.arrivals.wait():
+                ended = self._join(batch, ended)[1]
             batch.drop_cancelled()
             with self.lock:
                 self.active = len(batch)
@@ -317,6 +286,29 @@ class GenerationWorker:
                 self.decode_clock.stop()
         with self.lock:
             self.active = 0
+
+    def _join(self, batch: RunningBatch, ended: bool) -> tuple[int, bool]:
+        """Queued jobs into `batch` while it has room, waiting for one only if it is empty: (how many
+        joined, whether the queue has ended)."""
+        joined = 0
+        while not ended and batch.room():
+            try:
+                job = self.jobs.get() if not len(batch) else self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                ended = True
+            elif job.cancelled.is_set() or self.stopping:
+                self._count("cancelled")
+                if self.stopping:
+                    self._tell_stopping(job)
+            else:
+                try:
+                    batch.admit(job)
+                    joined += 1
+                except Exception as e:
+                    self.finish(job, "failed", error=e)
+        return joined, ended
 
     def finish(self, job: Job, outcome: str, usage: dict | None = None, error: Exception | None = None):
         """Count a job's end: "completed" (with its usage), "cancelled" or "failed" (`error` is then sent

@@ -17,9 +17,11 @@ the request that ended last (by its limit, an end-of-sequence token or a stop st
 request whose prompt shares a prefix with it starts from it (one cache kept, taken by one request). The
 schedule can be logged (`schedule.py`) and replayed through mlx-lm. Per step, the decode lookups, misses and
 experts read are booked by the number of sequences decoded.
-Not here: the queue of waiting requests and the thread (`worker.py`), HTTP (`app.py`).
+Requests join from the worker's queue (`join_queued`). Not here: the thread, the queue and the wait for
+requests still being read (`worker.py`, `arrivals.py`), HTTP (`app.py`).
 """
 
+import queue
 import threading
 import time
 from collections import deque
@@ -124,6 +126,25 @@ class RunningBatch:
         if self.schedule is not None:
             settings = (p.temperature, p.top_p, p.top_k, p.seed, reused, kept_from)
             self.schedule.join(Join(self.steps, uid, list(job.prompt), limit, *settings))
+
+    def join_queued(self, jobs: queue.Queue, ended: bool) -> tuple[int, bool]:
+        """Queued jobs join while there is room, waiting for one only where the batch is empty: (how many
+        joined, whether the queue has ended)."""
+        joined = 0
+        while not ended and self.room():
+            try:
+                job = jobs.get() if not self.sequences else jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                ended = True
+            elif not self.worker.skipped(job):
+                try:
+                    self.admit(job)
+                    joined += 1
+                except Exception as e:
+                    self.worker.finish(job, "failed", error=e)
+        return joined, ended
 
     def drop_cancelled(self):
         """Remove at once the sequences whose client went away (or that shutdown cancelled)."""

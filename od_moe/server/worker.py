@@ -1,7 +1,8 @@
 """The generation worker: one thread that owns the engine and runs the requests, in order of arrival.
 
 With `max_batch` 1 it runs them one at a time; above 1 up to `max_batch` decode together, joining and
-leaving between decode steps (`batching.py`). MLX work stays on this thread (the engine may even be loaded
+leaving between decode steps (`batching.py`), those still being read when others join waited for
+(`arrivals.py`). MLX work stays on this thread (the engine may even be loaded
 on it). Each job streams events to its own queue: ("text", str) pieces, then ("done", finish_reason,
 usage, matched stop string or None) or ("error", ApiError). A job whose client went away is cancelled and
 its generation stopped at the next token or, during a long prompt, at the next prefill chunk. The KV
@@ -232,10 +233,7 @@ class GenerationWorker:
         if self.batch is not None:
             return self._serve_batches()
         while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set() or self.stopping:
-                self._count("cancelled")
-                if self.stopping:
-                    self._tell_stopping(job)
+            if self.skipped(job):
                 continue
             with self.lock:
                 self.active, self.current = 1, job
@@ -267,9 +265,9 @@ class GenerationWorker:
         with the requests still being read when some join (`arrivals.py`)."""
         batch, ended = self.batch, False
         while not ended or len(batch):
-            joined, ended = self._join(batch, ended)
+            joined, ended = batch.join_queued(self.jobs, ended)
             if joined and batch.room() and self.arrivals.wait():
-                ended = self._join(batch, ended)[1]
+                ended = batch.join_queued(self.jobs, ended)[1]
             batch.drop_cancelled()
             with self.lock:
                 self.active = len(batch)
@@ -287,28 +285,15 @@ class GenerationWorker:
         with self.lock:
             self.active = 0
 
-    def _join(self, batch: RunningBatch, ended: bool) -> tuple[int, bool]:
-        """Queued jobs into `batch` while it has room, waiting for one only if it is empty: (how many
-        joined, whether the queue has ended)."""
-        joined = 0
-        while not ended and batch.room():
-            try:
-                job = self.jobs.get() if not len(batch) else self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                ended = True
-            elif job.cancelled.is_set() or self.stopping:
-                self._count("cancelled")
-                if self.stopping:
-                    self._tell_stopping(job)
-            else:
-                try:
-                    batch.admit(job)
-                    joined += 1
-                except Exception as e:
-                    self.finish(job, "failed", error=e)
-        return joined, ended
+    def skipped(self, job: Job) -> bool:
+        """True, and counted, for a job dropped before it starts: cancelled, or queued when shutdown began
+        (its client is told why)."""
+        if not (job.cancelled.is_set() or self.stopping):
+            return False
+        self._count("cancelled")
+        if self.stopping:
+            self._tell_stopping(job)
+        return True
 
     def finish(self, job: Job, outcome: str, usage: dict | None = None, error: Exception | None = None):
         """Count a job's end: "completed" (with its usage), "cancelled" or "failed" (`error` is then sent

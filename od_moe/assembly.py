@@ -33,12 +33,12 @@ def check_policies(miss_policy: str, eviction: str):
 def expert_slots(
     capacity, memory_budget, tiered: bool, model, blocks, slot_nbytes: int, non_expert: int
 ) -> int:
-    """Slots per MoE layer for `capacity` or `memory_budget` (working memory counted); 0 only in
-    two-tier mode, where every expert can be read in place."""
+    """Slots per MoE layer for `capacity` or `memory_budget` (working memory counted, with two-tier mode's
+    staged copy); 0 only in two-tier mode, where every expert can be read in place."""
     if tiered and capacity is not None and parse_capacity(capacity) in (0, 0.0):
         return 0
     num_experts = blocks[0].num_experts
-    working = working_nbytes(model, len(blocks), num_experts)
+    working = working_nbytes(model, len(blocks), num_experts, slot_nbytes if tiered else 0)
     return resolve_capacity(
         capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
     )

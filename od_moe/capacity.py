@@ -110,13 +110,18 @@ def activation_nbytes_per_token(model) -> int:
     return (top_k * (2 * hidden + 3 * inter) + heads * RESERVED_CONTEXT) * _itemsize(model)
 
 
-def working_nbytes(model, moe_layers: int, num_experts: int) -> int:
+def working_nbytes(model, moe_layers: int, num_experts: int, staged_expert_nbytes: int = 0) -> int:
     """MLX memory generation needs beyond the weights and slots, counted into every budget: the KV cache
     of `RESERVED_CONTEXT` tokens, the activations of a prefill chunk that long, and the dense float32
-    router copies the prefetch policies predict with."""
-    hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
+    router copies the prefetch policies predict with. In two-tier mode (`staged_expert_nbytes`: an
+    expert's bytes) also a staged pass's device copy of the experts its layer routes to (`staging.py`):
+    for a chunk that long, every expert of one layer in practice."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", 0)
+    top_k = getattr(args, "num_experts_per_tok", None) or 8
     per_token = kv_nbytes_per_token(model) + activation_nbytes_per_token(model)
-    return per_token * RESERVED_CONTEXT + moe_layers * num_experts * hidden * 4
+    staged = min(num_experts, RESERVED_CONTEXT * top_k) * staged_expert_nbytes
+    return per_token * RESERVED_CONTEXT + moe_layers * num_experts * hidden * 4 + staged
 
 
 def resolve_capacity(

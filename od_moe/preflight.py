@@ -111,7 +111,8 @@ def inspect_model(
         return {**report, "exact": False, "reason": str(e)}
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    working = working_nbytes(mlx_model, moe_layers, num_experts)
+    tiered, why = backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers)
+    working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiered else 0)
     if memory_budget is None or memory_budget == "auto":
         given = int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION)
     else:
@@ -144,7 +145,6 @@ def inspect_model(
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
         packed=_packed_file(path),
     )
-    tiered, why = backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers)
     # two-tier mode: every expert in host memory, the budget's slots on the device (`two_tier.py`)
     report["two_tier"] = {"auto": tiered, "reason": why, "host_bytes": slot_nbytes * num_experts * moe_layers}
     if ranks > 1:
@@ -244,7 +244,7 @@ def format_inspection(report: dict) -> str:
         f"({_size(report['expert_bytes_on_disk'])} on disk), {_size(report['all_experts_bytes'])} all "
         f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']}), "
         f"{_size(report['working_bytes'])} working (KV cache and prefill of {RESERVED_CONTEXT} tokens, "
-        "routers)",
+        f"routers{', a staged layer of two-tier mode' if report['two_tier']['auto'] else ''})",
         f"budget     {_size(budget['bytes'])}{' (70% of available memory)' if budget['auto'] else ''} "
         + (
             f"holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"

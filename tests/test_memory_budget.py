@@ -2,6 +2,8 @@
 budget, which counts the working memory (KV cache, prefill activations, router copies) besides weights
 and slots; a budget below the non-expert weights is refused before anything is loaded."""
 
+import math
+
 import mlx.core as mx
 import pytest
 
@@ -10,6 +12,7 @@ from conftest import PROMPTS
 from od_moe import backend
 from od_moe.capacity import budget_for, working_nbytes
 from od_moe.cli import main
+from od_moe.preflight import inspect_model
 
 LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(9))  # ~170 tokens, one prefill chunk
 
@@ -39,3 +42,16 @@ def test_a_budget_below_the_non_expert_weights_is_refused_up_front(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("od-moe: error: memory budget 1000000 bytes is too small") and "\n" not in err
     assert "working memory" in err
+
+
+def test_a_two_tier_budget_keeps_room_for_a_staged_pass_copy_of_one_layers_experts():
+    """In two-tier mode a prefill pass copies the experts its layer routes to into device memory
+    (`staging.py`): up to all of one layer's, beyond the slots. A memory budget that buys 32 slots a layer
+    on the per-layer path buys as many fewer in two-tier mode as that copy takes (64 experts over 8
+    layers: 8 slots a layer)."""
+    report = inspect_model(od_moe.DEFAULT_MODEL)
+    layers, slot, experts = report["moe_layers"], report["expert_bytes"], report["experts_per_layer"]
+    budget = budget_for(32, layers, slot, report["non_expert_bytes"], report["working_bytes"])
+    assert od_moe.load(memory_budget=budget, two_tier=False).capacity == 32
+    tiered = od_moe.load(memory_budget=budget, two_tier=True)
+    assert tiered.capacity == 32 - math.ceil(experts * slot / (slot * layers)) == 24

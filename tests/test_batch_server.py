@@ -244,11 +244,12 @@ def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
     assert warm["choices"][0]["text"] == alone
 
 
-def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves_on(monkeypatch):
+def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves_on(monkeypatch, stock):
     """A step that raises, and a ledger that cannot settle after it, end the running requests with a 5xx
-    error; the generation thread lives on and the next request is answered."""
+    error; the generation thread lives on and the next request is answered. The new generator's
+    sequences keep uids of their own in the schedule log, which replays to the tokens served."""
     engine = od_moe.load(capacity="50%")
-    base, _, srv, worker = start(engine, max_batch=2)
+    base, log, srv, worker = start(engine, max_batch=2)
     from od_moe.server import batching
 
     step, settle, broken = batching.RunningBatch.step, engine.runtime.settle, [True]
@@ -268,6 +269,9 @@ def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves
     answer = call(base, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
     assert answer["choices"][0]["text"] and worker.thread.is_alive()
     srv.shutdown()
+    (failed_uid, served), steps = [j.uid for j in log.joins], log.resets
+    assert failed_uid != served and log.tokens[served] and len(steps) == 1
+    assert replay(stock[0], log, stock[1].eos_token_ids)[served] == log.tokens[served]
 
 
 def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(monkeypatch):
@@ -444,3 +448,26 @@ def test_requests_still_being_read_when_one_joins_prefill_in_the_same_step(monke
     srv.shutdown()
     worker.stop()
     assert len(worker.arrivals) == 0
+
+
+def test_serve_says_when_its_schedule_log_will_record_no_steps(monkeypatch, tmp_path):
+    """Where memory cuts `--max-batch` to 1, requests run one at a time and a `--schedule-log` gets only its
+    settings: serve says so as it starts, beside why the batch was cut."""
+    from werkzeug import serving
+
+    from od_moe.server import app as server_app
+    from od_moe.server import worker as server_worker
+
+    made, lines, real = [], [], serving.make_server
+    monkeypatch.setattr(serving, "make_server", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    monkeypatch.setattr(server_worker, "fitting_batch", lambda engine, n: (1, f"--max-batch {n} cut to 1"))
+    path = tmp_path / "schedule.jsonl"
+    options = dict(port=0, capacity="50%", schedule_log=str(path), log=lines.append)
+    thread = threading.Thread(target=server_app.serve, kwargs=options, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not any("cut to 1" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    made[0].shutdown()
+    thread.join(60)
+    assert any(f"schedule log {path} records no steps" in line for line in lines), lines

@@ -361,6 +361,8 @@ def serve(
     )
     if worker.batch_cut:
         log(f"od-moe: {worker.batch_cut}")
+        if sink is not None:
+            log(f"od-moe: the schedule log {schedule_log} records no steps: requests run one at a time")
     leader = ranks.Leader(worker, log) if worker.engine.stage is not None else None
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None

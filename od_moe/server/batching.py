@@ -42,7 +42,8 @@ class Sequence:
     """One request in the batch: its job, the text made so far and what has been sent."""
 
     job: object
-    uid: int
+    uid: int  # the generator's
+    logged: int  # in the schedule log: unique across generators (a failed step starts a new one)
     detokenizer: object
     stops: list[str]
     hold: int  # characters held back while a stop string could still be matching
@@ -89,6 +90,7 @@ class RunningBatch:
         self.sequences: dict[int, Sequence] = {}
         self.kept_from: int | None = None  # the sequence whose KV cache `worker.prompt_cache` holds
         self.steps = 0  # BatchGenerator.next() calls so far: the schedule's clock
+        self.inserted = self.uid_base = 0  # sequences inserted; those before the generator (logged uids)
         self.decoding = 0  # sequences decoded in the last step
         self.lock = threading.Lock()  # guards `sequences` for readers on other threads
         self.passes: dict[int, dict[str, float]] = {}  # sequences decoded -> per-step decode counts
@@ -119,13 +121,14 @@ class RunningBatch:
         kept_from, self.kept_from = self.kept_from if reused else None, None
         caches = {"caches": [cache], "all_tokens": [list(job.prompt[:reused])]} if reused else {}
         (uid,) = self.generator.insert([rest], [limit], samplers=[sampler], **caches)
+        self.inserted += 1
         hold = max((len(s) for s in p.stop), default=1) - 1
-        seq = Sequence(job, uid, self.engine.tokenizer.detokenizer, p.stop, hold, reused)
+        seq = Sequence(job, uid, self.uid_base + uid, self.engine.tokenizer.detokenizer, p.stop, hold, reused)
         with self.lock:
             self.sequences[uid] = seq
         if self.schedule is not None:
             settings = (p.temperature, p.top_p, p.top_k, p.seed, reused, kept_from)
-            self.schedule.join(Join(self.steps, uid, list(job.prompt), limit, *settings))
+            self.schedule.join(Join(self.steps, seq.logged, list(job.prompt), limit, *settings))
 
     def join_queued(self, jobs: queue.Queue, ended: bool) -> tuple[int, bool]:
         """Queued jobs join while there is room, waiting for one only where the batch is empty: (how many
@@ -161,7 +164,7 @@ class RunningBatch:
                 del self.sequences[seq.uid]
             self.worker.finish(seq.job, "failed", error=error)
         self.generator.close()
-        self.generator = self._new_generator()
+        self.generator, self.uid_base = self._new_generator(), self.inserted
         if self.schedule is not None:
             self.schedule.reset(self.steps)
         try:
@@ -226,7 +229,7 @@ class RunningBatch:
     def _deliver(self, seq: Sequence, response):
         """The token's text, cut at a stop string, sent once no stop string can still match across it."""
         if self.schedule is not None:
-            self.schedule.token(seq.uid, response.token, self.steps - 1)
+            self.schedule.token(seq.logged, response.token, self.steps - 1)
         seq.tokens.append(response.token)
         early, seq.early = seq.early, None
         if response.finish_reason != "stop" and early is None:
@@ -271,7 +274,7 @@ class RunningBatch:
         `keep_cache`, its (KV cache, the tokens it holds)."""
         caches = self.generator.remove([seq.uid], return_prompt_caches=keep_cache)
         if self.schedule is not None:
-            self.schedule.leave(self.steps, seq.uid)
+            self.schedule.leave(self.steps, seq.logged)
         self._forget(seq)
         return caches.get(seq.uid, (None, []))
 
@@ -280,7 +283,7 @@ class RunningBatch:
         self._forget(seq)
         if cache is not None:
             self.worker.prompt_cache.keep(cache, list(tokens))
-            self.kept_from = seq.uid if self.worker.prompt_cache.cache is cache else None
+            self.kept_from = seq.logged if self.worker.prompt_cache.cache is cache else None
 
     def _forget(self, seq: Sequence):
         with self.lock:

@@ -448,6 +448,9 @@ def test_requests_still_being_read_when_one_joins_prefill_in_the_same_step(monke
     srv.shutdown()
     worker.stop()
     assert len(worker.arrivals) == 0
+    worker.broken = "a rank is gone"  # refused: its arrival ends all the same
+    refused = worker.submit(engine.encode(PROMPTS[3]), params, arrival=worker.arrivals.begin())
+    assert refused.events.get(timeout=5)[0] == "error" and len(worker.arrivals) == 0
 
 
 def test_serve_says_when_its_schedule_log_will_record_no_steps(monkeypatch, tmp_path):

@@ -193,7 +193,7 @@ def _register_generation(app: Flask, worker, name: str, limits: _Limits):
     def submit(tokens: list[int], params):
         _check_prompt(tokens, limits, engine.max_positions)
         alive = guard.client_alive(request.environ)
-        return worker.submit(tokens, params, alive, g.pop("arrival", None))
+        return worker.submit(tokens, params, alive, g.get("arrival"))
 
     def respond(tokens, params, chat: bool):
         reply = openai.Reply(submit(tokens, params), name, chat, limits.event_timeout_s)

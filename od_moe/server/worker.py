@@ -156,23 +156,22 @@ class GenerationWorker:
         arrival: Arrival | None = None,
     ) -> Job:
         """Queue a job; its `arrival` (`arrivals.py`) ends as it is queued, so that a batch waiting for
-        the requests being read finds it there."""
+        the requests being read finds it there, or as it is refused."""
         job = Job(prompt, params)
         if alive is not None:
             job.alive = alive
         with self.lock:
             self.counters["total"] += 1
+            refused = self.broken is not None or self.stopping
             if self.broken is not None:
                 self.counters["failed"] += 1
                 job.events.put(("error", _broken(self.broken)))
-                return job
-            if self.stopping:
+            elif self.stopping:
                 self._tell_stopping(job)
-                return job
-        if arrival is None:
+        if arrival is not None:
+            arrival.end(queue=None if refused else lambda: self.jobs.put(job))
+        elif not refused:
             self.jobs.put(job)
-        else:
-            arrival.end(queue=lambda: self.jobs.put(job))
         return job
 
     def queued(self) -> int:

@@ -39,7 +39,7 @@ import mlx_lm
 
 import od_moe
 import od_moe.assembly
-from od_moe import lookahead
+from od_moe import forecast, lookahead
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock
@@ -82,9 +82,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         elif ahead.get("forecast", "shadow") == "shadow":
             predictor = _predictor_for(engine.identity)
             predictor.attach_routers(*engine.routers())
-            engine.runtime.forecast = lookahead.shadow_forecast(predictor, distance)
+            engine.runtime.forecast = forecast.shadow_forecast(predictor, distance)
         else:
-            engine.runtime.forecast = lookahead.next_gate_forecast(engine.routers(), distance)
+            engine.runtime.forecast = forecast.next_gate_forecast(engine.routers(), distance)
         engine.runtime.lookahead.blocks = int(ahead.get("blocks", lookahead.BLOCKS))
         engine.runtime.lookahead.copy = "nocopy" not in ahead
         engine.runtime.lookahead.demand = ahead.get("demand", "1") == "1"

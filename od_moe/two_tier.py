@@ -119,7 +119,7 @@ class TwoTierRuntime:
         self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
         self.lookahead: LookaheadRows | None = None  # rows after the slots, filled by prediction
-        self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`lookahead.py`)
+        self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`forecast.py`)
         self.device_lru = False  # the slots are kept on the device (`lookahead.py`), none by the host
         weakref.finalize(self, _release, stacks)
 

@@ -8,7 +8,7 @@ import pytest
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
-from od_moe import lookahead, two_tier
+from od_moe import forecast, lookahead, two_tier
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.errors import UserError
 from tiny_models import FAMILIES, write_mlx_model
@@ -73,20 +73,20 @@ def test_device_lru_other_families(tmp_path, name):
     assert lookahead.wrong_rows(engine.runtime.lookahead) == 0
 
 
-@pytest.mark.parametrize("forecast", ["shadow", "next-gate"])
-def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypatch, forecast):
+@pytest.mark.parametrize("kind", ["shadow", "next-gate"])
+def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypatch, kind):
     """Slots kept by the host (admission) plus 8 rows per layer filled from predictions one layer ahead:
     hits rise above the slots' own, every copy is booked, tokens stay stock's."""
     monkeypatch.setattr(od_moe.assembly, "build_two_tier", _with_rows(8))
     engine = od_moe.load(capacity=0.125, two_tier=True)
     runtime = engine.runtime
     runtime.lookahead.demand = False
-    if forecast == "shadow":
+    if kind == "shadow":
         predictor = _predictor_for(engine.identity)
         predictor.attach_routers(*engine.routers())
-        runtime.forecast = lookahead.shadow_forecast(predictor, 1)
+        runtime.forecast = forecast.shadow_forecast(predictor, 1)
     else:
-        runtime.forecast = lookahead.next_gate_forecast(engine.routers(), 1)
+        runtime.forecast = forecast.next_gate_forecast(engine.routers(), 1)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     total = engine.stats()["total"]
     assert total["decode"]["hit_rate"] > 0.5 and total["experts_loaded"] > 0
@@ -99,10 +99,10 @@ def test_the_folded_shadow_network_scores_as_the_network():
     predictor.attach_routers(*engine.routers())
     weights, biases = (mx.array(a) for a in engine.routers())
     x = mx.random.normal((3, weights.shape[-1]), key=mx.random.key(0))
-    forecast = lookahead.shadow_forecast(predictor, 2)
+    folded = forecast.shadow_forecast(predictor, 2)
     for source in (0, 4):
         reference = predictor(source, x, x @ weights[source].T + biases[source])
-        for target, scores in forecast(source, x):
+        for target, scores in folded(source, x):
             assert np.allclose(scores, reference[:, target - source - 1], atol=1e-4)
 
 

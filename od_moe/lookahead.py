@@ -79,6 +79,12 @@ _SOURCE = """
         free_row[s] = !keep && COPY;
         new_age[s] = keep ? 0 : (DEMAND ? min(age[s] + 1, {empty}) : age[s]);
     }}
+    auto scored = [&](int e) -> float {{  // decayed routing counts after this pass (COUNTS only)
+        if (!COUNTS) return score[e];
+        bool routed = false;
+        for (int q = 0; q < P; ++q) routed = routed || want[q] == e;
+        return __fadd_rn(__fmul_rn(score[e], decay[0]), routed ? 1.0f : 0.0f);
+    }};
     int into = -1;  // the row this block's expert is copied to
     int copies = 0;
     for (int q = 0; q < P; ++q) {{
@@ -86,9 +92,14 @@ _SOURCE = """
         bool there = false;
         for (int s = 0; s < S; ++s) there = there || (!free_row[s] && now[s] == want[q]);
         if (there) continue;
-        int v = -1;  // the least recently used free row (empty ones first; ties: the lower row)
-        for (int s = 0; s < S; ++s) if (free_row[s] && (v < 0 || age[s] > age[v])) v = s;
+        int v = -1;  // empty rows first; then the least recently used, or the lowest count (ties: lower row)
+        for (int s = 0; s < S; ++s) {{
+            if (!free_row[s]) continue;
+            if (!COUNTS && (v < 0 || age[s] > age[v])) v = s;
+            if (COUNTS && (v < 0 || (now[v] >= 0 && (now[s] < 0 || scored(now[s]) < scored(now[v]))))) v = s;
+        }}
         if (v < 0) break;
+        if (COUNTS && now[v] >= 0 && !(scored(want[q]) > scored(now[v]))) continue;  // read in place
         free_row[v] = false;
         now[v] = want[q];
         new_age[v] = 0;
@@ -104,6 +115,7 @@ _SOURCE = """
             }}
             rows[i] = row;
             found[i] = was;
+            score_out[i] = scored(i);
         }}
         if (threadIdx.x == 0) {{
             for (int s = 0; s < S; ++s) {{
@@ -131,18 +143,36 @@ _CASE = """        case {i}: {{
         }}"""
 
 
-def plan(want: list[int], base: np.ndarray, held: np.ndarray, age: np.ndarray, E: int, C: int, demand: bool):
+def plan(
+    want: list[int],
+    base: np.ndarray,
+    held: np.ndarray,
+    age: np.ndarray,
+    E: int,
+    C: int,
+    demand: bool,
+    score: np.ndarray | None = None,
+    decay: float | None = None,
+):
     """What the kernel decides, in numpy: (rows (E,), held after (S,), ages after (S,), [(expert, row) to
-    copy]). `want`: candidate experts, best first; those in a slot or repeated are dropped. A row holding
-    a wanted expert keeps it (age 0); each other wanted expert goes to the least recently used row not
-    holding a wanted one (empty rows first; ties: the lower row), until none is left; a `demand` call
-    (the layer's own routing) ages every other row by one."""
+    copy], scores after (E,) float32). `want`: candidate experts, best first; those in a slot or repeated
+    are dropped. A row holding a wanted expert keeps it (age 0); each other wanted expert goes to the
+    least recently used row not holding a wanted one (empty rows first; ties: the lower row), until none
+    is left; a `demand` call (the layer's own routing) ages every other row by one. With a `decay`, a
+    demand call keeps decayed routing counts instead (`score`: each expert's, times `decay` a call plus 1
+    where wanted) and a wanted expert takes the lowest-counted row (empty first) only where its own count
+    is higher; else it is read in place."""
     seen, kept = set(), []
     for e in want:
         if 0 <= e < E and base[e] < E and e not in seen:
             kept.append(e)
         seen.add(e)
     wanted = set(kept)
+    counts = decay is not None and demand
+    score = np.zeros(E, np.float32) if score is None else score.astype(np.float32)
+    if counts:
+        score = score * np.float32(decay)
+        score[kept] += np.float32(1)
     now, new_age = held.astype(np.int64).copy(), age.astype(np.int64).copy()
     free = np.array([int(h) not in wanted for h in held])
     if demand:
@@ -155,10 +185,16 @@ def plan(want: list[int], base: np.ndarray, held: np.ndarray, age: np.ndarray, E
         rows_free = np.flatnonzero(free)
         if not rows_free.size:
             break
-        v = int(rows_free[np.argmax(age[rows_free])])  # argmax: the first (lowest) row among equals
+        if counts:  # argmin / argmax: the first (lowest) row among equals
+            empty = rows_free[now[rows_free] < 0]
+            v = int(empty[0]) if empty.size else int(rows_free[np.argmin(score[now[rows_free]])])
+            if now[v] >= 0 and not score[e] > score[now[v]]:
+                continue
+        else:
+            v = int(rows_free[np.argmax(age[rows_free])])
         free[v], now[v], new_age[v] = False, e, 0
         copies.append((e, E + C + v))
-    return _overlay(base, now, E, C), now, new_age, copies
+    return _overlay(base, now, E, C), now, new_age, copies, score
 
 
 def _overlay(base: np.ndarray, held: np.ndarray, E: int, C: int) -> np.ndarray:
@@ -185,13 +221,16 @@ class LookaheadRows:
         self.on_device = slot_fill.available()
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
         self.demand = True
+        self.decay: float | None = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
         self._by_layer: dict[int, tuple] = {}  # layer -> (kernel, most units of a row)
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
-        mx.eval(self.held, self.age)
+        self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
+        mx.eval(self.held, self.age, self.score)
         self._held_host = [np.full(rows, -1, np.int64) for _ in stacks]  # host path
         self._age_host = [np.full(rows, AGE_EMPTY, np.int64) for _ in stacks]
+        self._score_host = [np.zeros(num_experts, np.float32) for _ in stacks]
         self._predicted: dict[int, mx.array] = {}
         self._copied: list[tuple[int, mx.array]] = []  # this pass's copy counts, per call
         self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
@@ -224,8 +263,9 @@ class LookaheadRows:
         kernel, units = self._kernel(layer)
         count = self.P if ahead else cand.size
         threads = min(units, THREADS * self.blocks)
-        rows, found, held, age, copied = kernel(
-            inputs=[*stack.values(), cand, base, self.held[layer], self.age[layer]],
+        decay = mx.array([self.decay or 0.0], mx.float32)
+        rows, found, held, age, copied, score = kernel(
+            inputs=[*stack.values(), cand, base, self.held[layer], self.age[layer], self.score[layer], decay],
             template=[
                 ("E", self.E),
                 ("C", self.C[layer]),
@@ -234,13 +274,14 @@ class LookaheadRows:
                 ("SCORES", int(ahead)),
                 ("DEMAND", int(not ahead)),
                 ("COPY", int(self.copy)),
+                ("COUNTS", int(self.decay is not None and not ahead)),
             ],
             grid=(threads, count, len(stack)),
             threadgroup=(min(THREADS, threads), 1, 1),
-            output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,)],
-            output_dtypes=[mx.uint32, mx.uint32, mx.int32, mx.int32, mx.int32],
+            output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,), (self.E,)],
+            output_dtypes=[mx.uint32, mx.uint32, mx.int32, mx.int32, mx.int32, mx.float32],
         )
-        self.held[layer], self.age[layer] = held, age
+        self.held[layer], self.age[layer], self.score[layer] = held, age, score
         self._copied.append((layer, copied))
         return found, rows
 
@@ -276,8 +317,16 @@ class LookaheadRows:
                 cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
                 self._kernels[key] = mx.fast.cuda_kernel(
                     name=f"od_moe_lookahead_{len(self._kernels)}",
-                    input_names=[*(f"a{i}" for i in range(len(units))), "cand", "base", "held", "age"],
-                    output_names=["rows", "found", "held_out", "age_out", "copied"],
+                    input_names=[
+                        *(f"a{i}" for i in range(len(units))),
+                        "cand",
+                        "base",
+                        "held",
+                        "age",
+                        "score",
+                        "decay",
+                    ],
+                    output_names=["rows", "found", "held_out", "age_out", "copied", "score_out"],
                     source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases, empty=AGE_EMPTY),
                 )
             self._by_layer[layer] = (self._kernels[key], max(units))
@@ -289,14 +338,16 @@ class LookaheadRows:
         values = np.array(cand.astype(mx.float32))
         want = top(values, self.P) if ahead else [int(e) for e in values]
         E, C = self.E, self.C[layer]
-        held, age = self._held_host[layer], self._age_host[layer]
+        held, age, score = self._held_host[layer], self._age_host[layer], self._score_host[layer]
         found = _overlay(np.array(base), held, E, C)
-        rows, held, age, copies = plan(want, np.array(base), held, age, E, C, demand=not ahead)
+        rows, held, age, copies, score = plan(
+            want, np.array(base), held, age, E, C, not ahead, score, self.decay
+        )
         for array in self.stacks[layer].values():
             view = cuda.numpy_view(array)
             for expert, row in copies:
                 view[row] = view[expert]
-        self._held_host[layer], self._age_host[layer] = held, age
+        self._held_host[layer], self._age_host[layer], self._score_host[layer] = held, age, score
         self.copies[layer] += len(copies)
         return mx.array(found.astype(np.uint32)), mx.array(rows.astype(np.uint32))
 

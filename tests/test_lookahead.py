@@ -19,7 +19,7 @@ E, C, EMPTY = 16, 2, lookahead.AGE_EMPTY
 def test_plan_keeps_wanted_rows_and_evicts_the_least_recently_used():
     base = np.arange(E)  # nothing in a slot
     held, age = np.array([3, 5, -1, 7]), np.array([0, 4, EMPTY, 2])
-    rows, now, new_age, copies = lookahead.plan([5, 9, 9, 11], base, held, age, E, C, demand=True)
+    rows, now, new_age, copies, _ = lookahead.plan([5, 9, 9, 11], base, held, age, E, C, demand=True)
     # 5 is kept; 9 (once) goes to the empty row, 11 to the oldest of the rest (row 3, age 2 beats 0)
     assert copies == [(9, E + C + 2), (11, E + C + 3)]
     assert now.tolist() == [3, 5, 9, 11] and new_age.tolist() == [1, 0, 0, 0]
@@ -30,11 +30,30 @@ def test_plan_skips_experts_in_slots_and_stops_when_rows_run_out():
     base = np.arange(E)
     base[4] = E + 1  # expert 4 is in slot 1
     held, age = np.array([-1, -1]), np.array([EMPTY, EMPTY])
-    rows, now, new_age, copies = lookahead.plan([4, 6, 8, 10], base, held, age, E, C, demand=False)
+    rows, now, new_age, copies, _ = lookahead.plan([4, 6, 8, 10], base, held, age, E, C, demand=False)
     assert [e for e, _ in copies] == [6, 8] and rows[4] == E + 1 and rows[10] == 10
     # a prediction (not the layer's own routing) ages nothing
-    _, _, aged, _ = lookahead.plan([], base, now, new_age, E, C, demand=False)
+    _, _, aged, _, _ = lookahead.plan([], base, now, new_age, E, C, demand=False)
     assert aged.tolist() == [0, 0]
+
+
+def test_plan_by_decayed_counts_admits_a_miss_only_over_a_lower_count():
+    """With a decay, a demand call's counts decay and rise by 1 where routed; a miss takes the
+    lowest-counted row not wanted (empty rows first) only where its own count is higher, else it is read
+    in place; the next miss may still take that row."""
+    base = np.arange(E)
+    held, age = np.array([3, 5, 7]), np.zeros(3, np.int64)
+    score = np.zeros(E, np.float32)
+    score[[3, 5, 7, 9, 11]] = [4.0, 2.0, 1.0, 0.5, 3.0]
+    rows, now, _, copies, after = lookahead.plan([5, 9, 11], base, held, age, E, C, True, score, 0.5)
+    # counts after: 3 -> 2.0, 5 -> 2.0 (routed), 7 -> 0.5, 9 -> 1.25 (routed), 11 -> 2.5 (routed)
+    assert after[[3, 5, 7, 9, 11]].tolist() == [2.0, 2.0, 0.5, 1.25, 2.5] and after.dtype == np.float32
+    # 9 beats row 2's 7 (1.25 > 0.5) and takes it; 11 (2.5) beats nothing below it but 3 (2.0): row 0
+    assert copies == [(9, E + C + 2), (11, E + C + 0)] and now.tolist() == [11, 5, 9]
+    _, now, _, copies, _ = lookahead.plan([9], base, np.array([3, -1]), age[:2], E, C, True, after, 0.5)
+    assert copies == [(9, E + C + 1)]  # an empty row takes any miss
+    _, _, _, copies, _ = lookahead.plan([13], base, np.array([3, 5]), age[:2], E, C, True, after, 0.5)
+    assert copies == []  # 13's count (1.0) is not above 3's (1.0) nor 5's: read in place
 
 
 def test_top_ranks_as_the_kernel_does():
@@ -56,6 +75,21 @@ def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
     assert total["experts_loaded"] == total["decode"]["misses"] > 0 and total["bytes_read"] == 0
     assert lookahead.wrong_rows(runtime.lookahead) == 0
     assert all((c.slot_of < 0).all() for c in engine.caches)  # the host keeps none
+
+
+def test_device_rows_by_decayed_counts_match_mlx_lm_and_copy_fewer_experts(bundled_reference):
+    """Rows kept by decayed routing counts (`LookaheadRows.decay`) give stock's tokens; a miss that does
+    not earn a row is read in place, so fewer experts are copied than under least recently used for the
+    same prompts, and every row holds the expert it is said to."""
+    copied = {}
+    for decay in (None, 0.9):
+        engine = od_moe.load(capacity=0.25, two_tier="lru")
+        engine.runtime.lookahead.decay = decay
+        assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+        total = engine.stats()["total"]
+        copied[decay] = total["experts_loaded"]
+        assert total["bytes_read"] == 0 and lookahead.wrong_rows(engine.runtime.lookahead) == 0
+    assert 0 < copied[0.9] < copied[None]
 
 
 def test_device_lru_at_full_capacity_is_the_plain_mode(bundled_reference):

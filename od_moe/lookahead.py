@@ -243,17 +243,34 @@ class LookaheadRows:
             scores = mx.softmax(scores.astype(mx.float32), axis=-1).sum(axis=0)
         self._predicted[target] = scores.reshape(-1)  # the kernel ranks them: no sort of its own
 
-    def rows(self, layer: int, base: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
+    def rows(
+        self, layer: int, base: mx.array, indices: mx.array, copy: bool = True
+    ) -> tuple[mx.array, mx.array]:
         """Layer `layer`'s expert->row tables for this pass: `base` (the slots') with the experts in its
         rows, (before, after) the routed ones are copied (`demand` on; otherwise both the same). What was
-        there before counts as a hit; what the layer copied for itself crossed PCIe when needed: a miss."""
+        there before counts as a hit; what the layer copied for itself crossed PCIe when needed: a miss.
+        `copy` False (a prompt's pass): the rows as they are, nothing copied."""
         scores = self._predicted.pop(layer, None)
-        rows = base
+        if not copy:
+            rows = self.current(layer, base)
+            return rows, rows
+        rows = None
         if scores is not None:  # what the prediction copied is there when the layer runs
             _, rows = self._call(layer, scores, base, ahead=True)
         if self.demand and indices.size <= MAX_DEMAND:
             return self._call(layer, indices.reshape(-1), base, ahead=False)
+        rows = self.current(layer, base) if rows is None else rows  # more lanes than a call takes
         return rows, rows
+
+    def current(self, layer: int, base: mx.array) -> mx.array:
+        """`base` with the experts the layer's rows hold now pointing at them (a lazy scatter: no copy, no
+        wait), for passes that call no kernel."""
+        held = self.held[layer] if self.on_device else mx.array(self._held_host[layer].astype(np.int32))
+        E, first = self.E, self.E + self.C[layer]
+        table = mx.concatenate([base, mx.zeros((1,), base.dtype)])  # empty rows write past the end
+        at = mx.where(held >= 0, held, E)
+        table[at] = mx.where(table[at] < E, mx.arange(first, first + self.S).astype(base.dtype), table[at])
+        return table[:E]
 
     def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, mx.array]:
         """One kernel (or `plan` on the host): the layer's tables (before, after) its copies of `cand`."""

@@ -220,9 +220,9 @@ class TwoTierRuntime:
             self._routed[layer] = indices
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
             rows = found = self._tables[layer]
-            if ahead:  # rows found holding an expert, and rows read (after the layer's own copies)
-                found, rows = self.lookahead.rows(layer, rows, indices)
-            tiers = ahead or self._resident[layer].any()  # else rows are expert ids: every lane mapped
+            if self.lookahead is not None:  # rows found holding an expert, rows read (after copies, if any)
+                found, rows = self.lookahead.rows(layer, rows, indices, copy=ahead)
+            tiers = self.lookahead is not None or self._resident[layer].any()  # else all lanes mapped
             if tiers:
                 read = rows[indices]
                 self._hit[layer] = (read if found is rows else found[indices]) >= self.num_experts

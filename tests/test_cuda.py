@@ -4,6 +4,7 @@ real one writes device memory), pinned staging, the check that the device sees t
 advice of the fallback path; then the engine with its installs done by those copies."""
 
 import ctypes
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -264,3 +265,15 @@ def test_a_host_ring_rewrites_an_array_only_after_what_was_made_from_it():
     third = ring.write(np.zeros((2, 3)))  # `first` again: `made` is computed before it is overwritten
     assert third is first and np.array(made).tolist() == [[10, 20, 30], [40, 50, 60]]
     assert np.array(third).sum() == 0
+
+
+def test_on_cuda_attention_runs_on_mlx_kernels_unless_the_environment_asks_for_cudnn(monkeypatch):
+    """`backend.attention_choice` (run as od-moe is imported): on CUDA it sets MLX_CUDA_USE_CUDNN_SDPA=0,
+    so a new prompt shape costs no cuDNN graph; a value the user set is kept; elsewhere nothing is set."""
+    monkeypatch.delenv(backend.CUDNN_ATTENTION, raising=False)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert backend.attention_choice() is None and backend.CUDNN_ATTENTION not in os.environ
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert backend.attention_choice() == "0" and os.environ[backend.CUDNN_ATTENTION] == "0"
+    monkeypatch.setenv(backend.CUDNN_ATTENTION, "1")
+    assert backend.attention_choice() is None and os.environ[backend.CUDNN_ATTENTION] == "1"

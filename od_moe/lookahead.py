@@ -221,7 +221,7 @@ class LookaheadRows:
         self.on_device = slot_fill.available()
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
         self.demand = True
-        self.decay: float | None = None  # demand rows by decayed routing counts (`plan`), else by recency
+        self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
         self._by_layer: dict[int, tuple] = {}  # layer -> (kernel, most units of a row)
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
@@ -235,6 +235,18 @@ class LookaheadRows:
         self._copied: list[tuple[int, mx.array]] = []  # this pass's copy counts, per call
         self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
         self._pending: list[tuple[list[int], mx.array]] = []
+
+    @property
+    def decay(self) -> float | None:
+        return self._decay
+
+    @decay.setter
+    def decay(self, value: float | None):
+        """Also made once as the kernel's input: an array made from host bytes in a pass costs the GPU a
+        wait (`host_ring.py`)."""
+        self._decay = value
+        self._decay_input = mx.array([value or 0.0], mx.float32)
+        mx.eval(self._decay_input)
 
     def expect(self, target: int, scores: mx.array):
         """Scores (n, E) for layer `target`'s experts in this pass (lazy): its top `per_layer` (for several
@@ -280,9 +292,16 @@ class LookaheadRows:
         kernel, units = self._kernel(layer)
         count = self.P if ahead else cand.size
         threads = min(units, THREADS * self.blocks)
-        decay = mx.array([self.decay or 0.0], mx.float32)
         rows, found, held, age, copied, score = kernel(
-            inputs=[*stack.values(), cand, base, self.held[layer], self.age[layer], self.score[layer], decay],
+            inputs=[
+                *stack.values(),
+                cand,
+                base,
+                self.held[layer],
+                self.age[layer],
+                self.score[layer],
+                self._decay_input,
+            ],
             template=[
                 ("E", self.E),
                 ("C", self.C[layer]),

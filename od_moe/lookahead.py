@@ -32,7 +32,6 @@ from . import cuda, slot_fill
 
 THREADS = 256
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
-_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
 
 AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first
 MAX_DEMAND = 64  # routed lanes a layer's own call takes (batch 8 at top-8); past it, misses are read in place
@@ -345,9 +344,7 @@ class LookaheadRows:
         """(the layer's kernel, the most copy units of a row among its arrays), made once per layer; layers
         whose rows are alike share one kernel."""
         if layer not in self._by_layer:
-            sizes = [a.nbytes // a.shape[0] for a in self.stacks[layer].values()]
-            unit = next(u for u in _UNIT_TYPES if all(size % u == 0 for size in sizes))
-            units = tuple(size // unit for size in sizes)
+            unit, units = slot_fill.row_units(self.stacks[layer].values())
             key = (unit, units)
             if key not in self._kernels:
                 cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
@@ -363,7 +360,7 @@ class LookaheadRows:
                         "decay",
                     ],
                     output_names=["rows", "found", "held_out", "age_out", "copied", "score_out"],
-                    source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases, empty=AGE_EMPTY),
+                    source=_SOURCE.format(unit=unit, cases=cases, empty=AGE_EMPTY),
                 )
             self._by_layer[layer] = (self._kernels[key], max(units))
         return self._by_layer[layer]

@@ -38,6 +38,17 @@ _SOURCE = """
 """
 
 
+_ROW_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
+
+
+def row_units(arrays) -> tuple[str, tuple[int, ...]]:
+    """For one kernel copying rows of every array in `arrays` (staged passes, device-kept rows): the
+    widest load (a C type) that divides each array's row, and each row's length in such loads."""
+    sizes = [a.nbytes // a.shape[0] for a in arrays]
+    unit = next(u for u in _ROW_UNIT_TYPES if all(size % u == 0 for size in sizes))
+    return _ROW_UNIT_TYPES[unit], tuple(size // unit for size in sizes)
+
+
 def available() -> bool:
     """Whether fills can run as kernels here: MLX on CUDA, arrays not host memory."""
     return mx.cuda.is_available() and not backend.arrays_in_host_memory()

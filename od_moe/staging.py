@@ -24,7 +24,6 @@ from .switch import switch_on
 
 THREADS = 256
 BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
-_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
 _SOURCE = """
     using U = {unit};
     uint32_t row = blockIdx.y;
@@ -89,16 +88,14 @@ def _copy_rows(stack: dict, sources: mx.array, count: mx.array, rows: int) -> di
     """`mx.take(array, sources, axis=0)` of every array of `stack` as one CUDA kernel that loads 16 bytes
     a thread and leaves rows from `count` on unwritten (no lane reads them)."""
     keys, arrays = list(stack), list(stack.values())
-    sizes = [a.nbytes // a.shape[0] for a in arrays]
-    unit = next(u for u in _UNIT_TYPES if all(size % u == 0 for size in sizes))
-    units = tuple(size // unit for size in sizes)
+    unit, units = slot_fill.row_units(arrays)
     if (unit, units) not in _kernels:
         cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
         _kernels[(unit, units)] = mx.fast.cuda_kernel(
             name=f"od_moe_stage_{len(_kernels)}",
             input_names=[*(f"a{i}" for i in range(len(units))), "sources", "count"],
             output_names=[f"o{i}" for i in range(len(units))],
-            source=_SOURCE.format(unit=_UNIT_TYPES[unit], cases=cases),
+            source=_SOURCE.format(unit=unit, cases=cases),
         )
     threads = min(max(units), THREADS * BLOCKS)
     out = _kernels[(unit, units)](

@@ -105,9 +105,13 @@ def activation_nbytes_per_token(model) -> int:
     args = getattr(model, "args", None)
     hidden = getattr(args, "hidden_size", 0)
     inter = getattr(args, "moe_intermediate_size", None) or getattr(args, "intermediate_size", hidden)
-    top_k = getattr(args, "num_experts_per_tok", None) or 8
     heads = getattr(args, "num_attention_heads", 1)
-    return (top_k * (2 * hidden + 3 * inter) + heads * RESERVED_CONTEXT) * _itemsize(model)
+    return (_top_k(model) * (2 * hidden + 3 * inter) + heads * RESERVED_CONTEXT) * _itemsize(model)
+
+
+def _top_k(model) -> int:
+    """Experts routed per token, from the config (8 where it does not say)."""
+    return getattr(getattr(model, "args", None), "num_experts_per_tok", None) or 8
 
 
 def working_nbytes(model, moe_layers: int, num_experts: int, staged_expert_nbytes: int = 0) -> int:
@@ -116,11 +120,9 @@ def working_nbytes(model, moe_layers: int, num_experts: int, staged_expert_nbyte
     router copies the prefetch policies predict with. In two-tier mode (`staged_expert_nbytes`: an
     expert's bytes) also a staged pass's device copy of the experts its layer routes to (`staging.py`):
     for a chunk that long, every expert of one layer in practice."""
-    args = getattr(model, "args", None)
-    hidden = getattr(args, "hidden_size", 0)
-    top_k = getattr(args, "num_experts_per_tok", None) or 8
+    hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
     per_token = kv_nbytes_per_token(model) + activation_nbytes_per_token(model)
-    staged = min(num_experts, RESERVED_CONTEXT * top_k) * staged_expert_nbytes
+    staged = min(num_experts, RESERVED_CONTEXT * _top_k(model)) * staged_expert_nbytes
     return per_token * RESERVED_CONTEXT + moe_layers * num_experts * hidden * 4 + staged
 
 

@@ -1,6 +1,6 @@
 """Experts a decoded token moves across the bus under cache rules a device kernel could run, on routing
-recorded from the bundled model: least recently used, decayed counts with selective admission, and
-Belady's MIN (`od_moe.replay`), per layer with C rows, every miss one expert's bytes (read in place or
+recorded from the bundled model: least recently used and Belady's MIN (`od_moe.replay`), and decayed
+counts with selective admission, per layer with C rows, every miss one expert's bytes (read in place or
 copied into a row: the same bytes).
 
     python3 tools/admission_sim.py [--capacities 16,24] [--decays 0.5,0.8,0.9,0.95,0.98]
@@ -20,23 +20,6 @@ import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.two_tier_grid import WARM_PROMPT
 from od_moe.replay import replay_recording
-
-
-class LeastRecentlyUsed:
-    def __init__(self, capacity: int):
-        self.capacity, self.clock, self.last = capacity, 0, {}
-
-    def step(self, ids: set[int]) -> int:
-        self.clock += 1
-        missed = 0
-        for e in ids:
-            if e not in self.last:
-                missed += 1
-                if len(self.last) >= self.capacity:
-                    evictable = [k for k in self.last if k not in ids]
-                    del self.last[min(evictable, key=self.last.get)]
-            self.last[e] = self.clock
-        return missed
 
 
 class DecayedCounts:
@@ -82,7 +65,7 @@ def main():
         recording += engine.record_routing(prompt, 48)
     decoded = sum(bool(p) and next(iter(p.values())).shape[0] == 1 for p in recording)
     for capacity in (int(c) for c in args.capacities.split(",")):
-        row = {"lru": per_token(recording, functools.partial(LeastRecentlyUsed, capacity))}
+        row = {"lru": replay_recording(recording, capacity, "lru").reads / decoded}
         for decay in (float(d) for d in args.decays.split(",")):
             row[f"decay {decay:g}"] = per_token(recording, functools.partial(DecayedCounts, capacity, decay))
         row["min"] = replay_recording(recording, capacity, "min").reads / decoded

@@ -455,7 +455,8 @@ def test_requests_still_being_read_when_one_joins_prefill_in_the_same_step(monke
 
 def test_serve_says_when_its_schedule_log_will_record_no_steps(monkeypatch, tmp_path):
     """Where memory cuts `--max-batch` to 1, requests run one at a time and a `--schedule-log` gets only its
-    settings: serve says so as it starts, beside why the batch was cut."""
+    settings: serve says so as it starts, beside why the batch was cut. It also sets the interpreter's
+    switch interval to its own (so request threads take the GIL sooner from the generation thread)."""
     from werkzeug import serving
 
     from od_moe.server import app as server_app
@@ -464,6 +465,10 @@ def test_serve_says_when_its_schedule_log_will_record_no_steps(monkeypatch, tmp_
     made, lines, real = [], [], serving.make_server
     monkeypatch.setattr(serving, "make_server", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     monkeypatch.setattr(server_worker, "fitting_batch", lambda engine, n: (1, f"--max-batch {n} cut to 1"))
+    intervals = []
+    monkeypatch.setattr(
+        server_app.sys, "setswitchinterval", intervals.append
+    )  # the test process keeps its own
     path = tmp_path / "schedule.jsonl"
     options = dict(port=0, capacity="50%", schedule_log=str(path), log=lines.append)
     thread = threading.Thread(target=server_app.serve, kwargs=options, daemon=True)
@@ -474,3 +479,24 @@ def test_serve_says_when_its_schedule_log_will_record_no_steps(monkeypatch, tmp_
     made[0].shutdown()
     thread.join(60)
     assert any(f"schedule log {path} records no steps" in line for line in lines), lines
+    assert intervals == [server_app.SWITCH_INTERVAL_S] and server_app.SWITCH_INTERVAL_S < 0.005
+
+
+def test_the_first_token_benchmarks_clients_in_a_process_of_their_own_read_what_was_served():
+    """The time-to-first-token benchmark's clients run in a process of their own (`bench/client_process.py`):
+    sent one after another they get the text a plain request gets, and together or not each reports its
+    tokens and a first text before its end."""
+    from od_moe.bench.client_process import ClientProcess
+
+    base, log, srv, worker = start(od_moe.load(capacity="50%"), max_batch=4)
+    bodies = [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in PROMPTS[:3]]
+    served = [call(base, "/v1/completions", b) for b in bodies]
+    with ClientProcess() as clients:
+        alone = clients.first_tokens(base, bodies, together=False)
+        together = clients.first_tokens(base, bodies, together=True)
+    srv.shutdown()
+    worker.stop()
+    assert [text for _, text, _, _ in alone] == [r["choices"][0]["text"] for r in served]
+    assert [tokens for _, _, tokens, _ in alone] == [r["usage"]["completion_tokens"] for r in served]
+    for first, text, tokens, end in alone + together:
+        assert text and 0 < tokens <= 6 and 0 < first <= end

@@ -5,6 +5,7 @@ clients started together.
 
 import json
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -14,12 +15,15 @@ from werkzeug.serving import make_server
 
 from .. import load
 from ..server import create_app
+from ..server.app import SWITCH_INTERVAL_S
 from ..server.schedule import ScheduleLog
 
 
-def start_server(capacity, max_batch: int):
-    """(base URL, schedule log, werkzeug server, app) of a server over the embedded model."""
-    engine = load(capacity=capacity)
+def start_server(capacity, max_batch: int, model=None):
+    """(base URL, schedule log, werkzeug server, app) of a server over `model` (the embedded one by
+    default)."""
+    engine = load(model, capacity=capacity)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `serve` does
     log = ScheduleLog()
     app = create_app(engine, max_batch=max_batch, schedule=log)
     server = make_server("127.0.0.1", 0, app, threaded=True)
@@ -54,23 +58,6 @@ def post_stream(base: str, body: dict) -> tuple[int, dict]:
     if lines[-1] != "[DONE]":
         return 500, {"error": lines[-1]}  # an error event ended the stream
     return 200, json.loads(lines[-2])
-
-
-def first_token_s(base: str, body: dict) -> tuple[float | None, str]:
-    """Send one streamed request and read it to its end: (seconds until the first chunk carrying text, the
-    whole text); None when no text came."""
-    body = dict(body, stream=True)
-    req = _completion(base, body)
-    started, first, text = time.perf_counter(), None, ""
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if not line.startswith(b"data: {"):
-                continue
-            piece = json.loads(line[6:])["choices"][0].get("text") or ""
-            if piece and first is None:
-                first = time.perf_counter() - started
-            text += piece
-    return first, text
 
 
 def all_at_once(client, count: int) -> float:

@@ -4,55 +4,98 @@
 every expert resident and at 25%: each sent alone (one after another, the server idle between them) and
 all sent at once (their client threads released by one barrier), `--rounds` rounds alternating which goes
 first. A request's time to first token is measured by its client: from sending the request to the first
-streamed chunk carrying text. The table gives the medians, their ratio, the worst "together" request, how
-many prefill groups the together requests were admitted in (1: every prompt joined the batch before the
-same step, so mlx-lm's `BatchGenerator` prefilled them in one batch), the steps from joining to the first
-token, and whether each answer was the same text alone and together.
+streamed chunk carrying text. The clients run in a process of their own (`client_process.py`), as a
+server's clients do; `same_process` puts them on threads of the server's process, as this benchmark did
+before, where they and the server's threads wait on one GIL. The table gives the medians, their ratio,
+the worst "together" request, how many prefill groups the together requests were admitted in (1: every
+prompt joined the batch before the same step, so mlx-lm's `BatchGenerator` prefilled them in one batch),
+the steps from joining to the first token, and whether each answer was the same text alone and together.
 Beside them, the floor no schedule beats with mlx-lm's arithmetic on this machine: stock mlx-lm's own
 `BatchGenerator` in this process (no HTTP, no server), the same prompts inserted one at a time and all at
 once, time from insertion to each sequence's first token. Where compute is the limit (this CPU: a prefill
 of 8 prompts costs about 8 of one), "together" cannot come near "alone" however the steps are arranged.
+`model` serves another checkpoint (the benchmark's `--widen` copy: experts as large as a big model's,
+where a prompt's expert reads, not the host, set its time).
 Not here: the server's other benchmarks (`serving.py`).
 """
 
 import statistics
-import threading
+import sys
 import time
 
 from mlx_lm.generate import BatchGenerator
 
 from ..engine import DEFAULT_MODEL
+from . import client_process
 from .batching import batch_prompts
-from .clients import all_at_once, first_token_s, start_server
+from .clients import start_server
 from .foundation import stock_model
 
 
-def ttft(prompts: int, rounds: int, max_tokens: int, max_batch: int, capacities=(None, "25%")) -> dict:
+def ttft(
+    prompts: int,
+    rounds: int,
+    max_tokens: int,
+    max_batch: int,
+    capacities=(None, "25%"),
+    model=None,
+    same_process: bool = False,
+    switch_intervals=(None,),
+) -> dict:
     """Median time to first token of `prompts` greedy streamed requests alone and arriving together, on a
-    server at each capacity (None: every expert resident), and stock mlx-lm's floor."""
+    server over `model` (the embedded one by default) at each capacity (None: every expert resident) and
+    each of `switch_intervals` (the interpreter's, `sys.setswitchinterval`; None: the server's own), and
+    stock mlx-lm's floor. The clients run in a process of their own unless `same_process`."""
     texts = batch_prompts(prompts)
-    rows = [_server_row(texts, rounds, max_tokens, max_batch, capacity) for capacity in capacities]
+    rows = []
+    for capacity in capacities:
+        for interval in switch_intervals:
+            kept = sys.getswitchinterval()
+            try:
+                if same_process:
+                    row = _server_row(
+                        texts, rounds, max_tokens, max_batch, capacity, model, client_process, interval
+                    )
+                else:
+                    with client_process.ClientProcess() as clients:
+                        row = _server_row(
+                            texts, rounds, max_tokens, max_batch, capacity, model, clients, interval
+                        )
+            finally:
+                sys.setswitchinterval(kept)
+            rows.append(row)
     return {
+        "model": str(model or DEFAULT_MODEL),
         "prompts": prompts,
         "rounds": rounds,
         "max_tokens": max_tokens,
         "max_batch": max_batch,
+        "clients": "the server's process" if same_process else "a process of their own",
         "rows": rows,
-        "stock": stock_floor(texts, rounds, max_batch),
+        "stock": stock_floor(texts, rounds, max_batch, model=model or DEFAULT_MODEL),
     }
 
 
-def _server_row(texts: list[str], rounds: int, max_tokens: int, max_batch: int, capacity) -> dict:
-    base, log, server, app = start_server(capacity, max_batch)
-    first_token_s(base, {"prompt": texts[0], "max_tokens": 2, "temperature": 0})  # warm up
+def _server_row(
+    texts: list[str], rounds: int, max_tokens: int, max_batch: int, capacity, model, clients, interval
+) -> dict:
+    """One server's row; `clients.first_tokens(base, bodies, together)` sends the requests (this process's
+    threads, or a `ClientProcess`)."""
+    base, log, server, app = start_server(capacity, max_batch, model)
+    if interval is not None:
+        sys.setswitchinterval(interval)
+    clients.first_tokens(base, [{"prompt": texts[0], "max_tokens": 2, "temperature": 0}], False)  # warm up
+    bodies = [{"prompt": t, "max_tokens": max_tokens, "temperature": 0} for t in texts]
     seconds, answers = {"alone": [], "together": []}, {"alone": {}, "together": {}}
-    groups, steps = [], []
+    groups, steps, throughput = [], [], []
     for r in range(rounds):
         for how in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
             joined = len(log.joins)
-            got = _first_tokens(base, texts, max_tokens, together=how == "together")
-            seconds[how] += [s for s, _ in got]
-            answers[how].update({i: t for i, (_, t) in enumerate(got)})
+            got = clients.first_tokens(base, bodies, together=how == "together")
+            seconds[how] += [g[0] for g in got]
+            answers[how].update({i: g[1] for i, g in enumerate(got)})
+            if how == "together":
+                throughput.append(sum(g[2] for g in got) / max(g[3] for g in got))
             if how == "together" and app.worker.batch is not None:
                 joins = log.joins[joined:]
                 groups.append(len({j.step for j in joins}))
@@ -62,39 +105,26 @@ def _server_row(texts: list[str], rounds: int, max_tokens: int, max_batch: int, 
     alone_s, together_s = (statistics.median(seconds[k]) for k in ("alone", "together"))
     return {
         "capacity": app.worker.engine.capacity,
+        "switch_interval_s": sys.getswitchinterval(),
         "alone_s": alone_s,
         "together_s": together_s,
         "ratio": together_s / alone_s,
         "together_max_s": max(seconds["together"]),
         "prefill_groups": statistics.mean(groups) if groups else None,
         "steps_to_first_token": statistics.median(steps) if steps else None,
+        "together_tok_s": statistics.median(throughput),
         "same_text": sum(answers["alone"][i] == answers["together"][i] for i in answers["alone"]),
         "seconds": {k: [round(s, 4) for s in v] for k, v in seconds.items()},
     }
 
 
-def _first_tokens(base: str, texts: list[str], max_tokens: int, together: bool) -> list[tuple]:
-    """(time to first token, text) of each prompt, sent one after another or all at once."""
-    got = [None] * len(texts)
-
-    def client(i, barrier=None):
-        if barrier is not None:
-            barrier.wait()
-        got[i] = first_token_s(base, {"prompt": texts[i], "max_tokens": max_tokens, "temperature": 0})
-
-    if together:
-        barrier = threading.Barrier(len(texts))
-        all_at_once(lambda i: client(i, barrier), len(texts))
-    else:
-        for i in range(len(texts)):
-            client(i)
-    return got
-
-
-def stock_floor(texts: list[str], rounds: int, max_batch: int, prefill_step: int = 256) -> dict:
-    """Stock mlx-lm's `BatchGenerator` (the server's settings) in this process: the median seconds from
-    inserting each prompt to its first token, one prompt at a time and all at once."""
-    model, tokenizer = stock_model(DEFAULT_MODEL)
+def stock_floor(
+    texts: list[str], rounds: int, max_batch: int, prefill_step: int = 256, model=DEFAULT_MODEL
+) -> dict:
+    """Stock mlx-lm's `BatchGenerator` (the server's settings) in this process, every expert of `model`
+    resident: the median seconds from inserting each prompt to its first token, one prompt at a time and
+    all at once."""
+    model, tokenizer = stock_model(model)
     prompts = [tokenizer.encode(t) for t in texts]
     settings = {
         "stop_tokens": [[t] for t in tokenizer.eos_token_ids],
@@ -127,21 +157,24 @@ def ttft_table(report: dict) -> str:
     """The report as a table, milliseconds."""
     lines = [
         f"time to first token, {report['prompts']} greedy streamed requests, medians over {report['rounds']} "
-        f"rounds ({report['max_tokens']} tokens each, --max-batch {report['max_batch']})",
-        f"{'':>27} {'alone':>8} {'together':>8} {'ratio':>6} {'worst':>8} {'groups':>6} {'steps':>5} "
-        f"{'same text':>9}",
+        f"rounds ({report['max_tokens']} tokens each, --max-batch {report['max_batch']}), clients in "
+        f"{report['clients']}, {report['model']}",
+        f"{'':>27} {'switch':>6} {'alone':>8} {'together':>8} {'ratio':>6} {'worst':>8} {'groups':>6} "
+        f"{'steps':>5} {'tok/s':>6} {'same text':>9}",
     ]
     for row in report["rows"]:
         groups, steps = row["prefill_groups"], row["steps_to_first_token"]
         lines.append(
-            f"{'server, ' + str(row['capacity']) + ' experts resident':>27} {row['alone_s'] * 1e3:>6.1f}ms "
+            f"{'server, ' + str(row['capacity']) + ' experts resident':>27} "
+            f"{row['switch_interval_s'] * 1e3:>4.1f}ms {row['alone_s'] * 1e3:>6.1f}ms "
             f"{row['together_s'] * 1e3:>6.1f}ms {row['ratio']:>5.2f}x {row['together_max_s'] * 1e3:>6.1f}ms "
             f"{'-' if groups is None else f'{groups:.1f}':>6} {'-' if steps is None else steps:>5} "
+            f"{row['together_tok_s']:>6.1f} "
             f"{row['same_text']:>6}/{report['prompts']}"
         )
     stock = report["stock"]
     lines.append(
-        f"{'stock BatchGenerator, floor':>27} {stock['alone_s'] * 1e3:>6.1f}ms "
+        f"{'stock BatchGenerator, floor':>27} {'':>6} {stock['alone_s'] * 1e3:>6.1f}ms "
         f"{stock['together_s'] * 1e3:>6.1f}ms {stock['ratio']:>5.2f}x"
     )
     return "\n".join(lines)

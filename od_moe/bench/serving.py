@@ -26,6 +26,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 from ..engine import DEFAULT_MODEL
 from ..server.schedule import ScheduleLog, replay
@@ -33,6 +34,7 @@ from .batching import batch_prompts
 from .clients import all_at_once, hang_up, post, post_stream, start_server
 from .first_token import ttft, ttft_table
 from .foundation import stock_model
+from .widen import widen_model
 
 
 def replayed_tokens(log: ScheduleLog, stop_tokens) -> dict[int, list[int]]:
@@ -191,11 +193,39 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="alone: requests on each path; ttft: rounds")
     parser.add_argument("--clients", type=int, default=16, help="soak: client threads")
     parser.add_argument("--requests", type=int, default=20, help="soak: requests per client")
+    parser.add_argument(
+        "--widen",
+        type=int,
+        help="ttft: serve the embedded model's copy with experts this many "
+        "times wider (written under --workdir once)",
+    )
+    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="ttft: where the widened copy is kept")
+    parser.add_argument(
+        "--switch-interval",
+        help="ttft: the interpreter's switch intervals to compare, seconds (e.g. 0.005,0.0005)",
+    )
+    parser.add_argument(
+        "--same-process",
+        action="store_true",
+        help="ttft: run the clients on threads of the server's process (as before)",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     if args.what == "ttft":
         capacities = (None, "25%") if args.capacity is None else (args.capacity,)
-        report = ttft(args.prompts or 8, args.rounds, args.max_tokens, args.max_batch, capacities)
+        model = None
+        if args.widen:
+            model = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+        report = ttft(
+            args.prompts or 8,
+            args.rounds,
+            args.max_tokens,
+            args.max_batch,
+            capacities,
+            model,
+            args.same_process,
+            [float(v) for v in args.switch_interval.split(",")] if args.switch_interval else [None],
+        )
         print(ttft_table(report))
     elif args.what == "agreement":
         report = agreement(args.prompts or 16, args.max_tokens, args.capacity, args.max_batch)

@@ -297,6 +297,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# The interpreter's switch interval while serving. The generation thread builds each pass in Python,
+# holding the GIL for milliseconds; a request thread with a token to send, or a request to read, waits
+# for the interval before taking it (Python's default: 5 ms). Measured in docs/GPU.md ("Time to first token").
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(
     model=None,
     *,
@@ -334,6 +340,7 @@ def serve(
     if group is not None and group.rank() > 0:
         return ranks.follow(loader(), log)
     listener = bind(host, port)  # a busy port is found before the model loads
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         sink = _schedule_sink(schedule_log, max_batch)  # and a file that cannot be written
     except UserError:

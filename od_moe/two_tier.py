@@ -101,6 +101,7 @@ class TwoTierRuntime:
         self._tables: list[mx.array | None] = [None] * len(caches)
         self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
         self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
+        self.switches: list = [None] * len(caches)  # mlx-lm's switch over each stack (`build`)
         self._addresses = [_addresses(stack) for stack in stacks]
         self.stack_moves = 0  # fills that found a stack copied instead of written in place (want 0)
         # fills between passes as kernels that need no wait (CUDA), else MLX writes after a wait
@@ -214,7 +215,8 @@ class TwoTierRuntime:
             for target, scores in self.forecast(layer, x):
                 self.lookahead.expect(target, scores)
         if self._full[layer]:  # no lane can miss: nothing to count on the device
-            y = stacked(x, self._tables[layer][indices])
+            direct = self._direct[layer]  # the slots in expert order: stock's call, no table
+            y = direct(x, indices) if direct is not None else stacked(x, self._tables[layer][indices])
             self.ledger.count_lookups(self.phase, layer, lanes, lanes)
         else:
             self._routed[layer] = indices
@@ -282,32 +284,22 @@ class TwoTierRuntime:
         self._table_ring.used_by(rows)
         self._resident, self._full = resident, resident.all(axis=1)
         self._tables = [rows[i] for i in range(len(self.caches))]
+        in_order = self._full & (slot_of == np.arange(E)).all(axis=1)
+        self._direct = [  # mlx-lm's switch over the slot rows alone (views: nothing copied)
+            switch_on(sw, {key: rows[E:] for key, rows in stack.items()}) if ok else None
+            for sw, stack, ok in zip(self.switches, self.stacks, in_order)
+        ]
         for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
             self._tables[layer] = rows[layer] + (landed * 0).astype(mx.uint32)
         self._landed = {}
-        mx.async_eval(self._tables)  # now, not in the pass
+        mx.async_eval(self._tables, [d.parameters() for d in self._direct if d is not None])  # not in a pass
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
         """Put a tally read into the ledger (hits) and admission (counts); False where there was none."""
-        if read is None:
-            return False
-        passes, counts, hits, union = read
-        for p, phase in enumerate(PHASES):
-            for layer in np.flatnonzero(hits[p]):
-                self.ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
-            for layer in np.flatnonzero(union[p, :, 0]):
-                experts, held, staged, missed = (int(n) for n in union[p, layer])
-                self.ledger.add(
-                    phase,
-                    int(layer),
-                    experts=experts,
-                    expert_hits=held,
-                    routings_read=staged,
-                    staged_misses=missed,
-                )
-        self.admission.add(counts, passes)
-        return True
+        if read is not None:
+            _book_tally(self.ledger, self.admission, read)
+        return read is not None
 
     def _admit(self, read):
         """Book a tally read, then copy into slots the experts `Admission` names."""
@@ -375,6 +367,25 @@ class TwoTierRuntime:
         self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
 
 
+def _book_tally(ledger: Ledger, admission: Admission, read):
+    """A tally read (`DeviceTally.read`) into the ledger (hits, staged passes' counts) and admission."""
+    passes, counts, hits, union = read
+    for p, phase in enumerate(PHASES):
+        for layer in np.flatnonzero(hits[p]):
+            ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
+        for layer in np.flatnonzero(union[p, :, 0]):
+            experts, held, staged, missed = (int(n) for n in union[p, layer])
+            ledger.add(
+                phase,
+                int(layer),
+                experts=experts,
+                expert_hits=held,
+                routings_read=staged,
+                staged_misses=missed,
+            )
+    admission.add(counts, passes)
+
+
 def _follow_moves(stack: dict, addresses: dict, E: int) -> int:
     """After a fill: a stack MLX copied instead of writing it in place lost its device advice (its slots
     would sit wherever the copy put them), and the buffer it left keeps it: move the advice, note the new
@@ -425,7 +436,8 @@ def build(
     if kept:
         runtime.lookahead = LookaheadRows(stacks, runtime.num_experts, slots, kept, kept)
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
-        block.replace_switch(TwoTierSwitch(switch_on(block.switch, stack), runtime, i))
+        runtime.switches[i] = switch_on(block.switch, stack)
+        block.replace_switch(TwoTierSwitch(runtime.switches[i], runtime, i))
         for part in cache.layout.parts:
             cache.projections[part.proj][part.name] = mx.zeros(
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype

@@ -40,6 +40,12 @@ def test_every_expert_mapped_or_every_expert_in_slots(bundled_reference, fractio
     total = engine.stats()["total"]
     assert total["hit_rate"] == fraction and total["experts_loaded"] == 0
     assert engine.runtime._full.all() == (fraction == 1.0)
+    # every expert in a slot, in expert order: mlx-lm's switch over the slot rows alone, with no table
+    direct, E = engine.runtime._direct, engine.num_experts
+    assert [d is not None for d in direct] == [fraction == 1.0] * len(direct)
+    for d, stack in zip(direct if fraction == 1.0 else [], engine.runtime.stacks):
+        for (proj, name), rows in stack.items():
+            assert d[proj][name].shape[0] == E and mx.array_equal(d[proj][name], rows[E:])
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h"])

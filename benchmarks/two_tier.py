@@ -86,9 +86,11 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             engine.runtime.forecast = forecast.shadow_forecast(predictor, distance)
         else:
             engine.runtime.forecast = forecast.next_gate_forecast(engine.routers(), distance)
-        engine.runtime.lookahead.blocks = int(ahead.get("blocks", lookahead.BLOCKS))
         engine.runtime.lookahead.copy = "nocopy" not in ahead
         engine.runtime.lookahead.demand = ahead.get("demand", "1") == "1"
+    if "blocks" in ahead:  # thread blocks per (expert, array) of a row copy, predicted or the layer's own
+        engine.runtime.lookahead.blocks = int(ahead["blocks"])
+        engine.runtime.lookahead.demand_blocks = int(ahead["blocks"]) * 8  # over a top-8 layer's candidates
     for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
         name, value = knob.split("=")
         if name == "stage":  # positions from which a pass is staged (0: none)

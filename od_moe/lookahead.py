@@ -32,6 +32,11 @@ from . import cuda, slot_fill
 
 THREADS = 256
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
+# Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
+# are on the pass's path, with no layer to share the SMs with, and more loads in flight move them sooner.
+# H100, widened copy, `lru` rows (`docs/two-tier-h100.md`): 25% 0.590x stock at 1 block an (expert, array),
+# 0.635x at 4, 0.677-0.723x at 16, 0.671-0.703x at 32-64.
+DEMAND_BLOCKS = 128
 
 AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first
 MAX_DEMAND = 64  # routed lanes a layer's own call takes (batch 8 at top-8); past it, misses are read in place
@@ -219,6 +224,7 @@ class LookaheadRows:
         self.stacks, self.E, self.C, self.S, self.P = stacks, num_experts, slots, rows, per_layer
         self.on_device = slot_fill.available()
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
+        self.demand_blocks = DEMAND_BLOCKS
         self.demand = True
         self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
@@ -290,7 +296,8 @@ class LookaheadRows:
         stack = self.stacks[layer]
         kernel, units = self._kernel(layer)
         count = self.P if ahead else cand.size
-        threads = min(units, THREADS * self.blocks)
+        blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
+        threads = min(units, THREADS * blocks)
         rows, found, held, age, copied, score = kernel(
             inputs=[
                 *stack.values(),

@@ -32,8 +32,8 @@ def _two_tier_arg(parser: argparse.ArgumentParser):
         choices=["auto", "on", "off", "lru"],
         default="auto",
         help="every expert in host memory, read in place on a miss, --capacity experts per layer in device "
-        "slots (default auto: on CUDA where host memory holds the experts; lru: on, its slots kept on the "
-        "device, least recently used, each miss copied in)",
+        "slots (default auto: on CUDA where host memory holds the experts, as lru for experts of 1 MB or "
+        "more; lru: on, its slots kept on the device, least recently used, each miss copied in)",
     )
 
 

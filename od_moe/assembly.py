@@ -53,10 +53,31 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
     return read_threads
 
 
-def two_tier_mode(two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor) -> tuple[bool, str]:
+# In two-tier mode by "auto", experts this large get slots kept by the device (least recently used, every
+# miss copied in: `lookahead.py`) instead of slots admitted by routing counts. H100, the widened copy's
+# 2.65 MB experts: 1.3-1.5x the tok/s at 25-37.5% of experts in slots, level at 50% and in batches of 8 and
+# 16; the bundled model's 20 KB experts: admission ahead (0.82x against 0.72x stock at 25%), the row
+# kernel costing more than the bytes it saves (docs/two-tier-h100.md).
+LRU_EXPERT_NBYTES = 1 << 20
+
+
+def auto_tiers(on: bool, why: str, slot_nbytes: int) -> tuple[bool | str, str]:
+    """`backend.two_tier_choice`'s answer to "auto" with the kind of slots: "lru" (truthy) for experts of
+    `LRU_EXPERT_NBYTES` or more, where two-tier mode is on."""
+    if on and slot_nbytes >= LRU_EXPERT_NBYTES:
+        return (
+            "lru",
+            f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts)",
+        )
+    return on, why
+
+
+def two_tier_mode(
+    two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor, slot_nbytes: int = 0
+) -> tuple[bool | str, str]:
     """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
-    host and device allow it); "lru" (truthy) where asked for: its slots kept on the device
-    (`lookahead.py`)."""
+    host and device allow it); "lru" (truthy) where asked for, or by "auto" for experts of `slot_nbytes`
+    at least `LRU_EXPERT_NBYTES`: its slots kept on the device (`lookahead.py`)."""
     if two_tier not in (True, False, "auto", "lru"):
         raise UserError(f"two_tier must be True, False, 'auto' or 'lru', got {two_tier!r}")
     if two_tier == "lru":
@@ -67,6 +88,8 @@ def two_tier_mode(two_tier, expert_nbytes: int, miss_policy: str, prefetch, pred
             "miss copied in",
         )
     on, why = backend.two_tier_choice(two_tier, expert_nbytes)
+    if two_tier == "auto":
+        on, why = auto_tiers(on, why, slot_nbytes)
     predicts = prefetch in ("next-gate", "predictor", "oracle") or (
         prefetch is None and predictor is not None
     )

@@ -20,6 +20,7 @@ import mlx_lm.utils
 from mlx.utils import tree_flatten
 
 from . import backend
+from .assembly import auto_tiers
 from .capacity import (
     AUTO_BUDGET_FRACTION,
     RESERVED_CONTEXT,
@@ -111,7 +112,9 @@ def inspect_model(
         return {**report, "exact": False, "reason": str(e)}
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    tiered, why = backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers)
+    tiered, why = auto_tiers(
+        *backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers), slot_nbytes
+    )
     working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiered else 0)
     if memory_budget is None or memory_budget == "auto":
         given = int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION)
@@ -146,7 +149,12 @@ def inspect_model(
         packed=_packed_file(path),
     )
     # two-tier mode: every expert in host memory, the budget's slots on the device (`two_tier.py`)
-    report["two_tier"] = {"auto": tiered, "reason": why, "host_bytes": slot_nbytes * num_experts * moe_layers}
+    report["two_tier"] = {
+        "auto": bool(tiered),
+        "slots": "device-kept (least recently used)" if tiered == "lru" else "admitted by routing counts",
+        "reason": why,
+        "host_bytes": slot_nbytes * num_experts * moe_layers,
+    }
     if ranks > 1:
         try:
             report["ranks"] = _rank_rows(mlx_model, blocks, slot_nbytes, ranks)

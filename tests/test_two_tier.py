@@ -241,6 +241,29 @@ def test_a_long_prompt_is_staged_and_exact():
         assert (prefill["expert_hits"] > 0) == (fraction > 0)
 
 
+def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundled_reference):
+    """Where "auto" turns two-tier mode on (CUDA, the host holds the experts), experts of 1 MB or more get
+    slots kept by the device (`lru`), smaller ones slots admitted by counts; predictive prefetch still
+    keeps the per-layer path; `od-moe inspect` says which."""
+    from od_moe import assembly, backend, preflight
+
+    monkeypatch.setattr(backend, "two_tier_choice", lambda asked, nbytes: (asked is not False, "on"))
+    mode = assembly.two_tier_mode
+    assert mode("auto", 1 << 30, "load", None, None, slot_nbytes=2_650_000)[0] == "lru"
+    assert "least recently used" in mode("auto", 1 << 30, "load", None, None, slot_nbytes=2_650_000)[1]
+    assert mode("auto", 1 << 30, "load", None, None, slot_nbytes=20_000)[0] is True
+    assert mode(True, 1 << 30, "load", None, None, slot_nbytes=2_650_000)[0] is True  # forced on: counts
+    assert mode("auto", 1 << 30, "load", "next-gate", None, slot_nbytes=2_650_000)[0] is False
+    tiers = preflight.inspect_model(capacity=0.25)["two_tier"]  # the bundled model: 20 KB experts
+    assert tiers["auto"] is True and tiers["slots"] == "admitted by routing counts"
+    monkeypatch.setattr(assembly, "LRU_EXPERT_NBYTES", 1)
+    tiers = preflight.inspect_model(capacity=0.25)["two_tier"]
+    assert tiers["slots"] == "device-kept (least recently used)" and "least recently used" in tiers["reason"]
+    engine = od_moe.load(capacity=0.25)  # "auto", as `od-moe serve` loads
+    assert engine.mode[0] == "two-tier" and engine.runtime.device_lru
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+
+
 def test_modes_are_chosen_and_said():
     assert od_moe.load(capacity=0.25).mode[0] == "per-layer"  # auto: the CPU's memory is host memory
     assert "not a CUDA device" in od_moe.load(capacity=0.25).mode[1]

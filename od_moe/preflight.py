@@ -112,10 +112,8 @@ def inspect_model(
         return {**report, "exact": False, "reason": str(e)}
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    tiered, why = auto_tiers(
-        *backend.two_tier_choice("auto", slot_nbytes * num_experts * moe_layers), slot_nbytes
-    )
-    working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiered else 0)
+    tiers = _two_tier_report(slot_nbytes, slot_nbytes * num_experts * moe_layers)
+    working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiers["auto"] else 0)
     if memory_budget is None or memory_budget == "auto":
         given = int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION)
     else:
@@ -148,13 +146,7 @@ def inspect_model(
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
         packed=_packed_file(path),
     )
-    # two-tier mode: every expert in host memory, the budget's slots on the device (`two_tier.py`)
-    report["two_tier"] = {
-        "auto": bool(tiered),
-        "slots": "device-kept (least recently used)" if tiered == "lru" else "admitted by routing counts",
-        "reason": why,
-        "host_bytes": slot_nbytes * num_experts * moe_layers,
-    }
+    report["two_tier"] = tiers
     if ranks > 1:
         try:
             report["ranks"] = _rank_rows(mlx_model, blocks, slot_nbytes, ranks)
@@ -164,6 +156,14 @@ def inspect_model(
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
         report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
     return report
+
+
+def _two_tier_report(slot_nbytes: int, host_bytes: int) -> dict:
+    """Two-tier mode by "auto" (every expert in host memory, the budget's slots on the device:
+    `two_tier.py`): whether it is on, which slots it keeps, why."""
+    tiered, why = auto_tiers(*backend.two_tier_choice("auto", host_bytes), slot_nbytes)
+    slots = "device-kept (least recently used)" if tiered == "lru" else "admitted by routing counts"
+    return {"auto": bool(tiered), "slots": slots, "reason": why, "host_bytes": host_bytes}
 
 
 def _rank_rows(mlx_model, blocks, slot_nbytes: int, ranks: int) -> list[dict]:

@@ -285,8 +285,9 @@ class TwoTierRuntime:
         self._resident, self._full = resident, resident.all(axis=1)
         self._tables = [rows[i] for i in range(len(self.caches))]
         in_order = self._full & (slot_of == np.arange(E)).all(axis=1)
+        in_order[list(self._landed)] = False  # their slots wait for fills the views would not wait for
         self._direct = [  # mlx-lm's switch over the slot rows alone (views: nothing copied)
-            switch_on(sw, {key: rows[E:] for key, rows in stack.items()}) if ok else None
+            switch_on(sw, {key: part[E:] for key, part in stack.items()}) if ok else None
             for sw, stack, ok in zip(self.switches, self.stacks, in_order)
         ]
         for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled

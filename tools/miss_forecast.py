@@ -1,0 +1,96 @@
+"""Could a forecast one layer ahead name the misses of the rows the device keeps, in time to copy them?
+On the bundled model in `lru` two-tier mode at 25% (16 rows a layer), the bench's 3 prompts x 48 greedy
+tokens: each decode pass's routing and, at every layer L-1, the next-gate scores for layer L (layer L's
+router applied to layer L-1's hidden state: `forecast.next_gate_forecast`) are recorded; least recently
+used rows are replayed per layer; for each miss, is it among the forecast's top P experts not in a row?
+Also how many of those P the layer then routes. Deterministic: counts, not timings.
+
+    python3 tools/miss_forecast.py [--rows 16] [--tokens 48]
+
+Layer 0 has no earlier layer and is left out of the recall.
+"""
+
+import argparse
+import collections
+
+import mlx.core as mx
+import numpy as np
+
+import od_moe
+from od_moe import forecast, two_tier
+from od_moe.bench.foundation import PROMPTS
+
+TOPS = (1, 2, 4, 8)
+
+
+def record(tokens: int):
+    """{(pass, layer): routed ids} of decode passes and {(pass, layer): next-gate scores from layer - 1}."""
+    engine = od_moe.load(capacity="25%", two_tier="lru")
+    runtime, scores, routed = engine.runtime, {}, {}
+    next_gate = forecast.next_gate_forecast(engine.routers(), 1)
+
+    def kept(source, x):  # recorded, nothing predicted into the rows
+        for target, s in next_gate(source, x):
+            scores[(runtime.clock, target)] = np.array(s.astype(mx.float32))[0]
+        return []
+
+    runtime.forecast = kept
+    compute = two_tier.TwoTierRuntime.compute
+
+    def recorded(self, layer, stacked, x, indices):
+        y = compute(self, layer, stacked, x, indices)
+        if self.phase == "decode":
+            routed[(self.clock, layer)] = np.array(indices).reshape(-1)
+        return y
+
+    two_tier.TwoTierRuntime.compute = recorded
+    try:
+        for prompt in PROMPTS:
+            list(engine.stream_generate(prompt, max_tokens=tokens))
+    finally:
+        two_tier.TwoTierRuntime.compute = compute
+    return routed, scores, len(engine.caches)
+
+
+def replay(routed, scores, layers: int, rows: int) -> collections.Counter:
+    counts = collections.Counter()
+    passes = sorted({c for c, _ in routed})
+    for layer in range(layers):
+        held = collections.OrderedDict()  # least recently used first
+        for c in passes:
+            ids = routed[(c, layer)].tolist()
+            missed = [e for e in dict.fromkeys(ids) if e not in held]
+            counts["misses"] += len(missed)
+            if layer > 0 and (c, layer) in scores:
+                order = [e for e in np.argsort(-scores[(c, layer)], kind="stable").tolist() if e not in held]
+                counts["forecast"] += len(missed)
+                for top in TOPS:
+                    named = set(order[:top])
+                    counts[f"recall{top}"] += sum(e in named for e in missed)
+                    counts[f"routed{top}"] += len(named & set(ids))
+                    counts[f"named{top}"] += len(named)
+            for e in ids:
+                held.pop(e, None)
+                held[e] = True
+                if len(held) > rows:
+                    held.popitem(last=False)
+    counts["passes"] = len(passes)
+    return counts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    counts = replay(*record(args.tokens), args.rows)
+    print(f"{counts['passes']} decode passes, {counts['misses'] / counts['passes']:.1f} misses a token")
+    print("| top P not in a row | misses named | named experts routed |")
+    print("|---|---|---|")
+    for top in TOPS:
+        recall = counts[f"recall{top}"] / counts["forecast"]
+        print(f"| {top} | {recall:.3f} | {counts[f'routed{top}'] / counts[f'named{top}']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

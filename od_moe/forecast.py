@@ -10,6 +10,7 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map
 
 
 def next_gate_forecast(routers: tuple, distance: int):
@@ -67,10 +68,10 @@ class _Matrices:
         if dtype not in self._by_dtype:
             if self._host is None:
                 self._host = self.make()
-            self._by_dtype[dtype] = _tree_map(
+            self._by_dtype[dtype] = tree_map(
                 lambda a: mx.array(a.astype(np.float32)).astype(dtype), self._host
             )
-            mx.eval(_leaves(self._by_dtype[dtype]))
+            mx.eval(self._by_dtype[dtype])
         return self._by_dtype[dtype]
 
 
@@ -97,18 +98,6 @@ def _folded(predictor, source: int):
         head_bs.append(head_b[n] + biases[t] * scales[n])
         gates.append(weights[t].T * scales[n][None, :])
     return first, first_b, deep, heads, head_bs, gates
-
-
-def _tree_map(fn, tree):
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_tree_map(fn, t) for t in tree)
-    return fn(tree)
-
-
-def _leaves(tree):
-    if isinstance(tree, (list, tuple)):
-        return [leaf for t in tree for leaf in _leaves(t)]
-    return [tree]
 
 
 def _targets(source: int, distance: int, layers: int) -> list[int]:

@@ -6,12 +6,12 @@ prefetch grid."""
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from ..capacity import parse_capacity
 from ..errors import UserError
 from ..model_files import DEFAULT_MODEL
+from .widen import DEFAULT_WORKDIR
 
 
 def add_arguments(parser):
@@ -37,7 +37,7 @@ def add_arguments(parser):
     add("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
     add(
         "--workdir",
-        default=str(Path(tempfile.gettempdir()) / "od-moe-bench"),
+        default=str(DEFAULT_WORKDIR),
         help="where the widened model is written (about 1.4 GB at --widen 128)",
     )
     add(

@@ -19,13 +19,28 @@ import time
 import urllib.request
 
 
+def completion_request(base: str, body: dict) -> urllib.request.Request:
+    """A POST of `body` as JSON to the server's `/v1/completions`."""
+    return urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+
+
+def all_at_once(client, count: int) -> float:
+    """Run `client(0)` .. `client(count - 1)` on threads started together; the seconds until all ended."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
 def first_token_s(base: str, body: dict) -> tuple[float | None, str, int, float]:
     """Send one streamed completion request and read it to its end: (seconds until the first chunk
     carrying text, None when no text came; the whole text; the tokens generated; seconds until the end)."""
-    body = dict(body, stream=True, stream_options={"include_usage": True})
-    req = urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    req = completion_request(base, dict(body, stream=True, stream_options={"include_usage": True}))
     started, first, text, tokens = time.perf_counter(), None, "", 0
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
@@ -52,11 +67,7 @@ def first_tokens(base: str, bodies: list[dict], together: bool) -> list[tuple]:
         barrier.wait()
         got[i] = first_token_s(base, bodies[i])
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    all_at_once(client, len(bodies))
     return got
 
 

@@ -1,13 +1,12 @@
 """Clients of a server run in this process, for the serving benchmarks (`serving.py`, `first_token.py`):
-a server over the embedded model on a loopback port, requests sent whole, streamed, or hung up on, and
-clients started together.
+a server over the embedded model on a loopback port, requests sent whole, streamed, or hung up on
+(clients started together, and the request they send: `client_process.py`).
 """
 
 import json
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -17,6 +16,7 @@ from .. import load
 from ..server import create_app
 from ..server.app import SWITCH_INTERVAL_S
 from ..server.schedule import ScheduleLog
+from .client_process import completion_request
 
 
 def start_server(capacity, max_batch: int, model=None):
@@ -31,14 +31,8 @@ def start_server(capacity, max_batch: int, model=None):
     return f"http://127.0.0.1:{server.server_port}", log, server, app
 
 
-def _completion(base: str, body: dict) -> urllib.request.Request:
-    return urllib.request.Request(
-        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-
-
 def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-    req = _completion(base, body)
+    req = completion_request(base, body)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -49,7 +43,7 @@ def post(base: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
 def post_stream(base: str, body: dict) -> tuple[int, dict]:
     """A streamed request read to its end: (status, the usage chunk), or (status, error) before a stream."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
-    req = _completion(base, body)
+    req = completion_request(base, body)
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             lines = [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
@@ -58,17 +52,6 @@ def post_stream(base: str, body: dict) -> tuple[int, dict]:
     if lines[-1] != "[DONE]":
         return 500, {"error": lines[-1]}  # an error event ended the stream
     return 200, json.loads(lines[-2])
-
-
-def all_at_once(client, count: int) -> float:
-    """Run `client(0)` .. `client(count - 1)` on threads started together; the seconds until all ended."""
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - started
 
 
 def hang_up(base: str, body: dict):

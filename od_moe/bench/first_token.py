@@ -19,6 +19,7 @@ where a prompt's expert reads, not the host, set its time).
 Not here: the server's other benchmarks (`serving.py`).
 """
 
+import contextlib
 import statistics
 import sys
 import time
@@ -51,19 +52,16 @@ def ttft(
     for capacity in capacities:
         for interval in switch_intervals:
             kept = sys.getswitchinterval()
+            clients = (
+                contextlib.nullcontext(client_process) if same_process else client_process.ClientProcess()
+            )
             try:
-                if same_process:
-                    row = _server_row(
-                        texts, rounds, max_tokens, max_batch, capacity, model, client_process, interval
+                with clients as send:
+                    rows.append(
+                        _server_row(texts, rounds, max_tokens, max_batch, capacity, model, send, interval)
                     )
-                else:
-                    with client_process.ClientProcess() as clients:
-                        row = _server_row(
-                            texts, rounds, max_tokens, max_batch, capacity, model, clients, interval
-                        )
             finally:
                 sys.setswitchinterval(kept)
-            rows.append(row)
     return {
         "model": str(model or DEFAULT_MODEL),
         "prompts": prompts,

@@ -31,10 +31,11 @@ from pathlib import Path
 from ..engine import DEFAULT_MODEL
 from ..server.schedule import ScheduleLog, replay
 from .batching import batch_prompts
-from .clients import all_at_once, hang_up, post, post_stream, start_server
+from .client_process import all_at_once
+from .clients import hang_up, post, post_stream, start_server
 from .first_token import ttft, ttft_table
 from .foundation import stock_model
-from .widen import widen_model
+from .widen import DEFAULT_WORKDIR, widen_model
 
 
 def replayed_tokens(log: ScheduleLog, stop_tokens) -> dict[int, list[int]]:
@@ -199,7 +200,9 @@ def main(argv=None) -> int:
         help="ttft: serve the embedded model's copy with experts this many "
         "times wider (written under --workdir once)",
     )
-    parser.add_argument("--workdir", default="/tmp/od-moe-bench", help="ttft: where the widened copy is kept")
+    parser.add_argument(
+        "--workdir", default=str(DEFAULT_WORKDIR), help="ttft: where the widened copy is kept"
+    )
     parser.add_argument(
         "--switch-interval",
         help="ttft: the interpreter's switch intervals to compare, seconds (e.g. 0.005,0.0005)",

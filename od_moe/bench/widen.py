@@ -10,6 +10,7 @@ SwitchGLU checkpoints are supported (the embedded default is one).
 import json
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from ..layout import RAW_NUMPY_DTYPES
 from ..progress import byte_progress
 from ..store import ExpertStore
 
+DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "od-moe-bench"  # where the benchmarks keep widened copies
 EXPERT_PROJECTIONS = (".switch_mlp.gate_proj.", ".switch_mlp.up_proj.", ".switch_mlp.down_proj.")
 
 

@@ -54,10 +54,12 @@ def replay_layer(
     counted: list[bool] | None = None,
     resident: np.ndarray | None = None,
     distances: np.ndarray | None = None,
+    observe=None,
 ) -> Tally:
     """One layer: `steps[t]` the expert ids routed at pass t (any shape); `counted[t]`: whether pass t
     counts (default: all); `resident`: experts in the cache before the first pass (default: none);
-    `distances` (passes, E): the estimates rule `next-use` evicts by."""
+    `distances` (passes, E): the estimates rule `next-use` evicts by; `observe(t, misses, held)`, if
+    given, sees each pass's misses and the experts held before it (a set)."""
     if rule not in RULES:
         raise ValueError(f"unknown eviction rule {rule!r}: one of {', '.join(RULES)}")
     if (rule == "next-use") != (distances is not None):
@@ -82,6 +84,8 @@ def replay_layer(
     tally = Tally()
     for t, (ids, counts) in enumerate(uses):
         misses = [e for e in ids if not held[e]]
+        if observe is not None:
+            observe(t, misses, {e for e, h in enumerate(held) if h})
         if counted is None or counted[t]:
             tally.reads += len(misses)
             tally.lookups += routed[t].size

@@ -23,6 +23,14 @@ def test_min_on_a_worked_sequence():
     assert replay_layer(steps, 2, "min", horizon=0).reads == 5
 
 
+def test_an_observer_sees_each_passs_misses_and_what_was_held_before_it():
+    # capacity 2, LRU, accesses 1 2 3 1: 3 evicts 1, so 1 misses again with {2, 3} held
+    seen = []
+    tally = replay_layer(_steps([1, 2, 3, 1]), 2, "lru", observe=lambda t, m, held: seen.append((t, m, held)))
+    assert seen == [(0, [1], set()), (1, [2], {1}), (2, [3], {1, 2}), (3, [1], {2, 3})]
+    assert tally.reads == sum(len(m) for _, m, _ in seen)
+
+
 def test_min_never_reads_more_than_the_others():
     rng = np.random.default_rng(0)
     popularity = rng.dirichlet(np.full(32, 0.3))

@@ -2,8 +2,9 @@
 On the bundled model in `lru` two-tier mode at 25% (16 rows a layer), the bench's 3 prompts x 48 greedy
 tokens: each decode pass's routing and, at every layer L-1, the next-gate scores for layer L (layer L's
 router applied to layer L-1's hidden state: `forecast.next_gate_forecast`) are recorded; least recently
-used rows are replayed per layer; for each miss, is it among the forecast's top P experts not in a row?
-Also how many of those P the layer then routes. Deterministic: counts, not timings.
+used rows are replayed per layer (`od_moe.replay`'s rule); for each miss, is it among the forecast's
+top P experts not in a row? Also how many of those P the layer then routes. Deterministic: counts, not
+timings.
 
     python3 tools/miss_forecast.py [--rows 16] [--tokens 48]
 
@@ -19,6 +20,7 @@ import numpy as np
 import od_moe
 from od_moe import forecast, two_tier
 from od_moe.bench.foundation import PROMPTS
+from od_moe.replay import replay_layer
 
 TOPS = (1, 2, 4, 8)
 
@@ -53,27 +55,28 @@ def record(tokens: int):
 
 
 def replay(routed, scores, layers: int, rows: int) -> collections.Counter:
+    """LRU over `rows` a layer (`od_moe.replay`'s rule) on the recorded passes, and what the forecast of
+    each pass names among the experts not held before it."""
     counts = collections.Counter()
     passes = sorted({c for c, _ in routed})
     for layer in range(layers):
-        held = collections.OrderedDict()  # least recently used first
-        for c in passes:
-            ids = routed[(c, layer)].tolist()
-            missed = [e for e in dict.fromkeys(ids) if e not in held]
+        steps = [routed[(c, layer)] for c in passes]
+
+        def observe(t, missed, held, layer=layer, steps=steps):
             counts["misses"] += len(missed)
-            if layer > 0 and (c, layer) in scores:
-                order = [e for e in np.argsort(-scores[(c, layer)], kind="stable").tolist() if e not in held]
-                counts["forecast"] += len(missed)
-                for top in TOPS:
-                    named = set(order[:top])
-                    counts[f"recall{top}"] += sum(e in named for e in missed)
-                    counts[f"routed{top}"] += len(named & set(ids))
-                    counts[f"named{top}"] += len(named)
-            for e in ids:
-                held.pop(e, None)
-                held[e] = True
-                if len(held) > rows:
-                    held.popitem(last=False)
+            c = passes[t]
+            if layer == 0 or (c, layer) not in scores:
+                return
+            order = [e for e in np.argsort(-scores[(c, layer)], kind="stable").tolist() if e not in held]
+            routed_now = set(steps[t].tolist())
+            counts["forecast"] += len(missed)
+            for top in TOPS:
+                named = set(order[:top])
+                counts[f"recall{top}"] += sum(e in named for e in missed)
+                counts[f"routed{top}"] += len(named & routed_now)
+                counts[f"named{top}"] += len(named)
+
+        replay_layer(steps, rows, "lru", observe=observe)
     counts["passes"] = len(passes)
     return counts
 

@@ -21,7 +21,9 @@ Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the
 `static:F` the same as `tt` with admission frozen after the warm-up;
 `exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
 `tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
-admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). On the CPU
+admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). Predictions
+into device-kept rows: `ahead=S` rows more a layer (0 with `lru`: into its own rows), `forecast=shadow|gate|none`,
+`distance=D` layers ahead, `per=P` experts predicted a layer (default S, or all of `lru`'s rows). On the CPU
 backend every two-tier row runs on host memory: tokens and counts are meaningful
 there, the speeds are the CPU's.
 """
@@ -62,7 +64,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     ahead = dict(
         k.split("=")
         for k in knobs
-        if k.split("=")[0] in ("ahead", "forecast", "distance", "blocks", "nocopy", "demand")
+        if k.split("=")[0] in ("ahead", "forecast", "distance", "blocks", "nocopy", "demand", "per")
     )
     knobs = [k for k in knobs if k.split("=")[0] not in ahead]
     build = od_moe.assembly.build_two_tier
@@ -88,6 +90,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             engine.runtime.forecast = forecast.next_gate_forecast(engine.routers(), distance)
         engine.runtime.lookahead.copy = "nocopy" not in ahead
         engine.runtime.lookahead.demand = ahead.get("demand", "1") == "1"
+        engine.runtime.lookahead.P = int(ahead.get("per", engine.runtime.lookahead.P))  # predicted a layer
     if "blocks" in ahead:  # thread blocks per (expert, array) of a row copy, predicted or the layer's own
         engine.runtime.lookahead.blocks = int(ahead["blocks"])
         engine.runtime.lookahead.demand_blocks = int(ahead["blocks"]) * 8  # over a top-8 layer's candidates

@@ -54,30 +54,35 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 
 
 # In two-tier mode by "auto", experts this large get slots kept by the device (least recently used, every
-# miss copied in: `lookahead.py`) instead of slots admitted by routing counts. H100, the widened copy's
-# 2.65 MB experts: 1.3-1.5x the tok/s at 25-37.5% of experts in slots, level at 50% and in batches of 8 and
-# 16; the bundled model's 20 KB experts: admission ahead (0.82x against 0.72x stock at 25%), the row
-# kernel costing more than the bytes it saves (docs/two-tier-h100.md).
+# miss copied in: `lookahead.py`) instead of slots admitted by routing counts, where fewer than half of them
+# have slots. H100, the widened copy's 2.65 MB experts: 1.3-1.5x the tok/s at 25-37.5% of experts in slots;
+# at 50%, counted slots ahead in two calls of three (0.828x against 0.725x stock, 0.750x against 0.714x;
+# then 327 against 336 tok/s), level in batches of 8 and 16; the bundled model's 20 KB experts: admission
+# ahead (0.82x against 0.72x stock at 25%), the row kernel costing more than the bytes it saves
+# (docs/two-tier-h100.md).
 LRU_EXPERT_NBYTES = 1 << 20
+LRU_BELOW_FRACTION = 0.5
 
 
-def auto_tiers(on: bool, why: str, slot_nbytes: int) -> tuple[bool | str, str]:
+def auto_tiers(on: bool, why: str, slot_nbytes: int, fraction: float) -> tuple[bool | str, str]:
     """`backend.two_tier_choice`'s answer to "auto" with the kind of slots: "lru" (truthy) for experts of
-    `LRU_EXPERT_NBYTES` or more, where two-tier mode is on."""
-    if on and slot_nbytes >= LRU_EXPERT_NBYTES:
+    `LRU_EXPERT_NBYTES` or more with some but fewer than `LRU_BELOW_FRACTION` of them in slots (`fraction`;
+    with none, every miss is read in place), where two-tier mode is on."""
+    if on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < LRU_BELOW_FRACTION:
         return (
             "lru",
-            f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts)",
+            f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts, "
+            f"{fraction:.0%} of them in slots)",
         )
     return on, why
 
 
 def two_tier_mode(
-    two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor, slot_nbytes: int = 0
+    two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor
 ) -> tuple[bool | str, str]:
     """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
-    host and device allow it); "lru" (truthy) where asked for, or by "auto" for experts of `slot_nbytes`
-    at least `LRU_EXPERT_NBYTES`: its slots kept on the device (`lookahead.py`)."""
+    host and device allow it); "lru" (truthy) where asked for: its slots kept on the device
+    (`lookahead.py`). Which slots "auto" keeps is settled once their number is known (`auto_tiers`)."""
     if two_tier not in (True, False, "auto", "lru"):
         raise UserError(f"two_tier must be True, False, 'auto' or 'lru', got {two_tier!r}")
     if two_tier == "lru":
@@ -88,8 +93,6 @@ def two_tier_mode(
             "miss copied in",
         )
     on, why = backend.two_tier_choice(two_tier, expert_nbytes)
-    if two_tier == "auto":
-        on, why = auto_tiers(on, why, slot_nbytes)
     predicts = prefetch in ("next-gate", "predictor", "oracle") or (
         prefetch is None and predictor is not None
     )

@@ -20,6 +20,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream
 from . import backend, governor, pipeline, seams
 from .assembly import (
     attach_predictor,
+    auto_tiers,
     build_runtime,
     cache_for,
     check_policies,
@@ -385,8 +386,10 @@ def load(
     num_experts = blocks[0].num_experts  # before the caches make the switch arrays slot-sized
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
-    tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, slot_nbytes)
+    tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor)
     slots = expert_slots(capacity, memory_budget, tiered, mlx_model, blocks, slot_nbytes, non_expert)
+    if two_tier == "auto":
+        tiered, why = auto_tiers(tiered, why, slot_nbytes, slots / num_experts)
     caches = [cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
     runtime = build_runtime(store, blocks, caches, tiered, miss_policy, read_threads_of(read_threads, caches))
     if stage:

@@ -146,7 +146,6 @@ def inspect_model(
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
         packed=_packed_file(path),
     )
-    report["two_tier"] = tiers
     if ranks > 1:
         try:
             report["ranks"] = _rank_rows(mlx_model, blocks, slot_nbytes, ranks)
@@ -155,15 +154,24 @@ def inspect_model(
     if capacity is not None:
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
         report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
+    fraction = report["capacity"]["capacity"] / num_experts if "capacity" in report else bought["fraction"]
+    report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction)
     return report
 
 
 def _two_tier_report(slot_nbytes: int, host_bytes: int) -> dict:
     """Two-tier mode by "auto" (every expert in host memory, the budget's slots on the device:
-    `two_tier.py`): whether it is on, which slots it keeps, why."""
-    tiered, why = auto_tiers(*backend.two_tier_choice("auto", host_bytes), slot_nbytes)
+    `two_tier.py`): whether it is on, and why."""
+    on, why = backend.two_tier_choice("auto", host_bytes)
+    return {"auto": bool(on), "reason": why, "host_bytes": host_bytes}
+
+
+def _slots_report(tiers: dict, slot_nbytes: int, fraction: float) -> dict:
+    """`tiers` with the slots "auto" keeps at `fraction` of the experts in slots (the capacity asked, else
+    the budget's), and why."""
+    tiered, why = auto_tiers(tiers["auto"], tiers["reason"], slot_nbytes, fraction)
     slots = "device-kept (least recently used)" if tiered == "lru" else "admitted by routing counts"
-    return {"auto": bool(tiered), "slots": slots, "reason": why, "host_bytes": host_bytes}
+    return {**tiers, "slots": slots, "reason": why}
 
 
 def _rank_rows(mlx_model, blocks, slot_nbytes: int, ranks: int) -> list[dict]:

@@ -3,18 +3,20 @@ close to stock mlx-lm decoding gets when misses are read in place from host memo
 close to the bound the machine sets.
 
 Per model (the bundled one, and the widened copy unless `--widen 0`) and per fraction of experts in device
-slots (0 / 25 / 50 / 100%), one engine in two-tier mode is warmed on a prompt of its own, then alternates
-prompt by prompt with stock mlx-lm in the same process for `rounds` rounds (x stock: the median of the
-rounds' ratios; machines drift, the ratio within a round holds). Then the same prompts once more with the
-routing recorded, for Belady's MIN on it (greedy decoding routes every round alike).
+slots (0 / 25 / 50 / 100%), one engine in two-tier mode, with the slots "auto" would keep there (the
+device's least recently used for large experts below half of them in slots: `assembly.auto_tiers`), is
+warmed on a prompt of its own, then alternates prompt by prompt with stock mlx-lm in the same process for
+`rounds` rounds (x stock: the median of the rounds' ratios; machines drift, the ratio within a round
+holds). Then the same prompts once more with the routing recorded, for Belady's MIN on it (greedy decoding
+routes every round alike).
 
 Bytes moved per decoded token are the experts the device read in place (mapped lanes, the misses) plus
-those copied into slots, against MIN's reads at the same number of slots (from empty caches at each prompt,
-decode passes only: the fewest experts a cache that holds what it computes on must take in; a miss read in
-place takes nothing in, so a policy could move fewer). The roofline is a bound: max(the resident step,
-stock's ms per token; moved bytes / the bandwidth at which one layer's computation reads every expert of the
-mapped stack, measured here). On the CPU and Metal the stack is plain memory: the counts and tokens hold,
-the speeds are that machine's.
+those copied into slots (with device-kept slots, each miss is one copy), against MIN's reads at the same
+number of slots (from empty caches at each prompt, decode passes only: the fewest experts a cache that
+holds what it computes on must take in; a miss read in place takes nothing in, so a policy could move
+fewer). The roofline is a bound: max(the resident step, stock's ms per token; moved bytes / the bandwidth
+at which one layer's computation reads every expert of the mapped stack, measured here). On the CPU and
+Metal the stack is plain memory: the counts and tokens hold, the speeds are that machine's.
 Not here: the two-tier runtime (`two_tier.py`), the per-layer path's grid (`prefetch.py`).
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import load
+from ..assembly import auto_tiers
 from ..replay import replay_recording
 from ..report import table
 from ..two_tier import TwoTierSwitch
@@ -92,6 +95,10 @@ def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: in
     """One fraction of experts in slots; `bw`: the mapped read bandwidth (measured here where None)."""
     t0 = time.perf_counter()
     engine = load(str(path), capacity=fraction, two_tier=True)
+    if auto_tiers(True, "", engine.caches[0].slot_nbytes, fraction)[0] == "lru":  # the slots "auto" keeps
+        del engine
+        gc.collect()
+        engine = load(str(path), capacity=fraction, two_tier="lru")
     load_s = time.perf_counter() - t0
     bw = bw or mapped_read_bandwidth(engine)
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
@@ -103,19 +110,22 @@ def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: in
     mapped = stats["total"]["decode"]["misses"] / passes
     copies = stats["io"]["decode"]["experts_loaded"] / passes
     expert_bytes = engine.caches[0].layout.expert_nbytes
+    kept = engine.runtime.device_lru  # each miss copied into a row: its bytes cross once, as the copy
+    moved = copies if kept else mapped + copies
     minimum = _min_reads_per_token(engine, tokens)
     stock_tps = statistics.median(s for s, _ in speeds)
     tps = statistics.median(t for _, t in speeds)
-    floor_ms, bound = roofline_ms(1e3 / stock_tps, (mapped + copies) * expert_bytes, bw, 0, 1)
+    floor_ms, bound = roofline_ms(1e3 / stock_tps, moved * expert_bytes, bw, 0, 1)
     row = {
         "capacity": fraction,
         "slots": engine.capacity,
+        "slots_kind": "lru" if kept else "counted",
         "decode_hit_rate": stats["total"]["decode"]["hit_rate"],
         "mapped_per_token": mapped,
         "copies_per_token": copies,
-        "moved_bytes_per_token": (mapped + copies) * expert_bytes,
+        "moved_bytes_per_token": moved * expert_bytes,
         "min_per_token": minimum,
-        "moved_over_min": (mapped + copies) / minimum if minimum else None,
+        "moved_over_min": moved / minimum if minimum else None,
         "stock_tok_s": stock_tps,
         "tok_s": tps,
         "x_stock": statistics.median(ratios),
@@ -137,6 +147,7 @@ def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: in
 
 COLUMNS = (
     ("slots", lambda r: f"{r['capacity']:.1%}"),
+    ("kept by", lambda r: "device (lru)" if r["slots_kind"] == "lru" else "counts"),
     ("decode hit", lambda r: r["decode_hit_rate"]),
     ("mapped/tok", lambda r: r["mapped_per_token"]),
     ("copies/tok", lambda r: r["copies_per_token"]),

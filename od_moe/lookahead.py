@@ -201,6 +201,18 @@ def plan(
     return _overlay(base, now, E, C), now, new_age, copies, score
 
 
+def padded_size(lanes: int) -> int:
+    """Candidates a demand call takes for `lanes` routed lanes: the next power of two from 8, so that the
+    kernel, compiled for each size, has four sizes up to `MAX_DEMAND` (not one per batch size)."""
+    return max(8, 1 << (lanes - 1).bit_length())
+
+
+def padded(ids: mx.array, E: int) -> mx.array:
+    """`ids` (routed experts) made `padded_size` long with `E`, an id no call copies or counts."""
+    size = padded_size(ids.size)
+    return ids if size == ids.size else mx.concatenate([ids, mx.full((size - ids.size,), E, ids.dtype)])
+
+
 def _overlay(base: np.ndarray, held: np.ndarray, E: int, C: int) -> np.ndarray:
     """`base` with each expert `held` in a row (not in a slot) pointing at that row."""
     rows = base.astype(np.int64).copy()
@@ -275,7 +287,7 @@ class LookaheadRows:
         if scores is not None:  # what the prediction copied is there when the layer runs
             _, rows = self._call(layer, scores, base, ahead=True)
         if self.demand and indices.size <= MAX_DEMAND:
-            return self._call(layer, indices.reshape(-1), base, ahead=False)
+            return self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
         rows = self.current(layer, base) if rows is None else rows  # more lanes than a call takes
         return rows, rows
 
@@ -289,16 +301,33 @@ class LookaheadRows:
         table[at] = mx.where(table[at] < E, mx.arange(first, first + self.S).astype(base.dtype), table[at])
         return table[:E]
 
+    def compile(self):
+        """Build the kernel of each layer for every size a demand call takes (`padded`), evaluated on
+        candidates that copy nothing, its outputs dropped: on CUDA each new size compiles the kernel, which
+        would otherwise stall a pass mid-generation (seconds, when a batch first grows)."""
+        if not self.on_device:
+            return
+        for layer in {self._kernel(layer)[0]: layer for layer in range(len(self.stacks))}.values():
+            base = mx.arange(self.E, dtype=mx.uint32)
+            for size in sorted({padded_size(n) for n in range(1, MAX_DEMAND + 1)}):
+                mx.eval(self._launch(layer, mx.full((size,), self.E, mx.uint32), base, ahead=False))
+
     def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, mx.array]:
         """One kernel (or `plan` on the host): the layer's tables (before, after) its copies of `cand`."""
         if not self.on_device:
             return self._on_host(layer, cand, base, ahead)
+        rows, found, held, age, copied, score = self._launch(layer, cand, base, ahead)
+        self.held[layer], self.age[layer], self.score[layer] = held, age, score
+        self._copied.append((layer, copied))
+        return found, rows
+
+    def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
         stack = self.stacks[layer]
         kernel, units = self._kernel(layer)
         count = self.P if ahead else cand.size
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)
-        rows, found, held, age, copied, score = kernel(
+        return kernel(
             inputs=[
                 *stack.values(),
                 cand,
@@ -323,9 +352,6 @@ class LookaheadRows:
             output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,), (self.E,)],
             output_dtypes=[mx.uint32, mx.uint32, mx.int32, mx.int32, mx.int32, mx.float32],
         )
-        self.held[layer], self.age[layer], self.score[layer] = held, age, score
-        self._copied.append((layer, copied))
-        return found, rows
 
     def end_pass(self):
         """Queue this pass's copy counts (read by `read`); drop predictions no layer asked for."""

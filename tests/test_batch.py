@@ -44,11 +44,12 @@ def test_a_batch_gives_stock_mlx_lms_batch_tokens(capacity, reference):
     assert total["lookups"] == total["hits"] + total["misses"] > 0
 
 
-@pytest.mark.parametrize("capacity", [0, 0.25])
-def test_a_two_tier_batch_gives_stock_mlx_lms_batch_tokens(capacity, reference):
+@pytest.mark.parametrize("capacity,mode", [(0, True), (0.25, True), (0.25, "lru")])
+def test_a_two_tier_batch_gives_stock_mlx_lms_batch_tokens(capacity, mode, reference):
     """Two-tier mode batches too: lanes of every sequence whose expert has no slot are read in place (a
-    batch's union of experts overflows 16 slots at 25%), nothing is read from disk, and the counts add up."""
-    engine = od_moe.load(capacity=capacity, two_tier=True)
+    batch's union of experts overflows 16 slots at 25%), or copied into device-kept rows (`lru`: three
+    sequences' 24 lanes padded to 32 candidates); nothing is read from disk, and the counts add up."""
+    engine = od_moe.load(capacity=capacity, two_tier=mode)
     got = engine.batch_generate(PROMPTS, max_tokens=TOKENS)
     assert got.token_ids == reference.token_ids
     stats = engine.stats()

@@ -56,6 +56,25 @@ def test_plan_by_decayed_counts_admits_a_miss_only_over_a_lower_count():
     assert copies == []  # 13's count (1.0) is not above 3's (1.0) nor 5's: read in place
 
 
+def test_demand_calls_take_a_few_sizes_padded_with_an_id_no_call_copies():
+    """A batch's routed lanes are padded to 8 / 16 / 32 / 64 candidates (the kernel compiles per size),
+    with E, which the decision drops: the same copies and rows as the lanes alone."""
+    assert [lookahead.padded_size(n) for n in (1, 8, 9, 16, 17, 40, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert {lookahead.padded_size(n) for n in range(1, lookahead.MAX_DEMAND + 1)} == {8, 16, 32, 64}
+    ids = mx.array([5, 9, 9, 11, 2, 3, 4, 6, 8, 1], mx.uint32)
+    cand = lookahead.padded(ids, E)
+    assert cand.dtype == mx.uint32 and cand.size == 16 and cand[10:].tolist() == [E] * 6
+    assert lookahead.padded(ids[:8], E).size == 8
+    base, held, age = np.arange(E), np.array([3, 5, -1, 7]), np.array([0, 4, EMPTY, 2])
+    alone = lookahead.plan(ids.tolist(), base, held, age, E, C, demand=True)
+    with_pad = lookahead.plan(cand.tolist(), base, held, age, E, C, demand=True)
+    assert (
+        alone[3] == with_pad[3]
+        and np.array_equal(alone[0], with_pad[0])
+        and np.array_equal(alone[1], with_pad[1])
+    )
+
+
 def test_top_ranks_as_the_kernel_does():
     scores = np.array([0.5, 2.0, 2.0, -1.0, 3.0], np.float32)
     assert lookahead.top(scores, 3) == [4, 1, 2]  # ties: the lower id first

@@ -54,21 +54,20 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 
 
 # In two-tier mode by "auto", experts this large get slots kept by the device (least recently used, every
-# miss copied in: `lookahead.py`) instead of slots admitted by routing counts, where fewer than half of them
-# have slots. H100, the widened copy's 2.65 MB experts: 1.3-1.5x the tok/s at 25-37.5% of experts in slots;
-# at 50%, counted slots ahead in two calls of three (0.828x against 0.725x stock, 0.750x against 0.714x;
-# then 327 against 336 tok/s), level in batches of 8 and 16; the bundled model's 20 KB experts: admission
-# ahead (0.82x against 0.72x stock at 25%), the row kernel costing more than the bytes it saves
-# (docs/two-tier-h100.md).
+# miss copied in: `lookahead.py`) instead of slots admitted by routing counts. H100, the widened copy's
+# 2.65 MB experts: 1.1-1.5x the tok/s at 25-37.5% of experts in slots; at 50% level (counted slots ahead in
+# two calls of four, 0.828x against 0.725x stock and 0.750x against 0.714x; behind in two, 0.682x against
+# 0.726x and 327 against 336 tok/s) with a third of the bytes across PCIe (3.7 experts a token against
+# 11.1), level in batches of 8 and 16; the bundled model's 20 KB experts: admission ahead (0.82x against
+# 0.72x stock at 25%), the row kernel costing more than the bytes it saves (docs/two-tier-h100.md).
 LRU_EXPERT_NBYTES = 1 << 20
-LRU_BELOW_FRACTION = 0.5
 
 
 def auto_tiers(on: bool, why: str, slot_nbytes: int, fraction: float) -> tuple[bool | str, str]:
     """`backend.two_tier_choice`'s answer to "auto" with the kind of slots: "lru" (truthy) for experts of
-    `LRU_EXPERT_NBYTES` or more with some but fewer than `LRU_BELOW_FRACTION` of them in slots (`fraction`;
-    with none, every miss is read in place), where two-tier mode is on."""
-    if on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < LRU_BELOW_FRACTION:
+    `LRU_EXPERT_NBYTES` or more, where two-tier mode is on and some but not all of them have slots
+    (`fraction`; with none, every miss is read in place)."""
+    if on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
         return (
             "lru",
             f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts, "

@@ -86,16 +86,16 @@ def test_the_two_tier_rows_are_exact_and_measure_bytes_against_min_and_the_roofl
 
 
 def test_two_tier_rows_keep_the_slots_auto_would(monkeypatch):
-    """Experts "auto" gives device-kept slots (below half of them in slots) are benched in that mode, and
+    """Experts "auto" gives device-kept slots (large ones, some in slots) are benched in that mode, and
     each miss there moves its bytes once, as the copy into a row."""
     from od_moe import assembly
     from od_moe.bench.two_tier_grid import run_two_tier_grid
 
     monkeypatch.setattr(assembly, "LRU_EXPERT_NBYTES", 1)
-    rows = run_two_tier_grid([("bundled", DEFAULT_MODEL, 8)], [0.25, 0.5], 1, printer=None)["rows"]
-    quarter, half = rows
-    assert [r["slots_kind"] for r in rows] == ["lru", "counted"] and all(r["exact"] for r in rows)
-    assert quarter["copies_per_token"] > 0 and half["mapped_per_token"] > 0
-    expert = half["moved_bytes_per_token"] / (half["mapped_per_token"] + half["copies_per_token"])
+    rows = run_two_tier_grid([("bundled", DEFAULT_MODEL, 8)], [0.0, 0.25], 1, printer=None)["rows"]
+    empty, quarter = rows
+    assert [r["slots_kind"] for r in rows] == ["counted", "lru"] and all(r["exact"] for r in rows)
+    assert quarter["copies_per_token"] > 0 and empty["copies_per_token"] == 0
+    expert = empty["moved_bytes_per_token"] / empty["mapped_per_token"]
     assert quarter["moved_bytes_per_token"] == pytest.approx(quarter["copies_per_token"] * expert)
     assert quarter["moved_over_min"] == pytest.approx(quarter["copies_per_token"] / quarter["min_per_token"])

@@ -243,8 +243,8 @@ def test_a_long_prompt_is_staged_and_exact():
 
 def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundled_reference):
     """Where "auto" turns two-tier mode on (CUDA, the host holds the experts), experts of 1 MB or more get
-    slots kept by the device (`lru`) below half of them in slots, otherwise slots admitted by counts;
-    predictive prefetch still keeps the per-layer path; `od-moe inspect` says which."""
+    slots kept by the device (`lru`) where some but not all have slots, smaller ones slots admitted by
+    counts; predictive prefetch still keeps the per-layer path; `od-moe inspect` says which."""
     from od_moe import assembly, backend, preflight
 
     monkeypatch.setattr(backend, "two_tier_choice", lambda asked, nbytes: (asked is not False, "on"))
@@ -253,8 +253,9 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     assert mode("auto", 1 << 30, "load", "next-gate", None)[0] is False
     assert tiers(True, "on", 2_650_000, 0.25)[0] == "lru"
     assert "least recently used" in tiers(True, "on", 2_650_000, 0.25)[1]
-    assert tiers(True, "on", 2_650_000, 0.5)[0] is True  # half the experts in slots: counts
+    assert tiers(True, "on", 2_650_000, 0.5)[0] == "lru"
     assert tiers(True, "on", 2_650_000, 0.0)[0] is True  # no slots: every miss read in place
+    assert tiers(True, "on", 2_650_000, 1.0)[0] is True  # every expert in a slot
     assert tiers(True, "on", 20_000, 0.25)[0] is True
     assert tiers(False, "off", 2_650_000, 0.25)[0] is False
     report = preflight.inspect_model(capacity=0.25)["two_tier"]  # the bundled model: 20 KB experts
@@ -264,8 +265,7 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     assert (
         report["slots"] == "device-kept (least recently used)" and "least recently used" in report["reason"]
     )
-    assert preflight.inspect_model(capacity=0.5)["two_tier"]["slots"] == "admitted by routing counts"
-    assert not od_moe.load(capacity=0.5).runtime.device_lru
+    assert preflight.inspect_model(capacity=1.0)["two_tier"]["slots"] == "admitted by routing counts"
     engine = od_moe.load(capacity=0.25)  # "auto", as `od-moe serve` loads
     assert engine.mode[0] == "two-tier" and engine.runtime.device_lru
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]

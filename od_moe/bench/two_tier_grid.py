@@ -4,7 +4,7 @@ close to the bound the machine sets.
 
 Per model (the bundled one, and the widened copy unless `--widen 0`) and per fraction of experts in device
 slots (0 / 25 / 50 / 100%), one engine in two-tier mode, with the slots "auto" would keep there (the
-device's least recently used for large experts below half of them in slots: `assembly.auto_tiers`), is
+device's least recently used for large experts, some in slots: `assembly.auto_tiers`), is
 warmed on a prompt of its own, then alternates prompt by prompt with stock mlx-lm in the same process for
 `rounds` rounds (x stock: the median of the rounds' ratios; machines drift, the ratio within a round
 holds). Then the same prompts once more with the routing recorded, for Belady's MIN on it (greedy decoding

@@ -13,20 +13,11 @@ import sys
 import threading
 import time
 
+from staging_probe import NAMES  # the same 8 prompt heads (a tool beside this one)
+
 import od_moe
 from od_moe.server.requests import GenerationParams
 from od_moe.server.worker import GenerationWorker
-
-NAMES = [
-    "parse_args",
-    "read_config",
-    "merge_sorted",
-    "flatten",
-    "chunked",
-    "retry",
-    "memoize",
-    "to_snake_case",
-]
 
 
 def first_tokens(worker, prompts, params) -> list[float]:

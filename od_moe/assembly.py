@@ -63,11 +63,11 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 LRU_EXPERT_NBYTES = 1 << 20
 
 
-def auto_tiers(on: bool, why: str, slot_nbytes: int, fraction: float) -> tuple[bool | str, str]:
-    """`backend.two_tier_choice`'s answer to "auto" with the kind of slots: "lru" (truthy) for experts of
-    `LRU_EXPERT_NBYTES` or more, where two-tier mode is on and some but not all of them have slots
-    (`fraction`; with none, every miss is read in place)."""
-    if on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
+def auto_tiers(asked, on: bool, why: str, slot_nbytes: int, fraction: float) -> tuple[bool | str, str]:
+    """Where `asked` is "auto", `backend.two_tier_choice`'s answer with the kind of slots: "lru" (truthy)
+    for experts of `LRU_EXPERT_NBYTES` or more, where two-tier mode is on and some but not all of them
+    have slots (`fraction`; with none, every miss is read in place). Otherwise (on, why) as they are."""
+    if asked == "auto" and on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
         return (
             "lru",
             f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts, "

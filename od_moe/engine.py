@@ -388,8 +388,7 @@ def load(
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
     tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor)
     slots = expert_slots(capacity, memory_budget, tiered, mlx_model, blocks, slot_nbytes, non_expert)
-    if two_tier == "auto":
-        tiered, why = auto_tiers(tiered, why, slot_nbytes, slots / num_experts)
+    tiered, why = auto_tiers(two_tier, tiered, why, slot_nbytes, slots / num_experts)
     caches = [cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
     runtime = build_runtime(store, blocks, caches, tiered, miss_policy, read_threads_of(read_threads, caches))
     if stage:
@@ -398,8 +397,7 @@ def load(
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
     engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, non_expert)
-    engine.mode = ("two-tier" if tiered else "per-layer", why)
-    engine.stage = stage or None
+    engine.mode, engine.stage = ("two-tier" if tiered else "per-layer", why), stage or None
     if two_tier != "auto" or tiered:
         say(why)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output

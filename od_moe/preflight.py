@@ -169,7 +169,7 @@ def _two_tier_report(slot_nbytes: int, host_bytes: int) -> dict:
 def _slots_report(tiers: dict, slot_nbytes: int, fraction: float) -> dict:
     """`tiers` with the slots "auto" keeps at `fraction` of the experts in slots (the capacity asked, else
     the budget's), and why."""
-    tiered, why = auto_tiers(tiers["auto"], tiers["reason"], slot_nbytes, fraction)
+    tiered, why = auto_tiers("auto", tiers["auto"], tiers["reason"], slot_nbytes, fraction)
     slots = "device-kept (least recently used)" if tiered == "lru" else "admitted by routing counts"
     return {**tiers, "slots": slots, "reason": why}
 

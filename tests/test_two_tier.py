@@ -251,13 +251,14 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     mode, tiers = assembly.two_tier_mode, assembly.auto_tiers
     assert mode("auto", 1 << 30, "load", None, None)[0] is True
     assert mode("auto", 1 << 30, "load", "next-gate", None)[0] is False
-    assert tiers(True, "on", 2_650_000, 0.25)[0] == "lru"
-    assert "least recently used" in tiers(True, "on", 2_650_000, 0.25)[1]
-    assert tiers(True, "on", 2_650_000, 0.5)[0] == "lru"
-    assert tiers(True, "on", 2_650_000, 0.0)[0] is True  # no slots: every miss read in place
-    assert tiers(True, "on", 2_650_000, 1.0)[0] is True  # every expert in a slot
-    assert tiers(True, "on", 20_000, 0.25)[0] is True
-    assert tiers(False, "off", 2_650_000, 0.25)[0] is False
+    assert tiers("auto", True, "on", 2_650_000, 0.25)[0] == "lru"
+    assert "least recently used" in tiers("auto", True, "on", 2_650_000, 0.25)[1]
+    assert tiers("auto", True, "on", 2_650_000, 0.5)[0] == "lru"
+    assert tiers("auto", True, "on", 2_650_000, 0.0)[0] is True  # no slots: every miss read in place
+    assert tiers("auto", True, "on", 2_650_000, 1.0)[0] is True  # every expert in a slot
+    assert tiers(True, True, "on", 2_650_000, 0.25)[0] is True  # forced on: slots admitted by counts
+    assert tiers("auto", True, "on", 20_000, 0.25)[0] is True
+    assert tiers("auto", False, "off", 2_650_000, 0.25)[0] is False
     report = preflight.inspect_model(capacity=0.25)["two_tier"]  # the bundled model: 20 KB experts
     assert report["auto"] is True and report["slots"] == "admitted by routing counts"
     monkeypatch.setattr(assembly, "LRU_EXPERT_NBYTES", 1)

@@ -367,8 +367,10 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
         "3",
     ]
     proc = subprocess.Popen(command + ["--schedule-log", str(path)], stderr=subprocess.PIPE, text=True)
+    said = []  # the server's stderr, read to its end so that a full pipe never blocks it
     try:
         base = "http://127.0.0.1:" + re.search(r"127\.0\.0\.1:(\d+)", proc.stderr.readline()).group(1)
+        threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True).start()
         bodies = [{"prompt": p, "max_tokens": 6 + i, "temperature": 0} for i, p in enumerate(PROMPTS[:3])]
         bodies.append({"prompt": PROMPTS[3], "max_tokens": 5, "temperature": 0.8, "seed": 1})
         clients = [threading.Thread(target=call, args=(base, "/v1/completions", b)) for b in bodies]
@@ -378,7 +380,11 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
             t.join(300)
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the server did not exit within 120 s of SIGTERM; it said: " + "".join(said[-20:]))
     log = ScheduleLog.read(path)
     assert len(log.joins) == 4 and log.stop_tokens and log.model.endswith("tiny-qwen3-moe-4bit")
     assert sorted(len(t) for t in log.tokens.values()) == [5, 6, 7, 8]

@@ -95,9 +95,8 @@ def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: in
     """One fraction of experts in slots; `bw`: the mapped read bandwidth (measured here where None)."""
     t0 = time.perf_counter()
     engine = load(str(path), capacity=fraction, two_tier=True)
-    if (
-        auto_tiers("auto", True, "", engine.caches[0].slot_nbytes, fraction)[0] == "lru"
-    ):  # the slots "auto" keeps
+    kind = auto_tiers("auto", True, "", engine.caches[0].slot_nbytes, fraction)[0]
+    if kind == "lru":  # the slots "auto" keeps
         del engine
         gc.collect()
         engine = load(str(path), capacity=fraction, two_tier="lru")

@@ -22,10 +22,10 @@ Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the
 `exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
 `tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
 admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). Predictions
-into device-kept rows: `ahead=S` rows more a layer (0 with `lru`: into its own rows), `forecast=shadow|gate|none`,
-`distance=D` layers ahead, `per=P` experts predicted a layer (default S, or all of `lru`'s rows). On the CPU
-backend every two-tier row runs on host memory: tokens and counts are meaningful
-there, the speeds are the CPU's.
+into device-kept rows: `ahead=S` rows more a layer (0 with `lru`: into its own rows),
+`forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer (default S, or
+all of `lru`'s rows). On the CPU backend every two-tier row runs on host memory: tokens and counts are
+meaningful there, the speeds are the CPU's.
 """
 
 import argparse

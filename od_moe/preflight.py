@@ -152,7 +152,11 @@ def inspect_model(
         except UserError as e:
             report["ranks"] = {"error": str(e)}
     if capacity is not None:
-        count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
+        asked = parse_capacity(capacity)
+        if asked in (0, 0.0) and tiers["auto"]:  # two-tier mode reads every expert in place (`load`)
+            count = 0
+        else:
+            count = resolve_capacity(asked, None, num_experts, moe_layers, slot_nbytes, 0)
         report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
     fraction = report["capacity"]["capacity"] / num_experts if "capacity" in report else bought["fraction"]
     report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction)

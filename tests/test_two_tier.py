@@ -267,6 +267,8 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
         report["slots"] == "device-kept (least recently used)" and "least recently used" in report["reason"]
     )
     assert preflight.inspect_model(capacity=1.0)["two_tier"]["slots"] == "admitted by routing counts"
+    empty = preflight.inspect_model(capacity=0)  # no slots, as `load` takes in two-tier mode
+    assert empty["capacity"]["capacity"] == 0 and empty["two_tier"]["slots"] == "admitted by routing counts"
     engine = od_moe.load(capacity=0.25)  # "auto", as `od-moe serve` loads
     assert engine.mode[0] == "two-tier" and engine.runtime.device_lru
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]

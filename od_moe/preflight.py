@@ -152,15 +152,25 @@ def inspect_model(
         except UserError as e:
             report["ranks"] = {"error": str(e)}
     if capacity is not None:
-        asked = parse_capacity(capacity)
-        if asked in (0, 0.0) and tiers["auto"]:  # two-tier mode reads every expert in place (`load`)
-            count = 0
-        else:
-            count = resolve_capacity(asked, None, num_experts, moe_layers, slot_nbytes, 0)
-        report["capacity"] = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
+        report["capacity"] = _capacity_report(
+            capacity, tiers["auto"], num_experts, moe_layers, slot_nbytes, budget
+        )
     fraction = report["capacity"]["capacity"] / num_experts if "capacity" in report else bought["fraction"]
     report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction)
     return report
+
+
+def _capacity_report(
+    capacity, tiered: bool, num_experts: int, moe_layers: int, slot_nbytes: int, budget
+) -> dict:
+    """The slots `capacity` gives and the budget (`budget(count)`) they need; 0 allowed where two-tier mode
+    is on by default, as `load` takes it (every expert then read in place)."""
+    asked = parse_capacity(capacity)
+    if asked in (0, 0.0) and tiered:
+        count = 0
+    else:
+        count = resolve_capacity(asked, None, num_experts, moe_layers, slot_nbytes, 0)
+    return {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
 
 
 def _two_tier_report(slot_nbytes: int, host_bytes: int) -> dict:

@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from .. import load
 from ..assembly import auto_tiers
+from ..preflight import inspect_model
 from ..replay import replay_recording
 from ..report import table
 from ..two_tier import TwoTierSwitch
@@ -91,15 +92,14 @@ def _min_reads_per_token(engine, tokens: int) -> float | None:
     return tally.reads / max(1, tally.passes)
 
 
-def run_row(path: Path, fraction: float, stock, tokenizer, reference, tokens: int, rounds: int, bw=None):
-    """One fraction of experts in slots; `bw`: the mapped read bandwidth (measured here where None)."""
+def run_row(
+    path: Path, fraction: float, stock, tokenizer, reference, tokens: int, rounds: int, bw=None, slot_nbytes=0
+):
+    """One fraction of experts in slots, of `slot_nbytes` each (which slots "auto" keeps); `bw`: the mapped
+    read bandwidth (measured here where None)."""
+    two_tier = auto_tiers("auto", True, "", slot_nbytes, fraction)[0]  # on: "lru", or True (counted)
     t0 = time.perf_counter()
-    engine = load(str(path), capacity=fraction, two_tier=True)
-    kind = auto_tiers("auto", True, "", engine.caches[0].slot_nbytes, fraction)[0]
-    if kind == "lru":  # the slots "auto" keeps
-        del engine
-        gc.collect()
-        engine = load(str(path), capacity=fraction, two_tier="lru")
+    engine = load(str(path), capacity=fraction, two_tier=two_tier)
     load_s = time.perf_counter() - t0
     bw = bw or mapped_read_bandwidth(engine)
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
@@ -172,8 +172,9 @@ def run_two_tier_grid(models: list[tuple[str, Path, int]], fractions, rounds: in
     for name, path, tokens in models:
         stock, tokenizer, reference = load_stock(path, tokens)
         bw, model_rows = None, []
+        slot_nbytes = inspect_model(path)["expert_bytes"]  # as `load` counts a slot; no expert is read
         for fraction in fractions:
-            row = run_row(path, fraction, stock, tokenizer, reference, tokens, rounds, bw)
+            row = run_row(path, fraction, stock, tokenizer, reference, tokens, rounds, bw, slot_nbytes)
             bw = row["mapped_read_bw"]
             model_rows.append({"model": name, **row})
             say(f"  {name} {fraction:.1%}: x stock {row['x_stock']:.3f}, x roofline {row['x_roofline']:.3f}")

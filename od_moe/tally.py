@@ -70,6 +70,17 @@ class DeviceTally:
         if routed or hit or union:
             self._added = clock
 
+    def tie(self, output: mx.array) -> mx.array:
+        """`output` (a decode pass's last MoE layer's) made to depend on what this pass added, so that the
+        pass's own evaluation (its token) computes the counts: no evaluation of their own. An eval per
+        pass cost the host about 0.4 ms of a 4-5 ms token on the H100 (profiled, `docs/two-tier-h100.md`).
+        Not for a prompt's pass: its output is not evaluated (mlx-lm evaluates the caches)."""
+        if self._added is None:
+            return output
+        self._launched.append((self._added, self.counts, self.hits, self.union))
+        self._added = None
+        return mx.depends(output, [self.counts, self.hits, self.union])
+
     def launch(self):
         """Start computing what the last pass added (call between passes: it is queued after that pass)."""
         if self._added is not None:

@@ -265,8 +265,7 @@ class TwoTierRuntime:
     def _end_pass(self, k: int, y: mx.array) -> mx.array:
         counted = {i: ids for i, ids in self._routed.items() if not self._full[i]}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
-        if self.phase == "decode":  # the token's evaluation computes the counts (`DeviceTally.tie`)
-            y = self.tally.tie(y)
+        y = self.tally.tie(y) if self.phase == "decode" else y  # computed with the token, not on their own
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:

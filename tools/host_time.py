@@ -32,6 +32,15 @@ ROUNDS = 3
 spent = {"forward": 0.0, "async_eval": 0.0}
 
 
+def _timed(part: str, call, *args, **kwargs):
+    """`call(*args, **kwargs)`, its seconds added to `spent[part]`."""
+    t0 = time.perf_counter()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        spent[part] += time.perf_counter() - t0
+
+
 class _TimedMx:
     """mlx.core as mlx-lm's generation loop sees it, its `async_eval` timed."""
 
@@ -39,11 +48,7 @@ class _TimedMx:
         return getattr(mx, name)
 
     def async_eval(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return mx.async_eval(*args, **kwargs)
-        finally:
-            spent["async_eval"] += time.perf_counter() - t0
+        return _timed("async_eval", mx.async_eval, *args, **kwargs)
 
 
 class _TimedModel:
@@ -56,11 +61,7 @@ class _TimedModel:
         return getattr(self.model, name)
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            spent["forward"] += time.perf_counter() - t0
+        return _timed("forward", self.model, *args, **kwargs)
 
 
 def per_token(responses) -> tuple[float, float, float]:

@@ -202,8 +202,8 @@ def test_hang_up_of_a_non_streaming_request_frees_the_worker(server):
     time.sleep(0.2)
     sock.close()
     gone = time.monotonic()
-    assert wait_for(lambda: app.worker.counters["cancelled"] == before + 1, 5)
-    assert time.monotonic() - gone < 1.5  # 2000 tokens would take half a minute here
+    assert wait_for(lambda: app.worker.counters["cancelled"] == before + 1, 10)
+    assert time.monotonic() - gone < 5  # 2000 tokens would take half a minute here
     good(base)
 
 

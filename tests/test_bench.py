@@ -1,9 +1,16 @@
-"""`od-moe bench --deterministic`: the prefetch grid's rows are exact and repeat to the count."""
+"""`od-moe bench`: the deterministic prefetch grid's rows are exact and repeat to the count, and `--plot`
+draws them (one file, so that the grid, shared by both, runs once under `--dist loadfile`); the batch and
+two-tier rows are exact and measure their bytes."""
+
+import json
+import sys
 
 import pytest
 
 from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.plots import series
 from od_moe.bench.prefetch import DETERMINISTIC, run_policy
+from od_moe.cli import main
 from od_moe.engine import DEFAULT_MODEL
 
 
@@ -37,11 +44,44 @@ def test_the_deterministic_grid_is_exact_and_repeats(deterministic_grid):
         assert r["capacity"] == 0.125 or r["reads_over_min"] < none[r["capacity"]]["reads_over_min"]
 
 
+def test_the_bench_draws_its_rows_and_writes_them_beside_the_plot(deterministic_grid):
+    _, out, err = deterministic_grid
+    assert f"plot written to {out}" in err
+    svg = out.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    runs = [r for r in rows if "decode_hits" in r]
+    drawn = series(rows)
+    assert list(drawn) == [("bundled", "warm", "load")]
+    lines = drawn[("bundled", "warm", "load")]["lines"]
+    assert set(lines["hit_rate"]) == {r["policy"] for r in runs}
+    for r in runs:  # every run is a point of its policy's line, in every panel
+        assert (r["capacity"], r["hit_rate"]) in lines["hit_rate"][r["policy"]]
+        assert (r["capacity"], r["tok_s"]) in lines["tok_s"][r["policy"]]
+        assert (r["capacity"], r["bytes_per_token"] / 1000) in lines["kb_per_token"][r["policy"]]
+    for panel in lines.values():  # capacities increase along each line
+        assert all([x for x, _ in p] == sorted({x for x, _ in p}) for p in panel.values())
+    stock = next(r["tok_s"] for r in rows if r["policy"] == "stock mlx-lm")
+    assert drawn[("bundled", "warm", "load")]["stock"] == stock
+    for policy in lines["hit_rate"]:  # the policy names are in the drawing's legend
+        assert policy in svg
+
+
+def test_without_matplotlib_the_bench_says_so_in_one_line_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert main(["bench", "--widen", "0", "--plot", str(tmp_path / "b.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    (line,) = captured.err.strip().splitlines()
+    assert "matplotlib" in line and "pip install 'od-moe[bench]'" in line
+    assert main(["bench", "--widen", "0", "--plot", str(tmp_path / "b.pdf")]) == 2
+    assert ".png or .svg" in capsys.readouterr().err
+
+
 def test_the_batch_rows_are_exact_and_read_less_per_token_in_a_batch(tmp_path, capsys):
     """`od-moe bench --batch`: each row's tokens are stock mlx-lm's batch tokens, and a batch of 8 reads
     fewer experts per generated token than one request alone (the batch shares its reads)."""
     from od_moe.bench.batching import batch_prompts, run_batch_grid
-    from od_moe.cli import main
 
     prompts = batch_prompts(8)
     assert len(set(prompts)) == 8 and all(p.startswith("def ") for p in prompts)
@@ -58,7 +98,6 @@ def test_the_two_tier_rows_are_exact_and_measure_bytes_against_min_and_the_roofl
     """`od-moe bench --two-tier`: stock tokens in every round; bytes moved are the mapped lanes and slot
     copies, set against Belady's MIN on the same routing; the roofline bounds the row from below."""
     from od_moe.bench.two_tier_grid import run_two_tier_grid
-    from od_moe.cli import main
     from od_moe.engine import DEFAULT_MODEL
 
     rows = run_two_tier_grid([("bundled", DEFAULT_MODEL, 8)], [0.0, 0.25], 1, printer=None)["rows"]

@@ -11,7 +11,7 @@ import sys
 
 from . import backend
 from .cache import EVICTION_POLICIES, LayerCache
-from .capacity import parse_capacity, resolve_capacity, working_nbytes
+from .capacity import no_slots, resolve_capacity, working_nbytes
 from .errors import UserError
 from .progress import byte_progress
 from .reader import read_threads_for
@@ -35,7 +35,7 @@ def expert_slots(
 ) -> int:
     """Slots per MoE layer for `capacity` or `memory_budget` (working memory counted, with two-tier mode's
     staged copy); 0 only in two-tier mode, where every expert can be read in place."""
-    if tiered and capacity is not None and parse_capacity(capacity) in (0, 0.0):
+    if no_slots(capacity, tiered):
         return 0
     num_experts = blocks[0].num_experts
     working = working_nbytes(model, len(blocks), num_experts, slot_nbytes if tiered else 0)

@@ -76,6 +76,12 @@ def parse_capacity(text: str | int | float | None) -> int | float | None:
     return percent / 100
 
 
+def no_slots(capacity, tiered: bool) -> bool:
+    """Whether `capacity` asks for no slots where that is taken: in two-tier mode, which reads every
+    expert in place (elsewhere `resolve_capacity` refuses 0)."""
+    return tiered and capacity is not None and parse_capacity(capacity) == 0
+
+
 def kv_nbytes_per_token(model) -> int:
     """KV-cache bytes one token of context takes: the outputs of every layer's k and v projections in the
     compute dtype, from the (lazy) model's shapes; models without such projections are counted as full

@@ -25,6 +25,7 @@ from .capacity import (
     AUTO_BUDGET_FRACTION,
     RESERVED_CONTEXT,
     budget_for,
+    no_slots,
     parse_capacity,
     parse_size,
     resolve_capacity,
@@ -165,11 +166,10 @@ def _capacity_report(
 ) -> dict:
     """The slots `capacity` gives and the budget (`budget(count)`) they need; 0 allowed where two-tier mode
     is on by default, as `load` takes it (every expert then read in place)."""
-    asked = parse_capacity(capacity)
-    if asked in (0, 0.0) and tiered:
+    if no_slots(capacity, tiered):
         count = 0
     else:
-        count = resolve_capacity(asked, None, num_experts, moe_layers, slot_nbytes, 0)
+        count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
     return {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
 
 

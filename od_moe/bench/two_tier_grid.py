@@ -93,7 +93,15 @@ def _min_reads_per_token(engine, tokens: int) -> float | None:
 
 
 def run_row(
-    path: Path, fraction: float, stock, tokenizer, reference, tokens: int, rounds: int, bw=None, slot_nbytes=0
+    path: Path,
+    fraction: float,
+    slot_nbytes: int,
+    stock,
+    tokenizer,
+    reference,
+    tokens: int,
+    rounds: int,
+    bw=None,
 ):
     """One fraction of experts in slots, of `slot_nbytes` each (which slots "auto" keeps); `bw`: the mapped
     read bandwidth (measured here where None)."""
@@ -174,7 +182,7 @@ def run_two_tier_grid(models: list[tuple[str, Path, int]], fractions, rounds: in
         bw, model_rows = None, []
         slot_nbytes = inspect_model(path)["expert_bytes"]  # as `load` counts a slot; no expert is read
         for fraction in fractions:
-            row = run_row(path, fraction, stock, tokenizer, reference, tokens, rounds, bw, slot_nbytes)
+            row = run_row(path, fraction, slot_nbytes, stock, tokenizer, reference, tokens, rounds, bw)
             bw = row["mapped_read_bw"]
             model_rows.append({"model": name, **row})
             say(f"  {name} {fraction:.1%}: x stock {row['x_stock']:.3f}, x roofline {row['x_roofline']:.3f}")

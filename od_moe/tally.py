@@ -4,9 +4,10 @@ A two-tier pass (`two_tier.py`) never learns its routing on the host. What the h
 each expert was routed (admission) and how many routed lanes found their expert in a slot (the ledger's
 hits), is added up on the device by each pass: one scatter-add of the pass's expert ids into a
 (layers x experts) count and one of its hit lanes into a (phases x layers) count, both lazy, built into the
-pass's graph. `launch` starts them between passes (after the pass that made them, on the same stream),
-and `read` hands the host the counts as of an earlier pass, one that is sure to be done when the caller
-says so (`two_tier.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
+pass's graph. A decode pass's are computed with its token (`tie`). A prompt pass's output is not
+evaluated, so `launch` starts its counts between passes (after that pass, on the same stream). `read`
+hands the host the counts as of an earlier pass, one that is sure to be done when the caller says so
+(`two_tier.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
 Lookups need no device data (a layer's lane count is its ids' shape) and are booked by the caller.
 Not here: what the counts decide (`admission.py`), the ledger itself (`stats.py`).
 """
@@ -70,12 +71,24 @@ class DeviceTally:
         if routed or hit or union:
             self._added = clock
 
+    def tie(self, output: mx.array) -> mx.array:
+        """`output` (a decode pass's last MoE layer's) made to depend on what this pass added, so that the
+        pass's own evaluation (its token) computes the counts: no evaluation of their own. An eval per
+        pass cost the host about 0.4 ms of a 4-5 ms token on the H100 (profiled, `docs/two-tier-h100.md`).
+        Not for a prompt's pass: its output is not evaluated (mlx-lm evaluates the caches)."""
+        return output if self._added is None else mx.depends(output, self._queue())
+
     def launch(self):
         """Start computing what the last pass added (call between passes: it is queued after that pass)."""
         if self._added is not None:
-            mx.async_eval(self.counts, self.hits, self.union)
-            self._launched.append((self._added, self.counts, self.hits, self.union))
-            self._added = None
+            mx.async_eval(*self._queue())
+
+    def _queue(self) -> list[mx.array]:
+        """The counts as of the last pass that added, queued for `read`; nothing is left to add for it."""
+        arrays = [self.counts, self.hits, self.union]
+        self._launched.append((self._added, *arrays))
+        self._added = None
+        return arrays
 
     def read(self, done_by: int | None = None) -> tuple | None:
         """(passes covered since the last read, routing counts (layers, experts), hits (phases, layers),

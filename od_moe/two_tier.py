@@ -238,7 +238,7 @@ class TwoTierRuntime:
         if self._recording is not None:
             self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:
-            self._end_pass(indices.shape[-1])
+            y = self._end_pass(indices.shape[-1], y)
             if self.kernel_fills is not None:  # what a slot fill at the next pass waits for (`_admit`)
                 self._last_output = y
         return y
@@ -262,9 +262,10 @@ class TwoTierRuntime:
             self._dirty = False
         self._routed, self._hit, self._union = {}, {}, {}
 
-    def _end_pass(self, k: int):
+    def _end_pass(self, k: int, y: mx.array) -> mx.array:
         counted = {i: ids for i, ids in self._routed.items() if not self._full[i]}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
+        y = self.tally.tie(y) if self.phase == "decode" else y  # computed with the token, not on their own
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:
@@ -272,6 +273,7 @@ class TwoTierRuntime:
             self._recorded.append((ids, k))
         self._prompt_done = self._prompt_done or self.phase == "prefill"
         self._routed, self._hit, self._union = {}, {}, {}
+        return y
 
     def _refresh(self):
         """Remake the device tables after slots changed (admission, seeding, a snapshot): all layers' rows

@@ -109,20 +109,26 @@ def test_swaps_need_a_margin_and_fill_free_slots_first():
 
 def test_a_pass_never_waits_for_the_device(monkeypatch):
     """A decode pass evaluates or synchronizes only where it fills slots (once per admission, before its
-    first layer), and the host reads only counts of passes at least `LAG` passes back (done, in mlx-lm's
-    pipelined loop); the stacks are written in place; tokens stay exact."""
+    first layer), launches no evaluation of its counts (its token's computes them), and the host reads
+    only counts of passes at least `LAG` passes back (done, in mlx-lm's pipelined loop); the stacks are
+    written in place; tokens stay exact."""
     engine = od_moe.load(capacity=0.25, two_tier=True)
     list(engine.stream_generate(PROMPTS[0], max_tokens=16))  # slots filled, admission running
     runtime = engine.runtime
     runtime.admit_every = 4
-    calls, ages, fills = [], [], []
+    calls, ages, fills, launches = [], [], [], []
     fill = runtime._fill
     monkeypatch.setattr(runtime, "_fill", lambda *a: (fills.append(runtime.clock), fill(*a)))
 
     class CountingMx:
+        def __init__(self, launched: list | None = None):
+            self.launched = launched
+
         def __getattr__(self, name):
             if name in ("eval", "synchronize"):
                 calls.append((name, runtime.clock))
+            if name == "async_eval" and self.launched is not None:
+                self.launched.append(runtime.clock)
             return getattr(mx, name)
 
     class CountingNp:
@@ -136,11 +142,12 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
             return np.array(value, *args, **kwargs)
 
     monkeypatch.setattr(two_tier, "mx", CountingMx())
-    monkeypatch.setattr(tally, "mx", CountingMx())
+    monkeypatch.setattr(tally, "mx", CountingMx(launches))
     monkeypatch.setattr(tally, "np", CountingNp())
     tokens = engine.tokenizer.encode(PROMPTS[1])
     cache = make_prompt_cache(engine.model)
     logits = engine.model(mx.array(tokens)[None], cache=cache)
+    prompt_clock = runtime.clock
     mx.eval(logits)
     y = mx.argmax(logits[:, -1], axis=-1)
     out = []
@@ -154,6 +161,9 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
             del ages[:]
     assert 1 <= len(fills) <= 24 // runtime.admit_every + 1
     assert {clock for _, clock in calls} <= set(fills)
+    # a decode pass's counts are computed with its token (`DeviceTally.tie`): the prompt's alone are
+    # evaluated on their own, when the first decode pass starts
+    assert launches == [prompt_clock]
     assert [name for name, _ in calls].count("synchronize") == len(fills)
     assert runtime.stack_moves == 0
     assert len(ages) >= 2 and min(ages) >= two_tier.LAG

@@ -128,6 +128,19 @@ _SOURCE = """
             }}
             copied[0] = copies;
         }}
+        for (int q = threadIdx.x; q < P && DEMAND; q += blockDim.x) {{  // each candidate lane's row, hit
+            int e = (int)static_cast<float>(cand[q]);
+            uint32_t row = E, was = E;
+            if (e >= 0 && e < E) {{
+                row = was = base[e];
+                for (int s = 0; s < S; ++s) {{
+                    if (now[s] == e && row < (uint32_t)E) row = E + C + s;
+                    if (held[s] == e && was < (uint32_t)E) was = E + C + s;
+                }}
+            }}
+            lane_rows[q] = row;
+            lane_hit[q] = was >= (uint32_t)E;
+        }}
     }}
     if (into < 0) return;
     size_t from_row = (size_t)want[blockIdx.y];
@@ -272,24 +285,26 @@ class LookaheadRows:
             scores = mx.softmax(scores.astype(mx.float32), axis=-1).sum(axis=0)
         self._predicted[target] = scores.reshape(-1)  # the kernel ranks them: no sort of its own
 
-    def rows(
+    def lanes(
         self, layer: int, base: mx.array, indices: mx.array, copy: bool = True
-    ) -> tuple[mx.array, mx.array]:
-        """Layer `layer`'s expert->row tables for this pass: `base` (the slots') with the experts in its
-        rows, (before, after) the routed ones are copied (`demand` on; otherwise both the same). What was
-        there before counts as a hit; what the layer copied for itself crossed PCIe when needed: a miss.
-        `copy` False (a prompt's pass): the rows as they are, nothing copied."""
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Layer `layer`'s expert->row table for this pass (`base`, the slots', with the experts in its rows
+        after the routed ones are copied, where `demand` is on), each lane's row to read and whether its
+        expert was in a slot or row before (a hit; what the layer copied for itself crossed PCIe when
+        needed: a miss), both shaped as `indices`. The kernel writes the lanes' rows and hits itself: no
+        gathers of its tables. `copy` False (a prompt's pass): the rows as they are, nothing copied."""
         scores = self._predicted.pop(layer, None)
-        if not copy:
-            rows = self.current(layer, base)
-            return rows, rows
         rows = None
-        if scores is not None:  # what the prediction copied is there when the layer runs
-            _, rows = self._call(layer, scores, base, ahead=True)
-        if self.demand and indices.size <= MAX_DEMAND:
-            return self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
+        if copy and scores is not None:  # what the prediction copied is there when the layer runs
+            rows = self._call(layer, scores, base, ahead=True)[1]
+        if copy and self.demand and indices.size <= MAX_DEMAND:
+            _, rows, read, hit = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
+            if read.size > indices.size:  # padded candidates
+                read, hit = read[: indices.size], hit[: indices.size]
+            return rows, read.reshape(indices.shape), hit.reshape(indices.shape)
         rows = self.current(layer, base) if rows is None else rows  # more lanes than a call takes
-        return rows, rows
+        read = rows[indices]
+        return rows, read, read >= self.E
 
     def current(self, layer: int, base: mx.array) -> mx.array:
         """`base` with the experts the layer's rows hold now pointing at them (a lazy scatter: no copy, no
@@ -312,14 +327,15 @@ class LookaheadRows:
             for size in sorted({padded_size(n) for n in range(1, MAX_DEMAND + 1)}):
                 mx.eval(self._launch(layer, mx.full((size,), self.E, mx.uint32), base, ahead=False))
 
-    def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, mx.array]:
-        """One kernel (or `plan` on the host): the layer's tables (before, after) its copies of `cand`."""
+    def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, ...]:
+        """One kernel (or `plan` on the host): the layer's tables (before, after) its copies of `cand`, and
+        per candidate (of a demand call) its row after and whether it was held before."""
         if not self.on_device:
             return self._on_host(layer, cand, base, ahead)
-        rows, found, held, age, copied, score = self._launch(layer, cand, base, ahead)
+        rows, found, held, age, copied, score, lane_rows, lane_hit = self._launch(layer, cand, base, ahead)
         self.held[layer], self.age[layer], self.score[layer] = held, age, score
         self._copied.append((layer, copied))
-        return found, rows
+        return found, rows, lane_rows, lane_hit
 
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
         stack = self.stacks[layer]
@@ -349,8 +365,17 @@ class LookaheadRows:
             ],
             grid=(threads, count, len(stack)),
             threadgroup=(min(THREADS, threads), 1, 1),
-            output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,), (self.E,)],
-            output_dtypes=[mx.uint32, mx.uint32, mx.int32, mx.int32, mx.int32, mx.float32],
+            output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,), (self.E,), (count,), (count,)],
+            output_dtypes=[
+                mx.uint32,
+                mx.uint32,
+                mx.int32,
+                mx.int32,
+                mx.int32,
+                mx.float32,
+                mx.uint32,
+                mx.bool_,
+            ],
         )
 
     def end_pass(self):
@@ -392,13 +417,22 @@ class LookaheadRows:
                         "score",
                         "decay",
                     ],
-                    output_names=["rows", "found", "held_out", "age_out", "copied", "score_out"],
+                    output_names=[
+                        "rows",
+                        "found",
+                        "held_out",
+                        "age_out",
+                        "copied",
+                        "score_out",
+                        "lane_rows",
+                        "lane_hit",
+                    ],
                     source=_SOURCE.format(unit=unit, cases=cases, empty=AGE_EMPTY),
                 )
             self._by_layer[layer] = (self._kernels[key], max(units))
         return self._by_layer[layer]
 
-    def _on_host(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> mx.array:
+    def _on_host(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, ...]:
         """`_call` where the stacks are host memory: wait for the candidates (which wait for every earlier
         pass, so nothing still reads the rows), decide with `plan` and copy through numpy views."""
         values = np.array(cand.astype(mx.float32))
@@ -415,7 +449,12 @@ class LookaheadRows:
                 view[row] = view[expert]
         self._held_host[layer], self._age_host[layer], self._score_host[layer] = held, age, score
         self.copies[layer] += len(copies)
-        return mx.array(found.astype(np.uint32)), mx.array(rows.astype(np.uint32))
+        ids = values.astype(np.int64)  # as the kernel's lanes: an id past the experts reads row E
+        valid = (ids >= 0) & (ids < E)
+        at = np.where(valid, ids, 0)
+        lane_rows, lane_hit = np.where(valid, rows[at], E), valid & (found[at] >= E)
+        tables = (found, rows, lane_rows)
+        return (*(mx.array(t.astype(np.uint32)) for t in tables), mx.array(lane_hit))
 
 
 def wrong_rows(lookahead: LookaheadRows) -> int:

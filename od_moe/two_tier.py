@@ -221,20 +221,19 @@ class TwoTierRuntime:
         else:
             self._routed[layer] = indices
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
-            rows = found = self._tables[layer]
-            if self.lookahead is not None:  # rows found holding an expert, rows read (after copies, if any)
-                found, rows = self.lookahead.rows(layer, rows, indices, copy=ahead)
-            tiers = self.lookahead is not None or self._resident[layer].any()  # else all lanes mapped
-            if tiers:
+            rows, read = self._tables[layer], indices  # no expert in a slot: every lane mapped
+            if self.lookahead is not None:  # each lane's row (after copies, if any), and hits before them
+                rows, read, self._hit[layer] = self.lookahead.lanes(layer, rows, indices, copy=ahead)
+            elif self._resident[layer].any():
                 read = rows[indices]
-                self._hit[layer] = (read if found is rows else found[indices]) >= self.num_experts
+                self._hit[layer] = read >= self.num_experts
             if lanes >= self.stage_positions * indices.shape[-1]:  # each expert across PCIe once a pass
                 on_device, places, self._union[layer] = staged_switch(
                     stacked, self.stacks[layer], rows, indices, self.num_experts
                 )
                 y = on_device(x, places)
             else:
-                y = stacked(x, read if tiers else indices)
+                y = stacked(x, read)
         if self._recording is not None:
             self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:

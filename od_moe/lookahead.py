@@ -21,14 +21,14 @@ bytes, never a wrong token (an expert not copied is read in place, as before).
 
 On the CPU (and Metal) the stacks are host memory and no kernel runs: `plan` decides in numpy what the
 kernel decides, after waiting for the prediction, and writes the rows through numpy views, so the same
-tables and rows are exercised by the tests. Not here: the slots and their admission (`two_tier.py`), the
-forecasts (`forecast.py`).
+tables and rows are exercised by the tests. Not here: the kernel's CUDA source (`row_kernel.py`), the slots
+and their admission (`two_tier.py`), the forecasts (`forecast.py`).
 """
 
 import mlx.core as mx
 import numpy as np
 
-from . import cuda, slot_fill
+from . import cuda, row_kernel, slot_fill
 
 THREADS = 256
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
@@ -40,124 +40,6 @@ DEMAND_BLOCKS = 128
 
 AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first
 MAX_DEMAND = 64  # routed lanes a layer's own call takes (batch 8 at top-8); past it, misses are read in place
-
-_SOURCE = """
-    using U = {unit};
-    int want[P];  // the candidates in order, -1 where repeated or already in a slot
-    if (SCORES) {{  // the top P of E scores (ties: the lower id)
-        float last_v = INFINITY;
-        int last_i = -1;
-        for (int q = 0; q < P; ++q) {{
-            int best = -1;
-            float best_v = -INFINITY;
-            for (int e = 0; e < E; ++e) {{
-                float v = static_cast<float>(cand[e]);
-                bool below = v < last_v || (v == last_v && e > last_i);
-                if (below && (best < 0 || v > best_v)) {{
-                    best = e;
-                    best_v = v;
-                }}
-            }}
-            last_v = best_v;
-            last_i = best;
-            want[q] = best;
-        }}
-    }} else {{  // P expert ids
-        for (int q = 0; q < P; ++q) {{
-            int e = (int)static_cast<float>(cand[q]);
-            for (int r = 0; r < q; ++r) e = (want[r] == e) ? -1 : e;
-            want[q] = e;
-        }}
-    }}
-    for (int q = 0; q < P; ++q) {{
-        int e = want[q];
-        want[q] = (e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
-    }}
-    int now[S];
-    int new_age[S];
-    bool free_row[S];
-    for (int s = 0; s < S; ++s) {{
-        now[s] = held[s];
-        bool keep = false;
-        for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
-        free_row[s] = !keep && COPY;
-        new_age[s] = keep ? 0 : (DEMAND ? min(age[s] + 1, {empty}) : age[s]);
-    }}
-    auto scored = [&](int e) -> float {{  // decayed routing counts after this pass (COUNTS only)
-        if (!COUNTS) return score[e];
-        bool routed = false;
-        for (int q = 0; q < P; ++q) routed = routed || want[q] == e;
-        return __fadd_rn(__fmul_rn(score[e], decay[0]), routed ? 1.0f : 0.0f);
-    }};
-    int into = -1;  // the row this block's expert is copied to
-    int copies = 0;
-    for (int q = 0; q < P; ++q) {{
-        if (want[q] < 0) continue;
-        bool there = false;
-        for (int s = 0; s < S; ++s) there = there || (!free_row[s] && now[s] == want[q]);
-        if (there) continue;
-        int v = -1;  // empty rows first; then the least recently used, or the lowest count (ties: lower row)
-        for (int s = 0; s < S; ++s) {{
-            if (!free_row[s]) continue;
-            if (!COUNTS && (v < 0 || age[s] > age[v])) v = s;
-            if (COUNTS && (v < 0 || (now[v] >= 0 && (now[s] < 0 || scored(now[s]) < scored(now[v]))))) v = s;
-        }}
-        if (v < 0) break;
-        if (COUNTS && now[v] >= 0 && !(scored(want[q]) > scored(now[v]))) continue;  // read in place
-        free_row[v] = false;
-        now[v] = want[q];
-        new_age[v] = 0;
-        copies += 1;
-        if (q == (int)blockIdx.y) into = v;
-    }}
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {{
-        for (int i = threadIdx.x; i < E; i += blockDim.x) {{
-            uint32_t row = base[i], was = base[i];
-            for (int s = 0; s < S; ++s) {{
-                if (now[s] == i && row < (uint32_t)E) row = E + C + s;
-                if (held[s] == i && was < (uint32_t)E) was = E + C + s;
-            }}
-            rows[i] = row;
-            found[i] = was;
-            score_out[i] = scored(i);
-        }}
-        if (threadIdx.x == 0) {{
-            for (int s = 0; s < S; ++s) {{
-                held_out[s] = now[s];
-                age_out[s] = new_age[s];
-            }}
-            copied[0] = copies;
-        }}
-        for (int q = threadIdx.x; q < P && DEMAND; q += blockDim.x) {{  // each candidate lane's row, hit
-            int e = (int)static_cast<float>(cand[q]);
-            uint32_t row = E, was = E;
-            if (e >= 0 && e < E) {{
-                row = was = base[e];
-                for (int s = 0; s < S; ++s) {{
-                    if (now[s] == e && row < (uint32_t)E) row = E + C + s;
-                    if (held[s] == e && was < (uint32_t)E) was = E + C + s;
-                }}
-            }}
-            lane_rows[q] = row;
-            lane_hit[q] = was >= (uint32_t)E;
-        }}
-    }}
-    if (into < 0) return;
-    size_t from_row = (size_t)want[blockIdx.y];
-    size_t to_row = (size_t)(E + C + into);
-    size_t step = (size_t)gridDim.x * blockDim.x;
-    size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    switch (blockIdx.z) {{
-{cases}
-    }}
-"""
-
-_CASE = """        case {i}: {{
-            U* rows_{i} = const_cast<U*>(reinterpret_cast<const U*>(a{i}));
-            for (size_t u = first; u < {units}; u += step)
-                rows_{i}[to_row * {units} + u] = rows_{i}[from_row * {units} + u];
-            break;
-        }}"""
 
 
 def plan(
@@ -254,6 +136,7 @@ class LookaheadRows:
         self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
         self._by_layer: dict[int, tuple] = {}  # layer -> (kernel, most units of a row)
+        self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
@@ -338,34 +221,34 @@ class LookaheadRows:
         return found, rows, lane_rows, lane_hit
 
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
-        stack = self.stacks[layer]
-        kernel, units = self._kernel(layer)
+        """The layer's kernel on `cand`, through a compiled function made once per layer and call shape:
+        MLX builds a custom kernel's call (its whole source) at every call, a compiled function replays it."""
         count = self.P if ahead else cand.size
+        key = (layer, count, ahead, self.copy, self.decay is not None, self.blocks, self.demand_blocks)
+        if key not in self._launches:
+            self._launches[key] = mx.compile(self._kernel_call(layer, count, ahead))
+        inputs = (self.held[layer], self.age[layer], self.score[layer], self._decay_input)
+        return self._launches[key](*self.stacks[layer].values(), cand, base, *inputs)
+
+    def _kernel_call(self, layer: int, count: int, ahead: bool):
+        kernel, units = self._kernel(layer)
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)
-        return kernel(
-            inputs=[
-                *stack.values(),
-                cand,
-                base,
-                self.held[layer],
-                self.age[layer],
-                self.score[layer],
-                self._decay_input,
-            ],
+        E, S = self.E, self.S
+        settings = dict(
             template=[
-                ("E", self.E),
+                ("E", E),
                 ("C", self.C[layer]),
-                ("S", self.S),
+                ("S", S),
                 ("P", count),
                 ("SCORES", int(ahead)),
                 ("DEMAND", int(not ahead)),
                 ("COPY", int(self.copy)),
                 ("COUNTS", int(self.decay is not None and not ahead)),
             ],
-            grid=(threads, count, len(stack)),
+            grid=(threads, count, len(self.stacks[layer])),
             threadgroup=(min(THREADS, threads), 1, 1),
-            output_shapes=[(self.E,), (self.E,), (self.S,), (self.S,), (1,), (self.E,), (count,), (count,)],
+            output_shapes=[(E,), (E,), (S,), (S,), (1,), (E,), (count,), (count,)],
             output_dtypes=[
                 mx.uint32,
                 mx.uint32,
@@ -377,6 +260,7 @@ class LookaheadRows:
                 mx.bool_,
             ],
         )
+        return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
     def end_pass(self):
         """Queue this pass's copy counts (read by `read`); drop predictions no layer asked for."""
@@ -405,7 +289,6 @@ class LookaheadRows:
             unit, units = slot_fill.row_units(self.stacks[layer].values())
             key = (unit, units)
             if key not in self._kernels:
-                cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
                 self._kernels[key] = mx.fast.cuda_kernel(
                     name=f"od_moe_lookahead_{len(self._kernels)}",
                     input_names=[
@@ -427,7 +310,7 @@ class LookaheadRows:
                         "lane_rows",
                         "lane_hit",
                     ],
-                    source=_SOURCE.format(unit=unit, cases=cases, empty=AGE_EMPTY),
+                    source=row_kernel.source(unit, units, AGE_EMPTY),
                 )
             self._by_layer[layer] = (self._kernels[key], max(units))
         return self._by_layer[layer]

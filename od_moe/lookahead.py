@@ -147,7 +147,7 @@ class LookaheadRows:
         self._predicted: dict[int, mx.array] = {}
         self._copied: list[tuple[int, mx.array]] = []  # this pass's copy counts, per call
         self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
-        self._pending: list[tuple[list[int], mx.array]] = []
+        self._pending: list[tuple[int, mx.array]] = []
 
     @property
     def decay(self) -> float | None:
@@ -265,18 +265,16 @@ class LookaheadRows:
     def end_pass(self):
         """Queue this pass's copy counts (read by `read`); drop predictions no layer asked for."""
         self._predicted = {}
-        if self._copied:
-            layers = [layer for layer, _ in self._copied]
-            self._pending.append((layers, mx.concatenate([c for _, c in self._copied])))
-            self._copied = []
+        self._pending += self._copied
+        self._copied = []
 
     def read(self) -> np.ndarray:
-        """Copies per layer since the last read (waits for the passes that made them)."""
-        if self._pending:
-            mx.eval([counts for _, counts in self._pending])
+        """Copies per layer since the last read (waits for the passes that made them). One array comes to
+        the host: on CUDA each conversion cost about 0.3 ms, one a pass made a prompt's end wait 17 ms."""
         out = np.zeros(len(self.stacks), np.int64)
-        for layers, counts in self._pending:
-            np.add.at(out, layers, np.array(counts).astype(np.int64))
+        if self._pending:
+            layers = [layer for layer, _ in self._pending]
+            np.add.at(out, layers, np.array(mx.concatenate([c for _, c in self._pending])).astype(np.int64))
         self._pending = []
         out += self.copies
         self.copies = np.zeros(len(self.stacks), np.int64)

@@ -148,6 +148,7 @@ class LookaheadRows:
         self._copied: list[tuple[int, mx.array]] = []  # this pass's copy counts, per call
         self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
         self._pending: list[tuple[int, mx.array]] = []
+        self._hits: list[tuple[int, mx.array]] = []  # lane hits of demand calls, booked at `read`
 
     @property
     def decay(self) -> float | None:
@@ -170,12 +171,14 @@ class LookaheadRows:
 
     def lanes(
         self, layer: int, base: mx.array, indices: mx.array, copy: bool = True
-    ) -> tuple[mx.array, mx.array, mx.array]:
+    ) -> tuple[mx.array, mx.array, mx.array | None]:
         """Layer `layer`'s expert->row table for this pass (`base`, the slots', with the experts in its rows
         after the routed ones are copied, where `demand` is on), each lane's row to read and whether its
         expert was in a slot or row before (a hit; what the layer copied for itself crossed PCIe when
         needed: a miss), both shaped as `indices`. The kernel writes the lanes' rows and hits itself: no
-        gathers of its tables. `copy` False (a prompt's pass): the rows as they are, nothing copied."""
+        gathers of its tables. Where the layer's own call ran, its hits are kept here and counted by `read`
+        (no operation of their own in the pass) and None is returned for them. `copy` False (a prompt's
+        pass): the rows as they are, nothing copied."""
         scores = self._predicted.pop(layer, None)
         rows = None
         if copy and scores is not None:  # what the prediction copied is there when the layer runs
@@ -184,7 +187,8 @@ class LookaheadRows:
             _, rows, read, hit = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
             if read.size > indices.size:  # padded candidates
                 read, hit = read[: indices.size], hit[: indices.size]
-            return rows, read.reshape(indices.shape), hit.reshape(indices.shape)
+            self._hits.append((layer, hit))
+            return rows, read.reshape(indices.shape), None
         rows = self.current(layer, base) if rows is None else rows  # more lanes than a call takes
         read = rows[indices]
         return rows, read, read >= self.E
@@ -268,16 +272,29 @@ class LookaheadRows:
         self._pending += self._copied
         self._copied = []
 
-    def read(self) -> np.ndarray:
-        """Copies per layer since the last read (waits for the passes that made them). One array comes to
-        the host: on CUDA each conversion cost about 0.3 ms, one a pass made a prompt's end wait 17 ms."""
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """(copies, hit lanes of the layers' own calls) per layer since the last read (waits for the passes
+        that made them). Each comes to the host as one array: on CUDA a conversion cost about 0.3 ms, and
+        one a pass made a request's end wait 17 ms."""
+        copies, self.copies = self._sum(self._pending) + self.copies, np.zeros(len(self.stacks), np.int64)
+        return copies, self._sum(self._hits)
+
+    def book(self, ledger):
+        """Into `ledger` (`stats.Ledger`): what `read` gives, as decode's (only a decode pass copies)."""
+        copied, hits = self.read()
+        for layer in np.flatnonzero(copied):
+            ledger.add("decode", int(layer), installed=int(copied[layer]), evictions=0, install_s=0.0)
+        for layer in np.flatnonzero(hits):
+            ledger.count_lookups("decode", int(layer), 0, int(hits[layer]))
+
+    def _sum(self, pending: list[tuple[int, mx.array]]) -> np.ndarray:
+        """Per layer, the sum of the arrays `pending` holds for it; empties `pending`."""
         out = np.zeros(len(self.stacks), np.int64)
-        if self._pending:
-            layers = [layer for layer, _ in self._pending]
-            np.add.at(out, layers, np.array(mx.concatenate([c for _, c in self._pending])).astype(np.int64))
-        self._pending = []
-        out += self.copies
-        self.copies = np.zeros(len(self.stacks), np.int64)
+        if pending:
+            layers = np.concatenate([np.full(a.size, layer) for layer, a in pending])
+            values = np.array(mx.concatenate([a.reshape(-1) for _, a in pending]).astype(mx.int32))
+            np.add.at(out, layers, values.astype(np.int64))
+        pending.clear()
         return out
 
     def _kernel(self, layer: int) -> tuple:

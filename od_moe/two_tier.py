@@ -166,9 +166,7 @@ class TwoTierRuntime:
         if self._book(self.tally.read()) or self._recorded:
             self.host_syncs += 1
         if self.lookahead is not None:
-            for layer, copies in enumerate(self.lookahead.read()):
-                if copies:
-                    self.ledger.add("decode", layer, installed=int(copies), evictions=0, install_s=0.0)
+            self.lookahead.book(self.ledger)
         if self._recorded:
             mx.eval([ids for ids, _ in self._recorded])
             for ids, k in self._recorded:
@@ -223,7 +221,9 @@ class TwoTierRuntime:
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
             rows, read = self._tables[layer], indices  # no expert in a slot: every lane mapped
             if self.lookahead is not None:  # each lane's row (after copies, if any), and hits before them
-                rows, read, self._hit[layer] = self.lookahead.lanes(layer, rows, indices, copy=ahead)
+                rows, read, hit = self.lookahead.lanes(layer, rows, indices, copy=ahead)
+                if hit is not None:  # else the rows count their own call's hits
+                    self._hit[layer] = hit
             elif self._resident[layer].any():
                 read = rows[indices]
                 self._hit[layer] = read >= self.num_experts
@@ -262,7 +262,8 @@ class TwoTierRuntime:
         self._routed, self._hit, self._union = {}, {}, {}
 
     def _end_pass(self, k: int, y: mx.array) -> mx.array:
-        counted = {i: ids for i, ids in self._routed.items() if not self._full[i]}
+        # the routing counts feed admission alone: none is made where it is off (device-kept rows)
+        counted = {i: ids for i, ids in self._routed.items() if not self._full[i]} if self.admissions else {}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
         y = self.tally.tie(y) if self.phase == "decode" else y  # computed with the token, not on their own
         if self.lookahead is not None:

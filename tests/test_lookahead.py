@@ -96,6 +96,7 @@ def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
     assert total["prefill"]["hits"] > 0
     assert lookahead.wrong_rows(runtime.lookahead) == 0
     assert all((c.slot_of < 0).all() for c in engine.caches)  # the host keeps none
+    assert int(runtime.tally.counts.sum()) == 0  # routing counts feed admission alone: with it off, none
 
 
 def test_device_rows_by_decayed_counts_match_mlx_lm_and_copy_fewer_experts(bundled_reference):

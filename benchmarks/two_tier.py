@@ -6,8 +6,10 @@ Every row loads an engine, warms it on a prompt of its own (kernels, admission),
 prompt with stock mlx-lm for `--rounds` rounds of the 3 prompts x `--tokens` greedy tokens: the row's
 x-stock is the median of the rounds' ratios (machines drift: the ratio within a round is the figure).
 Tokens must equal stock's. Also per row: decode hit rate, mapped lanes (misses) and slot copies per
-decoded token. `static` rows stop admission after the warm-up (its slots are that prompt's profile), to
-compare with learned admission on the same slots count.
+decoded token, the bytes that crossed the bus per token and the row's speed over its roofline (max of
+stock's step and those bytes at the faster of the two bus bandwidths measured on the process's first
+two-tier engine, as in `od-moe bench --two-tier`). `static` rows stop admission after the warm-up (its
+slots are that prompt's profile), to compare with learned admission on the same slots count.
 
     python benchmarks/two_tier.py [--model PATH | --widen 128] [--rows tt:0,tt:0.25,...] [--rounds 4]
         [--tokens 48] [--prefill 512] [--json out.json]
@@ -45,8 +47,10 @@ import od_moe.assembly
 from od_moe import forecast, lookahead
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
-from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock
+from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
 from od_moe.report import table
+
+BUS: dict = {}  # the bus bandwidths (`bus_bandwidth`), measured once a process
 
 
 def model_path(args) -> Path:
@@ -78,6 +82,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     finally:
         od_moe.assembly.build_two_tier = build
     load_s = time.perf_counter() - t0
+    two_tier = engine.mode[0] == "two-tier"
+    if two_tier and not BUS:  # once a process, on its first two-tier engine
+        BUS.update(bus_bandwidth(engine))
     if "ahead" in ahead:
         distance = int(ahead.get("distance", 1))
         if ahead.get("forecast", "shadow") == "none":
@@ -133,6 +140,12 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "stack_moves": getattr(engine.runtime, "stack_moves", 0),
         "wrong_lookahead_rows": lookahead.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
     }
+    if two_tier:  # the roofline: max(stock's step, moved bytes / the faster measured way across the bus)
+        moved = moved_per_token(engine) * engine.caches[0].layout.expert_nbytes
+        floor_ms = max(1e3 / row["stock_tok_s"], 1e3 * moved / BUS["best"])
+        row.update(
+            moved_bytes_per_token=moved, roofline_ms=floor_ms, x_roofline=floor_ms * row["tok_s"] / 1e3
+        )
     if prefill:
         row["prefill_stock_tok_s"] = statistics.median(s for s, _ in prefill)
         row["prefill_tok_s"] = statistics.median(t for _, t in prefill)
@@ -186,6 +199,8 @@ def main():
         "decode hit",
         "mapped/layer/tok",
         "copies/tok",
+        "MB moved/tok",
+        "x roofline",
     ]
     cells = [
         [
@@ -197,6 +212,8 @@ def main():
             r["decode_hit_rate"],
             r["mapped_per_token"],
             r["copies_per_token"],
+            r.get("moved_bytes_per_token", 0) / 1e6 if "x_roofline" in r else "-",
+            r.get("x_roofline", "-"),
         ]
         + [r["same_tokens"]]
         + ([r["prefill_tok_s"], r["prefill_x_stock"]] if args.prefill else [])
@@ -207,6 +224,11 @@ def main():
         f"{args.tokens} tokens, {args.rounds} rounds alternating with stock; x stock: median of the "
         "rounds' ratios"
     )
+    if BUS:
+        title += (
+            f"; roofline: max(stock's step, moved bytes / {BUS['best'] / 1e9:.2f} GB/s, the faster of read "
+            f"in place {BUS['in_place'] / 1e9:.2f} and copied {BUS['copied'] / 1e9:.2f})"
+        )
     prefill = [f"prefill {args.prefill} tok/s", "prefill x stock"] if args.prefill else []
     print(table(headers + ["same tokens"] + prefill, cells, title=title))
     if args.json:

@@ -65,6 +65,8 @@ def staged_switch(
     experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy is one kernel of 16-byte
     loads (`copy_by_kernel`), elsewhere `mx.take`."""
     E, flat = table.shape[0], indices.reshape(-1)
+    if flat.size == indices.shape[-1]:  # one position: its lanes route to distinct experts, one row each
+        return _staged_lanes(stacked, stack, table, indices, copy_by_kernel)
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
     distinct = used.sum()
@@ -82,6 +84,21 @@ def staged_switch(
     counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
     return switch_on(stacked, on_device), place[indices].astype(indices.dtype), counts
+
+
+def _staged_lanes(stacked, stack: dict, table: mx.array, indices: mx.array, copy_by_kernel: bool):
+    """`staged_switch` for one position: lane i's expert copied into row i, so no union, no places to find
+    (top-k routes a position to k distinct experts)."""
+    k = indices.shape[-1]
+    sources = table[indices.reshape(-1)].astype(mx.int32)
+    if copy_by_kernel and slot_fill.available():
+        on_device = _copy_rows(stack, sources, mx.array(k), k)
+    else:
+        on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
+    held = (sources >= table.shape[0]).sum()
+    counts = mx.stack([mx.array(k), held, mx.array(1), k - held]).astype(mx.int32)
+    places = mx.arange(k, dtype=indices.dtype).reshape(indices.shape)
+    return switch_on(stacked, on_device), places, counts
 
 
 def _copy_rows(stack: dict, sources: mx.array, count: mx.array, rows: int) -> dict:

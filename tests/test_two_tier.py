@@ -215,6 +215,11 @@ def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order(monkeypatch
     assert np.array_equal(copy[3:], host[[E] * 3])  # the device row
     assert np.array_equal(np.array(places), [[2, 0], [0, 1], [2, 2]])
     assert np.array(counts).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
+    seen.clear()  # one position (a decode pass): lane i's expert in row i, no union to find
+    _, places, counts = staging.staged_switch(Stacked(), {("p", "weight"): rows}, table, indices[:1, None], E)
+    assert np.array_equal(np.array(seen[("p", "weight")]), host[[E, 1]])  # 6 from its slot, then 1
+    assert np.array_equal(np.array(places), [[[0, 1]]])
+    assert np.array(counts).tolist() == [2, 1, 1, 1]
 
 
 def test_admission_decays_by_every_pass_once(monkeypatch):

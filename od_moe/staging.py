@@ -42,6 +42,7 @@ _CASE = """        case {i}: {{
             break;
         }}"""
 _kernels: dict[tuple, object] = {}
+_lane_calls: dict[tuple, object] = {}  # compiled one-position copies (`_lane_call`)
 
 # positions of a layer pass from which it is staged: a decode token's lanes route to distinct experts, which
 # staging would only copy once more. H200, widened x128 copy at 25% (`docs/two-tier-h100.md`, "Staged
@@ -51,22 +52,27 @@ STAGE_POSITIONS = 2
 
 
 def staged_switch(
-    stacked: nn.Module,
+    switch: nn.Module,
     stack: dict,
     table: mx.array,
+    x: mx.array,
     indices: mx.array,
     device_row: int,
     copy_by_kernel: bool = True,
-) -> tuple[nn.Module, mx.array, mx.array]:
-    """(`stacked` computing on device copies of the experts `indices` route to; the indices to call it
-    with; the pass's counts (4,) int32: distinct experts routed, those in device rows by `table`, 1 (this
-    layer pass), and lanes whose expert is in no device row). `table`: each expert's row in `stack` (E +
-    slot on the device, else its host row); `device_row`: a row in device memory, copied where fewer
-    experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy is one kernel of 16-byte
-    loads (`copy_by_kernel`), elsewhere `mx.take`."""
+) -> tuple[mx.array, mx.array]:
+    """(the layer's output for `x` and `indices`, computed by `switch` (`staged_clone`) on device copies of
+    the experts they route to;
+    the pass's counts (4,) int32: distinct experts routed, those in device rows by `table`, 1 (this layer
+    pass), and lanes whose expert is in no device row). `table`: each expert's row in `stack` (E + slot on
+    the device, else its host row); `device_row`: a row in device memory, copied where fewer experts are
+    routed than the copy has rows (min(E, lanes)). On CUDA the copy is one kernel of 16-byte loads
+    (`copy_by_kernel`), elsewhere `mx.take`."""
     E, flat = table.shape[0], indices.reshape(-1)
+    by_kernel = copy_by_kernel and slot_fill.available()
     if flat.size == indices.shape[-1]:  # one position: its lanes route to distinct experts, one row each
-        return _staged_lanes(stacked, stack, table, indices, copy_by_kernel)
+        *copies, counts = _lane_call(E, flat.size, by_kernel)(table, flat, *stack.values())
+        places = mx.arange(flat.size, dtype=indices.dtype).reshape(indices.shape)
+        return compute_on(switch, dict(zip(stack, copies)), x, places), counts
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
     distinct = used.sum()
@@ -76,35 +82,59 @@ def staged_switch(
         mx.where(used, table.astype(mx.int32) - device_row, 0)
     )
     sources = sources[:rows]
-    if copy_by_kernel and slot_fill.available():
-        on_device = _copy_rows(stack, sources, distinct, rows)
+    if by_kernel:
+        copies = _copy_rows(list(stack.values()), sources, distinct, rows)
     else:
-        on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
+        copies = [mx.take(array, sources, axis=0) for array in stack.values()]
     held = table >= E
     counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
-    return switch_on(stacked, on_device), place[indices].astype(indices.dtype), counts
+    places = place[indices].astype(indices.dtype)
+    return compute_on(switch, dict(zip(stack, copies)), x, places), counts
 
 
-def _staged_lanes(stacked, stack: dict, table: mx.array, indices: mx.array, copy_by_kernel: bool):
-    """`staged_switch` for one position: lane i's expert copied into row i, so no union, no places to find
-    (top-k routes a position to k distinct experts)."""
-    k = indices.shape[-1]
-    sources = table[indices.reshape(-1)].astype(mx.int32)
-    if copy_by_kernel and slot_fill.available():
-        on_device = _copy_rows(stack, sources, mx.array(k), k)
-    else:
-        on_device = {key: mx.take(array, sources, axis=0) for key, array in stack.items()}
-    held = (sources >= table.shape[0]).sum()
-    counts = mx.stack([mx.array(k), held, mx.array(1), k - held]).astype(mx.int32)
-    places = mx.arange(k, dtype=indices.dtype).reshape(indices.shape)
-    return switch_on(stacked, on_device), places, counts
+def staged_clone(stacked: nn.Module, stack: dict) -> nn.Module:
+    """A copy of mlx-lm's switch over a layer's `stack` for `staged_switch` to compute with: made once per
+    layer (copying modules at every pass cost the host more than the rest of a decode pass's staging),
+    holding none of the stack's arrays between calls."""
+    return switch_on(stacked, dict.fromkeys(stack))
 
 
-def _copy_rows(stack: dict, sources: mx.array, count: mx.array, rows: int) -> dict:
-    """`mx.take(array, sources, axis=0)` of every array of `stack` as one CUDA kernel that loads 16 bytes
+def compute_on(switch: nn.Module, arrays: dict, x: mx.array, indices: mx.array) -> mx.array:
+    """`switch(x, indices)` on `arrays` ((projection, name) -> array), set for this call only: afterwards
+    the switch keeps no staged copy alive."""
+    for (proj, name), array in arrays.items():
+        switch[proj][name] = array
+    try:
+        return switch(x, indices)
+    finally:
+        for proj, name in arrays:
+            switch[proj][name] = None
+
+
+def _lane_call(E: int, k: int, by_kernel: bool):
+    """The compiled copy of one position's k lanes, lane i's expert into row i, and its counts: (table,
+    the lanes' expert ids, *a stack's arrays) -> (*the copies, counts). Compiled (MLX traces it once per
+    arrays' shapes), since MLX otherwise rebuilds a custom kernel's call at every call."""
+    key = (E, k, by_kernel)  # what the call closes over; MLX traces it again for other arrays' shapes
+    if key not in _lane_calls:
+
+        def call(table, ids, *arrays):
+            sources = table[ids].astype(mx.int32)
+            if by_kernel:
+                copies = _copy_rows(list(arrays), sources, mx.array(k, mx.int32), k)
+            else:
+                copies = [mx.take(array, sources, axis=0) for array in arrays]
+            held = (sources >= E).sum().astype(mx.int32)
+            return (*copies, mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held]))
+
+        _lane_calls[key] = mx.compile(call)
+    return _lane_calls[key]
+
+
+def _copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int) -> list:
+    """`mx.take(array, sources, axis=0)` of every array of `arrays` as one CUDA kernel that loads 16 bytes
     a thread and leaves rows from `count` on unwritten (no lane reads them)."""
-    keys, arrays = list(stack), list(stack.values())
     unit, units = slot_fill.row_units(arrays)
     if (unit, units) not in _kernels:
         cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
@@ -122,4 +152,4 @@ def _copy_rows(stack: dict, sources: mx.array, count: mx.array, rows: int) -> di
         output_shapes=[(rows, *a.shape[1:]) for a in arrays],
         output_dtypes=[a.dtype for a in arrays],
     )
-    return dict(zip(keys, out))
+    return list(out)

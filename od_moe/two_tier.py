@@ -43,7 +43,7 @@ from .host_ring import HostRing
 from .lookahead import LookaheadRows
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
-from .staging import STAGE_POSITIONS, staged_switch
+from .staging import STAGE_POSITIONS, staged_clone, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .switch import switch_on
@@ -101,7 +101,8 @@ class TwoTierRuntime:
         self._tables: list[mx.array | None] = [None] * len(caches)
         self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
         self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
-        self.switches: list = [None] * len(caches)  # mlx-lm's switch over each stack (`build`)
+        # mlx-lm's switch over each stack (`build`), and its copy for staged passes (`staging.staged_clone`)
+        self.switches, self.staged = [None] * len(caches), [None] * len(caches)
         self._addresses = [_addresses(stack) for stack in stacks]
         self.stack_moves = 0  # fills that found a stack copied instead of written in place (want 0)
         # fills between passes as kernels that need no wait (CUDA), else MLX writes after a wait
@@ -111,9 +112,8 @@ class TwoTierRuntime:
         self._table_ring = HostRing((len(caches), self.num_experts), np.uint32)
         self._moves_ring: HostRing | None = None  # made at the first fill by kernels
         self._dirty = True  # slots changed since the tables were made
-        self._routed: dict[int, mx.array] = {}
-        self._hit: dict[int, mx.array] = {}
-        self._union: dict[int, mx.array] = {}  # staged layers' counts (`staging.staged_switch`)
+        # this pass's routed ids, hit lanes and staged layers' counts (`staging.staged_switch`), by layer
+        self._routed, self._hit, self._union = {}, {}, {}
         self.stage_positions = STAGE_POSITIONS  # a layer pass of this many positions or more is staged
         self._recording: list | None = None
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
@@ -228,10 +228,9 @@ class TwoTierRuntime:
                 read = rows[indices]
                 self._hit[layer] = read >= self.num_experts
             if lanes >= self.stage_positions * indices.shape[-1]:  # each expert across PCIe once a pass
-                on_device, places, self._union[layer] = staged_switch(
-                    stacked, self.stacks[layer], rows, indices, self.num_experts
+                y, self._union[layer] = staged_switch(
+                    self.staged[layer], self.stacks[layer], rows, x, indices, self.num_experts
                 )
-                y = on_device(x, places)
             else:
                 y = stacked(x, read)
         if self._recording is not None:
@@ -440,6 +439,7 @@ def build(
         runtime.lookahead = LookaheadRows(stacks, runtime.num_experts, slots, kept, kept)
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         runtime.switches[i] = switch_on(block.switch, stack)
+        runtime.staged[i] = staged_clone(runtime.switches[i], stack)
         block.replace_switch(TwoTierSwitch(runtime.switches[i], runtime, i))
         for part in cache.layout.parts:
             cache.projections[part.proj][part.name] = mx.zeros(

@@ -3,6 +3,7 @@ selects run as on CUDA. Exact tokens at every capacity and in other families, ad
 between passes, the ledger, and no host sync inside a pass."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -193,32 +194,43 @@ def test_staged_passes_match_mlx_lm(bundled_reference, stage_positions):
     slots_hold_their_experts(engine)
 
 
-def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order(monkeypatch):
+def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
     """`staged_switch`'s copy: min(E, lanes) rows, the routed experts' rows (from their slot where the
-    table says so) in expert order, the rest copies of the device row; each lane's place names its
-    expert's row; the counts are the union's."""
+    table says so) in expert order, the rest copies of the device row; each lane reads its expert's row;
+    the counts are the union's; the switch keeps no copy after the call."""
     E, C = 8, 2
     rows = mx.arange((E + C) * 3, dtype=mx.float32).reshape(E + C, 3)
     table = mx.array([0, 1, E + 1, 3, 4, 5, E, 7], dtype=mx.uint32)  # experts 2 and 6 in slots
-    seen = {}
+    host, seen = np.array(rows), []
 
-    class Stacked:  # the switch: `switch_on` (patched) records the arrays it is given
-        pass
+    class Proj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = rows
 
-    monkeypatch.setattr(staging, "switch_on", lambda stacked, arrays: seen.update(arrays) or stacked)
+    class Stacked(nn.Module):  # a switch whose output is the row each lane reads
+        def __init__(self):
+            super().__init__()
+            self.p = Proj()
+
+        def __call__(self, x, indices):
+            seen.append(np.array(self.p.weight))
+            return self.p.weight[indices]
+
+    stack = {("p", "weight"): rows}
+    switch = staging.staged_clone(Stacked(), stack)
     indices = mx.array([[6, 1], [1, 3], [6, 6]], dtype=mx.uint32)  # 3 positions, top-2: 6 lanes
-    _, places, counts = staging.staged_switch(Stacked(), {("p", "weight"): rows}, table, indices, E)
-    copy = np.array(seen[("p", "weight")])
-    host = np.array(rows)
-    assert copy.shape == (6, 3)  # min(E, lanes)
-    assert np.array_equal(copy[:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
-    assert np.array_equal(copy[3:], host[[E] * 3])  # the device row
-    assert np.array_equal(np.array(places), [[2, 0], [0, 1], [2, 2]])
+    y, counts = staging.staged_switch(switch, stack, table, None, indices, E)
+    assert seen[0].shape == (6, 3)  # min(E, lanes)
+    assert np.array_equal(seen[0][:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
+    assert np.array_equal(seen[0][3:], host[[E] * 3])  # the device row
+    assert np.array_equal(np.array(y), host[np.array(table)[np.array(indices)]])  # each lane its expert's
     assert np.array(counts).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
-    seen.clear()  # one position (a decode pass): lane i's expert in row i, no union to find
-    _, places, counts = staging.staged_switch(Stacked(), {("p", "weight"): rows}, table, indices[:1, None], E)
-    assert np.array_equal(np.array(seen[("p", "weight")]), host[[E, 1]])  # 6 from its slot, then 1
-    assert np.array_equal(np.array(places), [[[0, 1]]])
+    assert switch["p"]["weight"] is None  # the copy is not kept alive by the switch
+    # one position (a decode pass): lane i's expert in row i, no union to find
+    y, counts = staging.staged_switch(switch, stack, table, None, indices[:1, None], E)
+    assert np.array_equal(seen[1], host[[E, 1]])  # 6 from its slot, then 1
+    assert np.array_equal(np.array(y), host[[[[E, 1]]]])
     assert np.array(counts).tolist() == [2, 1, 1, 1]
 
 

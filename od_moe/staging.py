@@ -83,7 +83,7 @@ def staged_switch(
     )
     sources = sources[:rows]
     if by_kernel:
-        copies = _copy_rows(list(stack.values()), sources, distinct, rows)
+        copies = copy_rows(list(stack.values()), sources, distinct, rows)
     else:
         copies = [mx.take(array, sources, axis=0) for array in stack.values()]
     held = table >= E
@@ -122,7 +122,7 @@ def _lane_call(E: int, k: int, by_kernel: bool):
         def call(table, ids, *arrays):
             sources = table[ids].astype(mx.int32)
             if by_kernel:
-                copies = _copy_rows(list(arrays), sources, mx.array(k, mx.int32), k)
+                copies = copy_rows(list(arrays), sources, mx.array(k, mx.int32), k)
             else:
                 copies = [mx.take(array, sources, axis=0) for array in arrays]
             held = (sources >= E).sum().astype(mx.int32)
@@ -132,7 +132,7 @@ def _lane_call(E: int, k: int, by_kernel: bool):
     return _lane_calls[key]
 
 
-def _copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int) -> list:
+def copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int) -> list:
     """`mx.take(array, sources, axis=0)` of every array of `arrays` as one CUDA kernel that loads 16 bytes
     a thread and leaves rows from `count` on unwritten (no lane reads them)."""
     unit, units = slot_fill.row_units(arrays)

@@ -68,7 +68,7 @@ def staged_read_bandwidth(engine, repeats: int = 5) -> float:
 
     def copy():
         if slot_fill.available():
-            return staging._copy_rows(stack, rows, mx.array(E), E)
+            return staging.copy_rows(list(stack.values()), rows, mx.array(E), E)
         return {key: mx.take(array, rows, axis=0) for key, array in stack.items()}
 
     mx.eval(copy())

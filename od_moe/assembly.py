@@ -16,6 +16,7 @@ from .errors import UserError
 from .progress import byte_progress
 from .reader import read_threads_for
 from .runtime import MISS_POLICIES, OffloadRuntime
+from .staging import STAGE_DECODE_NBYTES
 from .store import ExpertStore
 from .surgery import MoEBlock
 from .switch import OffloadedSwitch
@@ -66,13 +67,16 @@ LRU_EXPERT_NBYTES = 1 << 20
 def auto_tiers(asked, on: bool, why: str, slot_nbytes: int, fraction: float) -> tuple[bool | str, str]:
     """Where `asked` is "auto", `backend.two_tier_choice`'s answer with the kind of slots: "lru" (truthy)
     for experts of `LRU_EXPERT_NBYTES` or more, where two-tier mode is on and some but not all of them
-    have slots (`fraction`; with none, every miss is read in place). Otherwise (on, why) as they are."""
+    have slots (`fraction`). With none, large experts are staged at every pass, which `why` then says
+    (`staging.positions_to_stage`). Otherwise (on, why) as they are."""
     if asked == "auto" and on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
         return (
             "lru",
             f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts, "
             f"{fraction:.0%} of them in slots)",
         )
+    if on is True and fraction == 0 and slot_nbytes >= STAGE_DECODE_NBYTES:  # as `staging.positions_to_stage`
+        return on, f"{why}; no slots: each pass copies its experts to the device first, once each"
     return on, why
 
 

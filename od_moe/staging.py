@@ -10,7 +10,8 @@ the row that holds it (a slot, or its host row read once) into a device array of
 in expert order, and computes every lane on that array at its expert's place: the same kernel on the
 same bytes, so stock's output bit for bit. The union and the places are found on the device, so nothing
 waits for the host. Rows of the copy no expert needs (fewer routed than rows) copy a device row: no PCIe
-bytes. Staging pays where a pass has several positions (prefill, batches: `STAGE_POSITIONS`). The copy
+bytes. Staging pays where a pass has several positions (prefill, batches: `STAGE_POSITIONS`), and for a
+decode pass too where no expert is in a device row and experts are large (`positions_to_stage`). The copy
 lives until the layer's products are computed: min(E, lanes) experts of device memory at a time, beyond
 the slots.
 Not here: the tables and slots the rows come from (`two_tier.py`), the kernels' own reads (mlx-lm).
@@ -49,6 +50,19 @@ _lane_calls: dict[tuple, object] = {}  # compiled one-position copies (`_lane_ca
 # passes"): batch 1 decoded 180 tok/s unstaged and 145 staged, batch 2 231 and 256-263, batch 4 266-276
 # and 393-404, batch 8 284 and 613-629
 STAGE_POSITIONS = 2
+
+# Decode passes are staged too where a layer keeps no expert in device rows and its experts are this large:
+# every lane then misses, and the staging copy crosses PCIe at about twice the rate of the kernel's reads in
+# place (H100: 45-48 GB/s against 22-25). H100, the widened copy's 2.65 MB experts, no slots, same process
+# (`benchmarks/two_tier.py --widen 128`, docs/two-tier-h100.md): 175.7 tok/s staged against 122.9 read in
+# place; the bundled model's 20 KB experts: 240.4 staged against 278.9, so small experts are not staged.
+STAGE_DECODE_NBYTES = 1 << 20
+
+
+def positions_to_stage(expert_nbytes: int, device_rows: int) -> int:
+    """From how many positions a layer pass is staged: one (every pass) where the layer keeps no expert in
+    `device_rows` (slots, or rows the device keeps) and its experts are large, else `STAGE_POSITIONS`."""
+    return 1 if device_rows == 0 and expert_nbytes >= STAGE_DECODE_NBYTES else STAGE_POSITIONS
 
 
 def staged_switch(

@@ -43,7 +43,7 @@ from .host_ring import HostRing
 from .lookahead import LookaheadRows
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
-from .staging import STAGE_POSITIONS, staged_clone, staged_switch
+from .staging import STAGE_POSITIONS, positions_to_stage, staged_clone, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .switch import switch_on
@@ -114,7 +114,7 @@ class TwoTierRuntime:
         self._dirty = True  # slots changed since the tables were made
         # this pass's routed ids, hit lanes and staged layers' counts (`staging.staged_switch`), by layer
         self._routed, self._hit, self._union = {}, {}, {}
-        self.stage_positions = STAGE_POSITIONS  # a layer pass of this many positions or more is staged
+        self.stage_positions = STAGE_POSITIONS  # a pass of this many positions or more is staged (`build`)
         self._recording: list | None = None
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
         self._since_admission, self._admitted_at = 0, 0
@@ -129,9 +129,8 @@ class TwoTierRuntime:
         """Use `policy`'s prompt hooks (router discovery: `profile`); predictions are not used here."""
         if settings is not None:
             raise UserError(
-                f"prefetch policy {policy.name!r} predicts experts for the per-layer path; two-tier mode "
-                "admits experts from their routing counts: use prefetch 'none' or 'profile', or "
-                "two_tier=False"
+                f"prefetch policy {policy.name!r} predicts experts for the per-layer path; two-tier mode"
+                " admits experts by routing counts: use prefetch 'none' or 'profile', or two_tier=False"
             )
         self.policy = policy
 
@@ -268,8 +267,7 @@ class TwoTierRuntime:
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:
-            ids = mx.stack([self._routed[i].reshape(-1) for i in range(len(self.caches))])
-            self._recorded.append((ids, k))
+            self._recorded.append((mx.stack([ids.reshape(-1) for _, ids in sorted(self._routed.items())]), k))
         self._prompt_done = self._prompt_done or self.phase == "prefill"
         self._routed, self._hit, self._union = {}, {}, {}
         return y
@@ -430,6 +428,8 @@ def build(
     rows = [max(1, cache.capacity + lookahead_rows) for cache in caches]  # one in device memory at least
     stacks = [read_stack(store, c.layout, c.targets, n, progress) for c, n in zip(caches, rows)]
     runtime = TwoTierRuntime(store, caches, stacks)
+    held = caches[0].capacity + lookahead_rows + device_lru  # device rows kept (`lru`: one at least)
+    runtime.stage_positions = positions_to_stage(caches[0].layout.expert_nbytes, held)
     if device_lru:
         slots, kept = [0] * len(caches), rows[0]
         runtime.admissions, runtime.device_lru = False, True

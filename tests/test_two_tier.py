@@ -194,6 +194,26 @@ def test_staged_passes_match_mlx_lm(bundled_reference, stage_positions):
     slots_hold_their_experts(engine)
 
 
+def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundled_reference):
+    """Experts of `STAGE_DECODE_NBYTES` or more, no expert in a device row: decode passes are staged too
+    (each lane's expert copied to the device, then computed there), with stock's tokens, and `inspect`
+    says so; with slots, or with small experts, a decode pass is read in place."""
+    from od_moe import assembly, backend, preflight
+
+    assert od_moe.load(capacity=0, two_tier=True).runtime.stage_positions == staging.STAGE_POSITIONS
+    monkeypatch.setattr(staging, "STAGE_DECODE_NBYTES", 1)  # the bundled model's 20 KB experts count large
+    monkeypatch.setattr(assembly, "STAGE_DECODE_NBYTES", 1)
+    assert od_moe.load(capacity=0.25, two_tier=True).runtime.stage_positions == staging.STAGE_POSITIONS
+    engine = od_moe.load(capacity=0, two_tier=True)
+    assert engine.runtime.stage_positions == 1
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    decode = stats.per_pass(engine.runtime.ledger, "decode")
+    assert decode["routings_read"] == decode["passes"] * engine.stats()["moe_layers"] > 0  # every one staged
+    assert engine.stats()["total"]["decode"]["hits"] == 0
+    monkeypatch.setattr(backend, "two_tier_choice", lambda asked, nbytes: (asked is not False, "on"))
+    assert "each pass copies its experts" in preflight.inspect_model(capacity=0)["two_tier"]["reason"]
+
+
 def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
     """`staged_switch`'s copy: min(E, lanes) rows, the routed experts' rows (from their slot where the
     table says so) in expert order, the rest copies of the device row; each lane reads its expert's row;

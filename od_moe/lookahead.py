@@ -145,9 +145,8 @@ class LookaheadRows:
         self._age_host = [np.full(rows, AGE_EMPTY, np.int64) for _ in stacks]
         self._score_host = [np.zeros(num_experts, np.float32) for _ in stacks]
         self._predicted: dict[int, mx.array] = {}
-        self._copied: list[tuple[int, mx.array]] = []  # this pass's copy counts, per call
         self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
-        self._pending: list[tuple[int, mx.array]] = []
+        self._pending: list[tuple[int, mx.array]] = []  # copy counts of the kernel calls, booked at `read`
         self._hits: list[tuple[int, mx.array]] = []  # lane hits of demand calls, booked at `read`
 
     @property
@@ -221,7 +220,7 @@ class LookaheadRows:
             return self._on_host(layer, cand, base, ahead)
         rows, found, held, age, copied, score, lane_rows, lane_hit = self._launch(layer, cand, base, ahead)
         self.held[layer], self.age[layer], self.score[layer] = held, age, score
-        self._copied.append((layer, copied))
+        self._pending.append((layer, copied))
         return found, rows, lane_rows, lane_hit
 
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
@@ -267,10 +266,8 @@ class LookaheadRows:
         return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
     def end_pass(self):
-        """Queue this pass's copy counts (read by `read`); drop predictions no layer asked for."""
+        """Drop predictions no layer asked for."""
         self._predicted = {}
-        self._pending += self._copied
-        self._copied = []
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """(copies, hit lanes of the layers' own calls) per layer since the last read (waits for the passes
@@ -292,7 +289,7 @@ class LookaheadRows:
         out = np.zeros(len(self.stacks), np.int64)
         if pending:
             layers = np.concatenate([np.full(a.size, layer) for layer, a in pending])
-            values = np.array(mx.concatenate([a.reshape(-1) for _, a in pending]).astype(mx.int32))
+            values = np.array(mx.concatenate([a.reshape(-1) for _, a in pending]))
             np.add.at(out, layers, values.astype(np.int64))
         pending.clear()
         return out

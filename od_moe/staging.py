@@ -75,12 +75,11 @@ def staged_switch(
     copy_by_kernel: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """(the layer's output for `x` and `indices`, computed by `switch` (`staged_clone`) on device copies of
-    the experts they route to;
-    the pass's counts (4,) int32: distinct experts routed, those in device rows by `table`, 1 (this layer
-    pass), and lanes whose expert is in no device row). `table`: each expert's row in `stack` (E + slot on
-    the device, else its host row); `device_row`: a row in device memory, copied where fewer experts are
-    routed than the copy has rows (min(E, lanes)). On CUDA the copy is one kernel of 16-byte loads
-    (`copy_by_kernel`), elsewhere `mx.take`."""
+    the experts they route to; the pass's counts (4,) int32: distinct experts routed, those in device rows
+    by `table`, 1 (this layer pass), and lanes whose expert is in no device row). `table`: each expert's
+    row in `stack` (E + slot on the device, else its host row); `device_row`: a row in device memory,
+    copied where fewer experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy is one
+    kernel of 16-byte loads (`copy_by_kernel`), elsewhere `mx.take`."""
     E, flat = table.shape[0], indices.reshape(-1)
     by_kernel = copy_by_kernel and slot_fill.available()
     if flat.size == indices.shape[-1]:  # one position: its lanes route to distinct experts, one row each

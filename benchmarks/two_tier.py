@@ -47,6 +47,7 @@ import od_moe.assembly
 from od_moe import forecast, lookahead
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
+from od_moe.bench.roofline import roofline_ms
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
 from od_moe.report import table
 
@@ -142,7 +143,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     }
     if two_tier:  # the roofline: max(stock's step, moved bytes / the faster measured way across the bus)
         moved = moved_per_token(engine) * engine.caches[0].layout.expert_nbytes
-        floor_ms = max(1e3 / row["stock_tok_s"], 1e3 * moved / BUS["best"])
+        floor_ms = roofline_ms(1e3 / row["stock_tok_s"], moved, BUS["best"], 0, 1)[0]
         row.update(
             moved_bytes_per_token=moved, roofline_ms=floor_ms, x_roofline=floor_ms * row["tok_s"] / 1e3
         )

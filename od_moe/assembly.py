@@ -16,7 +16,7 @@ from .errors import UserError
 from .progress import byte_progress
 from .reader import read_threads_for
 from .runtime import MISS_POLICIES, OffloadRuntime
-from .staging import STAGE_DECODE_NBYTES
+from .staging import positions_to_stage
 from .store import ExpertStore
 from .surgery import MoEBlock
 from .switch import OffloadedSwitch
@@ -75,7 +75,7 @@ def auto_tiers(asked, on: bool, why: str, slot_nbytes: int, fraction: float) -> 
             f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts, "
             f"{fraction:.0%} of them in slots)",
         )
-    if on is True and fraction == 0 and slot_nbytes >= STAGE_DECODE_NBYTES:  # as `staging.positions_to_stage`
+    if on is True and positions_to_stage(slot_nbytes, device_rows=int(fraction > 0)) == 1:
         return on, f"{why}; no slots: each pass copies its experts to the device first, once each"
     return on, why
 

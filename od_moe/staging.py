@@ -94,11 +94,7 @@ def staged_switch(
     sources = sources.at[mx.where(used, place, rows)].add(
         mx.where(used, table.astype(mx.int32) - device_row, 0)
     )
-    sources = sources[:rows]
-    if by_kernel:
-        copies = copy_rows(list(stack.values()), sources, distinct, rows)
-    else:
-        copies = [mx.take(array, sources, axis=0) for array in stack.values()]
+    copies = take_rows(list(stack.values()), sources[:rows], distinct, by_kernel)
     held = table >= E
     counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
@@ -134,15 +130,20 @@ def _lane_call(E: int, k: int, by_kernel: bool):
 
         def call(table, ids, *arrays):
             sources = table[ids].astype(mx.int32)
-            if by_kernel:
-                copies = copy_rows(list(arrays), sources, mx.array(k, mx.int32), k)
-            else:
-                copies = [mx.take(array, sources, axis=0) for array in arrays]
+            copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
             held = (sources >= E).sum().astype(mx.int32)
             return (*copies, mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held]))
 
         _lane_calls[key] = mx.compile(call)
     return _lane_calls[key]
+
+
+def take_rows(arrays: list, sources: mx.array, count: mx.array, by_kernel: bool) -> list:
+    """`mx.take(array, sources, axis=0)` of every array of `arrays`: on CUDA (`by_kernel`) as `copy_rows`,
+    which leaves rows from `count` on unwritten."""
+    if by_kernel:
+        return copy_rows(arrays, sources, count, sources.size)
+    return [mx.take(array, sources, axis=0) for array in arrays]
 
 
 def copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int) -> list:

@@ -428,7 +428,7 @@ def build(
     rows = [max(1, cache.capacity + lookahead_rows) for cache in caches]  # one in device memory at least
     stacks = [read_stack(store, c.layout, c.targets, n, progress) for c, n in zip(caches, rows)]
     runtime = TwoTierRuntime(store, caches, stacks)
-    held = caches[0].capacity + lookahead_rows + device_lru  # device rows kept (`lru`: one at least)
+    held = rows[0] if device_lru else caches[0].capacity + lookahead_rows  # expert rows in device memory
     runtime.stage_positions = positions_to_stage(caches[0].layout.expert_nbytes, held)
     if device_lru:
         slots, kept = [0] * len(caches), rows[0]

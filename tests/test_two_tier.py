@@ -198,11 +198,10 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
     """Experts of `STAGE_DECODE_NBYTES` or more, no expert in a device row: decode passes are staged too
     (each lane's expert copied to the device, then computed there), with stock's tokens, and `inspect`
     says so; with slots, or with small experts, a decode pass is read in place."""
-    from od_moe import assembly, backend, preflight
+    from od_moe import backend, preflight
 
     assert od_moe.load(capacity=0, two_tier=True).runtime.stage_positions == staging.STAGE_POSITIONS
     monkeypatch.setattr(staging, "STAGE_DECODE_NBYTES", 1)  # the bundled model's 20 KB experts count large
-    monkeypatch.setattr(assembly, "STAGE_DECODE_NBYTES", 1)
     assert od_moe.load(capacity=0.25, two_tier=True).runtime.stage_positions == staging.STAGE_POSITIONS
     engine = od_moe.load(capacity=0, two_tier=True)
     assert engine.runtime.stage_positions == 1

@@ -21,6 +21,7 @@ Metal the stack is plain memory: the counts and tokens hold, the speeds are that
 Not here: the two-tier runtime (`two_tier.py`), the per-layer path's grid (`prefetch.py`).
 """
 
+import functools
 import gc
 import statistics
 import time
@@ -42,19 +43,29 @@ WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 
 
-def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
-    """Bytes per second at which the first MoE layer's computation reads experts in place: one token routed
-    to every expert of the layer's mapped stack (every lane a miss), the best of `repeats` after a warm-up."""
-    switch = next(m for _, m in engine.model.named_modules() if isinstance(m, TwoTierSwitch))
-    cache = engine.caches[switch.layer]
-    x = engine.model.model.embed_tokens(mx.array([[1]]))
-    indices = mx.arange(cache.num_experts, dtype=mx.uint32)[None, None]
-    mx.eval(switch.stacked(x, indices))
+def _best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` evaluations of `run()`, after one to warm up."""
+    mx.eval(run())
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mx.eval(switch.stacked(x, indices))
+        mx.eval(run())
         best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _first_switch(engine) -> TwoTierSwitch:
+    return next(m for _, m in engine.model.named_modules() if isinstance(m, TwoTierSwitch))
+
+
+def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
+    """Bytes per second at which the first MoE layer's computation reads experts in place: one token routed
+    to every expert of the layer's mapped stack (every lane a miss), the best of `repeats` after a warm-up."""
+    switch = _first_switch(engine)
+    cache = engine.caches[switch.layer]
+    x = engine.model.model.embed_tokens(mx.array([[1]]))
+    indices = mx.arange(cache.num_experts, dtype=mx.uint32)[None, None]
+    best = _best_seconds(lambda: switch.stacked(x, indices), repeats)
     return cache.num_experts * cache.layout.expert_nbytes / best
 
 
@@ -62,22 +73,13 @@ def staged_read_bandwidth(engine, repeats: int = 5) -> float:
     """Bytes per second at which a staged pass's copy (`staging.py`: a kernel of 16-byte loads on CUDA)
     brings every expert of the first MoE layer's mapped stack to the device, the best of `repeats` after a
     warm-up: the other way bytes cross the bus, so the roofline takes the faster of the two."""
-    switch = next(m for _, m in engine.model.named_modules() if isinstance(m, TwoTierSwitch))
-    stack, E = engine.runtime.stacks[switch.layer], engine.caches[switch.layer].num_experts
-    rows = mx.arange(E, dtype=mx.int32)
-
-    def copy():
-        if slot_fill.available():
-            return staging.copy_rows(list(stack.values()), rows, mx.array(E), E)
-        return {key: mx.take(array, rows, axis=0) for key, array in stack.items()}
-
-    mx.eval(copy())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(copy())
-        best = min(best, time.perf_counter() - t0)
-    return E * engine.caches[switch.layer].layout.expert_nbytes / best
+    switch = _first_switch(engine)
+    stack, cache = engine.runtime.stacks[switch.layer], engine.caches[switch.layer]
+    rows, E = mx.arange(cache.num_experts, dtype=mx.int32), cache.num_experts
+    copy = functools.partial(
+        staging.take_rows, list(stack.values()), rows, mx.array(E), slot_fill.available()
+    )
+    return E * cache.layout.expert_nbytes / _best_seconds(copy, repeats)
 
 
 def bus_bandwidth(engine) -> dict:

@@ -20,6 +20,7 @@ from ..engine import DEFAULT_MODEL
 from ..report import table
 from ..training.data import load_documents
 from .foundation import stock_model
+from .two_tier_grid import experts_across_bus
 from .widen import widen_model
 
 
@@ -83,16 +84,9 @@ def _od_moe(path, capacity, prompts, max_tokens) -> dict:
     result = _decode(run, prompts, max_tokens)
     stats = engine.stats()
     generated = max(stats["generated_tokens"], 1)
-    total = stats["total"]
-    # two-tier mode reads nothing from disk: its bytes are the lanes read in place (a lane reads its
-    # expert's rows), the experts a staged pass copied across PCIe (once for all its lanes: `staging.py`),
-    # and slot copies
-    if engine.mode[0] == "two-tier":
-        led = engine.runtime.ledger
-        staged = led.total("experts") - led.total("expert_hits") - led.total("staged_misses")
-        moved = total["misses"] + staged + total["experts_loaded"]
-    else:
-        moved = total["experts_read"]
+    # two-tier mode reads nothing from disk: its bytes are the experts it moved across the bus
+    two_tier = engine.mode[0] == "two-tier"
+    moved = experts_across_bus(engine) if two_tier else stats["total"]["experts_read"]
     result["experts_per_token"] = moved / generated
     result["hit_rate"] = stats["total"]["decode"]["hit_rate"]
     engine.close()

@@ -89,19 +89,25 @@ def bus_bandwidth(engine) -> dict:
     return {**found, "best": max(found.values())}
 
 
-def moved_per_token(engine) -> float:
-    """Experts that crossed the bus per decoded token: lanes read in place (misses), the distinct experts
-    staged passes copied (once for all their lanes), and copies into slots; with device-kept rows each
-    miss is its row's copy, so the copies alone."""
+def experts_across_bus(engine, phase: str | None = None) -> float:
+    """Experts a two-tier engine moved across the bus in `phase` (None: both): lanes read in place (misses),
+    the distinct experts staged passes copied from host rows (once for all their lanes: `staging.py`), and
+    copies into slots."""
     stats, led = engine.stats(), engine.runtime.ledger
+    misses = stats["total"]["misses"] if phase is None else stats["total"][phase]["misses"]
+    copies = stats["total"]["experts_loaded"] if phase is None else stats["io"][phase]["experts_loaded"]
+    staged = led.total("experts", phase) - led.total("expert_hits", phase) - led.total("staged_misses", phase)
+    return misses + staged + copies
+
+
+def moved_per_token(engine) -> float:
+    """Experts that crossed the bus per decoded token (`experts_across_bus`); with device-kept rows each
+    miss is its row's copy, so the copies alone."""
+    stats = engine.stats()
     passes = max(1, stats["positions"]["decode"])
-    copies = stats["io"]["decode"]["experts_loaded"]
     if engine.runtime.device_lru:
-        return copies / passes
-    staged = sum(
-        led.total(k, "decode") * s for k, s in (("experts", 1), ("expert_hits", -1), ("staged_misses", -1))
-    )
-    return (stats["total"]["decode"]["misses"] + staged + copies) / passes
+        return stats["io"]["decode"]["experts_loaded"] / passes
+    return experts_across_bus(engine, "decode") / passes
 
 
 def load_stock(path: Path, tokens: int):

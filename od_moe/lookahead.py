@@ -192,6 +192,41 @@ class LookaheadRows:
         read = rows[indices]
         return rows, read, read >= self.E
 
+    def fuses(self, indices: mx.array) -> bool:
+        """Whether a decode pass's layer call for `indices` and the products after it can be one compiled
+        call (`products`): on the device, with `demand` on."""
+        return self.on_device and self.demand and indices.size <= MAX_DEMAND
+
+    def products(self, layer: int, steps, x: mx.array, indices: mx.array, base: mx.array) -> mx.array:
+        """What `lanes` (copying) and then the layer's switch give for a decode pass, as one compiled call
+        (`steps`: the layer's `layer_step.LayerSteps`): the kernel's Python, and mlx-lm's switch's, are not
+        run again at every pass. Its hits are kept here, as `lanes` keeps them."""
+        scores = self._predicted.pop(layer, None)
+        if scores is not None:  # what the prediction copied is there when the layer runs
+            self._call(layer, scores, base, ahead=True)
+        count = padded_size(indices.size)
+        key = ("rows", layer, count, self.copy, self.decay is not None, self.demand_blocks)
+        step = steps.step(key, lambda: self._demand_lanes(layer, count))
+        inputs = (self.held[layer], self.age[layer], self.score[layer], self._decay_input)
+        y, (held, age, score, copied, hit) = step(x, (indices, base, *inputs, *self.stacks[layer].values()))
+        self.held[layer], self.age[layer], self.score[layer] = held, age, score
+        self._pending.append((layer, copied))
+        self._hits.append((layer, hit))
+        return y
+
+    def _demand_lanes(self, layer: int, count: int):
+        """The lanes of `products`: the layer's kernel on its routed experts (padded to `count`), each lane
+        reading the row it gives."""
+        launch, E = self._kernel_call(layer, count, ahead=False), self.E
+
+        def lanes(indices, base, held, age, score, decay, *arrays):
+            out = launch(*arrays, padded(indices.reshape(-1), E), base, held, age, score, decay)
+            held, age, copied, score, read, hit = out[2:]
+            n = indices.size
+            return arrays, read[:n].reshape(indices.shape), (held, age, score, copied, hit[:n])
+
+        return lanes
+
     def current(self, layer: int, base: mx.array) -> mx.array:
         """`base` with the experts the layer's rows hold now pointing at them (a lazy scatter: no copy, no
         wait), for passes that call no kernel."""

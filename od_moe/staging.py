@@ -17,11 +17,12 @@ the slots.
 Not here: the tables and slots the rows come from (`two_tier.py`), the kernels' own reads (mlx-lm).
 """
 
+import functools
+
 import mlx.core as mx
-import mlx.nn as nn
 
 from . import slot_fill
-from .switch import switch_on
+from .layer_step import LayerSteps
 
 THREADS = 256
 BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
@@ -43,7 +44,6 @@ _CASE = """        case {i}: {{
             break;
         }}"""
 _kernels: dict[tuple, object] = {}
-_lane_calls: dict[tuple, object] = {}  # compiled one-position copies (`_lane_call`)
 
 # positions of a layer pass from which it is staged: a decode token's lanes route to distinct experts, which
 # staging would only copy once more. H200, widened x128 copy at 25% (`docs/two-tier-h100.md`, "Staged
@@ -66,7 +66,7 @@ def positions_to_stage(expert_nbytes: int, device_rows: int) -> int:
 
 
 def staged_switch(
-    switch: nn.Module,
+    steps: LayerSteps,
     stack: dict,
     table: mx.array,
     x: mx.array,
@@ -74,18 +74,19 @@ def staged_switch(
     device_row: int,
     copy_by_kernel: bool = True,
 ) -> tuple[mx.array, mx.array]:
-    """(the layer's output for `x` and `indices`, computed by `switch` (`staged_clone`) on device copies of
-    the experts they route to; the pass's counts (4,) int32: distinct experts routed, those in device rows
-    by `table`, 1 (this layer pass), and lanes whose expert is in no device row). `table`: each expert's
-    row in `stack` (E + slot on the device, else its host row); `device_row`: a row in device memory,
-    copied where fewer experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy is one
-    kernel of 16-byte loads (`copy_by_kernel`), elsewhere `mx.take`."""
+    """(the layer's output for `x` and `indices`, computed by the layer's switch (`steps`) on device copies
+    of the experts they route to; the pass's counts (4,) int32: distinct experts routed, those in device
+    rows by `table`, 1 (this layer pass), and lanes whose expert is in no device row). `table`: each
+    expert's row in `stack` (E + slot on the device, else its host row); `device_row`: a row in device
+    memory, copied where fewer experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy
+    is one kernel of 16-byte loads (`copy_by_kernel`), elsewhere `mx.take`. One position's pass is one
+    compiled call: its lanes route to distinct experts, lane i's into row i."""
     E, flat = table.shape[0], indices.reshape(-1)
     by_kernel = copy_by_kernel and slot_fill.available()
-    if flat.size == indices.shape[-1]:  # one position: its lanes route to distinct experts, one row each
-        *copies, counts = _lane_call(E, flat.size, by_kernel)(table, flat, *stack.values())
-        places = mx.arange(flat.size, dtype=indices.dtype).reshape(indices.shape)
-        return compute_on(switch, dict(zip(stack, copies)), x, places), counts
+    if flat.size == indices.shape[-1]:
+        step = steps.step(("staged", by_kernel), lambda: functools.partial(_one_position, by_kernel))
+        y, (counts,) = step(x, (table, indices, *stack.values()))
+        return y, counts
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
     distinct = used.sum()
@@ -99,43 +100,18 @@ def staged_switch(
     counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
     places = place[indices].astype(indices.dtype)
-    return compute_on(switch, dict(zip(stack, copies)), x, places), counts
+    return steps.compute(copies, x, places), counts
 
 
-def staged_clone(stacked: nn.Module, stack: dict) -> nn.Module:
-    """A copy of mlx-lm's switch over a layer's `stack` for `staged_switch` to compute with: made once per
-    layer (copying modules at every pass cost the host more than the rest of a decode pass's staging),
-    holding none of the stack's arrays between calls."""
-    return switch_on(stacked, dict.fromkeys(stack))
-
-
-def compute_on(switch: nn.Module, arrays: dict, x: mx.array, indices: mx.array) -> mx.array:
-    """`switch(x, indices)` on `arrays` ((projection, name) -> array), set for this call only: afterwards
-    the switch keeps no staged copy alive."""
-    for (proj, name), array in arrays.items():
-        switch[proj][name] = array
-    try:
-        return switch(x, indices)
-    finally:
-        for proj, name in arrays:
-            switch[proj][name] = None
-
-
-def _lane_call(E: int, k: int, by_kernel: bool):
-    """The compiled copy of one position's k lanes, lane i's expert into row i, and its counts: (table,
-    the lanes' expert ids, *a stack's arrays) -> (*the copies, counts). Compiled (MLX traces it once per
-    arrays' shapes), since MLX otherwise rebuilds a custom kernel's call at every call."""
-    key = (E, k, by_kernel)  # what the call closes over; MLX traces it again for other arrays' shapes
-    if key not in _lane_calls:
-
-        def call(table, ids, *arrays):
-            sources = table[ids].astype(mx.int32)
-            copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
-            held = (sources >= E).sum().astype(mx.int32)
-            return (*copies, mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held]))
-
-        _lane_calls[key] = mx.compile(call)
-    return _lane_calls[key]
+def _one_position(by_kernel: bool, table: mx.array, indices: mx.array, *arrays):
+    """The lanes of a staged pass of one position (`LayerSteps.step`): lane i's expert copied into row i,
+    and the pass's counts."""
+    k, E = indices.size, table.shape[0]
+    sources = table[indices.reshape(-1)].astype(mx.int32)
+    copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
+    held = (sources >= E).sum().astype(mx.int32)
+    counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held])
+    return copies, mx.arange(k, dtype=indices.dtype).reshape(indices.shape), (counts,)
 
 
 def take_rows(arrays: list, sources: mx.array, count: mx.array, by_kernel: bool) -> list:

@@ -40,10 +40,11 @@ from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
 from .host_ring import HostRing
+from .layer_step import LayerSteps, as_routed, through_table
 from .lookahead import LookaheadRows
 from .mapped import read_stack, release_stack
 from .policies import OnDemand
-from .staging import STAGE_POSITIONS, positions_to_stage, staged_clone, staged_switch
+from .staging import STAGE_POSITIONS, positions_to_stage, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .switch import switch_on
@@ -101,8 +102,8 @@ class TwoTierRuntime:
         self._tables: list[mx.array | None] = [None] * len(caches)
         self._resident = np.zeros((len(caches), self.num_experts), dtype=bool)
         self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
-        # mlx-lm's switch over each stack (`build`), and its copy for staged passes (`staging.staged_clone`)
-        self.switches, self.staged = [None] * len(caches), [None] * len(caches)
+        # mlx-lm's switch over each stack (`build`), and its copy for compiled and staged passes
+        self.switches, self.steps = [None] * len(caches), [None] * len(caches)
         self._addresses = [_addresses(stack) for stack in stacks]
         self.stack_moves = 0  # fills that found a stack copied instead of written in place (want 0)
         # fills between passes as kernels that need no wait (CUDA), else MLX writes after a wait
@@ -212,26 +213,12 @@ class TwoTierRuntime:
             for target, scores in self.forecast(layer, x):
                 self.lookahead.expect(target, scores)
         if self._full[layer]:  # no lane can miss: nothing to count on the device
-            direct = self._direct[layer]  # the slots in expert order: stock's call, no table
-            y = direct(x, indices) if direct is not None else stacked(x, self._tables[layer][indices])
             self.ledger.count_lookups(self.phase, layer, lanes, lanes)
+            y = self._in_slots(layer, stacked, x, indices)
         else:
             self._routed[layer] = indices
             self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
-            rows, read = self._tables[layer], indices  # no expert in a slot: every lane mapped
-            if self.lookahead is not None:  # each lane's row (after copies, if any), and hits before them
-                rows, read, hit = self.lookahead.lanes(layer, rows, indices, copy=ahead)
-                if hit is not None:  # else the rows count their own call's hits
-                    self._hit[layer] = hit
-            elif self._resident[layer].any():
-                read = rows[indices]
-                self._hit[layer] = read >= self.num_experts
-            if lanes >= self.stage_positions * indices.shape[-1]:  # each expert across PCIe once a pass
-                y, self._union[layer] = staged_switch(
-                    self.staged[layer], self.stacks[layer], rows, x, indices, self.num_experts
-                )
-            else:
-                y = stacked(x, read)
+            y = self._mapped(layer, stacked, x, indices, ahead)
         if self._recording is not None:
             self._routed.setdefault(layer, indices)
         if layer == len(self.caches) - 1:
@@ -239,6 +226,41 @@ class TwoTierRuntime:
             if self.kernel_fills is not None:  # what a slot fill at the next pass waits for (`_admit`)
                 self._last_output = y
         return y
+
+    def _in_slots(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
+        """A layer pass with every expert in a slot: the slots in expert order (`_direct`: stock's call, no
+        table), else through the table; one position's as one compiled call (`layer_step.py`)."""
+        steps, views, table = self.steps[layer], self._direct[layer], self._tables[layer]
+        if indices.size == indices.shape[-1]:
+            if views is not None:
+                return steps(as_routed, x, (indices, *views))[0]
+            return steps(through_table, x, (table, indices, *self.stacks[layer].values()))[0]
+        return steps.compute(views, x, indices) if views is not None else stacked(x, table[indices])
+
+    def _mapped(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
+        """A layer pass where lanes may miss: each lane's row (a slot, a row the device keeps, its host row),
+        then the switch on them; one position's as one compiled call (`layer_step.py`) where the device
+        decides the rows."""
+        steps, rows, stack, E = self.steps[layer], self._tables[layer], self.stacks[layer], self.num_experts
+        one = indices.size == indices.shape[-1]
+        staged = indices.size >= self.stage_positions * indices.shape[-1]  # each expert across PCIe once
+        if ahead and one and self.lookahead.fuses(indices):  # the rows count their own call's hits
+            return self.lookahead.products(layer, steps, x, indices, rows)
+        read, slots = indices, self._resident[layer].any()  # no expert in a slot: every lane mapped
+        if self.lookahead is not None:  # each lane's row (after copies, if any), and hits before them
+            rows, read, hit = self.lookahead.lanes(layer, rows, indices, copy=ahead)
+            if hit is not None:  # else the rows count their own call's hits
+                self._hit[layer] = hit
+        elif slots and one and not staged:
+            y, (self._hit[layer],) = steps(through_table, x, (rows, indices, *stack.values()))
+            return y
+        elif slots:
+            read = rows[indices]
+            self._hit[layer] = read >= E
+        if staged:
+            y, self._union[layer] = staged_switch(steps, stack, rows, x, indices, E)
+            return y
+        return steps(as_routed, x, (read, *stack.values()))[0] if one else stacked(x, read)
 
     def _begin_pass(self, x: mx.array):
         self.tally.launch()  # the last pass's counts, queued after it
@@ -285,14 +307,14 @@ class TwoTierRuntime:
         self._tables = [rows[i] for i in range(len(self.caches))]
         in_order = self._full & (slot_of == np.arange(E)).all(axis=1)
         in_order[list(self._landed)] = False  # their slots wait for fills the views would not wait for
-        self._direct = [  # mlx-lm's switch over the slot rows alone (views: nothing copied)
-            switch_on(sw, {key: part[E:] for key, part in stack.items()}) if ok else None
-            for sw, stack, ok in zip(self.switches, self.stacks, in_order)
+        self._direct = [  # the slot rows alone (views: nothing copied)
+            tuple(part[E:] for part in stack.values()) if ok else None
+            for stack, ok in zip(self.stacks, in_order)
         ]
         for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
             self._tables[layer] = rows[layer] + (landed * 0).astype(mx.uint32)
         self._landed = {}
-        mx.async_eval(self._tables, [d.parameters() for d in self._direct if d is not None])  # not in a pass
+        mx.async_eval(self._tables, [d for d in self._direct if d is not None])  # not in a pass
 
     # -- between passes ----------------------------------------------------------------------------
     def _book(self, read) -> bool:
@@ -439,7 +461,7 @@ def build(
         runtime.lookahead = LookaheadRows(stacks, runtime.num_experts, slots, kept, kept)
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         runtime.switches[i] = switch_on(block.switch, stack)
-        runtime.staged[i] = staged_clone(runtime.switches[i], stack)
+        runtime.steps[i] = LayerSteps(runtime.switches[i], stack)
         block.replace_switch(TwoTierSwitch(runtime.switches[i], runtime, i))
         for part in cache.layout.parts:
             cache.projections[part.proj][part.name] = mx.zeros(

@@ -13,6 +13,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots
 from od_moe import staging, stats, tally, two_tier
 from od_moe.admission import Admission
 from od_moe.errors import UserError
+from od_moe.layer_step import LayerSteps
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 
@@ -45,8 +46,8 @@ def test_every_expert_mapped_or_every_expert_in_slots(bundled_reference, fractio
     direct, E = engine.runtime._direct, engine.num_experts
     assert [d is not None for d in direct] == [fraction == 1.0] * len(direct)
     for d, stack in zip(direct if fraction == 1.0 else [], engine.runtime.stacks):
-        for (proj, name), rows in stack.items():
-            assert d[proj][name].shape[0] == E and mx.array_equal(d[proj][name], rows[E:])
+        for view, rows in zip(d, stack.values()):
+            assert view.shape[0] == E and mx.array_equal(view, rows[E:])
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h"])
@@ -216,7 +217,8 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
 def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
     """`staged_switch`'s copy: min(E, lanes) rows, the routed experts' rows (from their slot where the
     table says so) in expert order, the rest copies of the device row; each lane reads its expert's row;
-    the counts are the union's; the switch keeps no copy after the call."""
+    the counts are the union's; the switch keeps no copy after the call. One position's pass (compiled):
+    lane i's expert in row i."""
     E, C = 8, 2
     rows = mx.arange((E + C) * 3, dtype=mx.float32).reshape(E + C, 3)
     table = mx.array([0, 1, E + 1, 3, 4, 5, E, 7], dtype=mx.uint32)  # experts 2 and 6 in slots
@@ -227,30 +229,33 @@ def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
             super().__init__()
             self.weight = rows
 
-    class Stacked(nn.Module):  # a switch whose output is the row each lane reads
+    class Stacked(nn.Module):  # a switch whose output is each lane's row, and which rows it was given
         def __init__(self):
             super().__init__()
             self.p = Proj()
 
         def __call__(self, x, indices):
-            seen.append(np.array(self.p.weight))
-            return self.p.weight[indices]
+            seen.append(self.p.weight)
+            return self.p.weight[indices] + x
 
     stack = {("p", "weight"): rows}
-    switch = staging.staged_clone(Stacked(), stack)
+    steps = LayerSteps(Stacked(), stack)
     indices = mx.array([[6, 1], [1, 3], [6, 6]], dtype=mx.uint32)  # 3 positions, top-2: 6 lanes
-    y, counts = staging.staged_switch(switch, stack, table, None, indices, E)
-    assert seen[0].shape == (6, 3)  # min(E, lanes)
-    assert np.array_equal(seen[0][:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
-    assert np.array_equal(seen[0][3:], host[[E] * 3])  # the device row
+    x = mx.zeros((1,))
+    y, counts = staging.staged_switch(steps, stack, table, x, indices, E)
+    copy = np.array(seen[0])
+    assert copy.shape == (6, 3)  # min(E, lanes)
+    assert np.array_equal(copy[:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
+    assert np.array_equal(copy[3:], host[[E] * 3])  # the device row
     assert np.array_equal(np.array(y), host[np.array(table)[np.array(indices)]])  # each lane its expert's
     assert np.array(counts).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
-    assert switch["p"]["weight"] is None  # the copy is not kept alive by the switch
+    assert steps.switch["p"]["weight"] is None  # the copy is not kept alive by the switch
     # one position (a decode pass): lane i's expert in row i, no union to find
-    y, counts = staging.staged_switch(switch, stack, table, None, indices[:1, None], E)
-    assert np.array_equal(seen[1], host[[E, 1]])  # 6 from its slot, then 1
-    assert np.array_equal(np.array(y), host[[[[E, 1]]]])
-    assert np.array(counts).tolist() == [2, 1, 1, 1]
+    for _ in range(2):  # traced, then replayed
+        y, counts = staging.staged_switch(steps, stack, table, x, indices[:1, None], E)
+        assert np.array_equal(np.array(y), host[[[[E, 1]]]])  # 6 from its slot, then 1
+        assert np.array(counts).tolist() == [2, 1, 1, 1]
+    assert len(seen) == 2 and steps.switch["p"]["weight"] is None  # traced once
 
 
 def test_admission_decays_by_every_pass_once(monkeypatch):

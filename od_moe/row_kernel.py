@@ -75,15 +75,15 @@ SOURCE = """
         copies += 1;
         if (q == (int)blockIdx.y) into = v;
     }}
+    auto placed = [&](int e, const int* in) -> uint32_t {{  // e's row: a slot, else a device row `in` holds
+        uint32_t row = base[e];
+        for (int s = 0; s < S; ++s) row = (in[s] == e && row < (uint32_t)E) ? E + C + s : row;
+        return row;
+    }};
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {{
         for (int i = threadIdx.x; i < E; i += blockDim.x) {{
-            uint32_t row = base[i], was = base[i];
-            for (int s = 0; s < S; ++s) {{
-                if (now[s] == i && row < (uint32_t)E) row = E + C + s;
-                if (held[s] == i && was < (uint32_t)E) was = E + C + s;
-            }}
-            rows[i] = row;
-            found[i] = was;
+            rows[i] = placed(i, now);
+            found[i] = placed(i, held);
             score_out[i] = scored(i);
         }}
         if (threadIdx.x == 0) {{
@@ -95,16 +95,9 @@ SOURCE = """
         }}
         for (int q = threadIdx.x; q < P && DEMAND; q += blockDim.x) {{  // each candidate lane's row, hit
             int e = (int)static_cast<float>(cand[q]);
-            uint32_t row = E, was = E;
-            if (e >= 0 && e < E) {{
-                row = was = base[e];
-                for (int s = 0; s < S; ++s) {{
-                    if (now[s] == e && row < (uint32_t)E) row = E + C + s;
-                    if (held[s] == e && was < (uint32_t)E) was = E + C + s;
-                }}
-            }}
-            lane_rows[q] = row;
-            lane_hit[q] = was >= (uint32_t)E;
+            bool known = e >= 0 && e < E;
+            lane_rows[q] = known ? placed(e, now) : (uint32_t)E;
+            lane_hit[q] = known && placed(e, held) >= (uint32_t)E;
         }}
     }}
     if (into < 0) return;

@@ -1,20 +1,38 @@
 """A two-tier layer's pass of one position as one compiled MLX call: how its lanes find their rows (the
-slots' table, the row kernel's copies, a staging copy) and then mlx-lm's switch on those rows.
+slots' table, the row kernel's copies, a staging copy) and mlx-lm's switch on those rows (`LayerSteps`),
+or mlx-lm's whole MoE block around them: router, top-k, the switch, the weighted sum (`CompiledBlock`).
 
 A decoded token on a fast GPU waits on the host (docs/two-tier-h100.md, "Where a decoded token's time
-goes"): at every pass Python makes each MLX operation of a layer's lookups and of mlx-lm's switch
+goes"): at every pass Python makes each MLX operation of a layer's router, its lookups and mlx-lm's switch
 (`SwitchGLU`: three `gather_qmm`s and the activation). `mx.compile` traces a step once per input shapes
 and MLX replays it with none of that Python. The operations are the same ones on the same bytes, so the
-output is the switch's bit for bit (the suite compares tokens with stock mlx-lm's). Only one position's
-passes are compiled: their shapes repeat at every decoded token, while a prompt's would trace anew for
-each length.
-Not here: what the lanes read (`two_tier.py`, `lookahead.py`, `staging.py`).
+tokens are stock mlx-lm's (the suite compares them). Only one position's passes are compiled: their shapes
+repeat at every decoded token, while a prompt's would trace anew for each length. What a pass takes and
+gives besides the hidden state (tables, the rows' state, hits) is a `Plan`, made by the runtime per layer
+and pass: the host's decisions stay outside the compiled call, the arrays go in and out of it.
+Not here: what the lanes read and what is kept of their outputs (`two_tier.py`, `lookahead.py`,
+`staging.py`).
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .switch import switch_on
+
+
+@dataclass
+class Plan:
+    """How a layer's pass of one position computes: `lanes(indices, *state)` -> (the arrays to compute on,
+    in the stack's order; the row each lane reads in them; a tuple of other outputs), and what the host
+    keeps of those outputs (`finish(outputs)`)."""
+
+    key: tuple  # names the path and everything `lanes` closes over (the compiled call's key)
+    lanes: Callable
+    state: tuple  # the arrays `lanes` reads besides the routed ids
+    finish: Callable | None = None
 
 
 class LayerSteps:
@@ -37,10 +55,11 @@ class LayerSteps:
             for proj, name in self.keys:
                 self.switch[proj][name] = None
 
-    def __call__(self, lanes, x: mx.array, inputs: tuple):
-        """`step` for lanes that close over nothing (a module's function, its own key): (the switch's
-        output, the lanes' other outputs)."""
-        return self.step(lanes, lambda: lanes)(x, inputs)
+    def run(self, lanes, x: mx.array, inputs: tuple):
+        """(the switch's output, the lanes' other outputs) for `x`, not compiled (inside a compiled block's
+        trace): `lanes(*inputs)` as `step` takes them."""
+        arrays, read, outputs = lanes(*inputs)
+        return self.compute(arrays, x, read), outputs
 
     def step(self, key, make):
         """The compiled call (x, inputs) -> (the switch's output, the lanes' other outputs) for `key`, which
@@ -49,12 +68,7 @@ class LayerSteps:
         outputs)."""
         if key not in self._compiled:
             lanes = make()
-
-            def call(x, inputs):
-                arrays, read, outputs = lanes(*inputs)
-                return self.compute(arrays, x, read), outputs
-
-            self._compiled[key] = mx.compile(call)
+            self._compiled[key] = mx.compile(lambda x, inputs: self.run(lanes, x, inputs))
         return self._compiled[key]
 
 
@@ -63,8 +77,80 @@ def as_routed(indices: mx.array, *arrays):
     return arrays, indices, ()
 
 
-def through_table(table: mx.array, indices: mx.array, *arrays):
+def through_table(indices: mx.array, table: mx.array, *arrays):
     """Lanes that read the row the table gives their expert; the other output: which are hits (a row
     past the experts' own, E + slot)."""
     read = table[indices]
     return arrays, read, (read >= table.shape[0],)
+
+
+class TwoTierSwitch(nn.Module):
+    """Drop-in `switch_mlp`: mlx-lm's switch (`stacked`) over the layer's stack, experts and slots."""
+
+    def __init__(self, stacked: nn.Module, runtime, layer: int):
+        super().__init__()
+        self.layer = layer
+        object.__setattr__(self, "stacked", stacked)  # not a child: the stack is no parameter of the model
+        object.__setattr__(self, "runtime", runtime)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self.runtime.compute(self.layer, self.stacked, x, indices)
+
+
+class CompiledBlock(nn.Module):
+    """mlx-lm's MoE block (`inner`) in two-tier mode: a pass of one position computed as one compiled call
+    per plan (the runtime's `one_position`), any other as `inner` itself. Begins and ends the runtime's
+    passes at the first and last MoE layer."""
+
+    def __init__(self, inner: nn.Module, runtime, layer: int):
+        super().__init__()
+        self.inner = inner
+        self.layer = layer
+        object.__setattr__(self, "runtime", runtime)  # not a child
+        object.__setattr__(self, "_compiled", {})
+        self.traceable = True  # False once the block proved not traceable (it waits for an array)
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        runtime, layer = self.runtime, self.layer
+        runtime.begin_layer(layer, x)
+        # one position, and no forecast (it reads each layer's hidden state for later layers)
+        one = x.size == x.shape[-1] and runtime.forecast is None and not (args or kwargs)
+        plan = runtime.one_position(layer) if one and self.traceable else None
+        if plan is not None:
+            if plan.key not in self._compiled:
+                self._compiled[plan.key] = mx.compile(self._traced(plan.lanes))
+            try:
+                y, indices, outputs = self._compiled[plan.key](x, plan.state)
+            except ValueError:  # MLX refuses a trace that evaluates an array: the block runs as it is
+                self.traceable = False
+            else:
+                runtime.book(layer, plan, indices, outputs)
+                return runtime.end_layer(layer, y)
+        return runtime.end_layer(layer, self.inner(x, *args, **kwargs))
+
+    def _traced(self, lanes: Callable) -> Callable:
+        """The block's pass for `mx.compile` to trace: the switch inside takes its rows through `lanes`
+        (`Trace`) and does no booking; the routed ids and the lanes' outputs come out with the output."""
+
+        def call(x, state):
+            trace = self.runtime.trace = Trace(lanes, state)
+            try:
+                y = self.inner(x)
+            finally:
+                self.runtime.trace = None
+            return y, trace.indices, trace.outputs
+
+        return call
+
+
+class Trace:
+    """What a compiled block's switch computes with while it is traced (`TwoTierRuntime.compute`)."""
+
+    def __init__(self, lanes: Callable, state: tuple):
+        self.lanes, self.state = lanes, state
+        self.indices = self.outputs = None
+
+    def switch(self, steps: LayerSteps, x: mx.array, indices: mx.array) -> mx.array:
+        self.indices = indices
+        y, self.outputs = steps.run(self.lanes, x, (indices, *self.state))
+        return y

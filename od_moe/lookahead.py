@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cuda, row_kernel, slot_fill
+from .layer_step import Plan
 
 THREADS = 256
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
@@ -192,37 +193,37 @@ class LookaheadRows:
         read = rows[indices]
         return rows, read, read >= self.E
 
-    def fuses(self, indices: mx.array) -> bool:
-        """Whether a decode pass's layer call for `indices` and the products after it can be one compiled
-        call (`products`): on the device, with `demand` on."""
-        return self.on_device and self.demand and indices.size <= MAX_DEMAND
+    def fuses(self) -> bool:
+        """Whether a decode pass's layer call and the products after it can be one compiled call (`plan`):
+        on the device, with `demand` on (one position's top-k lanes: at most `MAX_DEMAND`)."""
+        return self.on_device and self.demand
 
-    def products(self, layer: int, steps, x: mx.array, indices: mx.array, base: mx.array) -> mx.array:
-        """What `lanes` (copying) and then the layer's switch give for a decode pass, as one compiled call
-        (`steps`: the layer's `layer_step.LayerSteps`): the kernel's Python, and mlx-lm's switch's, are not
-        run again at every pass. Its hits are kept here, as `lanes` keeps them."""
+    def plan(self, layer: int, base: mx.array) -> Plan:
+        """A decode pass of `layer` as one compiled call (`layer_step.Plan`): the layer's own kernel call
+        (`lanes`, copying), each lane reading the row it gives; its hits are kept here, as `lanes` keeps
+        them. What predictions for the layer copy is called first, on its own."""
         scores = self._predicted.pop(layer, None)
         if scores is not None:  # what the prediction copied is there when the layer runs
             self._call(layer, scores, base, ahead=True)
-        count = padded_size(indices.size)
-        key = ("rows", layer, count, self.copy, self.decay is not None, self.demand_blocks)
-        step = steps.step(key, lambda: self._demand_lanes(layer, count))
-        inputs = (self.held[layer], self.age[layer], self.score[layer], self._decay_input)
-        y, (held, age, score, copied, hit) = step(x, (indices, base, *inputs, *self.stacks[layer].values()))
+        key = ("rows", layer, self.copy, self.decay is not None, self.demand_blocks)
+        state = (base, self.held[layer], self.age[layer], self.score[layer], self._decay_input)
+        return Plan(key, self._demand_lanes(layer), (*state, *self.stacks[layer].values()), self._keep)
+
+    def _keep(self, layer: int, outputs: tuple):
+        held, age, score, copied, hit = outputs
         self.held[layer], self.age[layer], self.score[layer] = held, age, score
         self._pending.append((layer, copied))
         self._hits.append((layer, hit))
-        return y
 
-    def _demand_lanes(self, layer: int, count: int):
-        """The lanes of `products`: the layer's kernel on its routed experts (padded to `count`), each lane
-        reading the row it gives."""
-        launch, E = self._kernel_call(layer, count, ahead=False), self.E
+    def _demand_lanes(self, layer: int):
+        """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
+        it gives."""
 
         def lanes(indices, base, held, age, score, decay, *arrays):
-            out = launch(*arrays, padded(indices.reshape(-1), E), base, held, age, score, decay)
-            held, age, copied, score, read, hit = out[2:]
             n = indices.size
+            launch = self._kernel_call(layer, padded_size(n), ahead=False)
+            out = launch(*arrays, padded(indices.reshape(-1), self.E), base, held, age, score, decay)
+            held, age, copied, score, read, hit = out[2:]
             return arrays, read[:n].reshape(indices.shape), (held, age, score, copied, hit[:n])
 
         return lanes

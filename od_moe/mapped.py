@@ -85,3 +85,28 @@ def release_stack(stack: dict[tuple[str, str], mx.array]):
     """Take back the device advice of a stack `read_stack` made (before letting it go)."""
     for array in stack.values():
         backend.unmap(array)
+
+
+def follow_moves(stack: dict, addresses: dict, E: int) -> int:
+    """After a fill: a stack MLX copied instead of writing it in place lost its device advice (its slots
+    would sit wherever the copy put them), and the buffer it left keeps it: move the advice, note the new
+    address in `addresses`, and return how many moved (want 0)."""
+    moved = 0
+    for key, address in stack_addresses(stack).items():
+        if address != addresses[key]:
+            moved += 1
+            backend.unmap_at(addresses[key])  # MLX may hand that buffer to any array
+            rows = stack[key]
+            backend.map_for_device(rows, rows.nbytes // rows.shape[0] * (rows.shape[0] - E))
+            addresses[key] = address
+    return moved
+
+
+def stack_addresses(stack: dict[tuple[str, str], mx.array]) -> dict[tuple[str, str], int]:
+    return {key: cuda.address_of(rows) for key, rows in stack.items()}
+
+
+def release_stacks(stacks: list[dict]):
+    """Take back the mapping advice of every stack (the runtime is collected)."""
+    for stack in stacks:
+        release_stack(stack)

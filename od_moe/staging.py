@@ -84,8 +84,8 @@ def staged_switch(
     E, flat = table.shape[0], indices.reshape(-1)
     by_kernel = copy_by_kernel and slot_fill.available()
     if flat.size == indices.shape[-1]:
-        step = steps.step(("staged", by_kernel), lambda: functools.partial(_one_position, by_kernel))
-        y, (counts,) = step(x, (table, indices, *stack.values()))
+        step = steps.step(("staged", by_kernel), lambda: staged_lanes(by_kernel))
+        y, (counts, _) = step(x, (indices, table, *stack.values()))
         return y, counts
     rows = min(E, flat.size)
     used = mx.zeros((E,), mx.int32).at[flat].add(1) > 0
@@ -103,15 +103,25 @@ def staged_switch(
     return steps.compute(copies, x, places), counts
 
 
-def _one_position(by_kernel: bool, table: mx.array, indices: mx.array, *arrays):
-    """The lanes of a staged pass of one position (`LayerSteps.step`): lane i's expert copied into row i,
-    and the pass's counts."""
+def staged_lanes(by_kernel: bool):
+    """The lanes of a staged pass of one position (`layer_step.Plan`): lane i's expert copied into row i;
+    the other outputs: the pass's counts (as `staged_switch` gives them) and which lanes' experts were in
+    device rows (hits)."""
+    return functools.partial(_one_position, by_kernel)
+
+
+def _one_position(by_kernel: bool, indices: mx.array, table: mx.array, *arrays):
     k, E = indices.size, table.shape[0]
     sources = table[indices.reshape(-1)].astype(mx.int32)
     copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
-    held = (sources >= E).sum().astype(mx.int32)
+    hit = sources >= E
+    held = hit.sum().astype(mx.int32)
     counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held])
-    return copies, mx.arange(k, dtype=indices.dtype).reshape(indices.shape), (counts,)
+    return (
+        copies,
+        mx.arange(k, dtype=indices.dtype).reshape(indices.shape),
+        (counts, hit.reshape(indices.shape)),
+    )
 
 
 def take_rows(arrays: list, sources: mx.array, count: mx.array, by_kernel: bool) -> list:

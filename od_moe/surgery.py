@@ -28,10 +28,16 @@ class MoEBlock:
     attr: str  # the switch's attribute name in `parent`
     switch: nn.Module  # mlx-lm's SwitchGLU / SwitchMLP
     parent: nn.Module | None = None  # the module that owns the switch, where that is not `block`
+    owner: nn.Module | None = None  # the module that holds `block` (a decoder layer), where it is not one
+    owner_attr: str = ""  # `block`'s attribute name in `owner`
 
     def replace_switch(self, module: nn.Module):
         """Put `module` where the switch was."""
         setattr(self.block if self.parent is None else self.parent, self.attr, module)
+
+    def replace_block(self, module: nn.Module):
+        """Put `module` where the block was (in `owner`)."""
+        setattr(self.owner, self.owner_attr, module)
 
     @property
     def projections(self) -> dict[str, nn.Module]:
@@ -67,6 +73,10 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
                     owner = owner.rpartition(".")[0]
                 if owner != path and router_of(modules[owner]) is not None:
                     block.block, block.parent = modules[owner], module
+                else:  # a block of its own inside its decoder layer
+                    holder, _, name = path.rpartition(".")
+                    if path and holder in modules and not name.isdigit():
+                        block.owner, block.owner_attr = modules[holder], name
                 blocks.append(block)
     return sorted(blocks, key=lambda b: _natural_key(b.path))
 

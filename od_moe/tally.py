@@ -17,6 +17,8 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 
+from .stats import PHASES
+
 
 class DeviceTally:
     """Cumulative routing counts and hits of `layers` MoE layers of `experts` experts, on the device."""
@@ -113,3 +115,23 @@ class DeviceTally:
             (hits - seen_hits).reshape(self.phases, self.layers),
             (union - seen_union).reshape(self.phases, self.layers, 4),
         )
+
+
+def book_read(ledger, admission, read):
+    """A tally read (`DeviceTally.read`) into `ledger` (`stats.Ledger`: hits, staged passes' counts) and
+    `admission` (`admission.Admission`: routing counts)."""
+    passes, counts, hits, union = read
+    for p, phase in enumerate(PHASES):
+        for layer in np.flatnonzero(hits[p]):
+            ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
+        for layer in np.flatnonzero(union[p, :, 0]):
+            experts, held, staged, missed = (int(n) for n in union[p, layer])
+            ledger.add(
+                phase,
+                int(layer),
+                experts=experts,
+                expert_hits=held,
+                routings_read=staged,
+                staged_misses=missed,
+            )
+    admission.add(counts, passes)

@@ -20,9 +20,7 @@ host rows into slot rows. MLX writes an array in place only where nothing else h
 waits for the passes in flight (`mx.synchronize`, once per admission: every `ADMIT_EVERY` positions); a pass
 in flight therefore never sees a slot change, and the stack never moves (checked: a copy would leave the
 slots' device placement behind).
-Measured on an H100 (`tools/two_tier_probe.py`, 8 Qwen3-30B-shaped layers, slots' pages on the device
-inside one stack): 1.40 / 3.06 / 4.79 / 8.74 ms a token at hit rates 1 / 0.75 / 0.5 / 0, exact, against
-1.51 / 3.38 / 5.48 / 10.4 with the slots in an array of their own (each lane computed twice and selected).
+A pass of one position (a decoded token) is a `layer_step.Plan` per layer, each MoE block one compiled call.
 Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py`), the CUDA advice
 (`cuda.HostMapping`), or the per-layer path with its prefetch (`runtime.py`).
 """
@@ -35,20 +33,20 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import backend, cuda, slot_fill
+from . import slot_fill
 from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
 from .host_ring import HostRing
-from .layer_step import LayerSteps, as_routed, through_table
+from .layer_step import CompiledBlock, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
 from .lookahead import LookaheadRows
-from .mapped import read_stack, release_stack
+from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
 from .policies import OnDemand
-from .staging import STAGE_POSITIONS, positions_to_stage, staged_switch
+from .staging import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
 from .switch import switch_on
-from .tally import DeviceTally
+from .tally import DeviceTally, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
 # passes. On an H200 (widened x128 copy, 25% of experts in slots, 3 prompts x 48 tokens;
@@ -60,19 +58,6 @@ from .tally import DeviceTally
 # (`od-moe bench --batch`, widened copy at 25%); every 2 passes (batches of 32) decoded 4-6% slower
 ADMIT_EVERY, ADMIT_PASSES = 64, 8
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
-
-
-class TwoTierSwitch(nn.Module):
-    """Drop-in `switch_mlp`: mlx-lm's switch (`stacked`) over the layer's stack, experts and slots."""
-
-    def __init__(self, stacked: nn.Module, runtime: "TwoTierRuntime", layer: int):
-        super().__init__()
-        self.layer = layer
-        object.__setattr__(self, "stacked", stacked)  # not a child: the stack is no parameter of the model
-        object.__setattr__(self, "runtime", runtime)
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self.runtime.compute(self.layer, self.stacked, x, indices)
 
 
 class TwoTierRuntime:
@@ -104,7 +89,7 @@ class TwoTierRuntime:
         self._full = np.zeros(len(caches), dtype=bool)  # every expert of the layer in a slot
         # mlx-lm's switch over each stack (`build`), and its copy for compiled and staged passes
         self.switches, self.steps = [None] * len(caches), [None] * len(caches)
-        self._addresses = [_addresses(stack) for stack in stacks]
+        self._addresses = [stack_addresses(stack) for stack in stacks]
         self.stack_moves = 0  # fills that found a stack copied instead of written in place (want 0)
         # fills between passes as kernels that need no wait (CUDA), else MLX writes after a wait
         self.kernel_fills = slot_fill.KernelFills() if slot_fill.available() else None
@@ -123,7 +108,10 @@ class TwoTierRuntime:
         self.lookahead: LookaheadRows | None = None  # rows after the slots, filled by prediction
         self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`forecast.py`)
         self.device_lru = False  # the slots are kept on the device (`lookahead.py`), none by the host
-        weakref.finalize(self, _release, stacks)
+        self.by_block = False  # each MoE block is a `CompiledBlock`, which begins and ends the passes
+        self.trace = None  # a compiled block's `layer_step.Trace` while it is traced
+        self._k = 0  # experts routed per position (the last layer pass's)
+        weakref.finalize(self, release_stacks, stacks)
 
     # -- the engine's interface ------------------------------------------------------------------
     def set_policy(self, policy, settings=None, experts_per_layer: int = 0):
@@ -204,63 +192,92 @@ class TwoTierRuntime:
 
     # -- a pass --------------------------------------------------------------------------------
     def compute(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array):
-        """One MoE layer's experts for `indices`: what mlx-lm's switch would give, with no host sync."""
-        if layer == 0:
-            self._begin_pass(x)
-        lanes = indices.size
+        """One MoE layer's experts for `indices`: what mlx-lm's switch would give, with no host sync. While
+        a compiled block is traced (`layer_step.CompiledBlock`), only its MLX work: the block books it."""
+        if self.trace is not None:
+            return self.trace.switch(self.steps[layer], x, indices)
+        if not self.by_block:
+            self.begin_layer(layer, x)
         ahead = self.lookahead is not None and self.phase == "decode"
         if ahead and self.forecast is not None:
             for target, scores in self.forecast(layer, x):
                 self.lookahead.expect(target, scores)
-        if self._full[layer]:  # no lane can miss: nothing to count on the device
-            self.ledger.count_lookups(self.phase, layer, lanes, lanes)
-            y = self._in_slots(layer, stacked, x, indices)
+        plan = self.one_position(layer) if indices.size == indices.shape[-1] else None
+        if plan is not None:
+            y, outputs = self.steps[layer].step(plan.key, lambda: plan.lanes)(x, (indices, *plan.state))
         else:
-            self._routed[layer] = indices
-            self.ledger.count_lookups(self.phase, layer, lanes, 0)  # hits come from the device
-            y = self._mapped(layer, stacked, x, indices, ahead)
-        if self._recording is not None:
-            self._routed.setdefault(layer, indices)
+            y, outputs = self._eager(layer, stacked, x, indices, ahead), ()
+        self.book(layer, plan, indices, outputs)
+        return y if self.by_block else self.end_layer(layer, y)
+
+    def begin_layer(self, layer: int, x: mx.array):
+        """Before MoE layer `layer` computes `x`: at the first, a pass begins."""
+        if layer == 0:
+            self._begin_pass(x)
+
+    def end_layer(self, layer: int, y: mx.array) -> mx.array:
+        """`y`, the layer's output; at the last MoE layer the pass ends, its counts tied to `y`."""
         if layer == len(self.caches) - 1:
-            y = self._end_pass(indices.shape[-1], y)
+            y = self._end_pass(y)
             if self.kernel_fills is not None:  # what a slot fill at the next pass waits for (`_admit`)
                 self._last_output = y
         return y
 
-    def _in_slots(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
-        """A layer pass with every expert in a slot: the slots in expert order (`_direct`: stock's call, no
-        table), else through the table; one position's as one compiled call (`layer_step.py`)."""
-        steps, views, table = self.steps[layer], self._direct[layer], self._tables[layer]
-        if indices.size == indices.shape[-1]:
-            if views is not None:
-                return steps(as_routed, x, (indices, *views))[0]
-            return steps(through_table, x, (table, indices, *self.stacks[layer].values()))[0]
-        return steps.compute(views, x, indices) if views is not None else stacked(x, table[indices])
+    def one_position(self, layer: int) -> Plan | None:
+        """How a pass of one position computes `layer` in one compiled call (`layer_step.Plan`), or None
+        where the host decides the rows (device-kept rows on the CPU and Metal, a prompt's pass)."""
+        table, stack = self._tables[layer], tuple(self.stacks[layer].values())
+        if self._full[layer] and self._direct[layer]:  # every expert in a slot, in expert order: no table
+            return Plan(("routed",), as_routed, self._direct[layer])
+        if self._full[layer]:
+            return Plan(("table",), through_table, (table, *stack))
+        if self.lookahead is not None:  # the rows keep their own call's hits
+            fused = self.phase == "decode" and self.lookahead.fuses()
+            return self.lookahead.plan(layer, table) if fused else None
+        if self.stage_positions <= 1:  # each lane's expert copied to the device first (`staging.py`)
+            by_kernel = slot_fill.available()
+            return Plan(("staged", by_kernel), staged_lanes(by_kernel), (table, *stack), self._keep)
+        if self._resident[layer].any():
+            return Plan(("table",), through_table, (table, *stack), self._keep)
+        return Plan(("routed",), as_routed, stack)  # no expert in a slot: every lane mapped
 
-    def _mapped(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
-        """A layer pass where lanes may miss: each lane's row (a slot, a row the device keeps, its host row),
-        then the switch on them; one position's as one compiled call (`layer_step.py`) where the device
-        decides the rows."""
+    def book(self, layer: int, plan: Plan | None, indices: mx.array, outputs: tuple):
+        """Count a layer pass's lookups, keep its routed ids (admission's counts, recording) and what `plan`
+        keeps of its outputs."""
+        lanes, full, self._k = indices.size, self._full[layer], indices.shape[-1]
+        self.ledger.count_lookups(self.phase, layer, lanes, lanes if full else 0)  # else: from the device
+        if not full or self._recording is not None:
+            self._routed[layer] = indices
+        if plan is not None and plan.finish is not None:
+            plan.finish(layer, outputs)
+
+    def _keep(self, layer: int, outputs: tuple):
+        """A one-position pass's outputs: a staged pass's counts first, the hit lanes last."""
+        if len(outputs) == 2:
+            self._union[layer] = outputs[0]
+        if self._resident[layer].any():
+            self._hit[layer] = outputs[-1]
+
+    def _eager(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
+        """A layer pass operation by operation (several positions, or rows the host decides): each lane's row
+        (a slot, a row the device keeps, its host row), then the switch on them, or on device copies of
+        the experts routed (staged, `staging.py`)."""
         steps, rows, stack, E = self.steps[layer], self._tables[layer], self.stacks[layer], self.num_experts
-        one = indices.size == indices.shape[-1]
-        staged = indices.size >= self.stage_positions * indices.shape[-1]  # each expert across PCIe once
-        if ahead and one and self.lookahead.fuses(indices):  # the rows count their own call's hits
-            return self.lookahead.products(layer, steps, x, indices, rows)
-        read, slots = indices, self._resident[layer].any()  # no expert in a slot: every lane mapped
+        if self._full[layer]:
+            views = self._direct[layer]
+            return steps.compute(views, x, indices) if views else stacked(x, rows[indices])
+        read = indices  # no expert in a slot: every lane mapped
         if self.lookahead is not None:  # each lane's row (after copies, if any), and hits before them
             rows, read, hit = self.lookahead.lanes(layer, rows, indices, copy=ahead)
             if hit is not None:  # else the rows count their own call's hits
                 self._hit[layer] = hit
-        elif slots and one and not staged:
-            y, (self._hit[layer],) = steps(through_table, x, (rows, indices, *stack.values()))
-            return y
-        elif slots:
+        elif self._resident[layer].any():
             read = rows[indices]
             self._hit[layer] = read >= E
-        if staged:
+        if indices.size >= self.stage_positions * indices.shape[-1]:  # each expert across PCIe once
             y, self._union[layer] = staged_switch(steps, stack, rows, x, indices, E)
             return y
-        return steps(as_routed, x, (read, *stack.values()))[0] if one else stacked(x, read)
+        return stacked(x, read)
 
     def _begin_pass(self, x: mx.array):
         self.tally.launch()  # the last pass's counts, queued after it
@@ -281,7 +298,7 @@ class TwoTierRuntime:
             self._dirty = False
         self._routed, self._hit, self._union = {}, {}, {}
 
-    def _end_pass(self, k: int, y: mx.array) -> mx.array:
+    def _end_pass(self, y: mx.array) -> mx.array:
         # the routing counts feed admission alone: none is made where it is off (device-kept rows)
         counted = {i: ids for i, ids in self._routed.items() if not self._full[i]} if self.admissions else {}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
@@ -289,7 +306,8 @@ class TwoTierRuntime:
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:
-            self._recorded.append((mx.stack([ids.reshape(-1) for _, ids in sorted(self._routed.items())]), k))
+            routed = [ids.reshape(-1) for _, ids in sorted(self._routed.items())]
+            self._recorded.append((mx.stack(routed), self._k))
         self._prompt_done = self._prompt_done or self.phase == "prefill"
         self._routed, self._hit, self._union = {}, {}, {}
         return y
@@ -320,7 +338,7 @@ class TwoTierRuntime:
     def _book(self, read) -> bool:
         """Put a tally read into the ledger (hits) and admission (counts); False where there was none."""
         if read is not None:
-            _book_tally(self.ledger, self.admission, read)
+            book_read(self.ledger, self.admission, read)
         return read is not None
 
     def _admit(self, read):
@@ -385,51 +403,8 @@ class TwoTierRuntime:
         mx.eval([rows for rows, *_ in copies])
         for cache, _, _ in fills:
             layer = cache.layer
-            self.stack_moves += _follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
+            self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
         self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
-
-
-def _book_tally(ledger: Ledger, admission: Admission, read):
-    """A tally read (`DeviceTally.read`) into the ledger (hits, staged passes' counts) and admission."""
-    passes, counts, hits, union = read
-    for p, phase in enumerate(PHASES):
-        for layer in np.flatnonzero(hits[p]):
-            ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
-        for layer in np.flatnonzero(union[p, :, 0]):
-            experts, held, staged, missed = (int(n) for n in union[p, layer])
-            ledger.add(
-                phase,
-                int(layer),
-                experts=experts,
-                expert_hits=held,
-                routings_read=staged,
-                staged_misses=missed,
-            )
-    admission.add(counts, passes)
-
-
-def _follow_moves(stack: dict, addresses: dict, E: int) -> int:
-    """After a fill: a stack MLX copied instead of writing it in place lost its device advice (its slots
-    would sit wherever the copy put them), and the buffer it left keeps it: move the advice, note the new
-    address in `addresses`, and return how many moved (want 0)."""
-    moved = 0
-    for key, address in _addresses(stack).items():
-        if address != addresses[key]:
-            moved += 1
-            backend.unmap_at(addresses[key])  # MLX may hand that buffer to any array
-            rows = stack[key]
-            backend.map_for_device(rows, rows.nbytes // rows.shape[0] * (rows.shape[0] - E))
-            addresses[key] = address
-    return moved
-
-
-def _addresses(stack: dict[tuple[str, str], mx.array]) -> dict[tuple[str, str], int]:
-    return {key: cuda.address_of(rows) for key, rows in stack.items()}
-
-
-def _release(stacks):
-    for stack in stacks:
-        release_stack(stack)
 
 
 def build(
@@ -450,6 +425,7 @@ def build(
     rows = [max(1, cache.capacity + lookahead_rows) for cache in caches]  # one in device memory at least
     stacks = [read_stack(store, c.layout, c.targets, n, progress) for c, n in zip(caches, rows)]
     runtime = TwoTierRuntime(store, caches, stacks)
+    runtime.by_block = all(block.owner is not None for block in blocks)
     held = rows[0] if device_lru else caches[0].capacity + lookahead_rows  # expert rows in device memory
     runtime.stage_positions = positions_to_stage(caches[0].layout.expert_nbytes, held)
     if device_lru:
@@ -463,6 +439,8 @@ def build(
         runtime.switches[i] = switch_on(block.switch, stack)
         runtime.steps[i] = LayerSteps(runtime.switches[i], stack)
         block.replace_switch(TwoTierSwitch(runtime.switches[i], runtime, i))
+        if runtime.by_block:
+            block.replace_block(CompiledBlock(block.block, runtime, i))
         for part in cache.layout.parts:
             cache.projections[part.proj][part.name] = mx.zeros(
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype

@@ -13,7 +13,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots
 from od_moe import staging, stats, tally, two_tier
 from od_moe.admission import Admission
 from od_moe.errors import UserError
-from od_moe.layer_step import LayerSteps
+from od_moe.layer_step import CompiledBlock, LayerSteps
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 
@@ -171,6 +171,43 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     assert len(ages) >= 2 and min(ages) >= two_tier.LAG
     assert out == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[1:2], 25)[0][:24]
     assert engine.stats()["total"]["hits"] > 0
+
+
+def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference, monkeypatch):
+    """A decode pass of one position runs each MoE block as one compiled call: traced once per plan, then
+    replayed with none of the block's Python (no switch call), with stock's tokens and the same hits as the
+    blocks run operation by operation. A block that cannot be traced (it waits for an array) runs as it is."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    runtime, layers = engine.runtime, engine.model.model.layers
+    assert runtime.by_block and all(isinstance(layer.mlp, CompiledBlock) for layer in layers)
+    calls, compute = [], two_tier.TwoTierRuntime.compute
+
+    def counted(self, layer, *args):
+        calls.append((self.phase, self.trace is not None))
+        return compute(self, layer, *args)
+
+    monkeypatch.setattr(two_tier.TwoTierRuntime, "compute", counted)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    decode_passes = engine.stats()["positions"]["decode"]
+    in_decode = [traced for phase, traced in calls if phase == "decode"]
+    assert all(in_decode) and 0 < len(in_decode) <= 2 * len(layers) < decode_passes * len(layers) // 4
+    hits = engine.stats()["total"]["decode"]["hits"]
+
+    class Waits(nn.Module):  # a block whose code reads an array on the host
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def __call__(self, x):
+            float(x.sum())
+            return self.block(x)
+
+    eager = od_moe.load(capacity=0.25, two_tier=True)
+    for layer in eager.model.model.layers:
+        layer.mlp.inner = Waits(layer.mlp.inner)
+    assert od_moe_tokens(eager, PROMPTS, NEW_TOKENS) == bundled_reference
+    assert not any(layer.mlp.traceable for layer in eager.model.model.layers)
+    assert eager.stats()["total"]["decode"]["hits"] == hits > 0
 
 
 @pytest.mark.parametrize("stage_positions", [1, 10**9])

@@ -31,10 +31,10 @@ import mlx.core as mx
 
 from .. import load, slot_fill, staging
 from ..assembly import auto_tiers
+from ..layer_step import TwoTierSwitch
 from ..preflight import inspect_model
 from ..replay import replay_recording
 from ..report import table
-from ..two_tier import TwoTierSwitch
 from ..units import MB
 from .foundation import PROMPTS, stock_decode, stock_model
 from .roofline import roofline_ms

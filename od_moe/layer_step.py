@@ -1,4 +1,5 @@
-"""A two-tier layer's pass of one position as one compiled MLX call: how its lanes find their rows (the
+"""What two-tier mode puts into the model (`TwoTierSwitch` for each switch, `CompiledBlock` for each MoE
+block), and a layer's pass of one position as one compiled MLX call: how its lanes find their rows (the
 slots' table, the row kernel's copies, a staging copy) and mlx-lm's switch on those rows (`LayerSteps`),
 or mlx-lm's whole MoE block around them: router, top-k, the switch, the weighted sum (`CompiledBlock`).
 

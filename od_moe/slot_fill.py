@@ -10,13 +10,16 @@ keeps, which follows data: each kernel takes the hidden state entering the pass'
 input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
 state), and the layer's expert-to-row table for this pass is made from the kernels' outputs, so no
 computation reads a slot before its copy landed.
-Only where MLX runs on CUDA; elsewhere the stacks are host memory and `two_tier.py` writes them with MLX.
-Not here: which experts to copy (`admission.py`), the tables (`two_tier.py`).
+Only where MLX runs on CUDA; elsewhere (and before the first pass) MLX writes the stacks after a wait
+(`write_after_wait`).
+Not here: which experts to copy (`admission.py`), the tables and the caches' bookkeeping (`two_tier.py`).
 """
 
 import mlx.core as mx
+import numpy as np
 
 from . import backend
+from .host_ring import HostRing
 
 THREADS = 256  # per block
 MAX_BLOCKS = 64  # per expert row: enough loads in flight to keep PCIe busy
@@ -54,11 +57,46 @@ def available() -> bool:
     return mx.cuda.is_available() and not backend.arrays_in_host_memory()
 
 
+def write_after_wait(stacks: list[dict], fills: list, E: int):
+    """For each (cache, ids, slots) of `fills`: copy experts `ids` from their host rows into the rows of
+    `slots` (E + slot) of the same stacks, with MLX writes made once no pass in flight holds a stack (so
+    MLX writes each in place)."""
+    copies = []
+    for cache, ids, slots in fills:
+        if len(ids) == 1:
+            source, to = int(ids[0]), E + int(slots[0])
+        else:
+            source, to = mx.array(ids.astype(np.int32)), mx.array((E + slots).astype(np.int32))
+        copies += [(rows, to, rows[source]) for rows in stacks[cache.layer].values()]
+    mx.eval([copied for *_, copied in copies])
+    mx.synchronize()
+    for rows, to, copied in copies:
+        rows[to] = copied
+    mx.eval([rows for rows, *_ in copies])
+
+
 class KernelFills:
     """The copy kernels, one per row unit (16, 4 or 1 bytes), compiled on first use."""
 
     def __init__(self):
         self._kernels = {}
+        self._moves_ring: HostRing | None = None  # (layer, 2 x most slots) int32, made at the first fill
+
+    def fill_layers(self, stacks: list[dict], fills: list, E: int, most: int, after: mx.array) -> dict:
+        """`write_after_wait` with no wait: the copies of each layer of `fills` (at most `most` a layer) run
+        on MLX's stream after `after`; per layer filled, a scalar computed once its copies landed (`fill`)."""
+        if self._moves_ring is None:
+            self._moves_ring = HostRing((len(stacks), 2 * most), np.int32)
+        moves = np.zeros(self._moves_ring.arrays[0].shape, np.int32)
+        for cache, ids, slots in fills:
+            moves[cache.layer, : 2 * len(ids)] = np.stack([ids, E + slots], axis=1).reshape(-1)
+        staged = self._moves_ring.write(moves)
+        landed = {
+            cache.layer: self.fill(stacks[cache.layer], staged[cache.layer], len(ids), after)
+            for cache, ids, _ in fills
+        }
+        self._moves_ring.used_by(mx.stack(list(landed.values())))
+        return landed
 
     def _kernel(self, unit: int):
         if unit not in self._kernels:

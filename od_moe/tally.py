@@ -117,9 +117,11 @@ class DeviceTally:
         )
 
 
-def book_read(ledger, admission, read):
+def book_read(ledger, admission, read) -> bool:
     """A tally read (`DeviceTally.read`) into `ledger` (`stats.Ledger`: hits, staged passes' counts) and
-    `admission` (`admission.Admission`: routing counts)."""
+    `admission` (`admission.Admission`: routing counts); False where there was none."""
+    if read is None:
+        return False
     passes, counts, hits, union = read
     for p, phase in enumerate(PHASES):
         for layer in np.flatnonzero(hits[p]):
@@ -135,3 +137,4 @@ def book_read(ledger, admission, read):
                 staged_misses=missed,
             )
     admission.add(counts, passes)
+    return True

@@ -96,7 +96,6 @@ class TwoTierRuntime:
         self._landed: dict[int, mx.array] = {}  # layer -> computed once its last kernel fills landed
         self._last_output: mx.array | None = None  # the last MoE layer's output in the last pass
         self._table_ring = HostRing((len(caches), self.num_experts), np.uint32)
-        self._moves_ring: HostRing | None = None  # made at the first fill by kernels
         self._dirty = True  # slots changed since the tables were made
         # this pass's routed ids, hit lanes and staged layers' counts (`staging.staged_switch`), by layer
         self._routed, self._hit, self._union = {}, {}, {}
@@ -149,17 +148,13 @@ class TwoTierRuntime:
         return False  # no pass here waits for the host: nothing to run optimistically
 
     def settle(self):
-        """Bring every pass's hits into the ledger (and the trace, where recording), waiting for passes
-        still computing."""
-        if self._book(self.tally.read()) or self._recorded:
+        """Bring every pass's hits into the ledger (and routing, where recorded), waiting for passes."""
+        if book_read(self.ledger, self.admission, self.tally.read()) or self._recorded:
             self.host_syncs += 1
         if self.lookahead is not None:
             self.lookahead.book(self.ledger)
         if self._recorded:
-            mx.eval([ids for ids, _ in self._recorded])
-            for ids, k in self._recorded:
-                routed = np.array(ids).astype(np.int64)
-                self._recording.append({i: row.reshape(-1, k) for i, row in enumerate(routed)})
+            self._recording += _routing(self._recorded)
             self._recorded = []
 
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **_):
@@ -174,8 +169,7 @@ class TwoTierRuntime:
             self._fill([(cache, ids, slots)])
 
     def place(self, cache: LayerCache, expert_in_slot: np.ndarray):
-        """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's slots), the others
-        emptied."""
+        """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's), empty the rest."""
         cache.restore(np.full(cache.capacity, -1))
         if self.device_lru:
             return
@@ -185,8 +179,7 @@ class TwoTierRuntime:
             self._fill([(cache, held[slots], slots)])
 
     def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
-        """The slot rows of `cache`'s layer by `proj.part` name, as `LayerCache.stacked_arrays` names them
-        (for snapshots)."""
+        """The slot rows of `cache`'s layer by `proj.part` name, as `LayerCache.stacked_arrays` names them."""
         E, C = self.num_experts, cache.capacity
         return {f"{proj}.{name}": rows[E : E + C] for (proj, name), rows in self.stacks[cache.layer].items()}
 
@@ -259,9 +252,8 @@ class TwoTierRuntime:
             self._hit[layer] = outputs[-1]
 
     def _eager(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
-        """A layer pass operation by operation (several positions, or rows the host decides): each lane's row
-        (a slot, a row the device keeps, its host row), then the switch on them, or on device copies of
-        the experts routed (staged, `staging.py`)."""
+        """A layer pass op by op (several positions; rows the host decides): each lane's row, then the
+        switch on them, or on device copies of the experts routed (staged, `staging.py`)."""
         steps, rows, stack, E = self.steps[layer], self._tables[layer], self.stacks[layer], self.num_experts
         if self._full[layer]:
             views = self._direct[layer]
@@ -335,15 +327,9 @@ class TwoTierRuntime:
         mx.async_eval(self._tables, [d for d in self._direct if d is not None])  # not in a pass
 
     # -- between passes ----------------------------------------------------------------------------
-    def _book(self, read) -> bool:
-        """Put a tally read into the ledger (hits) and admission (counts); False where there was none."""
-        if read is not None:
-            book_read(self.ledger, self.admission, read)
-        return read is not None
-
     def _admit(self, read):
         """Book a tally read, then copy into slots the experts `Admission` names."""
-        if not self._book(read):
+        if not book_read(self.ledger, self.admission, read):
             return
         self._since_admission, self._admitted_at = 0, self.clock
         fills = [
@@ -360,51 +346,40 @@ class TwoTierRuntime:
         last pass's last MoE output (so after every read of the slots they overwrite), and the tables of
         the layers filled are made from them (`_refresh`)."""
         t0 = time.perf_counter()
-        if self._moves_ring is None:
-            self._moves_ring = HostRing(
-                (len(self.caches), 2 * max(c.capacity for c in self.caches)), np.int32
-            )
-        moves = np.zeros(self._moves_ring.arrays[0].shape, np.int32)
-        for cache, ids, slots in fills:
-            moves[cache.layer, : 2 * len(ids)] = np.stack([ids, self.num_experts + slots], axis=1).reshape(-1)
-        staged = self._moves_ring.write(moves)
-        for cache, ids, _ in fills:
-            stack = self.stacks[cache.layer]
-            self._landed[cache.layer] = self.kernel_fills.fill(stack, staged[cache.layer], len(ids), after)
-        self._moves_ring.used_by(mx.stack(list(self._landed.values())))
-        self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
-
-    def _book_fills(self, fills, seconds: float):
-        for cache, ids, slots in fills:
-            held = cache.expert_in_slot.copy()
-            evicted = int((held[slots] >= 0).sum())
-            held[slots] = ids
-            cache.restore(held)
-            self.ledger.add(self.phase, cache.layer, installed=len(ids), evictions=evicted, install_s=seconds)
-        self._dirty = True
+        most = max(c.capacity for c in self.caches)
+        self._landed.update(self.kernel_fills.fill_layers(self.stacks, fills, self.num_experts, most, after))
+        self._dirty = _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
 
     def _fill(self, fills: list[tuple[LayerCache, np.ndarray, np.ndarray]]):
         """For each (cache, ids, slots): copy experts `ids` from their host rows into the rows of `slots`
         in the same stacks, in place, and do the caches' bookkeeping."""
         t0 = time.perf_counter()
-        E = self.num_experts
-        copies = []
-        for cache, ids, slots in fills:
-            if len(ids) == 1:
-                source, to = int(ids[0]), E + int(slots[0])
-            else:
-                source, to = mx.array(ids.astype(np.int32)), mx.array((E + slots).astype(np.int32))
-            copies += [(rows, to, rows[source]) for rows in self.stacks[cache.layer].values()]
-        mx.eval([copied for *_, copied in copies])
         self._last_output = None  # it holds the last pass's graph, and with it a stack
-        mx.synchronize()  # no pass in flight holds a stack now, so MLX writes each in place
-        for rows, to, copied in copies:
-            rows[to] = copied
-        mx.eval([rows for rows, *_ in copies])
+        slot_fill.write_after_wait(self.stacks, fills, self.num_experts)
         for cache, _, _ in fills:
             layer = cache.layer
             self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
-        self._book_fills(fills, (time.perf_counter() - t0) / len(fills))
+        self._dirty = _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
+
+
+def _routing(recorded: list[tuple[mx.array, int]]) -> list[dict[int, np.ndarray]]:
+    """Recorded passes (their ids (layers, lanes), k), waited for: [{layer: ids (tokens, k)}, ...]."""
+    mx.eval([ids for ids, _ in recorded])
+    return [
+        {i: row.reshape(-1, k) for i, row in enumerate(np.array(ids).astype(np.int64))} for ids, k in recorded
+    ]
+
+
+def _book_fills(ledger: Ledger, phase: str, fills, seconds: float) -> bool:
+    """The caches' slots and the ledger after `fills` (cache, ids, slots) were copied: True (the tables
+    are out of date)."""
+    for cache, ids, slots in fills:
+        held = cache.expert_in_slot.copy()
+        evicted = int((held[slots] >= 0).sum())
+        held[slots] = ids
+        cache.restore(held)
+        ledger.add(phase, cache.layer, installed=len(ids), evictions=evicted, install_s=seconds)
+    return True
 
 
 def build(

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
-from od_moe import staging, stats, tally, two_tier
+from od_moe import slot_fill, staging, stats, tally, two_tier
 from od_moe.admission import Admission
 from od_moe.errors import UserError
 from od_moe.layer_step import CompiledBlock, LayerSteps
@@ -144,6 +144,7 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
             return np.array(value, *args, **kwargs)
 
     monkeypatch.setattr(two_tier, "mx", CountingMx())
+    monkeypatch.setattr(slot_fill, "mx", CountingMx())  # fills after a wait (`write_after_wait`)
     monkeypatch.setattr(tally, "mx", CountingMx(launches))
     monkeypatch.setattr(tally, "np", CountingNp())
     tokens = engine.tokenizer.encode(PROMPTS[1])
@@ -428,7 +429,7 @@ def test_fills_as_kernels_are_booked_and_ordered_before_the_pass_that_reads_them
     runtime = engine.runtime
     asked = []
 
-    class Copies:
+    class Copies(slot_fill.KernelFills):  # the kernels' copies as MLX writes (no CUDA here)
         def fill(self, stack, moves, count, after):
             asked.append((count, after.shape))
             sources, rows = mx.array(np.array(moves)[: 2 * count].reshape(count, 2).T)

@@ -179,10 +179,7 @@ class LookaheadRows:
         gathers of its tables. Where the layer's own call ran, its hits are kept here and counted by `read`
         (no operation of their own in the pass) and None is returned for them. `copy` False (a prompt's
         pass): the rows as they are, nothing copied."""
-        scores = self._predicted.pop(layer, None)
-        rows = None
-        if copy and scores is not None:  # what the prediction copied is there when the layer runs
-            rows = self._call(layer, scores, base, ahead=True)[1]
+        rows = self._copy_predicted(layer, base, copy)
         if copy and self.demand and indices.size <= MAX_DEMAND:
             _, rows, read, hit = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
             if read.size > indices.size:  # padded candidates
@@ -202,12 +199,16 @@ class LookaheadRows:
         """A decode pass of `layer` as one compiled call (`layer_step.Plan`): the layer's own kernel call
         (`lanes`, copying), each lane reading the row it gives; its hits are kept here, as `lanes` keeps
         them. What predictions for the layer copy is called first, on its own."""
-        scores = self._predicted.pop(layer, None)
-        if scores is not None:  # what the prediction copied is there when the layer runs
-            self._call(layer, scores, base, ahead=True)
+        self._copy_predicted(layer, base)
         key = ("rows", layer, self.copy, self.decay is not None, self.demand_blocks)
         state = (base, self.held[layer], self.age[layer], self.score[layer], self._decay_input)
         return Plan(key, self._demand_lanes(layer), (*state, *self.stacks[layer].values()), self._keep)
+
+    def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
+        """Copy what was predicted for `layer` (`expect`), before its own call, so that it is there when the
+        layer runs: the layer's table after, or None (no prediction, or `copy` off). Drops the prediction."""
+        scores = self._predicted.pop(layer, None)
+        return self._call(layer, scores, base, ahead=True)[1] if copy and scores is not None else None
 
     def _keep(self, layer: int, outputs: tuple):
         held, age, score, copied, hit = outputs

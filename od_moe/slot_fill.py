@@ -80,12 +80,13 @@ class KernelFills:
 
     def __init__(self):
         self._kernels = {}
-        self._moves_ring: HostRing | None = None  # (layer, 2 x most slots) int32, made at the first fill
+        self._moves_ring: HostRing | None = None  # (layer, 2 x rows past E) int32, made at the first fill
 
-    def fill_layers(self, stacks: list[dict], fills: list, E: int, most: int, after: mx.array) -> dict:
-        """`write_after_wait` with no wait: the copies of each layer of `fills` (at most `most` a layer) run
-        on MLX's stream after `after`; per layer filled, a scalar computed once its copies landed (`fill`)."""
-        if self._moves_ring is None:
+    def fill_layers(self, stacks: list[dict], fills: list, E: int, after: mx.array) -> dict:
+        """`write_after_wait` with no wait: the copies of each layer of `fills` run on MLX's stream after
+        `after`; per layer filled, a scalar computed once its copies landed (`fill`)."""
+        if self._moves_ring is None:  # room for a move into every row past the experts' own
+            most = max(next(iter(stack.values())).shape[0] for stack in stacks) - E
             self._moves_ring = HostRing((len(stacks), 2 * most), np.int32)
         moves = np.zeros(self._moves_ring.arrays[0].shape, np.int32)
         for cache, ids, slots in fills:

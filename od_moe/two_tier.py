@@ -109,7 +109,6 @@ class TwoTierRuntime:
         self.device_lru = False  # the slots are kept on the device (`lookahead.py`), none by the host
         self.by_block = False  # each MoE block is a `CompiledBlock`, which begins and ends the passes
         self.trace = None  # a compiled block's `layer_step.Trace` while it is traced
-        self._k = 0  # experts routed per position (the last layer pass's)
         weakref.finalize(self, release_stacks, stacks)
 
     # -- the engine's interface ------------------------------------------------------------------
@@ -237,7 +236,7 @@ class TwoTierRuntime:
     def book(self, layer: int, plan: Plan | None, indices: mx.array, outputs: tuple):
         """Count a layer pass's lookups, keep its routed ids (admission's counts, recording) and what `plan`
         keeps of its outputs."""
-        lanes, full, self._k = indices.size, self._full[layer], indices.shape[-1]
+        lanes, full = indices.size, self._full[layer]
         self.ledger.count_lookups(self.phase, layer, lanes, lanes if full else 0)  # else: from the device
         if not full or self._recording is not None:
             self._routed[layer] = indices
@@ -298,8 +297,8 @@ class TwoTierRuntime:
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:
-            routed = [ids.reshape(-1) for _, ids in sorted(self._routed.items())]
-            self._recorded.append((mx.stack(routed), self._k))
+            routed = [ids for _, ids in sorted(self._routed.items())]  # each (..., k)
+            self._recorded.append((mx.stack([ids.reshape(-1) for ids in routed]), routed[0].shape[-1]))
         self._prompt_done = self._prompt_done or self.phase == "prefill"
         self._routed, self._hit, self._union = {}, {}, {}
         return y
@@ -346,9 +345,9 @@ class TwoTierRuntime:
         last pass's last MoE output (so after every read of the slots they overwrite), and the tables of
         the layers filled are made from them (`_refresh`)."""
         t0 = time.perf_counter()
-        most = max(c.capacity for c in self.caches)
-        self._landed.update(self.kernel_fills.fill_layers(self.stacks, fills, self.num_experts, most, after))
-        self._dirty = _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
+        self._landed.update(self.kernel_fills.fill_layers(self.stacks, fills, self.num_experts, after))
+        _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
+        self._dirty = True  # the tables are out of date
 
     def _fill(self, fills: list[tuple[LayerCache, np.ndarray, np.ndarray]]):
         """For each (cache, ids, slots): copy experts `ids` from their host rows into the rows of `slots`
@@ -359,7 +358,8 @@ class TwoTierRuntime:
         for cache, _, _ in fills:
             layer = cache.layer
             self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
-        self._dirty = _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
+        _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
+        self._dirty = True  # the tables are out of date
 
 
 def _routing(recorded: list[tuple[mx.array, int]]) -> list[dict[int, np.ndarray]]:
@@ -370,16 +370,14 @@ def _routing(recorded: list[tuple[mx.array, int]]) -> list[dict[int, np.ndarray]
     ]
 
 
-def _book_fills(ledger: Ledger, phase: str, fills, seconds: float) -> bool:
-    """The caches' slots and the ledger after `fills` (cache, ids, slots) were copied: True (the tables
-    are out of date)."""
+def _book_fills(ledger: Ledger, phase: str, fills, seconds: float):
+    """The caches' slots and the ledger after `fills` (cache, ids, slots) were copied."""
     for cache, ids, slots in fills:
         held = cache.expert_in_slot.copy()
         evicted = int((held[slots] >= 0).sum())
         held[slots] = ids
         cache.restore(held)
         ledger.add(phase, cache.layer, installed=len(ids), evictions=evicted, install_s=seconds)
-    return True
 
 
 def build(

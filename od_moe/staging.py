@@ -21,7 +21,7 @@ import functools
 
 import mlx.core as mx
 
-from . import slot_fill
+from . import slot_fill, stage_kernels
 from .layer_step import LayerSteps
 
 THREADS = 256
@@ -75,8 +75,9 @@ def staged_switch(
     copy_by_kernel: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """(the layer's output for `x` and `indices`, computed by the layer's switch (`steps`) on device copies
-    of the experts they route to; the pass's counts (4,) int32: distinct experts routed, those in device
-    rows by `table`, 1 (this layer pass), and lanes whose expert is in no device row). `table`: each
+    of the experts they route to; the pass's counts (5,) int32: distinct experts routed, those in device
+    rows by `table`, 1 (this layer pass), lanes whose expert is in no device row, and experts copied
+    ahead (`staged_forecast.py`; none here)). `table`: each
     expert's row in `stack` (E + slot on the device, else its host row); `device_row`: a row in device
     memory, copied where fewer experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy
     is one kernel of 16-byte loads (`copy_by_kernel`), elsewhere `mx.take`. One position's pass is one
@@ -97,7 +98,7 @@ def staged_switch(
     )
     copies = take_rows(list(stack.values()), sources[:rows], distinct, by_kernel)
     held = table >= E
-    counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
+    counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum(), mx.array(0)]
     counts = mx.stack(counts).astype(mx.int32)
     places = place[indices].astype(indices.dtype)
     return steps.compute(copies, x, places), counts
@@ -112,16 +113,16 @@ def staged_lanes(by_kernel: bool):
 
 def _one_position(by_kernel: bool, indices: mx.array, table: mx.array, *arrays):
     k, E = indices.size, table.shape[0]
+    read = mx.arange(k, dtype=indices.dtype).reshape(indices.shape)
+    if by_kernel:  # one kernel: rows, hits and counts
+        copies, hit, counts = stage_kernels.lanes(indices, table, list(arrays), BLOCKS)
+        return copies, read, (counts, hit)
     sources = table[indices.reshape(-1)].astype(mx.int32)
     copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
     hit = sources >= E
     held = hit.sum().astype(mx.int32)
-    counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held])
-    return (
-        copies,
-        mx.arange(k, dtype=indices.dtype).reshape(indices.shape),
-        (counts, hit.reshape(indices.shape)),
-    )
+    counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held, mx.array(0, mx.int32)])
+    return copies, read, (counts, hit.reshape(indices.shape))
 
 
 def take_rows(arrays: list, sources: mx.array, count: mx.array, by_kernel: bool) -> list:

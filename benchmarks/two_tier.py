@@ -26,10 +26,8 @@ Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the
 admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). Predictions
 into device-kept rows: `ahead=S` rows more a layer (0 with `lru`: into its own rows),
 `forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer (default S, or
-all of `lru`'s rows). Staged decode passes (no expert in device memory, large experts): `copy_ahead=P`
-experts forecast and copied for the next layer (`staged_forecast.py`; 0: none), `ahead_blocks=B` thread
-blocks per (expert, array) of those copies. On the CPU backend every two-tier row runs on host memory:
-tokens and counts are meaningful there, the speeds are the CPU's.
+all of `lru`'s rows). On the CPU backend every two-tier row runs on host memory: tokens and counts are
+meaningful there, the speeds are the CPU's.
 """
 
 import argparse
@@ -108,18 +106,6 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         name, value = knob.split("=")
         if name == "stage":  # positions from which a pass is staged (0: none)
             engine.runtime.stage_positions = int(value) or 2**31
-            continue
-        if name == "copy_ahead":  # experts a staged decode pass copies for the next layer (0: none)
-            sf = engine.runtime.staged_forecast
-            if sf is None and int(value):
-                raise SystemExit(f"{spec}: this row stages no decode pass (slots, or small experts)")
-            if int(value):
-                sf.per_layer = int(value)
-            else:
-                engine.runtime.staged_forecast = None
-            continue
-        if name == "ahead_blocks":  # thread blocks per (expert, array) of those copies
-            engine.runtime.staged_forecast.blocks = int(value)
             continue
         if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
             engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills

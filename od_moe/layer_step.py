@@ -28,15 +28,12 @@ from .switch import switch_on
 class Plan:
     """How a layer's pass of one position computes: `lanes(indices, *state)` -> (the arrays to compute on,
     in the stack's order; the row each lane reads in them; a tuple of other outputs), and what the host
-    keeps of those outputs (`finish(layer, outputs)`). In a compiled block, `ahead(x, *ahead_state)` adds
-    one more output from the switch's input (work for later layers: `staged_forecast.py`)."""
+    keeps of those outputs (`finish(outputs)`)."""
 
-    key: tuple  # names the path and everything `lanes` and `ahead` close over (the compiled call's key)
+    key: tuple  # names the path and everything `lanes` closes over (the compiled call's key)
     lanes: Callable
     state: tuple  # the arrays `lanes` reads besides the routed ids
     finish: Callable | None = None
-    ahead: Callable | None = None
-    ahead_state: tuple = ()
 
 
 class LayerSteps:
@@ -122,9 +119,9 @@ class CompiledBlock(nn.Module):
         plan = runtime.one_position(layer) if one and self.traceable else None
         if plan is not None:
             if plan.key not in self._compiled:
-                self._compiled[plan.key] = mx.compile(self._traced(plan.lanes, plan.ahead))
+                self._compiled[plan.key] = mx.compile(self._traced(plan.lanes))
             try:
-                y, indices, outputs = self._compiled[plan.key](x, (plan.state, plan.ahead_state))
+                y, indices, outputs = self._compiled[plan.key](x, plan.state)
             except ValueError:  # MLX refuses a trace that evaluates an array: the block runs as it is
                 self.traceable = False
             else:
@@ -132,13 +129,12 @@ class CompiledBlock(nn.Module):
                 return runtime.end_layer(layer, y)
         return runtime.end_layer(layer, self.inner(x, *args, **kwargs))
 
-    def _traced(self, lanes: Callable, ahead: Callable | None) -> Callable:
+    def _traced(self, lanes: Callable) -> Callable:
         """The block's pass for `mx.compile` to trace: the switch inside takes its rows through `lanes`
-        (`Trace`) and does no booking; the routed ids and the lanes' outputs (then `ahead`'s) come out
-        with the output."""
+        (`Trace`) and does no booking; the routed ids and the lanes' outputs come out with the output."""
 
-        def call(x, states):
-            trace = self.runtime.trace = Trace(lanes, *states, ahead)
+        def call(x, state):
+            trace = self.runtime.trace = Trace(lanes, state)
             try:
                 y = self.inner(x)
             finally:
@@ -151,13 +147,11 @@ class CompiledBlock(nn.Module):
 class Trace:
     """What a compiled block's switch computes with while it is traced (`TwoTierRuntime.compute`)."""
 
-    def __init__(self, lanes: Callable, state: tuple, ahead_state: tuple = (), ahead: Callable | None = None):
-        self.lanes, self.state, self.ahead, self.ahead_state = lanes, state, ahead, ahead_state
+    def __init__(self, lanes: Callable, state: tuple):
+        self.lanes, self.state = lanes, state
         self.indices = self.outputs = None
 
     def switch(self, steps: LayerSteps, x: mx.array, indices: mx.array) -> mx.array:
         self.indices = indices
         y, self.outputs = steps.run(self.lanes, x, (indices, *self.state))
-        if self.ahead is not None:
-            self.outputs = (*self.outputs, self.ahead(x, *self.ahead_state))
         return y

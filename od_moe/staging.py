@@ -14,7 +14,8 @@ bytes. Staging pays where a pass has several positions (prefill, batches: `STAGE
 decode pass too where no expert is in a device row and experts are large (`positions_to_stage`). The copy
 lives until the layer's products are computed: min(E, lanes) experts of device memory at a time, beyond
 the slots.
-Not here: the tables and slots the rows come from (`two_tier.py`), the kernels' own reads (mlx-lm).
+Not here: the tables and slots the rows come from (`two_tier.py`), the copies' CUDA kernels
+(`stage_kernels.py`), the products' own reads (mlx-lm).
 """
 
 import functools
@@ -23,27 +24,9 @@ import mlx.core as mx
 
 from . import slot_fill, stage_kernels
 from .layer_step import LayerSteps
+from .stage_kernels import copy_rows
 
-THREADS = 256
 BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
-_SOURCE = """
-    using U = {unit};
-    uint32_t row = blockIdx.y;
-    if (row >= (uint32_t)count[0]) return;  // rows no expert needs are never read
-    size_t from = (size_t)sources[row];
-    size_t step = (size_t)gridDim.x * blockDim.x;
-    size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    switch (blockIdx.z) {{
-{cases}
-    }}
-"""
-_CASE = """        case {i}: {{
-            const U* a = reinterpret_cast<const U*>(a{i}) + from * {units};
-            U* o = reinterpret_cast<U*>(o{i}) + (size_t)row * {units};
-            for (size_t u = first; u < {units}; u += step) o[u] = a[u];
-            break;
-        }}"""
-_kernels: dict[tuple, object] = {}
 
 # positions of a layer pass from which it is staged: a decode token's lanes route to distinct experts, which
 # staging would only copy once more. H200, widened x128 copy at 25% (`docs/two-tier-h100.md`, "Staged
@@ -75,9 +58,8 @@ def staged_switch(
     copy_by_kernel: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """(the layer's output for `x` and `indices`, computed by the layer's switch (`steps`) on device copies
-    of the experts they route to; the pass's counts (5,) int32: distinct experts routed, those in device
-    rows by `table`, 1 (this layer pass), lanes whose expert is in no device row, and experts copied
-    ahead (`staged_forecast.py`; none here)). `table`: each
+    of the experts they route to; the pass's counts (4,) int32: distinct experts routed, those in device
+    rows by `table`, 1 (this layer pass), and lanes whose expert is in no device row). `table`: each
     expert's row in `stack` (E + slot on the device, else its host row); `device_row`: a row in device
     memory, copied where fewer experts are routed than the copy has rows (min(E, lanes)). On CUDA the copy
     is one kernel of 16-byte loads (`copy_by_kernel`), elsewhere `mx.take`. One position's pass is one
@@ -98,7 +80,7 @@ def staged_switch(
     )
     copies = take_rows(list(stack.values()), sources[:rows], distinct, by_kernel)
     held = table >= E
-    counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum(), mx.array(0)]
+    counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
     counts = mx.stack(counts).astype(mx.int32)
     places = place[indices].astype(indices.dtype)
     return steps.compute(copies, x, places), counts
@@ -115,13 +97,13 @@ def _one_position(by_kernel: bool, indices: mx.array, table: mx.array, *arrays):
     k, E = indices.size, table.shape[0]
     read = mx.arange(k, dtype=indices.dtype).reshape(indices.shape)
     if by_kernel:  # one kernel: rows, hits and counts
-        copies, hit, counts = stage_kernels.lanes(indices, table, list(arrays), BLOCKS)
+        copies, hit, counts = stage_kernels.staged_lanes(indices, table, list(arrays), BLOCKS)
         return copies, read, (counts, hit)
     sources = table[indices.reshape(-1)].astype(mx.int32)
     copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
     hit = sources >= E
     held = hit.sum().astype(mx.int32)
-    counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held, mx.array(0, mx.int32)])
+    counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held])
     return copies, read, (counts, hit.reshape(indices.shape))
 
 
@@ -129,28 +111,5 @@ def take_rows(arrays: list, sources: mx.array, count: mx.array, by_kernel: bool)
     """`mx.take(array, sources, axis=0)` of every array of `arrays`: on CUDA (`by_kernel`) as `copy_rows`,
     which leaves rows from `count` on unwritten."""
     if by_kernel:
-        return copy_rows(arrays, sources, count, sources.size)
+        return copy_rows(arrays, sources, count, sources.size, BLOCKS)
     return [mx.take(array, sources, axis=0) for array in arrays]
-
-
-def copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int) -> list:
-    """`mx.take(array, sources, axis=0)` of every array of `arrays` as one CUDA kernel that loads 16 bytes
-    a thread and leaves rows from `count` on unwritten (no lane reads them)."""
-    unit, units = slot_fill.row_units(arrays)
-    if (unit, units) not in _kernels:
-        cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
-        _kernels[(unit, units)] = mx.fast.cuda_kernel(
-            name=f"od_moe_stage_{len(_kernels)}",
-            input_names=[*(f"a{i}" for i in range(len(units))), "sources", "count"],
-            output_names=[f"o{i}" for i in range(len(units))],
-            source=_SOURCE.format(unit=unit, cases=cases),
-        )
-    threads = min(max(units), THREADS * BLOCKS)
-    out = _kernels[(unit, units)](
-        inputs=[*arrays, sources, count.astype(mx.int32).reshape(1)],
-        grid=(threads, rows, len(arrays)),
-        threadgroup=(min(THREADS, threads), 1, 1),
-        output_shapes=[(rows, *a.shape[1:]) for a in arrays],
-        output_dtypes=[a.dtype for a in arrays],
-    )
-    return list(out)

@@ -27,7 +27,7 @@ class DeviceTally:
         self.layers, self.experts, self.phases = layers, experts, phases
         self.counts = mx.zeros((layers * experts,), mx.int32)
         self.hits = mx.zeros((phases * layers,), mx.int32)
-        self.union = mx.zeros((phases * layers, 5), mx.int32)  # staged: `staging.staged_switch`'s counts
+        self.union = mx.zeros((phases * layers, 4), mx.int32)  # staged: `staging.staged_switch`'s counts
         # evaluated now: another thread may generate, and MLX streams are per thread
         mx.eval(self.counts, self.hits, self.union)
         self._offsets: dict[tuple, mx.array] = {}
@@ -37,7 +37,7 @@ class DeviceTally:
             0,
             np.zeros(layers * experts, np.int64),
             np.zeros(phases * layers, np.int64),
-            np.zeros((phases * layers, 5), np.int64),
+            np.zeros((phases * layers, 4), np.int64),
         )
 
     def _offset(self, rows: tuple[int, ...], stride: int) -> mx.array:
@@ -55,7 +55,7 @@ class DeviceTally:
         union: dict[int, mx.array] | None = None,
     ):
         """Pass `clock`'s routed ids of the layers in `routed` (each layer's ids the same shape), the hit
-        lanes (bool, the ids' shape) of the layers in `hit`, and the union counts ((5,) int32) of the
+        lanes (bool, the ids' shape) of the layers in `hit`, and the union counts ((4,) int32) of the
         layers in `union`, added lazily."""
         if routed:
             layers = tuple(routed)
@@ -94,7 +94,7 @@ class DeviceTally:
 
     def read(self, done_by: int | None = None) -> tuple | None:
         """(passes covered since the last read, routing counts (layers, experts), hits (phases, layers),
-        staged passes' counts (phases, layers, 5)) added since the last read, as of the newest
+        staged passes' counts (phases, layers, 4)) added since the last read, as of the newest
         launched pass numbered `done_by` or less; None where there is none. `done_by=None`: everything,
         launched or not, waiting for it."""
         if done_by is None:
@@ -113,7 +113,7 @@ class DeviceTally:
             clock - seen_clock,
             (counts - seen_counts).reshape(self.layers, self.experts),
             (hits - seen_hits).reshape(self.phases, self.layers),
-            (union - seen_union).reshape(self.phases, self.layers, 5),
+            (union - seen_union).reshape(self.phases, self.layers, 4),
         )
 
 
@@ -127,7 +127,7 @@ def book_read(ledger, admission, read) -> bool:
         for layer in np.flatnonzero(hits[p]):
             ledger.count_lookups(phase, int(layer), 0, int(hits[p, layer]))
         for layer in np.flatnonzero(union[p, :, 0]):
-            experts, held, staged, missed, ahead = (int(n) for n in union[p, layer])
+            experts, held, staged, missed = (int(n) for n in union[p, layer])
             ledger.add(
                 phase,
                 int(layer),
@@ -135,9 +135,6 @@ def book_read(ledger, admission, read) -> bool:
                 expert_hits=held,
                 routings_read=staged,
                 staged_misses=missed,
-                prefetch_installed=ahead,  # copied ahead (`staged_forecast.py`): its hits were those
-                prefetch_useful=held if ahead else 0,
-                prefetch_wasted=ahead - held if ahead else 0,
             )
     admission.add(counts, passes)
     return True

@@ -42,7 +42,6 @@ from .layer_step import CompiledBlock, LayerSteps, Plan, TwoTierSwitch, as_route
 from .lookahead import LookaheadRows
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
 from .policies import OnDemand
-from .staged_forecast import StagedForecast, for_blocks
 from .staging import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore
@@ -107,7 +106,6 @@ class TwoTierRuntime:
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
         self.lookahead: LookaheadRows | None = None  # rows after the slots, filled by prediction
         self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`forecast.py`)
-        self.staged_forecast: StagedForecast | None = None  # staged decode passes copy ahead
         self.device_lru = False  # the slots are kept on the device (`lookahead.py`), none by the host
         self.by_block = False  # each MoE block is a `CompiledBlock`, which begins and ends the passes
         self.trace = None  # a compiled block's `layer_step.Trace` while it is traced
@@ -228,8 +226,6 @@ class TwoTierRuntime:
         if self.lookahead is not None:  # the rows keep their own call's hits
             fused = self.phase == "decode" and self.lookahead.fuses()
             return self.lookahead.plan(layer, table) if fused else None
-        if self.stage_positions <= 1 and self.staged_forecast is not None and self.phase == "decode":
-            return self.staged_forecast.plan(layer, self._tables, self.stacks, self._keep_staged)
         if self.stage_positions <= 1:  # each lane's expert copied to the device first (`staging.py`)
             by_kernel = slot_fill.available()
             return Plan(("staged", by_kernel), staged_lanes(by_kernel), (table, *stack), self._keep)
@@ -253,9 +249,6 @@ class TwoTierRuntime:
             self._union[layer] = outputs[0]
         if self._resident[layer].any():
             self._hit[layer] = outputs[-1]
-
-    def _keep_staged(self, layer: int, counts: mx.array, hit: mx.array):
-        self._union[layer], self._hit[layer] = counts, hit  # hits: lanes copied ahead (`staged_forecast.py`)
 
     def _eager(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
         """A layer pass op by op (several positions; rows the host decides): each lane's row, then the
@@ -303,8 +296,6 @@ class TwoTierRuntime:
         y = self.tally.tie(y) if self.phase == "decode" else y  # computed with the token, not on their own
         if self.lookahead is not None:
             self.lookahead.end_pass()
-        if self.staged_forecast is not None:
-            self.staged_forecast.end_pass()
         if self._recording is not None:
             routed = [ids for _, ids in sorted(self._routed.items())]  # each (..., k)
             self._recorded.append((mx.stack([ids.reshape(-1) for ids in routed]), routed[0].shape[-1]))
@@ -313,9 +304,24 @@ class TwoTierRuntime:
         return y
 
     def _refresh(self):
-        """Remake the device tables after slots changed (admission, seeding, a snapshot): `device_tables`."""
-        tables = device_tables(self.caches, self.stacks, self._table_ring, self._landed)
-        self._resident, self._full, self._tables, self._direct = tables
+        """Remake the device tables after slots changed (admission, seeding, a snapshot): all layers' rows
+        written into a host array the device reads (`HostRing`: no array made from host bytes), copied
+        into device memory once, each layer's tables views of that copy."""
+        E = self.num_experts
+        slot_of = np.stack([c.slot_of for c in self.caches])
+        resident = slot_of >= 0
+        rows = self._table_ring.write(np.where(resident, E + slot_of, np.arange(E))) + 0
+        self._table_ring.used_by(rows)
+        self._resident, self._full = resident, resident.all(axis=1)
+        self._tables = [rows[i] for i in range(len(self.caches))]
+        in_order = self._full & (slot_of == np.arange(E)).all(axis=1)
+        in_order[list(self._landed)] = False  # their slots wait for fills the views would not wait for
+        self._direct = [  # the slot rows alone (views: nothing copied)
+            tuple(part[E:] for part in stack.values()) if ok else None
+            for stack, ok in zip(self.stacks, in_order)
+        ]
+        for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
+            self._tables[layer] = rows[layer] + (landed * 0).astype(mx.uint32)
         self._landed = {}
         mx.async_eval(self._tables, [d for d in self._direct if d is not None])  # not in a pass
 
@@ -354,30 +360,6 @@ class TwoTierRuntime:
             self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
         _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
         self._dirty = True  # the tables are out of date
-
-
-def device_tables(caches: list[LayerCache], stacks: list[dict], ring: HostRing, landed: dict[int, mx.array]):
-    """Each layer's expert->row table from its cache's slots: all layers' rows written into a host array the
-    device reads (`ring`: no array made from host bytes), copied into device memory once, each table a
-    view of that copy; a layer in `landed` (layer -> computed once its kernel fills landed) reads its
-    table only after them. Also (every expert of a layer in a slot) where every expert is in its slot,
-    per layer (resident (E,) bool), and the slot rows alone (views: nothing copied) of the layers whose
-    slots hold every expert in expert order, else None."""
-    E = caches[0].num_experts
-    slot_of = np.stack([c.slot_of for c in caches])
-    resident = slot_of >= 0
-    rows = ring.write(np.where(resident, E + slot_of, np.arange(E))) + 0
-    ring.used_by(rows)
-    full = resident.all(axis=1)
-    tables = [rows[i] for i in range(len(caches))]
-    in_order = full & (slot_of == np.arange(E)).all(axis=1)
-    in_order[list(landed)] = False  # their slots wait for fills the views would not wait for
-    direct = [
-        tuple(part[E:] for part in stack.values()) if ok else None for stack, ok in zip(stacks, in_order)
-    ]
-    for layer, done in landed.items():  # this pass reads those slots only once they are filled
-        tables[layer] = rows[layer] + (done * 0).astype(mx.uint32)
-    return resident, full, tables, direct
 
 
 def _routing(recorded: list[tuple[mx.array, int]]) -> list[dict[int, np.ndarray]]:
@@ -419,8 +401,6 @@ def build(
     runtime.by_block = all(block.owner is not None for block in blocks)
     held = rows[0] if device_lru else caches[0].capacity + lookahead_rows  # expert rows in device memory
     runtime.stage_positions = positions_to_stage(caches[0].layout.expert_nbytes, held)
-    if runtime.stage_positions <= 1 and runtime.by_block:
-        runtime.staged_forecast = for_blocks([block.block for block in blocks])
     if device_lru:
         slots, kept = [0] * len(caches), rows[0]
         runtime.admissions, runtime.device_lru = False, True

@@ -12,8 +12,7 @@ over stock's are what it costs; where `rest` grows the device is the bound.
     python3 tools/host_time.py MODEL ROWS [TOKENS]
 
 ROWS: comma-separated `lru:F` (device-kept rows, `two_tier="lru"`) or `tt:F` (counted slots,
-`two_tier=True`), F the fraction of experts in slots; `tt:0:ahead=0`: staged decode passes copy nothing
-ahead (`staged_forecast.py`). For a profile of the same decoding by function:
+`two_tier=True`), F the fraction of experts in slots. For a profile of the same decoding by function:
 `python3 -m cProfile -s tottime` around `Engine.stream_generate` (docs/two-tier-h100.md).
 """
 
@@ -84,10 +83,8 @@ def main():
     stock = _TimedModel(stock)
     print("row | run | wall ms/token | forward | async_eval | rest | x stock")
     for spec in rows:
-        kind, fraction, *knobs = spec.split(":")
+        kind, fraction = spec.split(":")
         engine = od_moe.load(path, capacity=float(fraction), two_tier={"lru": "lru", "tt": True}[kind])
-        if "ahead=0" in knobs:  # staged decode passes copy nothing ahead (`staged_forecast.py`)
-            engine.runtime.staged_forecast = None
         engine.forward = _TimedModel(engine.forward)
         for _ in range(2):  # kernels compiled, admission settled
             list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))

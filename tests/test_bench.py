@@ -139,3 +139,27 @@ def test_two_tier_rows_keep_the_slots_auto_would(monkeypatch):
     expert = empty["moved_bytes_per_token"] / empty["mapped_per_token"]
     assert quarter["moved_bytes_per_token"] == pytest.approx(quarter["copies_per_token"] * expert)
     assert quarter["moved_over_min"] == pytest.approx(quarter["copies_per_token"] / quarter["min_per_token"])
+
+
+def test_device_kept_rows_move_each_miss_once_alone_and_in_a_batch():
+    """With device-kept rows a miss crosses the bus once, as its copy into a row (read there after): one
+    sequence moves its copies; a batch's staged pass moves its copies and the experts no row held after
+    them, so never more experts than the pass routed to."""
+    import od_moe
+    from od_moe.bench.two_tier_grid import experts_across_bus
+
+    alone = od_moe.load(capacity=0.25, two_tier="lru")
+    list(alone.stream_generate(PROMPTS[0], max_tokens=12))
+    alone.runtime.settle()
+    stats = alone.stats()
+    assert experts_across_bus(alone, "decode") == stats["io"]["decode"]["experts_loaded"] > 0
+    assert stats["total"]["decode"]["misses"] == stats["io"]["decode"]["experts_loaded"]  # each miss copied
+
+    batch = od_moe.load(capacity=0.25, two_tier="lru")
+    for _ in batch.stream_batch_generate(PROMPTS[:3], max_tokens=12):
+        pass
+    batch.runtime.settle()
+    led, copies = batch.runtime.ledger, batch.stats()["io"]["decode"]["experts_loaded"]
+    routed = led.total("experts", "decode")  # distinct experts of each staged pass, summed
+    assert 0 < copies < experts_across_bus(batch, "decode") < routed
+    assert experts_across_bus(batch, "decode") == copies + routed - led.total("expert_hits", "decode")

@@ -92,22 +92,22 @@ def bus_bandwidth(engine) -> dict:
 def experts_across_bus(engine, phase: str | None = None) -> float:
     """Experts a two-tier engine moved across the bus in `phase` (None: both): lanes read in place (misses),
     the distinct experts staged passes copied from host rows (once for all their lanes: `staging.py`), and
-    copies into slots."""
+    copies into slots. With device-kept rows (`two_tier="lru"`) a miss is copied into a row and read there,
+    so a pass moves its copies, and a staged pass also the experts no row held after them; a pass of one
+    position copies every miss (its top-k fit in the rows at every fraction the benches run)."""
     stats, led = engine.stats(), engine.runtime.ledger
     misses = stats["total"]["misses"] if phase is None else stats["total"][phase]["misses"]
     copies = stats["total"]["experts_loaded"] if phase is None else stats["io"][phase]["experts_loaded"]
-    staged = led.total("experts", phase) - led.total("expert_hits", phase) - led.total("staged_misses", phase)
-    return misses + staged + copies
+    not_held = led.total("experts", phase) - led.total("expert_hits", phase)  # staged passes' distinct
+    if engine.runtime.device_lru:
+        return copies + not_held
+    return misses + not_held - led.total("staged_misses", phase) + copies
 
 
 def moved_per_token(engine) -> float:
-    """Experts that crossed the bus per decoded token (`experts_across_bus`); with device-kept rows each
-    miss is its row's copy, so the copies alone."""
+    """Experts that crossed the bus per decoded token (`experts_across_bus`)."""
     stats = engine.stats()
-    passes = max(1, stats["positions"]["decode"])
-    if engine.runtime.device_lru:
-        return stats["io"]["decode"]["experts_loaded"] / passes
-    return experts_across_bus(engine, "decode") / passes
+    return experts_across_bus(engine, "decode") / max(1, stats["positions"]["decode"])
 
 
 def load_stock(path: Path, tokens: int):

@@ -28,7 +28,7 @@ from .switch import switch_on
 class Plan:
     """How a layer's pass of one position computes: `lanes(indices, *state)` -> (the arrays to compute on,
     in the stack's order; the row each lane reads in them; a tuple of other outputs), and what the host
-    keeps of those outputs (`finish(outputs)`)."""
+    keeps of those outputs (`finish(layer, outputs)`)."""
 
     key: tuple  # names the path and everything `lanes` closes over (the compiled call's key)
     lanes: Callable

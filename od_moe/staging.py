@@ -100,7 +100,7 @@ def _one_position(by_kernel: bool, indices: mx.array, table: mx.array, *arrays):
         copies, hit, counts = stage_kernels.staged_lanes(indices, table, list(arrays), BLOCKS)
         return copies, read, (counts, hit)
     sources = table[indices.reshape(-1)].astype(mx.int32)
-    copies = take_rows(list(arrays), sources, mx.array(k, mx.int32), by_kernel)
+    copies = [mx.take(array, sources, axis=0) for array in arrays]
     hit = sources >= E
     held = hit.sum().astype(mx.int32)
     counts = mx.stack([mx.array(k, mx.int32), held, mx.array(1, mx.int32), k - held])

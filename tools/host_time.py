@@ -4,10 +4,13 @@ Per decoded token (the first excluded), medians over 3 rounds of the bench's 3 p
 stock and then by the row:
 - `forward`: the model call that builds the pass's graph (for od-moe, its layers' own work: tables, row
   kernels, counts);
-- `async_eval`: mlx-lm's `mx.async_eval` of the token (MLX's encoding and launch);
-- `rest`: the remainder, mostly waiting for the device (`y.item()`).
-Where `rest` is near zero the token is bound by the host, and the row's extra `forward` and `async_eval`
-over stock's are what it costs; where `rest` grows the device is the bound.
+- `async_eval`: mlx-lm's `mx.async_eval` of the token (MLX's encoding and launch, and waits for the device:
+  MLX's evaluation waits whenever more than 10 of its tasks are in flight, `MAX_ACTIVE_TASKS` in
+  `mlx/transforms.cpp`);
+- `rest`: the remainder, waiting for the device (`y.item()`).
+`rest` growing says the device is the bound; `rest` near zero does not say the host is, since a device-bound
+token may wait inside `async_eval` instead (the widened copy's 0% row did). To tell them apart, time the
+device's kernels (`tools/kernel_time.py`) against the wall.
 
     python3 tools/host_time.py MODEL ROWS [TOKENS]
 

@@ -1,0 +1,115 @@
+"""A decoded token's device time by kernel on CUDA, from NVIDIA Nsight Compute: stock mlx-lm against two-tier
+rows of the widened x128 copy, to tell a row bound by its device work from one bound by its host.
+
+    python3 tools/kernel_time.py wall [WORKDIR]
+    ncu --profile-from-start off --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --csv --graph-profiling node \
+        python3 tools/kernel_time.py run MODE [WORKDIR] > MODE.csv
+    python3 tools/kernel_time.py sum MODE.csv
+
+`wall`: ms a decoded token of stock and of every mode in one process (mlx-lm's loop, the bench's 3 prompts x
+48 tokens, median of 3 rounds), and whether the texts equal stock's. `run`: one mode's decoding, the
+profiler on for `TOKENS` decoded tokens after a warm-up (Nsight Compute times each kernel of MLX's CUDA
+graphs apart: durations, not the gaps between them). `sum`: the kernels a token, their busy ms a token, and
+the largest by name. MODE: `stock`; `mapped` (two-tier, no experts in slots: every decode pass copies its
+lanes from host memory, `staging.py`); `device` (the same engine with its stacks moved to device memory:
+the same operations with no bytes on the bus).
+
+Not a test or a bench row: a measurement for docs/two-tier-h100.md. CUDA only.
+"""
+
+import collections
+import csv
+import ctypes
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+
+import od_moe
+from od_moe import backend
+from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.widen import widen_model
+
+TOKENS = 8
+MODES = ("stock", "mapped", "device")
+
+
+def generator(mode: str, path: str):
+    """`generate(prompt, tokens)` yielding mlx-lm responses, for `mode`."""
+    if mode == "stock":
+        model, tokenizer = mlx_lm.load(path)
+        return lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n)
+    engine = od_moe.load(path, capacity=0.0, two_tier=True)
+    if mode == "device":  # every stack preferred on the device and moved there
+        for stack in engine.runtime.stacks:
+            for array in stack.values():
+                backend._host_mapping.apply(array, array.nbytes)
+    return lambda prompt, n: engine.stream_generate(prompt, max_tokens=n)
+
+
+def wall(path: str):
+    texts = {}
+    for mode in MODES:
+        generate = generator(mode, path)
+        list(generate(PROMPTS[0], 48))
+        runs, texts[mode] = [], []
+        for _ in range(3):
+            for prompt in PROMPTS:
+                times, text = [], ""
+                for response in generate(prompt, 48):
+                    times.append(time.perf_counter())
+                    text += response.text
+                texts[mode].append(text)
+                runs.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+        same = texts[mode] == texts["stock"]
+        print(f"{mode}: {statistics.median(runs):.3f} ms a decoded token; texts equal stock's: {same}")
+
+
+def run(mode: str, path: str):
+    found = (line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line)
+    cudart = ctypes.CDLL(next(found, "libcudart.so.13"))
+    generate = generator(mode, path)
+    list(generate(PROMPTS[0], 24))
+    for i, _ in enumerate(generate(PROMPTS[1], TOKENS + 2)):
+        if i in (1, TOKENS + 1):  # from the first decoded token's response to the last's
+            mx.synchronize()
+            (cudart.cudaProfilerStart if i == 1 else cudart.cudaProfilerStop)()
+
+
+def summary(csv_path: str, shown: int = 14):
+    rows = list(csv.reader(line for line in open(csv_path) if line.startswith('"')))
+    head, rows = rows[0], rows[1:]
+    name, value, unit = (head.index(k) for k in ("Kernel Name", "Metric Value", "Metric Unit"))
+    us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    busy, calls = collections.Counter(), collections.Counter()
+    for row in rows:
+        kernel = row[name].split("(")[0].split("<")[0]
+        busy[kernel] += float(row[value].replace(",", "")) * us[row[unit]]
+        calls[kernel] += 1
+    print(
+        f"{csv_path}: {len(rows) / TOKENS:.0f} kernels a token, {sum(busy.values()) / TOKENS / 1e3:.3f} ms"
+        " busy a token"
+    )
+    for kernel, total in busy.most_common(shown):
+        print(f"  {total / TOKENS:8.1f} us a token  {calls[kernel] / TOKENS:5.1f} calls  {kernel}")
+
+
+def main():
+    command, *rest = sys.argv[1:]
+    if command == "sum":
+        return summary(rest[0])
+    mode, rest = (rest[0], rest[1:]) if command == "run" else (None, rest)
+    workdir = Path(rest[0] if rest else "/tmp/odb")
+    path = str(widen_model(od_moe.DEFAULT_MODEL, workdir / "widened-x128", 128))
+    if command == "wall":
+        wall(path)
+    else:
+        run(mode, path)
+
+
+if __name__ == "__main__":
+    main()

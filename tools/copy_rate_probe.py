@@ -27,6 +27,7 @@ import mlx_lm
 import od_moe
 from od_moe import backend, slot_fill, stage_kernels
 from od_moe.bench.foundation import PROMPTS
+from od_moe.bench.two_tier_grid import best_seconds
 from od_moe.bench.widen import widen_model
 
 REPEATS = 20
@@ -82,16 +83,6 @@ def flat_lanes(indices, table, arrays, blocks: int, ilp: int):
         output_shapes=[(k, *a.shape[1:]) for a in arrays],
         output_dtypes=[a.dtype for a in arrays],
     )
-
-
-def best_ms(run) -> float:
-    mx.eval(run())
-    best = float("inf")
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        mx.eval(run())
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def layers_copied(copy, stacks, table, lanes, chained: bool):
@@ -160,7 +151,9 @@ def rates(kernels, stacks, table, lanes, total):
         equal = all(mx.array_equal(g, r).item() for g, r in zip(got, reference))
         found = []
         for chained in (False, True):
-            ms = best_ms(lambda c=chained, k=copy: layers_copied(k, stacks, table, lanes, c))
+            ms = 1e3 * best_seconds(
+                lambda c=chained, k=copy: layers_copied(k, stacks, table, lanes, c), REPEATS
+            )
             found += [f"{ms:.3f}", f"{total / ms / 1e6:.1f}"]
         print(f"{name} | {' | '.join(found)} | {equal}", flush=True)
 

@@ -43,7 +43,7 @@ WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 
 
-def _best_seconds(run, repeats: int) -> float:
+def best_seconds(run, repeats: int) -> float:
     """The fastest of `repeats` evaluations of `run()`, after one to warm up."""
     mx.eval(run())
     best = float("inf")
@@ -65,7 +65,7 @@ def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
     cache = engine.caches[switch.layer]
     x = engine.model.model.embed_tokens(mx.array([[1]]))
     indices = mx.arange(cache.num_experts, dtype=mx.uint32)[None, None]
-    best = _best_seconds(lambda: switch.stacked(x, indices), repeats)
+    best = best_seconds(lambda: switch.stacked(x, indices), repeats)
     return cache.num_experts * cache.layout.expert_nbytes / best
 
 
@@ -79,7 +79,7 @@ def staged_read_bandwidth(engine, repeats: int = 5) -> float:
     copy = functools.partial(
         staging.take_rows, list(stack.values()), rows, mx.array(E), slot_fill.available()
     )
-    return E * cache.layout.expert_nbytes / _best_seconds(copy, repeats)
+    return E * cache.layout.expert_nbytes / best_seconds(copy, repeats)
 
 
 def bus_bandwidth(engine) -> dict:

@@ -16,17 +16,15 @@ CUDA only (the kernels are `mx.fast.cuda_kernel`s). Not a test and not a bench r
 docs/two-tier-h100.md.
 """
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+from kernel_time import decode, stacks_to_device  # a tool beside this one
 
 import od_moe
-from od_moe import backend, slot_fill, stage_kernels
-from od_moe.bench.foundation import PROMPTS
+from od_moe import slot_fill, stage_kernels
 from od_moe.bench.two_tier_grid import best_seconds
 from od_moe.bench.widen import widen_model
 
@@ -96,21 +94,6 @@ def layers_copied(copy, stacks, table, lanes, chained: bool):
     return out
 
 
-def decode(generate, tokens: int = 48) -> tuple[list, float]:
-    """Texts of the bench's prompts (one warm-up first) and ms a decoded token, median of 3 rounds."""
-    list(generate(PROMPTS[0], tokens))
-    texts, runs = [], []
-    for _ in range(3):
-        for prompt in PROMPTS:
-            times, text = [], ""
-            for response in generate(prompt, tokens):
-                times.append(time.perf_counter())
-                text += response.text
-            texts.append(text)
-            runs.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
-    return texts, statistics.median(runs)
-
-
 def main():
     workdir = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/odb")
     path = widen_model(od_moe.DEFAULT_MODEL, workdir / "widened-x128", 128)
@@ -135,9 +118,7 @@ def main():
         f"stock: {stock_ms:.3f} ms a decoded token; tt:0 mapped: {mapped_ms:.3f}; same {texts == stock_texts}"
     )
     rates(kernels, stacks, table, lanes, total)
-    for stack in stacks:  # every stack's bytes moved to device memory: the same operations, no bus
-        for array in stack.values():
-            backend._host_mapping.apply(array, array.nbytes)
+    stacks_to_device(engine)
     texts, device_ms = decode(lambda p, n: engine.stream_generate(p, max_tokens=n))
     print(f"tt:0, stacks in device memory: {device_ms:.3f} ms a decoded token; same {texts == stock_texts}")
     rates(kernels, stacks, table, lanes, total)

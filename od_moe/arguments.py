@@ -37,11 +37,22 @@ def _two_tier_arg(parser: argparse.ArgumentParser):
     )
 
 
+def _packed_arg(parser: argparse.ArgumentParser, whose: str = "the model's"):
+    parser.add_argument(
+        "--packed",
+        metavar="FILE",
+        help=f"read {whose} experts from this packed file (`od-moe pack --out FILE`; default: "
+        "MODEL/od-moe-packed/experts.safetensors where it exists, else the checkpoint's arrays)",
+    )
+
+
 def _placement_args(parser: argparse.ArgumentParser):
-    """Where experts live while generating: how many per layer, read past the page cache, two tiers."""
+    """Where experts live while generating: how many per layer, read past the page cache, two tiers,
+    packed rows."""
     _capacity_arg(parser)
     _direct_io_arg(parser)
     _two_tier_arg(parser)
+    _packed_arg(parser)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -57,9 +68,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the `od-moe` command and its sub-commands."""
-    parser = argparse.ArgumentParser(
-        prog="od-moe", description="Run Mixture-of-Experts models larger than memory."
-    )
+    parser = _OneLineErrors(prog="od-moe", description="Run Mixture-of-Experts models larger than memory.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubParser)
     _add_generate(sub)
@@ -69,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_predictor(sub)
     _add_pack(sub)
     _add_inspect(sub)
+    parser.commands = sub.choices  # each command's own parser, for the errors found after parsing
     return parser
 
 
@@ -81,7 +91,8 @@ def _add_generate(sub):
         help="text to continue, or '-' to read it from standard input (as mlx-lm's generate)",
     )
     gen.add_argument(
-        "--system-prompt", help="a system message before the prompt (with the chat template only)"
+        "--system-prompt",
+        help="a system message before the prompt (with the chat template only; default: none)",
     )
     gen.add_argument(
         "--ignore-chat-template",
@@ -92,7 +103,8 @@ def _add_generate(sub):
     gen.add_argument(
         "--chat-template-config",
         metavar="JSON",
-        help="further arguments for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}')",
+        help="further arguments for the chat template, a JSON object (e.g. '{\"enable_thinking\": false}'; "
+        "default: none)",
     )
     gen.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate")
     _placement_args(gen)
@@ -110,7 +122,8 @@ def _add_generate(sub):
     )
     gen.add_argument(
         "--predictor",
-        help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's",
+        help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's "
+        "(default: none, no predictor)",
     )
     gen.add_argument(
         "--prefetch",
@@ -120,9 +133,17 @@ def _add_generate(sub):
     )
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
-    gen.add_argument("--seed", type=int, help="random seed for sampling, 0 to 2**63 - 1")
-    gen.add_argument("--snapshot", help="warm-start from a snapshot folder saved for this model and capacity")
-    gen.add_argument("--save-snapshot", help="after generating, save the resident set to this folder")
+    gen.add_argument(
+        "--seed", type=int, help="random seed for sampling, 0 to 2**63 - 1 (default: none, a fresh one)"
+    )
+    gen.add_argument(
+        "--snapshot",
+        help="warm-start from a snapshot folder saved for this model and capacity (default: none, an empty "
+        "cache)",
+    )
+    gen.add_argument(
+        "--save-snapshot", help="after generating, save the resident set to this folder (default: not saved)"
+    )
     gen.add_argument("--stats", action="store_true", help="print cache statistics after the text")
 
 
@@ -131,7 +152,8 @@ def _add_serve(sub):
     srv.add_argument("--model", help="model folder or hub id (default: the embedded tiny Qwen3-MoE)")
     srv.add_argument(
         "--predictor",
-        help="a shadow predictor folder written by train-predictor ('bundled': the embedded model's)",
+        help="a shadow predictor folder written by train-predictor ('bundled': the embedded model's; "
+        "default: none, no predictor)",
     )
     srv.add_argument(
         "--prefetch",
@@ -168,7 +190,7 @@ def _add_serve(sub):
         metavar="PATH",
         help="write the running batch's schedule to PATH as it runs (one JSON event a line: joins with their "
         "prompt tokens, leaves, the tokens given), to replay it through stock mlx-lm with `python3 -m "
-        "od_moe.server.schedule PATH` (needs --max-batch 2 or more)",
+        "od_moe.server.schedule PATH` (needs --max-batch 2 or more; default: not written)",
     )
     srv.add_argument(
         "--allow-host",
@@ -245,10 +267,12 @@ def _add_train_predictor(sub):
         default=1,
         help="trunk layers (default 1; more add residual layers of width --rank)",
     )
-    train.add_argument("--batch-size", type=int, default=512)
-    train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument(
-        "--traces", help="folder to record traces into and reuse (default: DIR/traces, removed after)"
+        "--batch-size", type=int, default=512, help="training examples (token, layer) per optimiser step"
+    )
+    train.add_argument("--lr", type=float, default=2e-3, help="the optimiser's (Adam's) learning rate")
+    train.add_argument(
+        "--traces", help="folder to record traces into and reuse (default: OUT/traces, removed after)"
     )
     train.add_argument("--keep-traces", action="store_true", help="keep OUT/traces after training")
     train.add_argument("--json", action="store_true", help="print report.json instead of the tables")
@@ -266,7 +290,9 @@ def _add_eval_predictor(sub):
     ev.add_argument(
         "--data", required=True, help="text/JSON lines/parquet file, a folder of them, or a hub dataset"
     )
-    ev.add_argument("--text-field", default="text")
+    ev.add_argument(
+        "--text-field", default="text", help="the column holding the text in JSON/parquet/CSV data"
+    )
     ev.add_argument(
         "--max-tokens", type=int, default=16384, help="tokens to record and evaluate (default 16384)"
     )
@@ -281,8 +307,8 @@ def _add_pack(sub):
     pk.add_argument("model", nargs="?", help="model folder (default: the embedded tiny Qwen3-MoE)")
     pk.add_argument(
         "--out",
-        help="the packed file to write (default: MODEL/od-moe-packed/experts.safetensors, which load() "
-        "finds; elsewhere, pass its path as load(packed=...))",
+        help="the packed file to write (default: MODEL/od-moe-packed/experts.safetensors, which every "
+        "command finds; elsewhere, pass it as --packed FILE, or load(packed=FILE) in Python)",
     )
 
 
@@ -292,7 +318,11 @@ def _add_inspect(sub):
     ins.add_argument(
         "--memory-budget", help="the budget whose capacity to report (default: 70%% of available)"
     )
-    ins.add_argument("--capacity", help="experts per layer (16, 0.25 or 25%%) whose memory budget to report")
+    ins.add_argument(
+        "--capacity",
+        help="experts per layer (16, 0.25 or 25%%) whose memory budget to report (default: what the memory "
+        "budget holds)",
+    )
     ins.add_argument("--predictor", help="a predictor folder to check (default: one beside the model)")
     ins.add_argument(
         "--ranks",
@@ -300,10 +330,19 @@ def _add_inspect(sub):
         default=1,
         help="processes to split the layers over: each rank's layers and memory",
     )
+    _packed_arg(ins)
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-class _SubParser(argparse.ArgumentParser):
+class _OneLineErrors(argparse.ArgumentParser):
+    """A parser whose mistakes are one line, `od-moe: error: ...`, naming the command's own help (argparse
+    would print the top-level usage first, even for a sub-command's flag), and exit with code 2."""
+
+    def error(self, message):
+        self.exit(2, f"od-moe: error: {message} (see '{self.prog} --help')\n")
+
+
+class _SubParser(_OneLineErrors):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, formatter_class=_DefaultsFormatter, **kwargs)
 

@@ -40,6 +40,11 @@ def _pick(args, *names) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def _packed(args):
+    """--packed FILE as `load` takes it: the file, else "auto" (the model folder's packed experts)."""
+    return args.packed if args.packed is not None else "auto"
+
+
 def _predictor_arg(value):
     if value == "bundled":
         from .engine import DEFAULT_PREDICTOR
@@ -79,7 +84,15 @@ def _template_options(args) -> dict:
 def _chat_prompt(tokenizer, prompt: str, args, options: dict) -> str:
     """`prompt` put into the tokenizer's chat template as mlx-lm's generate puts it, unless the tokenizer
     has none or `--ignore-chat-template` is given."""
-    if args.ignore_chat_template or not getattr(tokenizer, "has_chat_template", False):
+    if args.ignore_chat_template:
+        return prompt
+    if not tokenizer.has_chat_template:
+        if args.system_prompt is not None:
+            print(
+                "od-moe: the model's tokenizer has no chat template: the prompt is continued as text and "
+                "--system-prompt is not used",
+                file=sys.stderr,
+            )
         return prompt
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     messages.append({"role": "user", "content": prompt})
@@ -99,6 +112,7 @@ def cmd_generate(args):
         _pick(args, "capacity", "memory_budget", "miss_policy", "eviction"),
         direct_io=_direct_io(args.direct_io),
         two_tier=_direct_io(args.two_tier),  # the same auto/on/off
+        packed=_packed(args),
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     check_sampling(args.temp, args.top_p, seed=args.seed)  # before the model loads
@@ -204,6 +218,7 @@ def cmd_serve(args):
         predictor=_predictor_arg(args.predictor),
         direct_io=_direct_io(args.direct_io),
         two_tier=_direct_io(args.two_tier),
+        packed=_packed(args),
         log=lambda line: print(line, file=sys.stderr, flush=True),
         **picked,
     )
@@ -217,7 +232,9 @@ def cmd_inspect(args):
     if args.ranks < 1:
         raise UserError(f"--ranks must be a positive integer, got {args.ranks}")
     predictor = _predictor_arg(args.predictor)
-    report = inspect_model(args.model, args.memory_budget, args.capacity, predictor, ranks=args.ranks)
+    report = inspect_model(
+        args.model, args.memory_budget, args.capacity, predictor, ranks=args.ranks, packed=_packed(args)
+    )
     print(json.dumps(report, indent=1) if args.json else format_inspection(report))
 
 
@@ -236,19 +253,22 @@ def cmd_pack(args):
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command = parser.commands[args.command]  # its mistakes name its own --help
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("generate", "serve"):
-        _check_positive(parser, "--max-tokens", args.max_tokens)
+        _check_positive(command, "--max-tokens", args.max_tokens)
     if args.command == "serve":
-        _check_positive(parser, "--max-input-tokens", args.max_input_tokens)
-        _check_positive(parser, "--max-batch", args.max_batch)
+        _check_positive(command, "--max-input-tokens", args.max_input_tokens)
+        _check_positive(command, "--max-batch", args.max_batch)
         if not 0 <= args.port < 65536:
-            parser.error(f"--port must be 0 to 65535, got {args.port}")
+            command.error(f"--port must be 0 to 65535, got {args.port}")
     if args.command in ("train-predictor", "eval-predictor"):
         for name in ("max_tokens", "eval_tokens", "epochs", "rank", "depth", "batch_size"):
-            _check_positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
+            _check_positive(command, "--" + name.replace("_", "-"), getattr(args, name, None))
         if getattr(args, "lr", 1.0) <= 0:
-            parser.error(f"--lr must be positive, got {args.lr}")
+            command.error(f"--lr must be positive, got {args.lr}")
     try:
         if args.command == "generate":
             cmd_generate(args)

@@ -73,7 +73,7 @@ def open_store(path: Path, packed, direct_io) -> ExpertStore:
     """The model's expert store (every safetensors header checked against its file first), reading
     packed rows and past the page cache as `load` says."""
     store = ExpertStore(path)
-    _use_packed(store, path, packed)
+    use_packed_experts(store, path, packed)
     if direct_io not in (True, False, "auto"):
         raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
     if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
@@ -98,7 +98,7 @@ def open_model(path: Path, dtype: str):
     return mlx_model, tokenizer
 
 
-def _use_packed(store: ExpertStore, path: Path, packed):
+def use_packed_experts(store: ExpertStore, path: Path, packed):
     """Read from packed experts as `load`'s `packed` says (before any layout is made)."""
     if packed is True or packed == "auto":
         where = default_packed_path(path)
@@ -109,4 +109,4 @@ def _use_packed(store: ExpertStore, path: Path, packed):
     else:
         raise UserError(f"packed must be True, False, 'auto' or a file path, got {packed!r}")
     if not use_packed(store, where) and packed != "auto":
-        raise UserError(f"no packed experts at {where}: make them with `od-moe pack --model {path}`")
+        raise UserError(f"no packed experts at {where}: make them with `od-moe pack {path} --out {where}`")

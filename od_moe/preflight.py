@@ -32,7 +32,6 @@ from .capacity import (
     working_nbytes,
 )
 from .errors import UserError
-from .packed import default_path as default_packed_path
 from .pipeline import layers_of, stage_ranges
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore
@@ -80,14 +79,21 @@ def _predictor_report(path: Path, predictor, identity: str, moe_layers: int, num
 
 
 def inspect_model(
-    model=None, memory_budget=None, capacity=None, predictor=None, dtype: str = "auto", ranks: int = 1
+    model=None,
+    memory_budget=None,
+    capacity=None,
+    predictor=None,
+    dtype: str = "auto",
+    ranks: int = 1,
+    packed="auto",
 ) -> dict:
     """What `od_moe.load(model, ...)` would find and use, from config.json and the safetensors headers.
 
     memory_budget: bytes or "8GB" (None: 70% of available memory, as `load`); capacity: a count, fraction
     or "25%" whose budget to report; predictor: a predictor folder to check (None: the one beside the
     model, `<model>-predictor`, or the bundled one for the bundled model); ranks: processes to split the
-    decoder layers over (`pipeline.py`): more than 1 adds each rank's layers and memory."""
+    decoder layers over (`pipeline.py`): more than 1 adds each rank's layers and memory; packed: as `load`
+    takes it (a file made from other weights is refused as `load` refuses it)."""
     from .model_files import model_identity, resolve_model_path
 
     path = resolve_model_path(model)
@@ -145,7 +151,7 @@ def inspect_model(
         memory_budget={"bytes": given, "auto": memory_budget in (None, "auto"), **bought},
         budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
-        packed=_packed_file(path),
+        packed=_packed_file(path, store, packed),
     )
     if ranks > 1:
         try:
@@ -230,10 +236,12 @@ _computed = weakref.WeakKeyDictionary()  # engine -> its capabilities
 _lock = threading.Lock()
 
 
-def _packed_file(path) -> str | None:
-    """The packed experts `load()` would find in the model folder, if any."""
-    packed = default_packed_path(path)
-    return str(packed) if packed.is_file() else None
+def _packed_file(path, store, packed) -> str | None:
+    """The packed experts `load(packed=packed)` would read, if any (checked as `load` checks them)."""
+    from .model_files import use_packed_experts
+
+    use_packed_experts(store, path, packed)
+    return str(store.packed) if store.packed else None
 
 
 def engine_capabilities(engine) -> dict:

@@ -164,7 +164,7 @@ class ExpertStore:
 
     def repack_advice(self, path) -> str:
         """What to do about packed experts at `path` that do not fit this model."""
-        return f"run `od-moe pack --model {self.model_dir}` again, or delete {path}"
+        return f"run `od-moe pack {self.model_dir} --out {path}` again, or delete {path}"
 
     @property
     def packed(self) -> Path | None:

@@ -162,18 +162,104 @@ def test_prompt_dash_reads_standard_input(capsys, monkeypatch):
     assert piped == typed and piped.strip()
 
 
-def test_the_chat_template_is_used_by_default_as_mlx_lm_does(capsys):
-    engine = od_moe.load()
+def _templated_copy(tmp_path) -> Path:
+    """The embedded model with a chat template in its tokenizer (links to its files, its own config)."""
+    import json
+
+    for f in od_moe.DEFAULT_MODEL.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "tokenizer_config.json").unlink()
+    config = json.loads((od_moe.DEFAULT_MODEL / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}# Q: {{ m['content'] }}\n{% else %}"
+        "# {{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}# A:\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_the_chat_template_is_used_by_default_as_mlx_lm_does(capsys, tmp_path):
+    model = _templated_copy(tmp_path)
+    engine = od_moe.load(model)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
     templated = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert templated.startswith("# be brief\n# Q: def add(a, b):")  # the embedded model's own template
+    assert templated.startswith("# be brief\n# Q: def add(a, b):")
     expect = engine.generate(templated, max_tokens=8)
     raw = engine.generate("def add(a, b):", max_tokens=8)
     assert expect != raw
-    assert _generated(capsys, ["--prompt", "def add(a, b):", "--system-prompt", "be brief"]) == expect + "\n"
-    assert _generated(capsys, ["--prompt", "def add(a, b):", "--ignore-chat-template"]) == raw + "\n"
+    argv = ["--model", str(model), "--prompt", "def add(a, b):"]
+    assert _generated(capsys, [*argv, "--system-prompt", "be brief"]) == expect + "\n"
+    assert _generated(capsys, [*argv, "--ignore-chat-template"]) == raw + "\n"
+
+
+def test_a_tokenizer_with_no_chat_template_continues_the_prompt(capsys):
+    """The embedded model never learned a chat format: its tokenizer offers none, so `generate` continues
+    the text by default (as mlx-lm's does for such a tokenizer), and a system prompt is said to be unused."""
+    assert not od_moe.load().tokenizer.has_chat_template
+    raw = _generated(capsys, ["--prompt", "def add(a, b):", "--ignore-chat-template"])
+    assert _generated(capsys, ["--prompt", "def add(a, b):"]) == raw
+    assert main(["generate", "--max-tokens", "4", "--prompt", "def f():", "--system-prompt", "be brief"]) == 0
+    err = capsys.readouterr().err
+    assert "no chat template" in err and "--system-prompt" in err
 
 
 def test_a_chat_template_config_that_is_not_an_object_is_refused(capsys):
     assert main(["generate", "--prompt", "x", "--chat-template-config", "[1]"]) == 2
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+def _readme_usage() -> dict[str, str]:
+    """Each command's usage lines in the README's "Command line" block, joined."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Command line", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    usage, command = {}, None
+    for line in block.splitlines():
+        if line.startswith("od-moe "):
+            command = line.split()[1]
+        usage[command] = usage.get(command, "") + " " + line
+    return usage
+
+
+def test_the_readme_usage_names_every_flag_with_the_parsers_choices():
+    usage = _readme_usage()
+    for name, command in build_parser().commands.items():
+        written = dict(re.findall(r"(--[a-z][a-z-]*)(?: ([^\s\[\]-][^\s\]]*))?", usage[name]))
+        flags = {
+            f for a in command._actions for f in a.option_strings if f.startswith("--") and f != "--help"
+        }
+        assert set(written) == flags, (name, set(written) ^ flags)
+        for action in command._actions:
+            if action.choices and action.option_strings:
+                shown = written[action.option_strings[0]]
+                assert set(shown.split("|")) == set(action.choices), (name, action.option_strings, shown)
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    for name, command in build_parser().commands.items():
+        for action in command._actions:
+            if not action.option_strings or action.required or action.option_strings == ["-h", "--help"]:
+                continue
+            assert action.help, (name, action.option_strings)
+            takes_a_value = action.nargs != 0
+            shown_default = not (action.default is None or action.default is False or action.default == [])
+            if takes_a_value and not shown_default:
+                assert "default" in action.help, (name, action.option_strings, action.help)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
+        (["generate", "--prompt", "x", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["serve", "--port", "70000"], "--port must be 0 to 65535"),
+        (["train-predictor", "--lr", "0"], "--lr must be positive"),
+        (["inspect", "--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_a_flag_mistake_is_one_line_naming_the_commands_help(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("od-moe: error: ") and message in err[0]
+    assert err[0].endswith(f"(see 'od-moe {argv[0]} --help')")

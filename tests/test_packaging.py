@@ -121,3 +121,16 @@ def test_a_skipped_test_says_why_in_the_suites_summary(tmp_path):
         timeout=120,
     )
     assert "SKIPPED [1]" in run.stdout and "needs a thing this machine lacks" in run.stdout, run.stdout
+
+
+def test_each_quick_start_line_stands_on_its_own():
+    """A newcomer may paste the second line into a new terminal: each line makes or reuses `.venv` and
+    activates it before it installs, and `.ci/run` runs each line in a fresh shell of its own."""
+    root = Path(__file__).resolve().parent.parent
+    block = (root / "README.md").read_text().split("## Quick start", 1)[1].split("```bash\n", 1)[1]
+    lines = block.split("```", 1)[0].strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.startswith("python3 -m venv .venv && . .venv/bin/activate && "), line
+    ci = (root / ".ci" / "run").read_text()
+    assert 'bash -euo pipefail -c "$line"' in ci and 'bash -euo pipefail -c "$quick_start"' not in ci

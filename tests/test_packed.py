@@ -97,6 +97,27 @@ def test_pack_command_writes_where_asked_and_says_what_to_do_on_bad_input(tmp_pa
     assert "cannot write packed experts" in capsys.readouterr().err
 
 
+def test_commands_read_a_packed_file_made_elsewhere(tmp_path, capsys):
+    """`pack --out FILE` elsewhere, then `--packed FILE` on generate and inspect (serve and bench take it
+    too): the text is the checkpoint's, and a file that is missing or made from other weights is one line."""
+    out = tmp_path / "experts.safetensors"
+    assert main(["pack", "--out", str(out)]) == 0
+    argv = ["generate", "--prompt", "def add(a, b):", "--max-tokens", "6", "--capacity", "8"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--packed", str(out), "--stats"]) == 0
+    packed = capsys.readouterr()
+    assert packed.out == plain
+    assert main(["inspect", "--packed", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["packed"] == str(out)
+    for bad in (tmp_path / "missing.safetensors", od_moe.DEFAULT_MODEL / "model.safetensors"):
+        for command in (argv, ["inspect"]):
+            assert main([*command, "--packed", str(bad)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("od-moe: error: ") and str(bad) in err[0], err
+
+
 def test_inspect_reports_packed_experts(packed_model):
     from od_moe.preflight import format_inspection, inspect_model
 

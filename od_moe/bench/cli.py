@@ -54,13 +54,20 @@ def add_arguments(parser):
         "--plot",
         metavar="PATH",
         help="draw hit rate, tok/s and bytes read per token against capacity for each policy into PATH "
-        "(.png or .svg; needs matplotlib: pip install 'od-moe[bench]'); the rows go beside it as .json",
+        "(.png or .svg; needs matplotlib: pip install 'od-moe[bench]'); the rows go beside it as .json "
+        "(default: no plot)",
     )
     add(
         "--pack",
         action="store_true",
         help="pack the widened model's experts first (`od-moe pack`) if they are not; a widened model "
         "packed before is read packed either way (the grid says which)",
+    )
+    add(
+        "--packed",
+        metavar="FILE",
+        help="the widened model's packed experts, written elsewhere by `od-moe pack WIDENED --out FILE`: "
+        "linked into the widened copy's folder, where every run reads them (default: none)",
     )
     add("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
     add(
@@ -107,8 +114,11 @@ def run(args):
             raise UserError("--plot draws the prefetch grid: leave out --foundation")
         check_path(args.plot)
         require_matplotlib()
-    if args.pack and (args.foundation or not args.widen):
-        raise UserError("--pack packs the prefetch grid's widened model: leave out --foundation, --widen 0")
+    if (args.pack or args.packed) and (args.foundation or not args.widen):
+        flag = "--pack packs" if args.pack else "--packed is"
+        raise UserError(f"{flag} the prefetch grid's widened model: leave out --foundation, --widen 0")
+    if args.pack and args.packed:
+        raise UserError("choose one of --pack (pack the widened model now) and --packed FILE (packed before)")
     for alone in ("batch", "two_tier"):
         if getattr(args, alone) and (args.foundation or args.full or args.gpu or args.plot or args.pack):
             flag = "--" + alone.replace("_", "-")
@@ -139,7 +149,7 @@ def run(args):
             printer,
             predictor_dir=args.predictor,
             deterministic=args.deterministic,
-            pack=args.pack,
+            pack=args.packed or args.pack,
         )
     if args.gpu:
         result["rows"] += _two_tier(args, [float(f) for f in (0, 0.25, 0.5, 1)], rounds, printer)["rows"]

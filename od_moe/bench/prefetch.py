@@ -22,12 +22,15 @@ import mlx.core as mx
 
 from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, model_layouts
+from ..errors import UserError
 from ..governor import PrefetchSettings
 from ..packed import default_path as default_packed_path
 from ..packed import pack as pack_experts
+from ..packed import use_packed
 from ..predictor import load_predictor
 from ..replay import Tally, replay_recording
 from ..report import table
+from ..store import ExpertStore
 from ..units import KB
 from .foundation import PROMPTS, run_stock
 from .roofline import install_bandwidth, read_bandwidth, roofline_ms
@@ -212,10 +215,11 @@ def run_prefetch_grid(
     printer=print,
     predictor_dir=None,
     deterministic: bool = False,
-    pack: bool = False,
+    pack: bool | str = False,
 ):
     """The grid (`GRIDS`); `deterministic`: prefetch with `DETERMINISTIC` settings (its timings then
-    mean little); `pack`: the widened model's experts packed (`od-moe pack`) and read from there."""
+    mean little); `pack`: the widened model's experts packed (`od-moe pack`) and read from there, or the
+    path of a packed file made elsewhere for it."""
     say = printer or (lambda *_: None)
     settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:  # a bad folder or another model's predictor fails before any run
@@ -269,17 +273,41 @@ def run_prefetch_grid(
     return {"rows": rows}
 
 
-def widened_copy(widen: int, workdir: Path, pack: bool, say) -> Path:
-    """The widened copy of the bundled model (built or verified), its experts packed if asked."""
+def widened_copy(widen: int, workdir: Path, pack: bool | str, say) -> Path:
+    """The widened copy of the bundled model (built or verified), its experts packed if asked (`pack`
+    True), or read from a packed file made elsewhere (`pack` its path), linked where `load` finds it."""
     t0 = time.perf_counter()
     wide = widen_model(DEFAULT_MODEL, workdir / f"widened-x{widen}", widen)
     packed = default_packed_path(wide)
-    if pack and not packed.is_file():
+    if isinstance(pack, str):
+        _link_packed(wide, Path(pack).expanduser().resolve())
+    elif pack and not packed.is_file():
         pack_experts(*model_layouts(str(wide)))
     source = f"packed rows ({packed})" if packed.is_file() else "the checkpoint's arrays"
     say(f"widened model x{widen} at {wide} ({time.perf_counter() - t0:.1f}s to build or verify)")
     say(f"widened model experts read from {source}")
     return wide
+
+
+def _link_packed(wide: Path, file: Path):
+    """Have every run of the widened model read the packed experts in `file` (checked as `load` checks
+    them) through a link at the folder's default packed path."""
+    store = ExpertStore(wide)
+    try:
+        if not use_packed(store, file):
+            raise UserError(f"no packed experts at {file}: make them with `od-moe pack {wide} --out {file}`")
+    finally:
+        store.close()
+    link = default_packed_path(wide)
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists() and link.resolve() != file:
+        raise UserError(
+            f"the widened model already has packed experts at {link}: leave out --packed or delete it"
+        )
+    link.parent.mkdir(exist_ok=True)
+    if not link.exists():
+        link.symlink_to(file)
 
 
 def _cells(fractions, temps, misses, policy_set):

@@ -34,10 +34,13 @@ from .requests import ApiError, check_model, parse_messages, parse_params, parse
 from .schedule import ScheduleLog
 from .worker import GenerationWorker
 
-# Used when a tokenizer has no chat template (the embedded model ships one of its own).
+# Used when a tokenizer has no chat template, as the embedded model's (a code model trained on raw Python,
+# never on conversations): the conversation is continued as text, system messages as comment lines and every
+# other message's text as it is, a line apart (written as expressions: chat templates render with
+# trim_blocks, which drops a newline after a tag), so a user message holding code gets its continuation.
 FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}# {{ m['content'] | replace('\\n', '\\n# ') }}"
+    "{% else %}{{ m['content'] }}{% endif %}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
 )
 
 
@@ -321,6 +324,7 @@ def serve(
     two_tier="auto",
     max_batch=8,
     schedule_log=None,
+    packed="auto",
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
     end the running streams with an error event and stop the generation thread before returning.
@@ -334,7 +338,8 @@ def serve(
 
     def loader():
         options = dict(capacity=capacity, memory_budget=memory_budget, prefetch=prefetch)
-        return load(model, predictor=predictor, direct_io=direct_io, two_tier=two_tier, **options)
+        options.update(direct_io=direct_io, two_tier=two_tier, packed=packed)
+        return load(model, predictor=predictor, **options)
 
     group = group_for("auto")
     if group is not None and group.rank() > 0:

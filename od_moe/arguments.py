@@ -131,7 +131,12 @@ def _add_generate(sub):
         help="what drives prefetching (default: predictor with --predictor, else none); oracle "
         "first generates once to record the true routing, then replays it (an upper bound)",
     )
-    gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0 to 2 as OpenAI's API takes it (0: greedy)",
+    )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
     gen.add_argument(
         "--seed", type=int, help="random seed for sampling, 0 to 2**63 - 1 (default: none, a fresh one)"

@@ -106,7 +106,7 @@ def cmd_generate(args):
     from . import load
     from .pipeline import rank_lines
     from .report import format_stats
-    from .sampling import check_sampling
+    from .sampling import OPENAI_MAX_TEMPERATURE, check_sampling
 
     options = dict(
         _pick(args, "capacity", "memory_budget", "miss_policy", "eviction"),
@@ -115,7 +115,8 @@ def cmd_generate(args):
         packed=_packed(args),
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
-    check_sampling(args.temp, args.top_p, seed=args.seed)  # before the model loads
+    # before the model loads; the temperature in OpenAI's range, as the server's OpenAI routes take it
+    check_sampling(args.temp, args.top_p, seed=args.seed, max_temperature=OPENAI_MAX_TEMPERATURE)
     prompt, template = _read_prompt(args), _template_options(args)
     if args.save_snapshot:
         _check_writable(args.save_snapshot)

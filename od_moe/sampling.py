@@ -17,7 +17,18 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from .errors import UserError
 
 MAX_SEED = 2**63 - 1
+# Temperature ranges as each API's specification states them: OpenAI's (also the command line's) and
+# Anthropic's Messages API's. The Python API keeps a wide range of its own, as mlx-lm sets none.
+OPENAI_MAX_TEMPERATURE = 2.0
+ANTHROPIC_MAX_TEMPERATURE = 1.0
 MAX_TEMPERATURE = 100.0
+
+
+def out_of_range(name: str, shown: str, low, high, low_open: bool = False) -> str:
+    """The one wording of a number outside its range (`shown`: the value as the message shows it), on the
+    command line, in Python and over HTTP."""
+    lower = f"above {low:g} and at most" if low_open else f"from {low:g} to"
+    return f"{name} must be a number {lower} {high:g}, got {shown}"
 
 
 def vocab_size_of(model) -> int | None:
@@ -36,15 +47,21 @@ def _number(value) -> bool:
 
 
 def check_sampling(
-    temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, vocab_size: int | None = None
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    seed=None,
+    vocab_size: int | None = None,
+    max_temperature: float = MAX_TEMPERATURE,
 ) -> None:
     """Raise a UserError naming the first setting that cannot be sampled with."""
-    if not _number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise UserError(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}")
+    if not _number(temperature) or not 0 <= temperature <= max_temperature:
+        raise UserError(out_of_range("temperature", repr(temperature), 0, max_temperature))
     if not _number(top_p) or not 0 < top_p <= 1:
-        raise UserError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        raise UserError(out_of_range("top_p", repr(top_p), 0, 1, low_open=True))
     if not _number(min_p) or not 0 <= min_p <= 1:
-        raise UserError(f"min_p must be a number in [0, 1], got {min_p!r}")
+        raise UserError(out_of_range("min_p", repr(min_p), 0, 1))
     limit = f" and below the vocabulary size {vocab_size}" if vocab_size else ""
     if (
         isinstance(top_k, bool)

@@ -315,3 +315,29 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(app, monkeypatch):
         assert "No user query found" in response.get_json()["error"]["message"]
     monkeypatch.undo()
     good_requests_succeed(client)
+
+
+def test_each_api_keeps_its_own_temperature_range_in_one_wording(app, capsys):
+    """OpenAI's routes take 0 to 2, Anthropic's Messages API 0 to 1, the command line OpenAI's range; all
+    three say so in the same words."""
+    from od_moe.cli import main
+
+    client = app.test_client()
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    cases = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1}, 2),
+        ("/v1/chat/completions", chat, 2),
+        ("/v1/messages", chat, 1),
+    ]
+    for path, body, high in cases:
+        assert client.post(path, json=dict(body, temperature=high)).status_code == 200
+        refused = client.post(path, json=dict(body, temperature=high + 0.5))
+        message = refused.get_json()["error"]["message"]
+        assert (
+            refused.status_code == 400
+            and message == f"'temperature' must be a number from 0 to {high}, got {high + 0.5}"
+        )
+    assert main(["generate", "--prompt", "x", "--temp", "2.5"]) == 2
+    assert (
+        capsys.readouterr().err.strip() == "od-moe: error: temperature must be a number from 0 to 2, got 2.5"
+    )

@@ -6,6 +6,7 @@ Not here: routing or generation (`app.py`, `worker.py`).
 import json
 import uuid
 
+from ..sampling import ANTHROPIC_MAX_TEMPERATURE
 from .requests import ApiError, GenerationParams, parse_messages, parse_params
 
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
@@ -34,7 +35,9 @@ def parse_request(body: dict, max_tokens_cap: int, vocab_size: int | None = None
         raise ApiError(400, "'stop_sequences' must be a list of strings", "stop_sequences")
     openai_body = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
     openai_body["stop"] = (stop or [])[:4]
-    params: GenerationParams = parse_params(openai_body, max_tokens_cap, 0, vocab_size)
+    params: GenerationParams = parse_params(
+        openai_body, max_tokens_cap, 0, vocab_size, max_temperature=ANTHROPIC_MAX_TEMPERATURE
+    )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")

@@ -8,7 +8,7 @@ import math
 import reprlib
 from dataclasses import dataclass, field
 
-from ..sampling import MAX_SEED
+from ..sampling import MAX_SEED, OPENAI_MAX_TEMPERATURE, out_of_range
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _REPR = reprlib.Repr()
@@ -65,16 +65,20 @@ def _number(body, name, default, low, high, integer=False, low_open=False):
         )
     # compared as given: an integer of 400 digits has no float
     if value < low or value > high or (low_open and value == low):
-        bounds = f"{'>' if low_open else '>='} {low} and <= {high}"
-        raise ApiError(400, f"'{name}' must be {bounds}, got {shown(value)}", name)
+        raise ApiError(400, out_of_range(f"'{name}'", shown(value), low, high, low_open), name)
     return value + 0  # -0.0 becomes 0.0
 
 
 def parse_params(
-    body: dict, max_tokens_cap: int, default_max_tokens: int, vocab_size: int | None = None
+    body: dict,
+    max_tokens_cap: int,
+    default_max_tokens: int,
+    vocab_size: int | None = None,
+    max_temperature: float = OPENAI_MAX_TEMPERATURE,
 ) -> GenerationParams:
     """Sampling and length settings shared by completions and chat, checked so that generation cannot
-    fail on them: `top_k` must be below `vocab_size`, `seed` within 0 to 2**63 - 1."""
+    fail on them: `top_k` must be below `vocab_size`, `seed` within 0 to 2**63 - 1, the temperature
+    within the API's own range (OpenAI's by default)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(name)
     if value is None:
@@ -127,8 +131,8 @@ def parse_params(
     top_k_limit = vocab_size - 1 if vocab_size else 1_000_000
     return GenerationParams(
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+        temperature=float(_number(body, "temperature", 1.0, 0, max_temperature)),
+        top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
         top_k=int(_number(body, "top_k", 0, 0, top_k_limit, integer=True)),
         seed=seed,
         stop=stop,

@@ -137,6 +137,7 @@ class Governor:
         self.gain = None  # the last check of what prefetch hides
         self._gain_checked = False  # this stretch with prefetch on has had its gain check
         self.backoffs, self.backoff_reason = 0, None
+        self.pause = None  # the last pause for gain or cost: at which decode token, why, when it ends
         self.read_bound, self.stall_share = False, None  # the read-bound check's verdict and its measure
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
@@ -208,6 +209,7 @@ class Governor:
             "gain": self.gain,
             "backoffs": self.backoffs,
             "backoff_reason": self.backoff_reason,
+            "pause": None if self.pause is None else {**self.pause, "still": self.mode == "paused"},
             "read_bound": self.read_bound,
             "stall_share": self.stall_share,
         }
@@ -266,6 +268,8 @@ class Governor:
             self._gain_checked = True
             self.gain = gain
             if gain["hidden_ms"] < gain["cost_ms"] + MIN_GAIN * gain["token_ms"]:
+                resume_ms = max(2 * gain["cost_ms"], MIN_GAIN * gain["token_ms"])
+                self.pause = dict(gain, kind="gain", at_token=self.decode_tokens, resume_stall_ms=resume_ms)
                 self._back_off(
                     f"prefetch saves {gain['hidden_ms']:.2f} ms of demand reads per token and "
                     f"costs {gain['cost_ms']:.2f} ms of a {gain['token_ms']:.1f} ms token: "
@@ -277,7 +281,7 @@ class Governor:
         elif self.mode == "paused" and self._pause_kind == "gain" and n >= self.settings.probe_tokens:
             stall = self._gain(self.settings.probe_tokens)
             if stall is not None and stall["hidden_ms"] > max(
-                2 * self.gain["cost_ms"], MIN_GAIN * stall["token_ms"]
+                self.pause["resume_stall_ms"], MIN_GAIN * stall["token_ms"]
             ):
                 self._set_mode("on")
 
@@ -294,6 +298,7 @@ class Governor:
             if on and off:
                 self.probe = {"on_ms": 1e3 * float(np.mean(on)), "off_ms": 1e3 * float(np.mean(off))}
             if on and off and np.mean(off) < np.mean(on) * (1 - COST_MARGIN):
+                self.pause = dict(self.probe, kind="cost", at_token=self.decode_tokens, tokens=s.pause_tokens)
                 self._back_off(
                     f"prefetch costs more than it saves: {self.probe['on_ms']:.1f} ms/token "
                     f"with it, {self.probe['off_ms']:.1f} without; paused for {s.pause_tokens} tokens",

@@ -63,6 +63,8 @@ def format_stats(stats: dict, response=None) -> str:
         table(["layer", "lookups", "hits", "misses", "hit rate", "decode hit", "MB read", "stall ms"], rows),
     ]
     out.append(prefetch_line(stats["prefetch"]))
+    if (pause := pause_line(stats["prefetch"])) is not None:
+        out.append(pause)
     mem = stats["memory"]
     out.append(
         f"peak memory {mb(mem['peak_bytes']):.1f} MB (expert cache {mb(mem['expert_cache_bytes']):.1f} "
@@ -87,6 +89,28 @@ def prefetch_line(p: dict) -> str:
         f"({mb(p.get('bytes_read', 0)):.1f} MB), {p.get('useful', 0)} used before eviction "
         f"(precision {precision}), {p.get('late', 0)} late, {p.get('wasted', 0)} wasted, "
         f"{backoffs_text(p.get('backoffs', 0), p.get('backoff_reason'))}"
+    )
+
+
+def pause_line(p: dict) -> str | None:
+    """One line when the governor paused prefetch for what it gains or costs: when, why, and when it
+    would pay (None where it never did)."""
+    pause = p.get("pause")
+    if not pause:
+        return None
+    state = "and stayed paused" if pause["still"] else "and resumed later"
+    if pause["kind"] == "gain":
+        return (
+            f"prefetch paused at decode token {pause['at_token']} {state}: its reads saved "
+            f"{pause['hidden_ms']:.2f} ms of demand reads a token and cost {pause['cost_ms']:.2f} ms of a "
+            f"{pause['token_ms']:.1f} ms token, as where experts come from the page cache; it pays where "
+            f"demand reads are slow (a model larger than memory, read from disk), and resumes by itself "
+            f"once they stall a token {pause['resume_stall_ms']:.2f} ms or more"
+        )
+    return (
+        f"prefetch paused at decode token {pause['at_token']} {state} for {pause['tokens']} tokens: tokens "
+        f"took {pause['on_ms']:.1f} ms with it and {pause['off_ms']:.1f} ms without; it pays where demand "
+        f"reads are slow (a model larger than memory, read from disk), and is tried again after the pause"
     )
 
 

@@ -596,3 +596,24 @@ def test_device_copy_path_gives_exact_tokens(monkeypatch, bundled_reference):
     assert stats["prefetch"]["installed"] > 0
     for cache in engine.caches:
         _consistent(cache)
+
+
+def test_stats_say_in_one_line_when_prefetch_paused_why_and_when_it_would_pay(predictor_dir):
+    from od_moe.report import pause_line
+
+    engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
+    queue = engine.runtime.governor
+    engine.reset_stats()
+    assert pause_line(queue.stats()) is None  # never paused: no line
+    queue.end_token("prefill", 0.1)
+    for _ in range(queue.settings.first_check):  # saves 1 ms a token for 3 ms of work
+        _token(queue, 0.020, useful=10, read_s=1e-4, busy_s=0.003)
+    line = pause_line(queue.stats())
+    at = queue.settings.first_check
+    assert line.startswith(f"prefetch paused at decode token {at} and stayed paused: its reads saved 1.00 ms")
+    assert "cost 3.00 ms of a 20.0 ms token" in line and "once they stall a token 6.00 ms or more" in line
+    for _ in range(queue.settings.probe_tokens):  # the stall grew past twice its cost: it resumes
+        _token(queue, 0.030, stall_s=0.008)
+        if queue.active:
+            break
+    assert "and resumed later" in pause_line(queue.stats()) and "\n" not in line

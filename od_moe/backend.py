@@ -134,7 +134,7 @@ def two_tier_choice(requested, expert_nbytes: int) -> tuple[bool, str]:
     if not (mx.cuda.is_available() and mx.default_device().type == mx.gpu):
         return (
             False,
-            "two-tier mode off: not a CUDA device, whose memory is its own (two_tier=True forces it)",
+            "two-tier mode off: not a CUDA device, whose memory is its own",
         )
     if not fits:
         return False, f"two-tier mode off: host memory cannot hold the experts ({where})"

@@ -302,7 +302,8 @@ def format_inspection(report: dict) -> str:
     tiers = report["two_tier"]
     lines.append(
         f"mode       {'two-tier' if tiers['auto'] else 'per-layer'} by default: {tiers['reason']} "
-        f"(host memory for every expert: {_size(tiers['host_bytes'])}; --two-tier on|off forces it)"
+        f"(host memory for every expert: {_size(tiers['host_bytes'])}; --two-tier on, off or lru chooses "
+        "for generate and serve)"
     )
     packed = report["packed"]
     lines.append(f"packed     {packed}" if packed else "packed     none (`od-moe pack`: one read per expert)")
@@ -314,7 +315,11 @@ def _rank_lines(rows) -> list[str]:
         return []
     if isinstance(rows, dict):
         return [f"ranks      cannot split: {rows['error']}"]
-    return [
+    why = (
+        "ranks      in mlx-lm's pipeline order: rank 0 runs the last layers and prints or serves, the "
+        "highest rank the first; hidden states flow down to rank 0, then every rank gets the logits"
+    )
+    return [why] + [
         f"rank {r['rank']:<5} layers {r['layers'][0]}-{r['layers'][1] - 1} ({r['moe_layers']} MoE), "
         f"{_size(r['all_experts_bytes'])} of experts, {_size(r['non_expert_bytes'])} non-expert; needs "
         + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in r["budgets"].items())

@@ -115,12 +115,13 @@ def pause_line(p: dict) -> str | None:
 
 
 def passes_line(stats: dict) -> str:
-    """What the model ran, apart from what the caller got: mlx-lm computes one token ahead of the one it
-    yields, so N generated tokens take N + 1 decode passes, and that pass's reads are real."""
+    """What the model ran, apart from what the caller got: mlx-lm prefills the prompt but its last token,
+    which the first decode pass takes, and computes one token ahead of the one it yields, so N generated
+    tokens take N + 1 decode passes, and that pass's reads are real."""
     return (
-        f"model ran {stats['positions']['prefill']} prefill positions and {stats['passes']['decode']} "
-        f"decode passes "
-        f"for {stats['generated_tokens']} generated tokens"
+        f"model ran {stats['positions']['prefill']} prefill positions (the prompt but its last token, "
+        f"which the first decode pass takes) and {stats['passes']['decode']} decode passes for "
+        f"{stats['generated_tokens']} generated tokens"
     )
 
 

@@ -188,11 +188,13 @@ def test_health_metrics_and_the_live_page_show_the_running_batch():
     batch = health["batch"]
     assert batch["size"] == batch["queued"] == 0 and batch["decode_tok_s"] > 0
     booked, cache = batch["passes_by_batch_size"], health["expert_cache_stats"]
-    # every token given out was decoded in a booked step, and every decode lookup was booked (under 0: steps
-    # where only joining sequences' first passes ran); a step's lookups are at least its sequences' (top-k of
-    # each layer for each; a joining one's first pass adds)
+    # every token given out was decoded in a step booked by its batch size, and every decode lookup was
+    # booked (steps where only joining sequences' first passes ran apart, keyed by no batch size); a step's
+    # lookups are at least its sequences' (top-k of each layer for each; a joining one's first pass adds)
+    assert all(int(k) >= 1 for k in booked)
+    joining = batch["joining_passes"] or {"lookups": 0}
     assert sum(int(k) * v["steps"] for k, v in booked.items()) == cache["generated_tokens"]
-    assert sum(v["lookups"] for v in booked.values()) == cache["decode_lookups"]
+    assert sum(v["lookups"] for v in booked.values()) + joining["lookups"] == cache["decode_lookups"]
     per_sequence = engine.top_k * cache["moe_layers"]
     assert "3" in booked
     assert all(v["lookups"] >= int(k) * v["steps"] * per_sequence for k, v in booked.items())
@@ -332,7 +334,8 @@ def test_the_ledger_books_decode_lookups_per_sequence_and_per_pass():
     # a pass of three sequences looks each shared expert up once: fewer experts than lookups, k at least
     three = booked["3"]
     assert three["experts"] < three["lookups"] and k <= three["experts_per_layer_pass"] < 3 * k
-    assert sum(v["experts"] for v in booked.values()) == per["experts"]
+    joining = health["batch"]["joining_passes"] or {"experts": 0}
+    assert sum(v["experts"] for v in booked.values()) + joining["experts"] == per["experts"]
     assert 0 <= per["pass_hit_rate"] <= 1 and per["sequence_hit_rate"] == cache["decode_hit_rate"]
     assert re.search(rf"^od_moe_model_decode_positions_total {per['positions']}\.0$", metrics, re.M)
     assert re.search(rf"^od_moe_expert_cache_decode_pass_experts_total {per['experts']}\.0$", metrics, re.M)

@@ -37,7 +37,9 @@ def test_generate_streams_text_and_stats(capsys):
     assert "capacity 16/64" in err and "hit rate" in err and "| all" in err
     assert re.search(r"^prefetch predictor: \d+ experts read ahead .* \(precision [0-9.]+\)", err, re.M), err
     # passes and tokens apart: 16 tokens given out took 17 decode passes (mlx-lm computes one ahead)
-    assert "model ran 8 prefill positions and 17 decode passes for 16 generated tokens" in err, err
+    assert "model ran 8 prefill positions (the prompt but its last token" in err, err
+    assert "which the first decode pass takes) and 17 decode passes for 16 generated tokens" in err, err
+    assert "prompt 9 tokens at " in err  # the 8 positions and the first pass's token
     assert "generation 16 tokens" in err
     # one unit convention (decimal), and a back-off count that reads as English and says what it is
     assert "| MB read |" in err and "MiB" not in err and "KiB" not in err

@@ -97,3 +97,12 @@ def test_server_capabilities(models):
     assert caps["loaded"]["capacity"] == engine.capacity == caps["capacity"]["capacity"]
     assert caps["loaded"]["expert_bytes"] == caps["expert_bytes"]
     assert client.get("/v1/models").get_json()["data"][0]["capabilities"] == caps
+
+
+def test_inspects_mode_line_speaks_the_command_lines_language(capsys):
+    """`inspect` is a command: its mode line names the flag (`--two-tier`), not Python's `two_tier=`."""
+    from od_moe.cli import main
+
+    assert main(["inspect"]) == 0
+    (mode,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mode ")]
+    assert "two_tier=" not in mode and "--two-tier on, off or lru chooses" in mode

@@ -303,8 +303,9 @@ class RunningBatch:
 
     # -- what /health shows ----------------------------------------------------------------------
     def _book(self, decoded: int, before: tuple, after: tuple):
-        """Book a step's decode counts by the tokens it gave out (0: only joining sequences' first passes
-        ran, whose tokens come with the next step)."""
+        """Book a step's decode counts by the tokens it gave out: by batch size, or, where it gave none,
+        as a joining step (only joining sequences' first passes ran, whose tokens come with the next
+        step)."""
         if not decoded and after == before:
             return
         row = self.passes.setdefault(decoded, dict.fromkeys(("steps",) + BOOKED, 0))
@@ -317,7 +318,8 @@ class RunningBatch:
         now = time.perf_counter() if now is None else now
         with self.lock:
             sequences = list(self.sequences.values())
-            passes = {str(k): _per_layer_pass(v) for k, v in sorted(self.passes.items())}
+            passes = {str(k): _per_layer_pass(v) for k, v in sorted(self.passes.items()) if k}
+            joining = _per_layer_pass(self.passes[0]) if 0 in self.passes else None
         running = [_request(s, now) for s in sequences]
         with self.lock:
             finished = list(self.finished)
@@ -329,6 +331,7 @@ class RunningBatch:
             "running": running,
             "finished": finished,
             "passes_by_batch_size": passes,
+            "joining_passes": joining,
         }
 
 

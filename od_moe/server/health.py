@@ -142,7 +142,7 @@ def batch_figures(worker) -> dict:
         figures = worker.batch.figures()
     else:
         figures = {"max_batch": 1, "size": worker.active, "decoding": worker.active, "running": []}
-        figures["passes_by_batch_size"] = {}
+        figures["passes_by_batch_size"], figures["joining_passes"] = {}, None
     tokens, seconds = worker.decode_clock.read()
     figures["queued"] = worker.queued()
     figures["decode_tok_s"] = tokens / seconds if seconds > 0 else None

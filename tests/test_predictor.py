@@ -28,6 +28,7 @@ from od_moe.training.evaluate import (
     next_gate_logits,
 )
 from od_moe.training.next_use import fit_next_use, history, trace_distances
+from od_moe.training.pipeline import few_tokens_warning
 from od_moe.training.record import TraceSet, record_traces
 from od_moe.training.train import train_predictor
 
@@ -273,7 +274,12 @@ def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "recall@8" in printed and "next-gate" in printed
+    # 512 held-out tokens are too few for three decimals: the report says so before its tables
+    assert printed.startswith(
+        "warning: only 512 held-out tokens: every figure below is uncertain by about +-0.02"
+    )
     report = json.loads((out / "report.json").read_text())
+    assert "only 512 held-out tokens" in report["warning"]
     assert isinstance(report["tokens"], int) and report["tokens"] == 512
     for d in ("1", "2", "3", "4"):
         entry = report["lookahead"][d]
@@ -310,6 +316,8 @@ def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     )
     again = json.loads(capsys.readouterr().out)
     assert again["tokens"] == 256 and set(again["lookahead"]) == {"1", "2", "3", "4"}
+    assert "only 256 held-out tokens" in again["warning"]
+    assert few_tokens_warning(1000) is None and few_tokens_warning(999)
 
 
 def _fake_predictor(tmp_path, identity):

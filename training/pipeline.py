@@ -96,10 +96,28 @@ def _distances(predictor, traces: dict, engine):
     return trace_distances(predictor.next_use, traces, engine.num_experts)
 
 
+# Held-out tokens below which the report's figures are too uncertain to compare: a recall over n tokens
+# is known to about 0.5 / sqrt(n) (one standard error, tokens taken as independent), 0.016 at 1,000.
+MEANINGFUL_TOKENS = 1000
+
+
+def few_tokens_warning(tokens: int) -> str | None:
+    """A sentence for a report on too few held-out tokens to mean much (None where there are enough)."""
+    if tokens >= MEANINGFUL_TOKENS:
+        return None
+    margin = 0.5 / max(tokens, 1) ** 0.5
+    return (
+        f"only {tokens:,} held-out tokens: every figure below is uncertain by about +-{margin:.2f}, too much "
+        f"to compare predictors or baselines; hold out {MEANINGFUL_TOKENS:,} or more (more data, or a higher "
+        "--eval-tokens, eval-predictor's --max-tokens)"
+    )
+
+
 def _report(engine, predictor, heldout: TraceSet, routers, history=None) -> dict:
     traces = heldout.load()
     k = engine.top_k
     return {
+        "warning": few_tokens_warning(int(len(traces["tokens"]))),
         "model": str(engine.model_path),
         "model_identity": engine.identity,
         "k": k,

@@ -17,7 +17,8 @@ def format_report(report: dict) -> str:
                 base.get("next_gate_recall_at_2k", {}).get(d),
             ]
         )
-    parts = [
+    parts = [f"warning: {report['warning']}"] if report.get("warning") else []
+    parts += [
         table(
             [
                 "lookahead",

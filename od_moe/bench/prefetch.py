@@ -31,7 +31,7 @@ from ..predictor import load_predictor
 from ..replay import Tally, replay_recording
 from ..report import table
 from ..store import ExpertStore
-from ..units import KB
+from ..units import KB, format_bytes
 from .foundation import PROMPTS, run_stock
 from .roofline import install_bandwidth, read_bandwidth, roofline_ms
 from .widen import widen_model
@@ -224,11 +224,16 @@ def run_prefetch_grid(
     settings = DETERMINISTIC if deterministic else None
     if predictor_dir is not None:  # a bad folder or another model's predictor fails before any run
         load_predictor(predictor_dir, _bundled_identity())
+    plan = _plan(grid, max_tokens, workdir / f"widened-x{widen}" if widen else None, widened_tokens)
+    for line in _plan_lines(grid, plan, widen):
+        say(line)
     wide = widened_copy(widen, workdir, pack, say) if widen else None
     rows = []
     for model, path, n_tokens, fractions, temps, misses, policy_set in _plan(
         grid, max_tokens, wide, widened_tokens
     ):
+        cells = list(_cells(fractions, temps, misses, policy_set))
+        started = time.perf_counter()
         stock = run_stock(path, PROMPTS, n_tokens)
         say(
             f"\n{model}: fully resident (stock mlx-lm) {stock['tok_s']:.3f} tok/s, "
@@ -236,7 +241,9 @@ def run_prefetch_grid(
         )
         machine = _machine(path, temps, say)
         model_rows = []
-        for fraction, reads, miss_policy, policy in _cells(fractions, temps, misses, policy_set):
+        for i, (fraction, reads, miss_policy, policy) in enumerate(cells):
+            where = _progress(model, i, len(cells), time.perf_counter() - started)
+            say(f"{where} {fraction:.1%} {reads} {miss_policy} {policy}...")
             result = run_policy(
                 path,
                 PROMPTS,
@@ -308,6 +315,39 @@ def _link_packed(wide: Path, file: Path):
     link.parent.mkdir(exist_ok=True)
     if not link.exists():
         link.symlink_to(file)
+
+
+def _plan_lines(grid: str, plan: list[tuple], widen: int) -> list[str]:
+    """What the grid will run, said before it starts: rows per model, tokens, what is written to disk."""
+    lines = [f"od-moe bench, {grid} grid: each row from an empty cache, beside stock mlx-lm fully resident"]
+    for model, _path, n_tokens, fractions, temps, misses, policy_set in plan:
+        n = len(list(_cells(fractions, temps, misses, policy_set)))
+        lines.append(
+            f"  {model}: {n} rows of {len(PROMPTS)} prompts x {n_tokens} tokens "
+            f"({'/'.join(temps)} reads, capacities {', '.join(f'{f:.1%}' for f in fractions)})"
+        )
+    if widen:
+        store = ExpertStore(DEFAULT_MODEL)
+        experts = sum(e.nbytes for name, e in store.tensors.items() if ".switch_mlp." in name)
+        size = store.nbytes + experts * (widen - 1)
+        store.close()
+        lines.append(
+            f"  the widened x{widen} copy ({format_bytes(size)}) is written to {plan[-1][1]} once and "
+            "reused; "
+            "its rows read cold from disk and take most of the time (the quick grid ran over 14 minutes on "
+            "a 2-core x86 CPU); each row says as it starts how far along its model's rows are"
+        )
+    return lines
+
+
+def _progress(model: str, done: int, total: int, elapsed: float) -> str:
+    """Where a model's rows stand: rows done, time so far and, once a row has run, about how long is left."""
+    left = f", about {_minutes(elapsed / done * (total - done))} left" if done else ""
+    return f"[{model} row {done + 1}/{total}, {_minutes(elapsed)} so far{left}]"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def _cells(fractions, temps, misses, policy_set):

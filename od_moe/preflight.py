@@ -79,21 +79,14 @@ def _predictor_report(path: Path, predictor, identity: str, moe_layers: int, num
 
 
 def inspect_model(
-    model=None,
-    memory_budget=None,
-    capacity=None,
-    predictor=None,
-    dtype: str = "auto",
-    ranks: int = 1,
-    packed="auto",
+    model=None, memory_budget=None, capacity=None, predictor=None, dtype="auto", ranks=1, packed="auto"
 ) -> dict:
     """What `od_moe.load(model, ...)` would find and use, from config.json and the safetensors headers.
 
     memory_budget: bytes or "8GB" (None: 70% of available memory, as `load`); capacity: a count, fraction
     or "25%" whose budget to report; predictor: a predictor folder to check (None: the one beside the
     model, `<model>-predictor`, or the bundled one for the bundled model); ranks: processes to split the
-    decoder layers over (`pipeline.py`): more than 1 adds each rank's layers and memory; packed: as `load`
-    takes it (a file made from other weights is refused as `load` refuses it)."""
+    decoder layers over (`pipeline.py`): more than 1 adds each rank's layers and memory; packed: as `load`."""
     from .model_files import model_identity, resolve_model_path
 
     path = resolve_model_path(model)

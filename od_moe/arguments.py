@@ -46,10 +46,27 @@ def _packed_arg(parser: argparse.ArgumentParser, whose: str = "the model's"):
     )
 
 
+def _device_args(parser: argparse.ArgumentParser):
+    parser.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="on a GPU with memory of its own (CUDA), what od-moe may use of it, e.g. 12GB (default: 90%% of "
+        "what the card has free); --memory-budget is then the host's",
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        metavar="N",
+        help="tokens of KV cache the device budget keeps room for, per sequence (default: 4352, a 4k-token "
+        "prompt and 256 generated, at most the model's positions)",
+    )
+
+
 def _placement_args(parser: argparse.ArgumentParser):
-    """Where experts live while generating: how many per layer, read past the page cache, two tiers,
-    packed rows."""
+    """Where experts live while generating: how many per layer, on a device of its own, read past the page
+    cache, two tiers, packed rows."""
     _capacity_arg(parser)
+    _device_args(parser)
     _direct_io_arg(parser)
     _two_tier_arg(parser)
     _packed_arg(parser)
@@ -336,6 +353,7 @@ def _add_inspect(sub):
         help="processes to split the layers over: each rank's layers and memory",
     )
     _packed_arg(ins)
+    _device_args(ins)
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

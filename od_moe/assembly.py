@@ -8,17 +8,26 @@ what either runtime does per layer (`runtime.py`, `two_tier.py`).
 """
 
 import sys
+from dataclasses import dataclass
 
 from . import backend
 from .cache import EVICTION_POLICIES, LayerCache
-from .capacity import no_slots, resolve_capacity, working_nbytes
+from .capacity import (
+    Context,
+    device_budget,
+    device_slots,
+    no_slots,
+    parse_size,
+    resolve_capacity,
+    working_nbytes,
+)
 from .errors import UserError
 from .progress import byte_progress
 from .reader import read_threads_for
 from .runtime import MISS_POLICIES, OffloadRuntime
 from .staging import positions_to_stage
 from .store import ExpertStore
-from .surgery import MoEBlock
+from .surgery import MoEBlock, weight_nbytes
 from .switch import OffloadedSwitch
 from .two_tier import build as build_two_tier
 
@@ -31,18 +40,88 @@ def check_policies(miss_policy: str, eviction: str):
         raise UserError(f"unknown eviction policy {eviction!r}: use one of {', '.join(EVICTION_POLICIES)}")
 
 
+def device_plan(device_memory, context_tokens, sequences: int, max_positions: int):
+    """Where the device's memory is its own (CUDA): its budget (bytes, where it comes from) and the
+    `Context` it keeps working memory for; None elsewhere, where one budget covers the engine."""
+    card = backend.device_memory()
+    if card is None:
+        if device_memory is not None:
+            raise UserError(
+                "device_memory (--device-memory) is for a GPU with memory of its own (CUDA); here the "
+                "device computes in host memory: give memory_budget (--memory-budget) instead"
+            )
+        return None
+    if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
+        raise UserError(f"sequences must be a positive integer, got {sequences!r}")
+    return device_budget(device_memory, card[0]), Context.for_device(max_positions, sequences, context_tokens)
+
+
+def host_budget(memory_budget, device) -> int | None:
+    """The host's budget in bytes where the device has memory of its own and `memory_budget` is given
+    (it then bounds the host: every expert in two-tier mode); None to plan from available memory."""
+    if device is None or memory_budget in (None, "auto"):
+        return None
+    return parse_size(memory_budget)
+
+
 def expert_slots(
-    capacity, memory_budget, tiered: bool, model, blocks, slot_nbytes: int, non_expert: int
-) -> int:
-    """Slots per MoE layer for `capacity` or `memory_budget` (working memory counted, with two-tier mode's
-    staged copy); 0 only in two-tier mode, where every expert can be read in place."""
+    capacity, memory_budget, tiered: bool, model, blocks, slot_nbytes: int, non_expert: int, device=None
+) -> tuple[int, str | None]:
+    """Slots per MoE layer (0 only in two-tier mode, where every expert can be read in place), and where
+    they were chosen by a device budget, the line saying so. `device` (`device_plan`): the slots come from
+    the device's budget; None: from `capacity` or `memory_budget` as one budget for the whole engine
+    (working memory counted, with two-tier mode's staged copy)."""
     if no_slots(capacity, tiered):
-        return 0
-    num_experts = blocks[0].num_experts
-    working = working_nbytes(model, len(blocks), num_experts, slot_nbytes if tiered else 0)
-    return resolve_capacity(
+        return 0, None
+    num_experts, staged = blocks[0].num_experts, slot_nbytes if tiered else 0
+    if device is not None:
+        budget, context = device
+        working = working_nbytes(model, len(blocks), num_experts, staged, context)
+        return device_slots(
+            capacity,
+            budget,
+            num_experts,
+            len(blocks),
+            slot_nbytes,
+            non_expert,
+            (working, context.describe()),
+            none_allowed=bool(tiered),
+        )
+    working = working_nbytes(model, len(blocks), num_experts, staged)
+    slots = resolve_capacity(
         capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
     )
+    return slots, None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's experts live: the path (`tiered`: two-tier mode on, "lru" for device-kept slots)
+    and why, slots per MoE layer, the line saying how a device budget chose them (None where it did not),
+    and the non-expert bytes beside them."""
+
+    tiered: bool | str
+    why: str
+    slots: int
+    choice: str | None
+    non_expert_nbytes: int
+
+
+def place_experts(
+    model, blocks, device, *, two_tier, capacity, memory_budget, miss_policy, prefetch, predictor
+) -> Placement:
+    """`load`'s decision of where experts live (`two_tier_mode`, `expert_slots`, `auto_tiers`), from its
+    arguments and the `device_plan`."""
+    num_experts = blocks[0].num_experts
+    slot_nbytes, non_expert = weight_nbytes(model, blocks)
+    host = host_budget(memory_budget, device)
+    expert_nbytes = slot_nbytes * num_experts * len(blocks)
+    tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
+    slots, choice = expert_slots(
+        capacity, memory_budget, tiered, model, blocks, slot_nbytes, non_expert, device
+    )
+    tiered, why = auto_tiers(two_tier, tiered, why, slot_nbytes, slots / num_experts)
+    return Placement(tiered, why, slots, choice, non_expert)
 
 
 def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
@@ -81,7 +160,7 @@ def auto_tiers(asked, on: bool, why: str, slot_nbytes: int, fraction: float) -> 
 
 
 def two_tier_mode(
-    two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor
+    two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor, host_bytes: int | None = None
 ) -> tuple[bool | str, str]:
     """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
     host and device allow it); "lru" (truthy) where asked for: its slots kept on the device
@@ -89,13 +168,13 @@ def two_tier_mode(
     if two_tier not in (True, False, "auto", "lru"):
         raise UserError(f"two_tier must be True, False, 'auto' or 'lru', got {two_tier!r}")
     if two_tier == "lru":
-        on, why = two_tier_mode(True, expert_nbytes, miss_policy, prefetch, predictor)
+        on, why = two_tier_mode(True, expert_nbytes, miss_policy, prefetch, predictor, host_bytes)
         return (
             "lru",
             f"{why}; slots kept by the device where fewer than the experts: least recently used, each "
             "miss copied in",
         )
-    on, why = backend.two_tier_choice(two_tier, expert_nbytes)
+    on, why = backend.two_tier_choice(two_tier, expert_nbytes, host_bytes)
     predicts = prefetch in ("next-gate", "predictor", "oracle") or (
         prefetch is None and predictor is not None
     )

@@ -5,7 +5,9 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   quantized kernels several times faster than bfloat16, so floating weights are cast to float32 there.
   On GPUs the checkpoint's dtype is kept.
 - On a GPU a host sync idles the device, so optimistic decode passes are on there (`optimistic.py`).
-- Metal reports a recommended working-set size; on Linux the OS reports available memory.
+- Metal reports a recommended working-set size; on Linux the OS reports available memory. On CUDA the
+  device's own memory is a second budget: the driver reports what is free on the card (`device_memory`),
+  and what this process holds (`memory_in_use`).
 - On the CPU and on Metal (unified memory) an array's memory is host memory: expert bytes are written
   into the cache's stacked arrays through a numpy view, with no MLX op. On CUDA the runtime copies them
   there (`cuda.DeviceCopies`: `cudaMemcpyAsync` from pinned staging into the managed memory MLX computes
@@ -119,14 +121,19 @@ _host_mapping = cuda.HostMapping()
 TWO_TIER_HOST_FRACTION = 0.8
 
 
-def two_tier_choice(requested, expert_nbytes: int) -> tuple[bool, str]:
+def two_tier_choice(requested, expert_nbytes: int, host_bytes: int | None = None) -> tuple[bool, str]:
     """Whether an engine runs in two-tier mode, and why, for `requested` ("auto", True or False) and a
     model whose experts take `expert_nbytes` in memory. "auto": on where the GPU has memory of its own
     (CUDA), so that a miss read in place from host memory beats a host round trip, and the host holds the
-    experts; off on the CPU and Metal, where host memory is the only memory and misses come from disk."""
-    available = available_memory_bytes()
-    fits = expert_nbytes <= available * TWO_TIER_HOST_FRACTION
-    where = f"experts {expert_nbytes / 1e9:.2f} GB, host memory available {available / 1e9:.2f} GB"
+    experts; off on the CPU and Metal, where host memory is the only memory and misses come from disk.
+    `host_bytes`: the host's budget (`--memory-budget` on CUDA) in place of what the OS says is available."""
+    if host_bytes is None:
+        available = available_memory_bytes()
+        fits = expert_nbytes <= available * TWO_TIER_HOST_FRACTION
+        where = f"experts {expert_nbytes / 1e9:.2f} GB, host memory available {available / 1e9:.2f} GB"
+    else:
+        fits = expert_nbytes <= host_bytes
+        where = f"experts {expert_nbytes / 1e9:.2f} GB, host memory budget {host_bytes / 1e9:.2f} GB"
     if requested is True:
         return True, f"two-tier mode forced on ({where})"
     if requested is False:
@@ -259,6 +266,49 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the device MLX computes on where that memory is its own (CUDA), as the
+    driver counts them (what other processes hold is not free); None where arrays are host memory (the CPU,
+    Metal's unified memory), whose budget `available_memory_bytes` gives."""
+    if arrays_in_host_memory():
+        return None
+    return cuda.memory_info()
+
+
+def memory_in_use() -> dict:
+    """This process's memory as the driver and the OS count them, apart: `device_bytes` (CUDA: what the
+    driver counts for this process, its context included, else the card's used memory, which counts other
+    processes too: `device_counted` says which; None where arrays are host memory), `host_bytes` (resident
+    set size, Linux; None elsewhere) and `host_peak_bytes` (the most it has been, every OS)."""
+    device, counted = None, None
+    if not arrays_in_host_memory():
+        device, counted = cuda.process_device_bytes(os.getpid()), "process"
+        if device is None and (card := cuda.memory_info()) is not None:
+            device, counted = card[1] - card[0], "card"
+    host = _resident_bytes()
+    return {
+        "device_bytes": device,
+        "device_counted": counted,
+        "host_bytes": host,
+        "host_peak_bytes": max(_peak_resident_bytes(), host or 0),  # the OS updates its peak lazily
+    }
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peak_resident_bytes() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux kilobytes
 
 
 def peak_memory_bytes() -> int:

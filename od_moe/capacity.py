@@ -8,20 +8,55 @@ copies prefetch predicts with), and 10% for activations. Contexts longer than `R
 `kv_nbytes_per_token` more per token. Not counted: host memory outside MLX (numpy staging buffers, the
 page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows (`device_rows.py`: MLX
 arrays kept in host memory, at most `DEVICE_ROW_BYTES`, which MLX counts as its own).
+
+On CUDA the device's memory is its own, and the slots live there: a device budget (`device_budget`: a
+given size, else `DEVICE_BUDGET_FRACTION` of what the card has free) holds the non-expert weights, the
+slots, the working memory of a stated context (`Context`: a KV cache of a 4k-token prompt and 256
+generated tokens for each sequence decoded together, a prefill chunk's activations) and the reserve; the
+memory budget is then the host's (every expert, in two-tier mode).
 """
 
 import math
 import re
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .backend import available_memory_bytes
 from .errors import UserError
+from .units import format_bytes
 
 BUDGET_RESERVE = 0.10  # of the budget, kept for activations
 RESERVED_CONTEXT = 256  # tokens of KV cache every budget holds: mlx-lm grows its caches 256 tokens at a time
 AUTO_BUDGET_FRACTION = 0.70  # of available memory, when neither capacity nor budget is given
+# Of the card's free memory at load, when no device budget is given: the rest is left to the driver and
+# to MLX's rounding of its allocations.
+DEVICE_BUDGET_FRACTION = 0.90
+DEFAULT_CONTEXT = 4096 + 256  # tokens a device budget keeps KV cache for: a 4k-token prompt, 256 generated
+PREFILL_CHUNK = 2048  # prompt tokens mlx-lm's generation prefills at once (its prefill_step_size)
+
+
+@dataclass(frozen=True)
+class Context:
+    """The context a budget keeps working memory for: a KV cache of `tokens` for each of `sequences`
+    decoded together, and the activations of a prefill chunk of `chunk` tokens over that context."""
+
+    tokens: int = RESERVED_CONTEXT
+    sequences: int = 1
+    chunk: int = RESERVED_CONTEXT
+
+    @classmethod
+    def for_device(cls, max_positions: int, sequences: int = 1, tokens: int | None = None) -> "Context":
+        """The context a device budget holds: `tokens` (default `DEFAULT_CONTEXT`, at most the model's
+        positions) for each of `sequences`, prefilled in mlx-lm's chunks."""
+        tokens = min(tokens or DEFAULT_CONTEXT, max_positions)
+        return cls(tokens, sequences, min(tokens, PREFILL_CHUNK))
+
+    def describe(self) -> str:
+        plural = "s" if self.sequences > 1 else ""
+        return f"a KV cache of {self.tokens:,} tokens for {self.sequences} sequence{plural}"
+
 
 _UNITS = {
     "": 1,
@@ -103,16 +138,16 @@ def _itemsize(model) -> int:
     return floating[0].size if floating else 4
 
 
-def activation_nbytes_per_token(model) -> int:
+def activation_nbytes_per_token(model, context: int = RESERVED_CONTEXT) -> int:
     """Transient bytes one prompt token of a prefill chunk takes at the layer being computed (an
     estimate from the config, fitted on the bundled model in float32: 22 kB measured for a 170-token
     chunk): per routed expert its sorted input and output (2 x hidden) and the gate, up and activated
-    intermediate (3 x moe intermediate); and a row of attention scores per head over the chunk."""
+    intermediate (3 x moe intermediate); and a row of attention scores per head over the `context`."""
     args = getattr(model, "args", None)
     hidden = getattr(args, "hidden_size", 0)
     inter = getattr(args, "moe_intermediate_size", None) or getattr(args, "intermediate_size", hidden)
     heads = getattr(args, "num_attention_heads", 1)
-    return (_top_k(model) * (2 * hidden + 3 * inter) + heads * RESERVED_CONTEXT) * _itemsize(model)
+    return (_top_k(model) * (2 * hidden + 3 * inter) + heads * context) * _itemsize(model)
 
 
 def _top_k(model) -> int:
@@ -120,16 +155,19 @@ def _top_k(model) -> int:
     return getattr(getattr(model, "args", None), "num_experts_per_tok", None) or 8
 
 
-def working_nbytes(model, moe_layers: int, num_experts: int, staged_expert_nbytes: int = 0) -> int:
+def working_nbytes(
+    model, moe_layers: int, num_experts: int, staged_expert_nbytes: int = 0, context: Context = Context()
+) -> int:
     """MLX memory generation needs beyond the weights and slots, counted into every budget: the KV cache
-    of `RESERVED_CONTEXT` tokens, the activations of a prefill chunk that long, and the dense float32
-    router copies the prefetch policies predict with. In two-tier mode (`staged_expert_nbytes`: an
-    expert's bytes) also a staged pass's device copy of the experts its layer routes to (`staging.py`):
-    for a chunk that long, every expert of one layer in practice."""
+    of the `context` (by default `RESERVED_CONTEXT` tokens of one sequence), the activations of its
+    prefill chunk, and the dense float32 router copies the prefetch policies predict with. In two-tier
+    mode (`staged_expert_nbytes`: an expert's bytes) also a staged pass's device copy of the experts its
+    layer routes to (`staging.py`): for a chunk that long, every expert of one layer in practice."""
     hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
-    per_token = kv_nbytes_per_token(model) + activation_nbytes_per_token(model)
-    staged = min(num_experts, RESERVED_CONTEXT * _top_k(model)) * staged_expert_nbytes
-    return per_token * RESERVED_CONTEXT + moe_layers * num_experts * hidden * 4 + staged
+    kv = kv_nbytes_per_token(model) * context.tokens * context.sequences
+    activations = activation_nbytes_per_token(model, context.tokens) * context.chunk
+    staged = min(num_experts, context.chunk * _top_k(model)) * staged_expert_nbytes
+    return kv + activations + moe_layers * num_experts * hidden * 4 + staged
 
 
 def resolve_capacity(
@@ -177,11 +215,25 @@ def resolve_capacity(
     if slots < 1:
         need = budget_for(1, moe_layers, slot_nbytes, non_expert_nbytes, working_nbytes)
         raise UserError(
-            f"memory budget {budget} bytes is too small for this model: it needs at least {need} bytes "
-            f"(non-expert weights {non_expert_nbytes} + working memory {working_nbytes} + one "
-            f"{slot_nbytes}-byte expert in each of {moe_layers} layers + {BUDGET_RESERVE:.0%} reserve)"
+            f"memory budget {format_bytes(budget)} is too small for this model: it needs at least "
+            f"{format_bytes(need)} (non-expert weights {format_bytes(non_expert_nbytes)} + working memory "
+            f"{format_bytes(working_nbytes)} + one {format_bytes(slot_nbytes)} expert in each of "
+            f"{moe_layers} layers + {BUDGET_RESERVE:.0%} reserve)"
         )
     return min(slots, num_experts)
+
+
+def device_budget(device_memory, free: int) -> tuple[int, str]:
+    """The device's budget in bytes and where it comes from: `device_memory` (bytes or "8GB") where
+    given, else `DEVICE_BUDGET_FRACTION` of the `free` bytes the card has."""
+    if device_memory is not None:
+        budget = parse_size(device_memory)
+        return budget, f"{format_bytes(budget)} (--device-memory)"
+    budget = int(free * DEVICE_BUDGET_FRACTION)
+    return (
+        budget,
+        f"{format_bytes(budget)} ({DEVICE_BUDGET_FRACTION:.0%} of the card's {format_bytes(free)} free)",
+    )
 
 
 def budget_for(
@@ -193,3 +245,51 @@ def budget_for(
     while budget * (1 - BUDGET_RESERVE) - fixed < slot_nbytes * moe_layers * slots:
         budget += 1  # float rounding: the budget must buy the slots back exactly
     return budget
+
+
+def device_slots(
+    capacity,
+    budget: tuple[int, str],
+    num_experts: int,
+    moe_layers: int,
+    slot_nbytes: int,
+    non_expert_nbytes: int,
+    working: tuple[int, str],
+    none_allowed: bool,
+) -> tuple[int, str]:
+    """Slots per MoE layer on a device with memory of its own, and one line saying what was chosen and
+    why: `capacity` where given (refused where the device `budget` (bytes, where it comes from) cannot
+    hold it), else the most the budget holds beside the non-expert weights, the `working` memory (bytes,
+    what it holds) and the reserve; 0 where `none_allowed` (two-tier mode reads every expert in place)
+    and not even one expert a layer fits. Nothing fitting is a UserError saying what would."""
+    nbytes, where = budget
+    fixed = non_expert_nbytes + working[0]
+    fit = int((nbytes * (1 - BUDGET_RESERVE) - fixed) // (slot_nbytes * moe_layers))
+    held = (
+        f"the device budget {where} holds the non-expert weights ({format_bytes(non_expert_nbytes)}), "
+        f"working memory for {working[1]} ({format_bytes(working[0])}) and a {BUDGET_RESERVE:.0%} reserve"
+    )
+    if capacity is not None:
+        slots = resolve_capacity(capacity, None, num_experts, moe_layers, slot_nbytes, non_expert_nbytes)
+        if slots > max(fit, 0):
+            more = budget_for(slots, moe_layers, slot_nbytes, non_expert_nbytes, working[0])
+            room = f"give --capacity {fit} or less" if fit >= 1 else "nothing fits beside them"
+            raise UserError(
+                f"{slots} experts per layer need a device budget of {format_bytes(more)}, and {held}: "
+                f"{room}, or --device-memory to let od-moe use more of the card"
+            )
+        return slots, f"capacity {slots}/{num_experts} experts per layer on the device: {held}"
+    if fit >= 1 or (none_allowed and fit >= 0):
+        slots = min(max(fit, 0), num_experts)
+        return (
+            slots,
+            f"capacity {slots}/{num_experts} experts per layer ({slots / num_experts:.1%}), the most " + held,
+        )
+    need = budget_for(0 if none_allowed else 1, moe_layers, slot_nbytes, non_expert_nbytes, working[0])
+    raise UserError(
+        f"the device budget {where} is too small for this model: it needs at least {format_bytes(need)} for "
+        f"the non-expert weights ({format_bytes(non_expert_nbytes)}), working memory for {working[1]} "
+        f"({format_bytes(working[0])})"
+        + ("" if none_allowed else f", one {format_bytes(slot_nbytes)} expert in each of {moe_layers} layers")
+        + f" and a {BUDGET_RESERVE:.0%} reserve: free device memory, or a shorter context (context_tokens)"
+    )

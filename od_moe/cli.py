@@ -113,6 +113,8 @@ def cmd_generate(args):
         direct_io=_direct_io(args.direct_io),
         two_tier=_direct_io(args.two_tier),  # the same auto/on/off
         packed=_packed(args),
+        device_memory=args.device_memory,
+        context_tokens=args.context_tokens,
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     # before the model loads; the temperature in OpenAI's range, as the server's OpenAI routes take it
@@ -206,6 +208,8 @@ def cmd_serve(args):
         "port",
         "capacity",
         "memory_budget",
+        "device_memory",
+        "context_tokens",
         "max_tokens",
         "max_input_tokens",
         "max_batch",
@@ -233,8 +237,15 @@ def cmd_inspect(args):
     if args.ranks < 1:
         raise UserError(f"--ranks must be a positive integer, got {args.ranks}")
     predictor = _predictor_arg(args.predictor)
+    device = dict(device_memory=args.device_memory, context_tokens=args.context_tokens)
     report = inspect_model(
-        args.model, args.memory_budget, args.capacity, predictor, ranks=args.ranks, packed=_packed(args)
+        args.model,
+        args.memory_budget,
+        args.capacity,
+        predictor,
+        ranks=args.ranks,
+        packed=_packed(args),
+        **device,
     )
     print(json.dumps(report, indent=1) if args.json else format_inspection(report))
 
@@ -260,6 +271,8 @@ def main(argv=None) -> int:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("generate", "serve"):
         _check_positive(command, "--max-tokens", args.max_tokens)
+    if args.command in ("generate", "serve", "inspect"):
+        _check_positive(command, "--context-tokens", args.context_tokens)
     if args.command == "serve":
         _check_positive(command, "--max-input-tokens", args.max_input_tokens)
         _check_positive(command, "--max-batch", args.max_batch)

@@ -332,3 +332,66 @@ class HostMapping:
             ):
                 if nbytes and self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
                     self.runtime.cudaGetLastError()
+
+
+def memory_info() -> tuple[int, int] | None:
+    """The current device's (free, total) bytes as the CUDA runtime counts them (memory other processes
+    hold is not free), or None without a runtime. Makes the primary context if none exists yet."""
+    found = find_runtime()
+    if found is None:
+        return None
+    runtime = found[0]
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+        runtime.cudaGetLastError()
+        return None
+    return free.value, total.value
+
+
+class _NvmlProcess(ctypes.Structure):  # nvmlProcessInfo_t (the v2/v3 layout)
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("used", ctypes.c_ulonglong),
+        ("gpu_instance", ctypes.c_uint),
+        ("compute_instance", ctypes.c_uint),
+    ]
+
+
+_NVML_NOT_AVAILABLE = 2**64 - 1
+_nvml: list = []  # [library] once initialised; [None] where NVML cannot be used
+
+
+def _nvml_library():
+    with _lock:
+        if not _nvml:
+            try:
+                nvml = ctypes.CDLL("libnvidia-ml.so.1")
+                _nvml.append(nvml if nvml.nvmlInit_v2() == 0 else None)
+            except (OSError, AttributeError):
+                _nvml.append(None)
+        return _nvml[0]
+
+
+def process_device_bytes(pid: int) -> int | None:
+    """Device memory the driver counts for process `pid` over every GPU (what nvidia-smi lists for it:
+    its CUDA context and allocations, managed memory resident on the device), or None where NVML cannot
+    say: no driver library, or no process of that id (a container sees other ids than the driver)."""
+    nvml = _nvml_library()
+    if nvml is None:
+        return None
+    count = ctypes.c_uint()
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        return None
+    total, found = 0, False
+    for index in range(count.value):
+        handle = ctypes.c_void_p()
+        if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+            continue
+        size = ctypes.c_uint(256)
+        processes = (_NvmlProcess * size.value)()
+        if nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(size), processes) != 0:
+            continue
+        for process in processes[: size.value]:
+            if process.pid == pid and process.used != _NVML_NOT_AVAILABLE:
+                total, found = total + process.used, True
+    return total if found else None

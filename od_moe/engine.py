@@ -20,14 +20,13 @@ from mlx_lm.generate import GenerationResponse, generation_stream
 from . import backend, governor, pipeline, seams
 from .assembly import (
     attach_predictor,
-    auto_tiers,
     build_runtime,
     cache_for,
     check_policies,
-    expert_slots,
+    device_plan,
+    place_experts,
     read_threads_of,
     say,
-    two_tier_mode,
 )
 from .cache import LayerCache
 from .errors import ExpertReadError, UserError
@@ -50,7 +49,7 @@ from .runtime import OffloadRuntime
 from .sampling import make_sampler, vocab_size_of
 from .stats import PHASES, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
 from .store import ExpertStore
-from .surgery import find_moe_blocks, offloadable_blocks, top_k_of, weight_nbytes
+from .surgery import find_moe_blocks, offloadable_blocks, top_k_of
 
 
 class Engine:
@@ -79,6 +78,8 @@ class Engine:
         self.predictor = None
         self.policy_name = "none"
         self.load_peak_bytes = 0
+        self.capacity_choice = None  # where a device budget chose the slots: what and why (`load`)
+        self.device_budget = None  # ((bytes, where from), Context) where the device has memory of its own
         self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
@@ -309,7 +310,8 @@ class Engine:
                 "token_miss_rate": runtime.token_miss_rate,
                 "host_syncs": runtime.host_syncs,
             },
-            "memory": {
+            "memory": {  # as the driver and the OS count them (`backend.memory_in_use`), then as MLX does
+                **backend.memory_in_use(),
                 "peak_bytes": backend.peak_memory_bytes(),
                 "active_bytes": backend.active_memory_bytes(),
                 "expert_cache_bytes": cache_bytes,
@@ -348,6 +350,9 @@ def load(
     packed: bool | str = "auto",
     two_tier: bool | str = "auto",
     ranks="auto",
+    device_memory=None,
+    context_tokens: int | None = None,
+    sequences: int = 1,
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -372,6 +377,9 @@ def load(
         device: `lookahead.py`); then capacity may be 0. `Engine.mode` says which path runs and why.
     ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`pipeline.py`: each
         rank caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
+    device_memory, context_tokens, sequences: on a GPU with memory of its own (CUDA), its budget (default 90%
+        of the card's free memory), which holds the slots beside the rest and a KV cache of `context_tokens`
+        for each of `sequences` (`capacity.py`); the memory budget is then the host's. `capacity_choice`.
     """
     check_policies(miss_policy, eviction)
     path = resolve_model_path(model)
@@ -383,35 +391,41 @@ def load(
     mlx_model, tokenizer = open_model(path, dtype)
     stage = group and pipeline.split(mlx_model, group, find_moe_blocks(mlx_model))
     blocks = offloadable_blocks(mlx_model, path)
-    num_experts = blocks[0].num_experts  # before the caches make the switch arrays slot-sized
-    slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    expert_nbytes = slot_nbytes * num_experts * len(blocks)
-    tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor)
-    slots = expert_slots(capacity, memory_budget, tiered, mlx_model, blocks, slot_nbytes, non_expert)
-    tiered, why = auto_tiers(two_tier, tiered, why, slot_nbytes, slots / num_experts)
-    caches = [cache_for(block, i, store, slots, eviction) for i, block in enumerate(blocks)]
-    runtime = build_runtime(store, blocks, caches, tiered, miss_policy, read_threads_of(read_threads, caches))
+    device = device_plan(device_memory, context_tokens, sequences, max_positions(path))
+    asked = dict(two_tier=two_tier, capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy)
+    place = place_experts(mlx_model, blocks, device, prefetch=prefetch, predictor=predictor, **asked)
+    caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
+    threads = read_threads_of(read_threads, caches)
+    runtime = build_runtime(store, blocks, caches, place.tiered, miss_policy, threads)
     if stage:
         pipeline.wrap_seams(mlx_model, stage)
         runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
-    engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, non_expert)
-    engine.mode, engine.stage = ("two-tier" if tiered else "per-layer", why), stage or None
-    if two_tier != "auto" or tiered:
-        say(why)
+    engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, place.non_expert_nbytes)
+    engine.mode, engine.stage = ("two-tier" if place.tiered else "per-layer", place.why), stage or None
+    engine.capacity_choice, engine.device_budget = place.choice, device
+    for line in (place.why if two_tier != "auto" or place.tiered else None, place.choice):
+        if line is not None:
+            say(line)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
         runtime.taps = [tap_router(b.block) for b in blocks]
+    _start(engine, predictor, prefetch, snapshot)
+    engine.load_peak_bytes = backend.peak_memory_bytes()
+    engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
+    return engine
+
+
+def _start(engine: Engine, predictor, prefetch, snapshot):
+    """The predictor and prefetch policy, and the first resident set: a snapshot's, or every expert read
+    once, layer by layer, where all of them have slots."""
     if predictor is not None:
         engine.predictor = attach_predictor(engine, predictor)
     engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
     if snapshot is not None:
         engine.load_snapshot(snapshot)
-    elif slots == num_experts:  # fully resident: read everything once, layer by layer
+    elif engine.capacity == engine.num_experts:
         _read_every_expert(engine)
-    engine.load_peak_bytes = backend.peak_memory_bytes()
-    engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
-    return engine
 
 
 def _read_every_expert(engine: Engine):

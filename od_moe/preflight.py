@@ -79,14 +79,19 @@ def _predictor_report(path: Path, predictor, identity: str, moe_layers: int, num
 
 
 def inspect_model(
-    model=None, memory_budget=None, capacity=None, predictor=None, dtype="auto", ranks=1, packed="auto"
+    model=None,
+    memory_budget=None,
+    capacity=None,
+    predictor=None,
+    dtype="auto",
+    ranks=1,
+    packed="auto",
+    **device,
 ) -> dict:
     """What `od_moe.load(model, ...)` would find and use, from config.json and the safetensors headers.
-
-    memory_budget: bytes or "8GB" (None: 70% of available memory, as `load`); capacity: a count, fraction
-    or "25%" whose budget to report; predictor: a predictor folder to check (None: the one beside the
-    model, `<model>-predictor`, or the bundled one for the bundled model); ranks: processes to split the
-    decoder layers over (`pipeline.py`): more than 1 adds each rank's layers and memory; packed: as `load`."""
+    memory_budget, packed, `device` (device_memory, context_tokens): as `load` takes them; capacity: a
+    count, fraction or "25%" whose budget to report; predictor: a folder to check (None: `<model>-predictor`
+    beside it, or the bundled one); ranks: processes to split the layers over (each rank's memory)."""
     from .model_files import model_identity, resolve_model_path
 
     path = resolve_model_path(model)
@@ -114,15 +119,7 @@ def inspect_model(
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
     tiers = _two_tier_report(slot_nbytes, slot_nbytes * num_experts * moe_layers)
     working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiers["auto"] else 0)
-    if memory_budget is None or memory_budget == "auto":
-        given = int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION)
-    else:
-        given = parse_size(memory_budget)
-    try:
-        slots = resolve_capacity(None, given, num_experts, moe_layers, slot_nbytes, non_expert, working)
-        bought = {"capacity": slots, "fraction": slots / num_experts}
-    except UserError as e:  # too small: say so in the report
-        bought = {"capacity": 0, "fraction": 0.0, "error": str(e)}
+    bought = _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expert, working)
 
     def budget(count: int) -> int:
         return budget_for(count, moe_layers, slot_nbytes, non_expert, working)
@@ -141,7 +138,8 @@ def inspect_model(
         non_expert_bytes=non_expert,
         working_bytes=working,
         dtype=str(target or "model").removeprefix("mlx.core."),
-        memory_budget={"bytes": given, "auto": memory_budget in (None, "auto"), **bought},
+        memory_budget=bought,
+        device=_device_report(mlx_model, blocks, slot_nbytes, non_expert, tiers["auto"], path, **device),
         budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
         packed=_packed_file(path, store, packed),
@@ -158,6 +156,42 @@ def inspect_model(
     fraction = report["capacity"]["capacity"] / num_experts if "capacity" in report else bought["fraction"]
     report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction)
     return report
+
+
+def _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expert, working) -> dict:
+    """The memory budget (given, or 70% of available memory) and the slots it buys, as `load` counts it
+    (where the device has memory of its own, the host's: it holds the experts of two-tier mode)."""
+    auto = memory_budget is None or memory_budget == "auto"
+    given = (
+        int(backend.available_memory_bytes() * AUTO_BUDGET_FRACTION) if auto else parse_size(memory_budget)
+    )
+    try:
+        slots = resolve_capacity(None, given, num_experts, moe_layers, slot_nbytes, non_expert, working)
+        return {"bytes": given, "auto": auto, "capacity": slots, "fraction": slots / num_experts}
+    except UserError as e:  # too small: say so in the report
+        return {"bytes": given, "auto": auto, "capacity": 0, "fraction": 0.0, "error": str(e)}
+
+
+def _device_report(
+    mlx_model, blocks, slot_nbytes, non_expert, tiered, path, device_memory=None, context_tokens=None
+) -> dict | None:
+    """Where the device has memory of its own (CUDA): what the card has free, the device budget and the
+    slots `load` would give with no capacity (`assembly.expert_slots`), or why none fit; None elsewhere."""
+    from .assembly import device_plan, expert_slots
+    from .model_files import max_positions
+
+    plan = device_plan(device_memory, context_tokens, 1, max_positions(path))
+    if plan is None:
+        return None
+    (budget, where), context = plan
+    free, total = backend.device_memory()
+    report = {"free_bytes": free, "total_bytes": total, "budget_bytes": budget, "budget_from": where}
+    report["context"] = {"tokens": context.tokens, "sequences": context.sequences}
+    try:
+        slots, choice = expert_slots(None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan)
+        return {**report, "capacity": slots, "choice": choice}
+    except UserError as e:
+        return {**report, "capacity": None, "choice": str(e)}
 
 
 def _capacity_report(
@@ -276,7 +310,8 @@ def format_inspection(report: dict) -> str:
         f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']}), "
         f"{_size(report['working_bytes'])} working (KV cache and prefill of {RESERVED_CONTEXT} tokens, "
         f"routers{', a staged layer of two-tier mode' if report['two_tier']['auto'] else ''})",
-        f"budget     {_size(budget['bytes'])}{' (70% of available memory)' if budget['auto'] else ''} "
+        f"{'host' if report['device'] else 'budget'}     {_size(budget['bytes'])}"
+        f"{' (70% of available memory)' if budget['auto'] else ''} "
         + (
             f"holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"
             if budget["capacity"]
@@ -284,6 +319,9 @@ def format_inspection(report: dict) -> str:
         ),
         "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items()),
     ]
+    if report["device"]:
+        d = report["device"]
+        lines.append(f"device     {_size(d['free_bytes'])} free of {_size(d['total_bytes'])}: {d['choice']}")
     if "capacity" in report:
         c = report["capacity"]
         lines.append(

@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 
-from .units import MB
+from .units import MB, format_bytes
 
 
 def table(headers: Sequence[str], rows: list[Sequence], title: str | None = None) -> str:
@@ -65,12 +65,7 @@ def format_stats(stats: dict, response=None) -> str:
     out.append(prefetch_line(stats["prefetch"]))
     if (pause := pause_line(stats["prefetch"])) is not None:
         out.append(pause)
-    mem = stats["memory"]
-    out.append(
-        f"peak memory {mb(mem['peak_bytes']):.1f} MB (expert cache {mb(mem['expert_cache_bytes']):.1f} "
-        "MB, "
-        f"non-expert weights {mb(mem['non_expert_bytes']):.1f} MB)"
-    )
+    out.append(memory_line(stats["memory"]))
     if response is not None:
         out.append(
             f"prompt {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s, "
@@ -89,6 +84,23 @@ def prefetch_line(p: dict) -> str:
         f"({mb(p.get('bytes_read', 0)):.1f} MB), {p.get('useful', 0)} used before eviction "
         f"(precision {precision}), {p.get('late', 0)} late, {p.get('wasted', 0)} wasted, "
         f"{backoffs_text(p.get('backoffs', 0), p.get('backoff_reason'))}"
+    )
+
+
+def memory_line(mem: dict) -> str:
+    """Memory as the driver and the OS count it, device and host apart, then MLX's own peak (which counts
+    the host memory a GPU reads in place as its own: two-tier mode's mapped experts)."""
+    parts = []
+    if mem.get("device_bytes") is not None:
+        whose = "this process" if mem.get("device_counted") == "process" else "the whole card"
+        parts.append(f"device {format_bytes(mem['device_bytes'])} (the driver's count for {whose})")
+    if mem.get("host_bytes") is not None:
+        parts.append(f"host {format_bytes(mem['host_bytes'])} resident")
+    parts.append(f"host peak {format_bytes(mem['host_peak_bytes'])}")
+    return (
+        f"memory: {', '.join(parts)}; MLX's peak {format_bytes(mem['peak_bytes'])} (its arrays, mapped host "
+        f"memory included: expert cache {format_bytes(mem['expert_cache_bytes'])}, non-expert weights "
+        f"{format_bytes(mem['non_expert_bytes'])})"
     )
 
 

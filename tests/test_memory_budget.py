@@ -40,7 +40,7 @@ def test_peak_memory_stays_within_the_budget(fraction, prefetch):
 def test_a_budget_below_the_non_expert_weights_is_refused_up_front(capsys):
     assert main(["generate", "--prompt", "x", "--memory-budget", "1MB"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("od-moe: error: memory budget 1000000 bytes is too small") and "\n" not in err
+    assert err.startswith("od-moe: error: memory budget 1.00 MB is too small") and "\n" not in err
     assert "working memory" in err
 
 

@@ -309,37 +309,30 @@ SWITCH_INTERVAL_S = 0.0005
 def serve(
     model=None,
     *,
-    predictor=None,
-    prefetch=None,
     host="127.0.0.1",
     port=8080,
-    capacity=None,
-    memory_budget=None,
     max_tokens=None,
     max_input_tokens=None,
-    direct_io="auto",
     allow_hosts=(),
     allow_origins=(),
     log=print,
-    two_tier="auto",
     max_batch=8,
     schedule_log=None,
-    packed="auto",
+    **load_options,
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
     end the running streams with an error event and stop the generation thread before returning.
-    `schedule_log`: a file the running batch's schedule is written to (`schedule.py`). Under
-    `mlx.launch` rank 0 serves and the other ranks follow its requests (`ranks.py`); where a rank was
-    lost, `serve` raises `RankLost` once it stops."""
+    `load_options`: `od_moe.load`'s (capacity, predictor, two_tier...), a device budget keeping a KV cache
+    for each of `max_batch` sequences. `schedule_log`: a file the running batch's schedule is written to
+    (`schedule.py`). Under `mlx.launch` rank 0 serves and the other ranks follow its requests (`ranks.py`);
+    where a rank was lost, `serve` raises `RankLost` once it stops."""
     from werkzeug.serving import make_server
 
     from .. import load
     from ..pipeline import group_for
 
     def loader():
-        options = dict(capacity=capacity, memory_budget=memory_budget, prefetch=prefetch)
-        options.update(direct_io=direct_io, two_tier=two_tier, packed=packed)
-        return load(model, predictor=predictor, **options)
+        return load(model, sequences=max_batch, **load_options)
 
     group = group_for("auto")
     if group is not None and group.rank() > 0:
@@ -371,6 +364,8 @@ def serve(
         f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer, "
         f"{worker.max_batch} request{'s' if worker.max_batch > 1 else ''} at once)"
     )
+    if worker.engine.capacity_choice:
+        log(f"od-moe: {worker.engine.capacity_choice}")
     if worker.batch_cut:
         log(f"od-moe: {worker.batch_cut}")
         if sink is not None:

@@ -75,7 +75,16 @@ METRICS = {
         "Across ranks: the fraction of a rank's decode lookups found resident.",
     ),
     "rank_expert_bytes_read_total": ("counter", "Across ranks: bytes of expert weights a rank read."),
-    "memory_peak_bytes": ("gauge", "Peak memory of the MLX backend, in bytes."),
+    "memory_peak_bytes": (
+        "gauge",
+        "Peak memory of the MLX backend, in bytes (its arrays, host memory a GPU reads in place included).",
+    ),
+    "memory_device_bytes": (
+        "gauge",
+        "Device memory as the driver counts it for this process (CUDA), in bytes; NaN where the device "
+        "computes in host memory.",
+    ),
+    "memory_host_bytes": ("gauge", "Host memory resident for this process as the OS counts it, in bytes."),
     "uptime_seconds": ("gauge", "Seconds since the server started."),
 }
 
@@ -175,6 +184,8 @@ def prometheus_text(health: dict) -> str:
         "layer_hit_rate": [({"layer": str(i)}, r) for i, r in enumerate(c["per_layer_hit_rate"])],
         "up": 1 if health["status"] in ("ok", "degraded") else 0,
         "memory_peak_bytes": health["memory"].get("peak_bytes"),
+        "memory_device_bytes": health["memory"].get("device_bytes"),
+        "memory_host_bytes": health["memory"].get("host_bytes"),
         "uptime_seconds": health["uptime_s"],
         "batch_size": health["batch"]["size"],
         "batch_decoding": health["batch"]["decoding"],

@@ -1,0 +1,117 @@
+"""A device with memory of its own (CUDA): the slots come from its budget, the card's free memory by
+default, beside the non-expert weights and a stated context's working memory; what was chosen and why is
+said, a capacity the budget cannot hold is refused with what would fit, and memory is reported as the
+driver and the OS count it. The card is simulated here (`backend.device_memory`); the arithmetic is the
+one CUDA runs."""
+
+import pytest
+
+import od_moe
+from od_moe import backend
+from od_moe.capacity import DEVICE_BUDGET_FRACTION, Context, budget_for, working_nbytes
+from od_moe.cli import main
+from od_moe.errors import UserError
+
+MB = 10**6
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    """The embedded model's slot bytes, non-expert bytes and the device context's working memory."""
+    engine = od_moe.load(capacity=1)
+    layers, experts = len(engine.caches), engine.num_experts
+    slot = engine.caches[0].slot_nbytes
+    context = Context.for_device(engine.max_positions)
+    working = working_nbytes(engine.model, layers, experts, 0, context)
+    return dict(
+        layers=layers, experts=experts, slot=slot, non_expert=engine.non_expert_nbytes, working=working
+    )
+
+
+def card(monkeypatch, free: int, total: int = 80 * 10**9):
+    monkeypatch.setattr(backend, "device_memory", lambda: (free, total))
+
+
+def test_with_no_capacity_the_card_s_free_memory_picks_the_most_slots_that_fit(monkeypatch, shapes):
+    s = shapes
+    want = 24  # experts per layer: a card whose free memory holds exactly these beside the rest
+    free = (
+        int(budget_for(want, s["layers"], s["slot"], s["non_expert"], s["working"]) / DEVICE_BUDGET_FRACTION)
+        + 1
+    )
+    card(monkeypatch, free)
+    engine = od_moe.load()
+    assert engine.capacity == want
+    choice = engine.capacity_choice
+    assert choice.startswith(
+        f"capacity {want}/{s['experts']} experts per layer (37.5%), the most the device budget"
+    )
+    assert f"{DEVICE_BUDGET_FRACTION:.0%} of the card's" in choice and "a KV cache of 2,048 tokens" in choice
+    assert "bytes" not in choice  # sizes in kB/MB/GB
+    assert engine.generate("def add(a, b):", max_tokens=4)  # and it generates
+    card(monkeypatch, 10**12)  # a card with room for every expert takes them all
+    assert od_moe.load().capacity == s["experts"]
+
+
+def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch, shapes):
+    s = shapes
+    card(monkeypatch, 10**12)
+    engine = od_moe.load(capacity=1)
+    eight = working_nbytes(engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, sequences=8))
+    given = budget_for(40, s["layers"], s["slot"], s["non_expert"], eight)  # 40 slots beside 8 sequences' KV
+    many = od_moe.load(device_memory=given, sequences=8)
+    one = od_moe.load(device_memory=given)
+    assert many.capacity == 40 and one.capacity == s["experts"]  # one sequence leaves room for every expert
+    assert "a KV cache of 2,048 tokens for 8 sequences" in many.capacity_choice
+    assert f"{given / 1e6:.2f} MB (--device-memory)" in many.capacity_choice
+    short = working_nbytes(
+        engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, 8, tokens=256)
+    )
+    assert short < eight and Context.for_device(2048, 8, tokens=256).chunk == 256
+
+
+def test_a_capacity_the_device_cannot_hold_is_refused_with_what_fits(monkeypatch, shapes, capsys):
+    s = shapes
+    free = (
+        int(budget_for(10, s["layers"], s["slot"], s["non_expert"], s["working"]) / DEVICE_BUDGET_FRACTION)
+        + 1
+    )
+    card(monkeypatch, free)
+    assert od_moe.load(capacity=10).capacity == 10
+    with pytest.raises(UserError, match="give --capacity 10 or less, or --device-memory"):
+        od_moe.load(capacity=11)
+    assert main(["generate", "--prompt", "x", "--capacity", "100%"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "64 experts per layer need a device budget of" in err[0]
+
+
+def test_where_nothing_fits_it_says_what_would(monkeypatch, shapes):
+    card(monkeypatch, 5 * MB)
+    with pytest.raises(
+        UserError, match=r"the device budget 4.50 MB .* is too small for this model: it needs at least"
+    ):
+        od_moe.load(two_tier=False)
+
+
+def test_device_memory_is_refused_where_the_device_computes_in_host_memory(capsys):
+    assert backend.device_memory() is None  # this CPU
+    with pytest.raises(UserError, match="give memory_budget"):
+        od_moe.load(device_memory="1GB")
+    assert main(["generate", "--prompt", "x", "--device-memory", "1GB"]) == 2
+    assert "--memory-budget" in capsys.readouterr().err
+
+
+def test_memory_is_reported_as_the_driver_and_the_os_count_it(monkeypatch, capsys):
+    engine = od_moe.load(capacity=8)
+    memory = engine.stats()["memory"]
+    assert memory["device_bytes"] is None and memory["device_counted"] is None  # no device of its own here
+    assert (
+        memory["host_bytes"] > memory["non_expert_bytes"]
+        and memory["host_peak_bytes"] >= memory["host_bytes"]
+    )
+    from od_moe.report import memory_line
+
+    assert memory_line(memory).startswith("memory: host ")
+    shown = memory_line(dict(memory, device_bytes=6_300_000_000, device_counted="process"))
+    assert shown.startswith("memory: device 6.30 GB (the driver's count for this process), host ")
+    assert "MLX's peak" in shown and "mapped host memory included" in shown

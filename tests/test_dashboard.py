@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("OD_MOE_ARTIFACTS", ROOT / "build" / "artifacts"))
 
 FIGURES = (
+    "host-memory",
+    "device-memory",
     "hit-rate",
     "recent-hit-rate",
     "tok-s",
@@ -189,6 +191,8 @@ def test_in_chromium_the_figures_move_during_a_generation_and_end_equal_to_healt
     assert value(last["stall"]) == pytest.approx(decode["stall_s"] * 1e3 / passes)
     assert value(last["bytes"]) == pytest.approx(decode["bytes_read"] / passes)
     assert value(last["bytes-total"]) == decode["bytes_read"]
+    # memory as the OS counts it (a CPU's device has none of its own: no figure)
+    assert value(last["host-memory"]) > engine.non_expert_nbytes and last["device-memory"] == ""
 
 
 MONOTONIC = (

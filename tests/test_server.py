@@ -147,6 +147,10 @@ def test_health_agrees_with_engine_stats(server):
     )
     status, text = call(base, "/metrics")
     assert status == 200 and re.search(r"^od_moe_expert_cache_hit_rate [0-9.]+$", text, re.M)
+    # memory as the OS counts it; this CPU's device has no memory of its own
+    assert health["memory"]["host_bytes"] > 0 and health["memory"]["device_bytes"] is None
+    assert re.search(r"^od_moe_memory_host_bytes [0-9.e+]+$", text, re.M)
+    assert re.search(r"^od_moe_memory_device_bytes NaN$", text, re.M)
 
 
 def test_health_is_live_during_a_generation(server):

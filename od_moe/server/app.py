@@ -30,6 +30,7 @@ from ..sampling import vocab_size_of
 from ..units import MB
 from . import anthropic, dashboard, guard, openai, ranks
 from .health import health_body, prometheus_text
+from .kv_room import KvRoom
 from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
 from .schedule import ScheduleLog
 from .worker import GenerationWorker
@@ -114,8 +115,8 @@ def _register_guards(app: Flask, worker, hosts, origins, max_body_bytes: int):
         with worker.lock:
             worker.counters["rejected"] += 1
         if request.path == "/v1/messages":
-            return jsonify(anthropic.error_body(e)), e.status
-        return jsonify(e.body()), e.status
+            return jsonify(anthropic.error_body(e)), e.status, e.headers
+        return jsonify(e.body()), e.status, e.headers
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):
@@ -165,6 +166,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 def _register_generation(app: Flask, worker, name: str, limits: _Limits):
     """The three generation endpoints: validate, tokenize, queue a job, relay its events."""
     engine, tokenizer = worker.engine, worker.engine.tokenizer
+    room = KvRoom.of(engine)
 
     def body_json() -> dict:
         data = guard.read_json(request)
@@ -195,8 +197,9 @@ def _register_generation(app: Flask, worker, name: str, limits: _Limits):
 
     def submit(tokens: list[int], params):
         _check_prompt(tokens, limits, engine.max_positions)
+        release = room.admit(len(tokens), params.max_tokens, engine.max_positions) if room else None
         alive = guard.client_alive(request.environ)
-        return worker.submit(tokens, params, alive, g.get("arrival"))
+        return worker.submit(tokens, params, alive, g.get("arrival"), release)
 
     def respond(tokens, params, chat: bool):
         reply = openai.Reply(submit(tokens, params), name, chat, limits.event_timeout_s)

@@ -61,6 +61,8 @@ def fitting_batch(engine, max_batch: int, available: int | None = None) -> tuple
     """`max_batch` bounded by memory: each running request may grow a KV cache over the model's whole
     context (prompt and completion), on top of the memory the engine was budgeted; as many fit as the
     memory available after loading holds (at least 1). (the batch size, why it was cut, or None)"""
+    if engine.device_budget is not None:  # it keeps a KV cache for each of them: `kv_room.py` admits by it
+        return max_batch, None
     per_request = kv_nbytes_per_token(engine.model) * engine.max_positions
     available = backend.available_memory_bytes() if available is None else available
     fits = max(1, available // per_request) if per_request else max_batch

@@ -37,10 +37,17 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     alive: Callable[[], bool] = lambda: True  # False once the client has gone away
     submitted: float = field(default_factory=time.perf_counter)  # when it was queued
+    release: Callable[[], None] = lambda: None  # gives back what it holds (`kv_room.py`); idempotent
 
     def stream(self, timeout_s: float, poll_s: float = 0.2):
         """The job's events until its last one. A worker silent for `timeout_s` cancels it; so does a
         client found gone (checked every `poll_s` while waiting), and then the events just end."""
+        try:
+            yield from self._events(timeout_s, poll_s)
+        finally:  # the reply has ended, or its client went away
+            self.release()
+
+    def _events(self, timeout_s: float, poll_s: float):
         silent_since = checked = time.monotonic()
         while True:
             try:
@@ -154,10 +161,14 @@ class GenerationWorker:
         params: GenerationParams,
         alive: Callable[[], bool] | None = None,
         arrival: Arrival | None = None,
+        release: Callable[[], None] | None = None,
     ) -> Job:
         """Queue a job; its `arrival` (`arrivals.py`) ends as it is queued, so that a batch waiting for
-        the requests being read finds it there, or as it is refused."""
+        the requests being read finds it there, or as it is refused. `release` gives back what the job
+        holds (its KV cache room) once it ends, whichever way."""
         job = Job(prompt, params)
+        if release is not None:
+            job.release = release
         if alive is not None:
             job.alive = alive
         with self.lock:
@@ -168,6 +179,8 @@ class GenerationWorker:
                 job.events.put(("error", _broken(self.broken)))
             elif self.stopping:
                 self._tell_stopping(job)
+        if refused:
+            job.release()
         if arrival is not None:
             arrival.end(queue=None if refused else lambda: self.jobs.put(job))
         elif not refused:
@@ -290,6 +303,7 @@ class GenerationWorker:
         if not (job.cancelled.is_set() or self.stopping):
             return False
         self._count("cancelled")
+        job.release()
         if self.stopping:
             self._tell_stopping(job)
         return True
@@ -298,6 +312,7 @@ class GenerationWorker:
         """Count a job's end: "completed" (with its usage), "cancelled" or "failed" (`error` is then sent
         to its client: a user's mistake as a 400, anything else as a 500 that degrades /health)."""
         self._count(outcome)
+        job.release()
         if outcome == "completed":
             with self.lock:
                 self.failures_in_a_row = 0
@@ -326,6 +341,7 @@ class GenerationWorker:
             ended = [running, self.current] + _drain(self.jobs)
         for job in {id(j): j for j in ended if j is not None}.values():  # once each, in order
             self._count("failed")
+            job.release()
             job.events.put(("error", _broken(self.broken)))
         return first
 

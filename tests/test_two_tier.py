@@ -248,7 +248,9 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
     decode = stats.per_pass(engine.runtime.ledger, "decode")
     assert decode["routings_read"] == decode["passes"] * engine.stats()["moe_layers"] > 0  # every one staged
     assert engine.stats()["total"]["decode"]["hits"] == 0
-    monkeypatch.setattr(backend, "two_tier_choice", lambda asked, nbytes: (asked is not False, "on"))
+    monkeypatch.setattr(
+        backend, "two_tier_choice", lambda asked, nbytes, host=None: (asked is not False, "on")
+    )
     assert "each pass copies its experts" in preflight.inspect_model(capacity=0)["two_tier"]["reason"]
 
 
@@ -336,7 +338,9 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     counts; predictive prefetch still keeps the per-layer path; `od-moe inspect` says which."""
     from od_moe import assembly, backend, preflight
 
-    monkeypatch.setattr(backend, "two_tier_choice", lambda asked, nbytes: (asked is not False, "on"))
+    monkeypatch.setattr(
+        backend, "two_tier_choice", lambda asked, nbytes, host=None: (asked is not False, "on")
+    )
     mode, tiers = assembly.two_tier_mode, assembly.auto_tiers
     assert mode("auto", 1 << 30, "load", None, None)[0] is True
     assert mode("auto", 1 << 30, "load", "next-gate", None)[0] is False

@@ -164,11 +164,8 @@ class GenerationWorker:
         release: Callable[[], None] | None = None,
     ) -> Job:
         """Queue a job; its `arrival` (`arrivals.py`) ends as it is queued, so that a batch waiting for
-        the requests being read finds it there, or as it is refused. `release` gives back what the job
-        holds (its KV cache room) once it ends, whichever way."""
-        job = Job(prompt, params)
-        if release is not None:
-            job.release = release
+        the requests being read finds it there, or as it is refused; `release`: see `Job.release`."""
+        job = Job(prompt, params, release=release or (lambda: None))
         if alive is not None:
             job.alive = alive
         with self.lock:
@@ -179,8 +176,6 @@ class GenerationWorker:
                 job.events.put(("error", _broken(self.broken)))
             elif self.stopping:
                 self._tell_stopping(job)
-        if refused:
-            job.release()
         if arrival is not None:
             arrival.end(queue=None if refused else lambda: self.jobs.put(job))
         elif not refused:

@@ -22,6 +22,7 @@ if not os.path.isdir(os.path.join(__path__[0], "predictor")) and os.path.isfile(
 ):
     __path__.append(_checkout)
 
+from . import backend  # noqa: E402, F401 (first to import MLX: says which backend to install where none runs)
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load  # noqa: E402 (after the path above)
 from .errors import ExpertReadError, UserError  # noqa: E402
 from .governor import PrefetchSettings  # noqa: E402

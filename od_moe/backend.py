@@ -27,16 +27,100 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 - On CUDA attention runs on MLX's own kernels, not cuDNN's (`MLX_CUDA_USE_CUDNN_SDPA=0` unless the user
   set it): cuDNN builds a graph for every new prompt shape, about 40 ms each where a prefill takes 3
   (`attention_choice`).
+- On Linux MLX's backend is a package of its own (mlx-cpu, mlx-cuda-12, mlx-cuda-13: od-moe's extras cpu,
+  cuda12, cuda13). Where importing MLX fails for want of one that runs here, importing od-moe (this module
+  is the first to import MLX) says in one line which to install (`missing_backend`): an ImportError, or
+  `od-moe: error: ...` and exit code 2 in the `od-moe` command.
 Nothing else in od-moe asks which backend it is on.
 """
 
+import ctypes
 import os
 import sys
+from importlib import metadata
 
-import mlx.core as mx
 import numpy as np
 
-from . import cuda
+BACKEND_PACKAGES = {"cpu": "mlx-cpu", "cuda12": "mlx-cuda-12", "cuda13": "mlx-cuda-13"}  # extra -> package
+
+
+def cuda_driver_version() -> int | None:
+    """The CUDA version of the NVIDIA driver (13000 for 13.0, the one `nvidia-smi` shows) where it sees a
+    GPU, else None. Asks the driver itself (libcuda), which needs no CUDA toolkit and no MLX."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count, version = ctypes.c_int(), ctypes.c_int()
+    if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)) or count.value < 1:
+        return None
+    return None if driver.cuDriverGetVersion(ctypes.byref(version)) else version.value
+
+
+def extra_for_this_machine() -> tuple[str, str]:
+    """od-moe's extra whose MLX backend runs here, and why: cuda13 or cuda12 by the NVIDIA driver's CUDA
+    version (MLX builds for no older one), else cpu."""
+    version = cuda_driver_version()
+    if version is None:
+        return "cpu", "no NVIDIA GPU found; on one, [cuda13] or [cuda12] by the CUDA version nvidia-smi shows"
+    cuda = f"CUDA {version // 1000}.{version % 1000 // 10}"
+    if version < 12000:
+        return "cpu", f"the NVIDIA driver's {cuda} is older than any MLX CUDA backend needs"
+    return ("cuda13" if version >= 13000 else "cuda12"), f"an NVIDIA GPU, the driver's {cuda}"
+
+
+def missing_backend(error: ImportError) -> str | None:
+    """What to do, in one line, where `import mlx.core` failed with `error` for want of a backend that runs
+    here; None where it failed for another reason. The failures, as MLX 0.32.4 on Linux gives them:
+    plain `mlx` alone: "libmlx.so: cannot open shared object file" (mlx-cpu and mlx-cuda-* each ship it);
+    mlx-cuda-* where no NVIDIA driver is installed: "libcuda.so.1: cannot open shared object file"."""
+    installed = [name for name in BACKEND_PACKAGES.values() if _installed(name)]
+    if "libmlx.so" in str(error):
+        if installed:  # another backend's uninstall took the file they share
+            return (
+                f"MLX's libmlx.so is missing though {installed[0]} is installed: pip install "
+                f"--force-reinstall --no-deps '{installed[0]}=={_installed(installed[0])}'"
+            )
+        extra, why = extra_for_this_machine()
+        return f"MLX has no backend installed: pip install 'od-moe[{extra}]' ({why})"
+    cuda = [name for name in installed if name.startswith("mlx-cuda")]
+    if "libcuda.so" in str(error) and cuda:
+        return (
+            f"MLX's CUDA backend ({cuda[0]}) needs an NVIDIA driver, and this machine has none: "
+            f"pip uninstall -y {cuda[0]} && pip install 'od-moe[cpu]'"
+        )
+    return None
+
+
+def _installed(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _is_the_command() -> bool:
+    """Whether this process is the `od-moe` command: its script, or `python -m od_moe` (sys.argv[0] is "-m"
+    while runpy imports the package, before od_moe/__main__.py runs)."""
+    argv = getattr(sys, "orig_argv", [])
+    module = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"), None)
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "od-moe" or (
+        sys.argv[:1] == ["-m"] and module in ("od_moe", "od_moe.__main__")
+    )
+
+
+try:
+    import mlx.core as mx
+except ImportError as e:
+    advice = missing_backend(e)
+    if advice is None:
+        raise
+    if _is_the_command():  # the package is imported before cli.main runs: its one line is said from here
+        print(f"od-moe: error: {advice}", file=sys.stderr)
+        raise SystemExit(2)
+    raise ImportError(advice) from e
+
+from . import cuda  # noqa: E402 (after MLX's import, which may stop here)
 
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..capacity import parse_capacity
 from ..errors import UserError
 from ..model_files import DEFAULT_MODEL
+from .real_shapes import NAMES as SHAPE_NAMES
 from .widen import DEFAULT_WORKDIR
 
 
@@ -85,10 +86,8 @@ def add_arguments(parser):
     add(
         "--shape",
         metavar="NAME",
-        help="build the checkpoint of a real model's shapes into --workdir (random weights from a pinned "
-        "recipe, the bundled tokenizer) and print where it is: qwen3-30b-a3b (16.8 GB), qwen3-next-80b-a3b, "
-        "mixtral-8x7b, deepseek-v2-lite, gpt-oss-20b, bundled-real-widths (the bundled model padded to "
-        "hidden 2048, same tokens); with --two-tier, the two-tier grid runs on it",
+        help="build a checkpoint of a real model's shapes into --workdir and say where it is (--two-tier: "
+        "run the grid on it): " + ", ".join(SHAPE_NAMES),
     )
     add("--shape-layers", type=int, metavar="N", help="with --shape: its first N layers only (small disks)")
     add(

@@ -2,7 +2,8 @@
 policy side by side); `--foundation` runs the cache-only benchmark against stock mlx-lm (`foundation.py`);
 `--batch` many requests decoded together against stock mlx-lm's batches (`batching.py`); `--two-tier` the
 two-tier mode against stock mlx-lm and its roofline (`two_tier_grid.py`), which `--gpu` runs after the
-prefetch grid."""
+prefetch grid. `--shape` builds a checkpoint of a real model's shapes (`real_shapes.py`) and says where it
+is; with `--two-tier` the two-tier grid runs on it alone."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from ..capacity import parse_capacity
 from ..errors import UserError
 from ..model_files import DEFAULT_MODEL
+from .real_shapes import NAMES as SHAPE_NAMES
 from .widen import DEFAULT_WORKDIR
 
 
@@ -89,6 +91,13 @@ def add_arguments(parser):
         "--batch, 6 with --two-tier and --gpu)",
     )
     add(
+        "--shape",
+        metavar="NAME",
+        help="build a checkpoint of a real model's shapes into --workdir and say where it is (--two-tier: "
+        "run the grid on it): " + ", ".join(SHAPE_NAMES),
+    )
+    add("--shape-layers", type=int, metavar="N", help="with --shape: its first N layers only (small disks)")
+    add(
         "--capacities",
         help="with --foundation, --batch or --two-tier: fractions of experts resident (default: "
         "1,0.5,0.25,0.125 with --foundation, 0.5,0.25 with --batch, 0,0.25,0.5,1 with --two-tier)",
@@ -97,6 +106,9 @@ def add_arguments(parser):
 
 def run(args):
     from .foundation import run_foundation
+
+    if args.shape or args.shape_layers is not None:
+        return _shape(args)
 
     if args.widen is None:
         args.widen = 0 if args.batch else 128
@@ -163,6 +175,44 @@ def run(args):
         )
         where = Path(args.plot)
         print(f"plot written to {where} (rows in {where.with_suffix('.json')})", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=1))
+
+
+def _shape(args):
+    """`--shape`: build (or find) the named checkpoint, say where it is, run the two-tier grid on it if
+    asked."""
+    from ..units import format_bytes
+    from .real_shapes import build_shape, default_dest, describe
+
+    if not args.shape:
+        raise UserError("--shape-layers counts the layers of --shape NAME: name the shape too")
+    others = ("foundation", "batch", "full", "gpu", "plot", "pack")
+    if any(getattr(args, flag) for flag in others):
+        raise UserError(
+            "--shape runs alone or with --two-tier: leave out --foundation, --batch, --full, "
+            "--gpu, --plot and --pack"
+        )
+    rounds = args.rounds if args.rounds is not None else 6
+    if rounds < 1 or args.max_tokens < 1:
+        raise UserError("--rounds and --max-tokens must be positive counts")
+    facts = describe(args.shape, args.shape_layers)  # a wrong name or layer count fails before any work
+    path = build_shape(
+        args.shape, default_dest(args.workdir, args.shape, args.shape_layers), args.shape_layers
+    )
+    result = {"shape": args.shape, "path": str(path), **facts}
+    if not args.json:
+        print(
+            f"{args.shape}: {path} ({format_bytes(facts['bytes'])}, {facts['layers']} layers, "
+            f"{facts['experts']} experts of {format_bytes(facts['expert_bytes'])}, top-{facts['top_k']})"
+        )
+    if args.two_tier:
+        from .two_tier_grid import run_two_tier_grid
+
+        printer = None if args.json else print
+        result["rows"] = run_two_tier_grid(
+            [(args.shape, path, args.max_tokens)], _capacities(args), rounds, printer
+        )["rows"]
     if args.json:
         print(json.dumps(result, indent=1))
 

@@ -40,7 +40,7 @@ def add_arguments(parser):
     add(
         "--workdir",
         default=str(DEFAULT_WORKDIR),
-        help="where the widened model is written (about 1.4 GB at --widen 128)",
+        help="where the widened model (about 1.4 GB at --widen 128) and --shape checkpoints are written",
     )
     add(
         "--predictor",

@@ -1,15 +1,16 @@
 """Checkpoints with real MoE models' shapes, written from a pinned recipe: what `od-moe bench --shape` builds.
 
 Each named shape is a real model's published Hugging Face `config.json` (the values below, with the
-repository they come from; written from the published configs and cross-checked against parameter counts
-that other projects quote), so expert sizes, routing fan-out, attention and layer structure are the real
-ones; only the vocabulary is the bundled tokenizer's 8192 tokens (its tokenizer is copied), and the
-weights are drawn from `RECIPE`, so a shape's routing statistics are the same whoever builds it. Models
-are mlx-lm's own classes (`mlx_lm.utils._get_classes`), quantized as `mlx_lm.convert -q` quantizes them
-(4-bit affine, group 64, with each model's own `quant_predicate`: 8-bit routers), so `mlx_lm.load` and
-`od_moe.load` read the result like any converted checkpoint. gpt-oss-20b keeps its experts in MXFP4, as
-shipped (`mxfp4_quantize`). `bundled-real-widths` is the bundled trained model padded to real widths
-instead (`real_widths.py`).
+repository they come from: written from knowledge of those files and checked against copies of them, and
+parameter counts, quoted in other public projects; no network here to read the originals), so expert
+sizes, routing fan-out, attention and layer structure are the real ones; only the vocabulary is the
+bundled tokenizer's 8192 tokens (its tokenizer is copied), and the weights are drawn from `RECIPE`, so a
+shape's routing statistics are the same whoever builds it. Models are mlx-lm's own classes
+(`mlx_lm.utils._get_classes`), quantized as `mlx_lm.convert -q` quantizes them (4-bit affine, group 64,
+with each model's own `quant_predicate`: 8-bit routers), so `mlx_lm.load` and `od_moe.load` read the
+result like any converted checkpoint. gpt-oss-20b keeps its experts in MXFP4, as shipped
+(`mxfp4_quantize`). `bundled-real-widths` is the bundled trained model padded to real widths instead
+(`real_widths.py`).
 
 Memory stays bounded: a checkpoint is written one weight at a time (one expert of a stacked weight),
 drawn on worker threads, quantized, and written at its place in the shards (`shards.py`): building the
@@ -145,7 +146,8 @@ def shape_config(name: str, layers: int | None = None) -> dict:
 
 class _Recipe:
     """A named shape as mlx-lm would hold it converted: the model's tensors, which are quantized how, and
-    how each is drawn. The model is built lazily: no weight is drawn or allocated until `pieces`."""
+    how each is drawn. mlx-lm's model is only built lazily (its own initial weights are never computed):
+    what is written is drawn job by job (`jobs`, `draw`, `finish`)."""
 
     def __init__(self, name: str, layers: int | None):
         self.name, self.shape = name, _shape(name)
@@ -182,9 +184,10 @@ class _Recipe:
         ]
 
     def _pieces(self, name: str, value: mx.array) -> int:
+        """Experts of a stacked expert module's arrays (drawn and written one expert at a time), else 1."""
         module = name.rsplit(".", 1)[0]
-        stacked = self.floats.get(f"{module}.weight", value).ndim == 3 and module not in self.norms
-        return value.shape[0] if stacked and module in self.quantized else 1
+        stacked = module in self.quantized and self.floats[f"{module}.weight"].ndim == 3
+        return value.shape[0] if stacked else 1
 
     def _draw(self, name: str, shape: tuple[int, ...], expert: int | None) -> np.ndarray:
         module = name.rsplit(".", 1)[0]
@@ -194,7 +197,9 @@ class _Recipe:
             return np.zeros(shape, np.float32)
         std = RECIPE["router_std"] if module.rsplit(".", 1)[-1] in ROUTER_NAMES else RECIPE["std"]
         stream = [RECIPE["seed"], zlib.crc32(name.encode()), 0 if expert is None else expert + 1]
-        return np.random.default_rng(stream).standard_normal(shape, dtype=np.float32) * np.float32(std)
+        values = np.random.default_rng(stream).standard_normal(shape, dtype=np.float32)
+        values *= std
+        return values
 
     def jobs(self):
         """(tensor name, piece or None) of every draw, in writing order: one per weight (per expert of a
@@ -281,8 +286,8 @@ def build_shape(
         _no_layers(layers)
         return pad_bundled(dest)
     recipe = _Recipe(name, layers)
-    record = {"shape": name, "source": recipe.shape.source, "layers": recipe.config["num_hidden_layers"]}
-    record["recipe"] = RECIPE
+    layers = recipe.config["num_hidden_layers"]
+    record = {"shape": name, "source": recipe.shape.source, "layers": layers, "recipe": RECIPE}
 
     def produce():
         with ThreadPoolExecutor(threads) as pool:

@@ -17,6 +17,7 @@ from .widen import DEFAULT_WORKDIR
 
 
 def add_arguments(parser):
+    """`od-moe bench`'s flags: which grid runs and how (here), on which models (`_model_arguments`)."""
     add = parser.add_argument
     add(
         "--full",
@@ -32,21 +33,6 @@ def add_arguments(parser):
     add("--json", action="store_true", help="print the rows as JSON instead of tables")
     add("--max-tokens", type=int, default=64, help="new tokens per prompt on the bundled model")
     add(
-        "--widen",
-        type=int,
-        help="widening of the I/O-bound copy of the bundled model (0: none; default: 128, with --batch 0)",
-    )
-    add("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
-    add(
-        "--workdir",
-        default=str(DEFAULT_WORKDIR),
-        help="where the widened model (about 1.4 GB at --widen 128) and --shape checkpoints are written",
-    )
-    add(
-        "--predictor",
-        help="a predictor trained on the bundled model for the predictor rows (default: bundled)",
-    )
-    add(
         "--deterministic",
         action="store_true",
         help="prefetch reads land before they are needed and no timed check pauses prefetch: hit counts, "
@@ -58,18 +44,6 @@ def add_arguments(parser):
         help="draw hit rate, tok/s and bytes read per token against capacity for each policy into PATH "
         "(.png or .svg; needs matplotlib: pip install 'od-moe[bench]'); the rows go beside it as .json "
         "(default: no plot)",
-    )
-    add(
-        "--pack",
-        action="store_true",
-        help="pack the widened model's experts first (`od-moe pack`) if they are not; a widened model "
-        "packed before is read packed either way (the grid says which)",
-    )
-    add(
-        "--packed",
-        metavar="FILE",
-        help="the widened model's packed experts, written elsewhere by `od-moe pack WIDENED --out FILE`: "
-        "linked into the widened copy's folder, where every run reads them (default: none)",
     )
     add("--foundation", action="store_true", help="the cache-only benchmark (capacities x LRU/LFU)")
     add(
@@ -91,16 +65,53 @@ def add_arguments(parser):
         "--batch, 6 with --two-tier and --gpu)",
     )
     add(
-        "--shape",
-        metavar="NAME",
-        help="build a checkpoint of a real model's shapes into --workdir and say where it is (--two-tier: "
-        "run the grid on it): " + ", ".join(SHAPE_NAMES),
-    )
-    add("--shape-layers", type=int, metavar="N", help="with --shape: its first N layers only (small disks)")
-    add(
         "--capacities",
         help="with --foundation, --batch or --two-tier: fractions of experts resident (default: "
         "1,0.5,0.25,0.125 with --foundation, 0.5,0.25 with --batch, 0,0.25,0.5,1 with --two-tier)",
+    )
+    _model_arguments(add)
+
+
+def _model_arguments(add):
+    """The models a grid runs on: the bundled model, its widened copy (packed or not), a real shape."""
+    add(
+        "--widen",
+        type=int,
+        help="widening of the I/O-bound copy of the bundled model (0: none; default: 128, with --batch 0)",
+    )
+    add("--widened-tokens", type=int, default=32, help="new tokens per prompt on the widened model")
+    add(
+        "--workdir",
+        default=str(DEFAULT_WORKDIR),
+        help="where the widened model (about 1.4 GB at --widen 128) and --shape checkpoints are written",
+    )
+    add(
+        "--predictor",
+        help="a predictor trained on the bundled model for the predictor rows (default: bundled)",
+    )
+    add(
+        "--pack",
+        action="store_true",
+        help="pack the widened model's experts first (`od-moe pack`) if they are not; a widened model "
+        "packed before is read packed either way (the grid says which)",
+    )
+    add(
+        "--packed",
+        metavar="FILE",
+        help="the widened model's packed experts, written elsewhere by `od-moe pack WIDENED --out FILE`: "
+        "linked into the widened copy's folder, where every run reads them (default: none)",
+    )
+    add(
+        "--shape",
+        metavar="NAME",
+        help="build a checkpoint of a real model's shapes into --workdir and say where it is (--two-tier: "
+        "run the grid on it; default: none): " + ", ".join(SHAPE_NAMES),
+    )
+    add(
+        "--shape-layers",
+        type=int,
+        metavar="N",
+        help="with --shape: its first N layers only (small disks; default: all)",
     )
 
 

@@ -352,29 +352,36 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+_card_at_start: list = []  # [(card bytes in use, this process's context bytes)] at the first device query
+
+
 def device_memory() -> tuple[int, int] | None:
     """(free, total) bytes of the device MLX computes on where that memory is its own (CUDA), as the
     driver counts them (what other processes hold is not free); None where arrays are host memory (the CPU,
-    Metal's unified memory), whose budget `available_memory_bytes` gives."""
+    Metal's unified memory), whose budget `available_memory_bytes` gives. The first call (`load` makes it
+    before allocating) is the baseline `memory_in_use` counts from."""
     if arrays_in_host_memory():
         return None
-    return cuda.memory_info()
+    card = cuda.memory_info()
+    if card is not None and not _card_at_start:
+        _card_at_start.append((card[1] - card[0], cuda.process_device_bytes(os.getpid()) or 0))
+    return card
 
 
 def memory_in_use() -> dict:
-    """This process's memory as the driver and the OS count them, apart: `device_bytes` (CUDA: what the
-    driver counts for this process, its context included, else the card's used memory, which counts other
-    processes too: `device_counted` says which; None where arrays are host memory), `host_bytes` (resident
-    set size, Linux; None elsewhere) and `host_peak_bytes` (the most it has been, every OS)."""
-    device, counted = None, None
-    if not arrays_in_host_memory():
-        device, counted = cuda.process_device_bytes(os.getpid()), "process"
-        if device is None and (card := cuda.memory_info()) is not None:
-            device, counted = card[1] - card[0], "card"
+    """This process's memory as the driver and the OS count it, device and host apart: `device_bytes`
+    (CUDA: the card's memory in use now less what was in use at the first `device_memory` call, plus this
+    process's CUDA context then; the driver's per-process count leaves out managed memory, where MLX
+    keeps the slots, so the card's count is the one nvidia-smi agrees with, and it moves with other
+    processes' use too; None where arrays are host memory), `host_bytes` (resident set size, Linux; None
+    elsewhere) and `host_peak_bytes` (the most it has been, every OS)."""
+    device = None
+    if not arrays_in_host_memory() and (card := device_memory()) is not None:
+        used_then, context = _card_at_start[0]
+        device = card[1] - card[0] - used_then + context
     host = _resident_bytes()
     return {
         "device_bytes": device,
-        "device_counted": counted,
         "host_bytes": host,
         "host_peak_bytes": max(_peak_resident_bytes(), host or 0),  # the OS updates its peak lazily
     }

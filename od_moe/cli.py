@@ -130,6 +130,8 @@ def cmd_generate(args):
         prefetch="none" if oracle else args.prefetch,
         **options,
     )
+    if engine.capacity_choice and not sys.stderr.isatty():  # `load` said it where a terminal watches
+        print(f"od-moe: {engine.capacity_choice}", file=sys.stderr)
     prompt = _chat_prompt(engine.tokenizer, prompt, args, template)
     if oracle:  # the routing of this very generation, recorded by a scratch engine with the same settings
         engine.configure_prefetch("oracle", load(args.model, **options).record_routing(prompt, **sampling))

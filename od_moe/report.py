@@ -92,8 +92,9 @@ def memory_line(mem: dict) -> str:
     the host memory a GPU reads in place as its own: two-tier mode's mapped experts)."""
     parts = []
     if mem.get("device_bytes") is not None:
-        whose = "this process" if mem.get("device_counted") == "process" else "the whole card"
-        parts.append(f"device {format_bytes(mem['device_bytes'])} (the driver's count for {whose})")
+        parts.append(
+            f"device {format_bytes(mem['device_bytes'])} (the card's use since load, as the driver counts it)"
+        )
     if mem.get("host_bytes") is not None:
         parts.append(f"host {format_bytes(mem['host_bytes'])} resident")
     parts.append(f"host peak {format_bytes(mem['host_peak_bytes'])}")

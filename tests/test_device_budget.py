@@ -104,7 +104,7 @@ def test_device_memory_is_refused_where_the_device_computes_in_host_memory(capsy
 def test_memory_is_reported_as_the_driver_and_the_os_count_it(monkeypatch, capsys):
     engine = od_moe.load(capacity=8)
     memory = engine.stats()["memory"]
-    assert memory["device_bytes"] is None and memory["device_counted"] is None  # no device of its own here
+    assert memory["device_bytes"] is None  # no device of its own here
     assert (
         memory["host_bytes"] > memory["non_expert_bytes"]
         and memory["host_peak_bytes"] >= memory["host_bytes"]
@@ -112,6 +112,8 @@ def test_memory_is_reported_as_the_driver_and_the_os_count_it(monkeypatch, capsy
     from od_moe.report import memory_line
 
     assert memory_line(memory).startswith("memory: host ")
-    shown = memory_line(dict(memory, device_bytes=6_300_000_000, device_counted="process"))
-    assert shown.startswith("memory: device 6.30 GB (the driver's count for this process), host ")
+    shown = memory_line(dict(memory, device_bytes=6_300_000_000))
+    assert shown.startswith(
+        "memory: device 6.30 GB (the card's use since load, as the driver counts it), host "
+    )
     assert "MLX's peak" in shown and "mapped host memory included" in shown

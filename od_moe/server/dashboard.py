@@ -128,7 +128,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
             k: prefetch.get(k) for k in ("policy", "precision", "issued", "useful", "wasted", "late", "mode")
         },
         "recent": {"tok_s": recent["tok_s"], "hit_rate": recent["hit_rate"]},
-        "memory": {k: stats["memory"].get(k) for k in ("device_bytes", "device_counted", "host_bytes")},
+        "memory": {k: stats["memory"].get(k) for k in ("device_bytes", "host_bytes")},
         "history": recent["points"],
         "requests": requests,
         "batch": batch_figures(worker),

@@ -81,8 +81,8 @@ METRICS = {
     ),
     "memory_device_bytes": (
         "gauge",
-        "Device memory as the driver counts it for this process (CUDA), in bytes; NaN where the device "
-        "computes in host memory.",
+        "Device memory as the driver counts it (CUDA): the card's use since the model loaded, this process's "
+        "context included, in bytes; NaN where the device computes in host memory.",
     ),
     "memory_host_bytes": ("gauge", "Host memory resident for this process as the OS counts it, in bytes."),
     "uptime_seconds": ("gauge", "Seconds since the server started."),

@@ -112,7 +112,7 @@ function render(d) {
   show("bytes", dec.bytes_per_pass, bytes(dec.bytes_per_pass));
   show("bytes-total", dec.bytes_read, bytes(dec.bytes_read));
   show("device-memory", d.memory.device_bytes, d.memory.device_bytes == null ? "none of its own" :
-    bytes(d.memory.device_bytes) + (d.memory.device_counted === "card" ? " (whole card)" : ""));
+    bytes(d.memory.device_bytes));
   show("host-memory", d.memory.host_bytes, bytes(d.memory.host_bytes));
   show("in-flight", req.in_flight, String(req.in_flight));
   show("completed", req.completed, String(req.completed));

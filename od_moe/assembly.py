@@ -111,7 +111,7 @@ def place_experts(
     model, blocks, device, *, two_tier, capacity, memory_budget, miss_policy, prefetch, predictor
 ) -> Placement:
     """`load`'s decision of where experts live (`two_tier_mode`, `expert_slots`, `auto_tiers`), from its
-    arguments and the `device_plan`."""
+    arguments and the `device_plan`, whose budget then bounds MLX's memory (`backend.limit_device_memory`)."""
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(model, blocks)
     host = host_budget(memory_budget, device)
@@ -121,6 +121,8 @@ def place_experts(
         capacity, memory_budget, tiered, model, blocks, slot_nbytes, non_expert, device
     )
     tiered, why = auto_tiers(two_tier, tiered, why, slot_nbytes, slots / num_experts)
+    if device is not None:
+        backend.limit_device_memory(device[0][0])
     return Placement(tiered, why, slots, choice, non_expert)
 
 

@@ -258,6 +258,16 @@ def unmap_at(address: int):
 _held_in_host: dict[int, int] = {}  # address of a mapped array -> its bytes kept in host memory
 
 
+def limit_device_memory(budget: int):
+    """Where the device has memory of its own, MLX's memory limit at the device `budget` (plus the mapped
+    host bytes it counts as its own, `_hold_in_host`): past it MLX gives back its cache of freed buffers
+    before it allocates more. Its own limit is a share of the card's whole memory, blind to what other
+    processes hold: with 13 GB of an H100 free, a 4,096-token prompt's prefill failed in `cudaMallocAsync`
+    with MLX's limit as it was (Qwen3-30B-A3B shape, two tiers; lab/device_memory/small_card.sh)."""
+    if not arrays_in_host_memory():
+        mx.set_memory_limit(budget + sum(_held_in_host.values()))
+
+
 def _hold_in_host(address: int, nbytes: int):
     """Keep MLX's memory limit a bound on device memory: raised by the bytes of mapped arrays kept in host
     memory (0: one let go). MLX counts them as active memory, and past its limit it waits for the GPU

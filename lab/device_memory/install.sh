@@ -6,5 +6,6 @@ set -euo pipefail
 cat /tmp/w/mlxcuda.part.aa .whl/b/mlxcuda.part.ab > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl .whl/b/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
-PYTHONPATH=/tmp/site python3 -c "import mlx.core as mx, od_moe; print(mx.__version__, mx.default_device(), od_moe.backend.device_memory())"
+rm -rf build /tmp/site/od_moe /tmp/site/od_moe-*  # a build/ kept from an earlier call holds older files
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site .
+PYTHONPATH=/tmp/site python3 -c "import mlx.core as mx, od_moe; print(mx.__version__, mx.default_device(), od_moe.backend.device_memory(), od_moe.backend.limit_device_memory)"

@@ -66,10 +66,18 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     prompt = _prompt(engine.tokenizer, prompt_tokens)
     t1 = time.perf_counter()
     first, n, r = None, 0, None
-    for response in engine.stream_generate(prompt, max_tokens=tokens):
-        n, r = n + 1, response
-        if first is None:
-            first = time.perf_counter() - t1
+    try:
+        for response in engine.stream_generate(prompt, max_tokens=tokens):
+            n, r = n + 1, response
+            if first is None:
+                first = time.perf_counter() - t1
+    except RuntimeError as e:  # out of memory: say where it stood
+        out["error"], out["generated"] = str(e), n
+        out["mlx_at_error"] = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory()}
+        out["mlx_at_error"].update(peak=mx.get_peak_memory(), limit=mx.get_memory_limit())
+        out["card_free_at_error"] = _card()[0]
+        print(json.dumps(out), flush=True)
+        return
     out["first_token_s"], out["generated"], out["gen_tok_s"] = first, n, r.generation_tps
     out["prompt_tps"] = r.prompt_tps
     out["nvml_after_generate"] = _nvml_bytes()

@@ -8,8 +8,9 @@ out=$1; shift
 M=/tmp/rs/q30
 [ -f $M/config.json ] || python3 -c "from od_moe.bench.real_shapes import build_shape; build_shape('qwen3-30b-a3b', '$M', threads=8)" >/dev/null
 for free in "$@"; do
+    rm -f /tmp/hold.json
     python3 lab/device_memory/measure.py hold "$free" > /tmp/hold.json & hold=$!
-    until [ -s /tmp/hold.json ]; do sleep 1; done
+    until grep -q free_now /tmp/hold.json 2>/dev/null; do sleep 1; done
     echo "== $free GB free: $(cat /tmp/hold.json)"
     nvidia-smi --query-gpu=memory.used,memory.free --format=csv,noheader
     python3 -m od_moe inspect $M | grep -E "^(device|host|budget|mode) "

@@ -6,14 +6,16 @@ import argparse
 
 
 def _capacity_arg(parser: argparse.ArgumentParser):
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
+    # not exclusive: on a GPU with memory of its own the memory budget is the host's and goes with a capacity
+    parser.add_argument(
         "--capacity",
         help="experts resident per MoE layer: a count (16), a fraction (0.25) or 25%% (default: what the "
-        "memory budget holds)",
+        "memory budget holds, or on CUDA the device budget)",
     )
-    group.add_argument(
-        "--memory-budget", help="memory for the whole engine, e.g. 8GB or 512MiB (default: 70%% of available)"
+    parser.add_argument(
+        "--memory-budget",
+        help="memory for the whole engine, e.g. 8GB or 512MiB, or on CUDA the host's (every expert in "
+        "two-tier mode); not with --capacity except on CUDA (default: 70%% of available)",
     )
 
 

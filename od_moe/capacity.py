@@ -186,7 +186,10 @@ def resolve_capacity(
     weights, the slots, `working_nbytes` (see `working_nbytes`) and `BUDGET_RESERVE`.
     """
     if capacity is not None and memory_budget is not None:
-        raise UserError("give either a capacity or a memory budget, not both")
+        raise UserError(
+            "give either a capacity or a memory budget, not both (on a GPU with memory of its own the memory "
+            "budget is the host's, and goes with a capacity)"
+        )
     capacity = parse_capacity(capacity)
     if capacity is not None:
         if isinstance(capacity, bool):

@@ -117,7 +117,7 @@ def inspect_model(
         return {**report, "exact": False, "reason": str(e)}
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    tiers = _two_tier_report(slot_nbytes, slot_nbytes * num_experts * moe_layers)
+    tiers = _two_tier_report(slot_nbytes, slot_nbytes * num_experts * moe_layers, memory_budget)
     working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiers["auto"] else 0)
     bought = _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expert, working)
 
@@ -206,10 +206,14 @@ def _capacity_report(
     return {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
 
 
-def _two_tier_report(slot_nbytes: int, host_bytes: int) -> dict:
+def _two_tier_report(slot_nbytes: int, host_bytes: int, memory_budget) -> dict:
     """Two-tier mode by "auto" (every expert in host memory, the budget's slots on the device:
-    `two_tier.py`): whether it is on, and why."""
-    on, why = backend.two_tier_choice("auto", host_bytes)
+    `two_tier.py`): whether it is on, and why; where the device has memory of its own, a memory budget is
+    the host's, as `load` takes it (`assembly.host_budget`)."""
+    from .assembly import host_budget
+
+    device = backend.device_memory()
+    on, why = backend.two_tier_choice("auto", host_bytes, host_budget(memory_budget, device))
     return {"auto": bool(on), "reason": why, "host_bytes": host_bytes}
 
 
@@ -300,7 +304,6 @@ def format_inspection(report: dict) -> str:
     lines = [f"model      {report['model']} ({report['family']}, {_size(report['file_bytes'])} of files)"]
     if not report["exact"]:
         return "\n".join([*lines, f"supported  no: {report['reason']}"])
-    budget = report["memory_budget"]
     lines += [
         "supported  yes: exact (load) and approximate (skip) modes",
         f"experts    {report['moe_layers']} MoE layers x {report['experts_per_layer']} experts, "
@@ -310,13 +313,7 @@ def format_inspection(report: dict) -> str:
         f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']}), "
         f"{_size(report['working_bytes'])} working (KV cache and prefill of {RESERVED_CONTEXT} tokens, "
         f"routers{', a staged layer of two-tier mode' if report['two_tier']['auto'] else ''})",
-        f"{'host' if report['device'] else 'budget'}     {_size(budget['bytes'])}"
-        f"{' (70% of available memory)' if budget['auto'] else ''} "
-        + (
-            f"holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"
-            if budget["capacity"]
-            else f"is too small: {budget['error']}"
-        ),
+        _budget_line(report),
         "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items()),
     ]
     if report["device"]:
@@ -339,6 +336,19 @@ def format_inspection(report: dict) -> str:
     packed = report["packed"]
     lines.append(f"packed     {packed}" if packed else "packed     none (`od-moe pack`: one read per expert)")
     return "\n".join(lines + _rank_lines(report.get("ranks")))
+
+
+def _budget_line(report: dict) -> str:
+    """The memory budget: the engine's, and the slots it buys; where the device has memory of its own, the
+    host's, and whether it holds every expert (two-tier mode)."""
+    budget = report["memory_budget"]
+    given = f"{_size(budget['bytes'])}{' (70% of available memory)' if budget['auto'] else ''}"
+    if report["device"]:
+        holds = "holds" if report["two_tier"]["auto"] else "does not hold"
+        return f"host       {given} {holds} every expert ({_size(report['all_experts_bytes'])}) for two tiers"
+    if not budget["capacity"]:
+        return f"budget     {given} is too small: {budget['error']}"
+    return f"budget     {given} holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"
 
 
 def _rank_lines(rows) -> list[str]:

@@ -117,3 +117,21 @@ def test_memory_is_reported_as_the_driver_and_the_os_count_it(monkeypatch, capsy
         "memory: device 6.30 GB (the card's use since load, as the driver counts it), host "
     )
     assert "MLX's peak" in shown and "mapped host memory included" in shown
+
+
+def test_on_cuda_the_memory_budget_is_the_hosts_and_decides_two_tiers(monkeypatch, capsys):
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    on, why = backend.two_tier_choice("auto", 16 * 10**9, host_bytes=8 * 10**9)
+    assert not on and "host memory cannot hold the experts" in why and "host memory budget 8.00 GB" in why
+    assert backend.two_tier_choice("auto", 4 * 10**9, host_bytes=8 * 10**9)[0]
+    monkeypatch.undo()
+    # the flags go together (on CUDA); where one budget covers the engine, together they are one line
+    assert main(["generate", "--prompt", "x", "--capacity", "8", "--memory-budget", "1GB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "not both (on a GPU with memory of its own the memory budget is the host's" in err[0]
+    )

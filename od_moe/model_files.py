@@ -35,9 +35,9 @@ def resolve_model_path(model: str | None) -> Path:
         return path
     if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
         try:
-            from mlx_lm.utils import _download
+            from .mlx_lm_private import download
 
-            return Path(_download(str(model)))
+            return Path(download(str(model)))
         except Exception as e:
             raise UserError(
                 f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub "

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache
 
 from . import backend, heartbeat
 from .errors import RankLost, UserError
+from .mlx_lm_private import BaseCache
 from .routing import router_matrices
 from .units import format_bytes
 
@@ -98,7 +99,7 @@ def _flags(layer) -> dict:
 
 
 def _caches(args, kwargs) -> list:
-    return [a for a in (*args, *kwargs.values()) if isinstance(a, _BaseCache)]
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, BaseCache)]
 
 
 def _advance(cache, x: mx.array):

@@ -7,9 +7,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import _get_classes, dequantize_model, load_model, save_model
+from mlx_lm.utils import dequantize_model, load_model, save_model
 
 import od_moe
+from od_moe.mlx_lm_private import model_classes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -160,7 +161,7 @@ DBRX = {
 
 def _build(config, seed):
     mx.random.seed(seed)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     # Routers and biases that mlx-lm initialises to zeros (DeepSeek-V3's gate, expert biases, score
     # corrections) would route every token alike and leave the bias paths untested: draw them at random.

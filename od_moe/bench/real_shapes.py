@@ -6,7 +6,7 @@ parameter counts, quoted in other public projects; no network here to read the o
 sizes, routing fan-out, attention and layer structure are the real ones; only the vocabulary is the
 bundled tokenizer's 8192 tokens (its tokenizer is copied), and the weights are drawn from `RECIPE`, so a
 shape's routing statistics are the same whoever builds it. Models are mlx-lm's own classes
-(`mlx_lm.utils._get_classes`), quantized as `mlx_lm.convert -q` quantizes them (4-bit affine, group 64,
+(`mlx_lm_private.model_classes`), quantized as `mlx_lm.convert -q` quantizes them (4-bit affine, group 64,
 with each model's own `quant_predicate`: 8-bit routers), so `mlx_lm.load` and `od_moe.load` read the
 result like any converted checkpoint. gpt-oss-20b keeps its experts in MXFP4, as shipped
 (`mxfp4_quantize`). `bundled-real-widths` is the bundled trained model padded to real widths instead
@@ -32,9 +32,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, quantize_model
+from mlx_lm.utils import quantize_model
 
 from ..errors import UserError
+from ..mlx_lm_private import model_classes
 from ..model_files import DEFAULT_MODEL
 from ..routing import ROUTER_NAMES
 from .real_widths import PADDED, Padding, pad_bundled
@@ -152,7 +153,7 @@ class _Recipe:
     def __init__(self, name: str, layers: int | None):
         self.name, self.shape = name, _shape(name)
         config = shape_config(name, layers)
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config)
         model = model_class(args_class.from_dict(config))
         self.floats = dict(tree_flatten(model.parameters()))  # unquantized shapes, never evaluated
         modules = dict(model.named_modules())

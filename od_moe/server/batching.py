@@ -31,6 +31,7 @@ from mlx_lm.generate import BatchGenerator
 
 from .. import backend
 from ..capacity import kv_nbytes_per_token
+from ..mlx_lm_private import pending_tokens
 from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
 
@@ -204,14 +205,16 @@ class RunningBatch:
     def _first_tokens(self):
         """Read the first token of the sequences whose first pass this step ran, and send its text (not an
         end-of-sequence token: that ends the sequence, which the generator reports with the next step)."""
-        batch = getattr(self.generator, "_generation_batch", None)  # mlx-lm's own, 0.32: read only
+        found = pending_tokens(self.generator)  # mlx-lm's own, read only
+        if found is None:  # (another mlx-lm: its tokens come with the next step)
+            return
+        uids, pending = found
         joined = [
             (i, seq)
-            for i, uid in enumerate(getattr(batch, "uids", ()))
+            for i, uid in enumerate(uids)
             if (seq := self.sequences.get(uid)) is not None and seq.first_token is None
         ]
-        pending = getattr(batch, "_next_tokens", None)
-        if not joined or pending is None:  # (another mlx-lm: its tokens come with the next step)
+        if not joined:
             return
         tokens = pending.tolist()  # the passes the step started, computed now
         now = time.perf_counter()

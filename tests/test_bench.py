@@ -120,6 +120,9 @@ def test_the_two_tier_rows_are_exact_and_measure_bytes_against_min_and_the_roofl
             max(1e3 / r["stock_tok_s"], r["moved_bytes_per_token"] / bw["best"] * 1e3)
         )
     assert [r["slots_kind"] for r in rows] == ["counted", "counted"]  # 20 KB experts: admitted by counts
+    for r in rows:  # memory as the OS counts it (no device of its own here), the rounds' spread
+        assert r["device_bytes"] is None and r["host_bytes"] > 0
+        assert r["x_stock_spread"][0] <= r["x_stock"] <= r["x_stock_spread"][1]
     assert main(["bench", "--two-tier", "--gpu"]) == 2
     assert "--two-tier runs alone" in capsys.readouterr().err
     assert main(["bench", "--capacities", "0"]) == 2

@@ -168,6 +168,7 @@ def run_row(
     engine.reset_stats()
     ratios, speeds, same = alternate(engine, stock, tokenizer, reference, tokens, rounds)
     stats = engine.stats()
+    memory = stats["memory"]  # as the driver and the OS count it (`backend.memory_in_use`)
     passes = max(1, stats["positions"]["decode"])
     mapped = stats["total"]["decode"]["misses"] / passes
     copies = stats["io"]["decode"]["experts_loaded"] / passes
@@ -192,6 +193,9 @@ def run_row(
         "tok_s": tps,
         "x_stock": statistics.median(ratios),
         "x_stock_rounds": [round(r, 3) for r in ratios],
+        "x_stock_spread": [min(ratios), max(ratios)],
+        "device_bytes": memory["device_bytes"],
+        "host_bytes": memory["host_bytes"],
         "bus_bw": bw,
         "roofline_ms_per_token": floor_ms,
         "roofline_bound": "pcie" if bound == "read" else bound,
@@ -219,10 +223,13 @@ COLUMNS = (
     ("stock tok/s", lambda r: r["stock_tok_s"]),
     ("tok/s", lambda r: r["tok_s"]),
     ("x stock", lambda r: r["x_stock"]),
+    ("spread", lambda r: "{:.3f}-{:.3f}".format(*r["x_stock_spread"])),
     ("roofline ms", lambda r: r["roofline_ms_per_token"]),
     ("bound", lambda r: r["roofline_bound"]),
     ("x roofline", lambda r: r["x_roofline"]),
     ("same tokens", lambda r: r["same_tokens"]),
+    ("device GB", lambda r: None if r["device_bytes"] is None else r["device_bytes"] / 1e9),
+    ("host GB", lambda r: None if r["host_bytes"] is None else r["host_bytes"] / 1e9),
 )
 
 

@@ -258,8 +258,8 @@ class HostMapping:
     whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its last
     `device_tail` bytes (the layer's slots) preferred on the device and moved there, so that a hit reads
     device memory (a row on the host cost as much as a miss: H100, 11.1 ms a token at every hit rate
-    against 1.51-10.4 ms with that row on the device, `tools/two_tier_probe.py`). `release_at` takes the
-    advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the
+    against 1.51-10.4 ms with that row on the device, `../shared/tools/two_tier_probe.py`). `release_at` takes
+    the advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the
     runtime's error state; the arrays then stay as MLX made them (still exact, read as MLX places them)."""
 
     def __init__(self, device: int = 0):

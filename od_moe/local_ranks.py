@@ -1,5 +1,5 @@
 """Starting a script on several ranks of this machine with `mlx.launch` (ring backend over loopback), as the
-pipeline tests and `tools/pipeline_bench.py` do: a free port range for each launch (the launcher's default
+pipeline tests and `lab/tools/pipeline_bench.py` do: a free port range for each launch (the launcher's default
 port is fixed, and several test workers or users may launch at once), the od-moe being run on the ranks'
 import path, and a deadline after which the whole process group is killed (a rank that died leaves the
 others blocked in a collective: `mx.distributed` has no timeouts). `start` starts the ranks as the

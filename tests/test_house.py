@@ -133,3 +133,15 @@ def test_the_checks_can_fail():
     assert circles({"a": {"b"}, "b": set()}) == []
     long = ast.parse("def f():\n" + "    x = 1\n" * MAX_FUNCTION)
     assert _span(long.body[0]) == MAX_FUNCTION + 1
+
+
+def test_nothing_in_the_product_imports_the_lab():
+    """`lab/` holds investigations and raw outputs: the package never imports from it."""
+    offenders = []
+    for name, (path, _) in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported = [node.module or ""]
+            offenders += [(name, m) for m in imported if m.split(".")[0] in ("lab", "tools")]
+    assert offenders == []

@@ -3,7 +3,7 @@ recorded from the bundled model: least recently used and Belady's MIN (`od_moe.r
 counts with selective admission, per layer with C rows, every miss one expert's bytes (read in place or
 copied into a row: the same bytes).
 
-    python3 tools/admission_sim.py [--capacities 16,24] [--decays 0.5,0.8,0.9,0.95,0.98]
+    python3 lab/tools/admission_sim.py [--capacities 16,24] [--decays 0.5,0.8,0.9,0.95,0.98]
 
 Routing: the bench's warm-up prompt and its 3 prompts, 48 greedy tokens each, all experts resident.
 `decay a`: each expert's score is multiplied by a every pass and raised by 1 where routed; a missed

@@ -1,8 +1,8 @@
 """Prefill milliseconds of stock mlx-lm, each (batch, length) shape the first time and once warm, under this
 process's attention setting: what `backend.attention_choice` rests on (`docs/GPU.md`).
 
-    MLX_CUDA_USE_CUDNN_SDPA=1 python3 tools/attention_probe.py MODEL
-    MLX_CUDA_USE_CUDNN_SDPA=0 python3 tools/attention_probe.py MODEL
+    MLX_CUDA_USE_CUDNN_SDPA=1 python3 lab/tools/attention_probe.py MODEL
+    MLX_CUDA_USE_CUDNN_SDPA=0 python3 lab/tools/attention_probe.py MODEL
 
 MLX reads the variable at its first attention on the GPU, so each setting needs a process of its own; run
 them alternating. The first process on a machine also compiles MLX's kernels (tens of seconds). One JSON

@@ -10,7 +10,7 @@ median of 3 rounds, texts compared); then the kernels' rates; then both again wi
 device memory (the same operations with no bytes on the bus). The candidates: one grid striding over
 every (lane, array) unit, each thread `ilp` loads in flight before its stores.
 
-    python3 tools/copy_rate_probe.py [WORKDIR]
+    python3 lab/tools/copy_rate_probe.py [WORKDIR]
 
 CUDA only (the kernels are `mx.fast.cuda_kernel`s). Not a test and not a bench row: a measurement for
 docs/two-tier-h100.md.

@@ -10,9 +10,9 @@ stock and then by the row:
 - `rest`: the remainder, waiting for the device (`y.item()`).
 `rest` growing says the device is the bound; `rest` near zero does not say the host is, since a device-bound
 token may wait inside `async_eval` instead (the widened copy's 0% row did). To tell them apart, time the
-device's kernels (`tools/kernel_time.py`) against the wall.
+device's kernels (`lab/tools/kernel_time.py`) against the wall.
 
-    python3 tools/host_time.py MODEL ROWS [TOKENS]
+    python3 lab/tools/host_time.py MODEL ROWS [TOKENS]
 
 ROWS: comma-separated `lru:F` (device-kept rows, `two_tier="lru"`) or `tt:F` (counted slots,
 `two_tier=True`), F the fraction of experts in slots. For a profile of the same decoding by function:

@@ -1,11 +1,11 @@
 """A decoded token's device time by kernel on CUDA, from NVIDIA Nsight Compute: stock mlx-lm against two-tier
 rows of the widened x128 copy, to tell a row bound by its device work from one bound by its host.
 
-    python3 tools/kernel_time.py wall [WORKDIR]
+    python3 lab/tools/kernel_time.py wall [WORKDIR]
     ncu --profile-from-start off --clock-control none --cache-control none \
         --metrics gpu__time_duration.sum --csv --graph-profiling node \
-        python3 tools/kernel_time.py run MODE [WORKDIR] > MODE.csv
-    python3 tools/kernel_time.py sum MODE.csv
+        python3 lab/tools/kernel_time.py run MODE [WORKDIR] > MODE.csv
+    python3 lab/tools/kernel_time.py sum MODE.csv
 
 `wall`: ms a decoded token of stock and of every mode in one process (mlx-lm's loop, the bench's 3 prompts x
 48 tokens, median of 3 rounds), and whether the texts equal stock's. `run`: one mode's decoding, the

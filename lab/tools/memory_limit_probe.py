@@ -1,7 +1,7 @@
 """Two-tier decode tok/s with MLX's memory limit below the bytes of the mapped expert stacks: what a model
 whose experts outgrow the GPU's memory meets (`backend._hold_in_host`; `docs/two-tier-h100.md`).
 
-    python3 tools/memory_limit_probe.py MODEL [--widen 128] [--limit-gb 0.5] [--set after]
+    python3 lab/tools/memory_limit_probe.py MODEL [--widen 128] [--limit-gb 0.5] [--set after]
 
 MLX counts the mapped stacks (managed memory kept in host RAM) as active memory; past its memory limit
 (0.95 of the GPU's memory on CUDA) it waits for the GPU after every operation. `--set before` (default)

@@ -6,7 +6,7 @@ used rows are replayed per layer (`od_moe.replay`'s rule); for each miss, is it 
 top P experts not in a row? Also how many of those P the layer then routes. Deterministic: counts, not
 timings.
 
-    python3 tools/miss_forecast.py [--rows 16] [--tokens 48]
+    python3 lab/tools/miss_forecast.py [--rows 16] [--tokens 48]
 
 Layer 0 has no earlier layer and is left out of the recall.
 """

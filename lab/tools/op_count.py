@@ -2,8 +2,8 @@
 
 The host pays for each operation when MLX encodes it, and on an H100 that shows where the device finishes
 first: stock mlx-lm's decoded token takes 2.96-3.83 ms of wall for 2.55 ms of kernels on the widened copy
-(`tools/kernel_time.py`; a row whose kernels outlast the wall, like the widened 0% row, is bound by its device
-instead: docs/two-tier-h100.md, "The 0% row's floor"). The count is deterministic, so it shows what a change
+(`lab/tools/kernel_time.py`; a row whose kernels outlast the wall, like the widened 0% row, is bound by its
+device instead: docs/two-tier-h100.md, "The 0% row's floor"). The count is deterministic, so it shows what a change
 to a pass's operations does to that cost before any GPU run. It counts the graph mlx-lm hands to
 `mx.async_eval` for one decoded token (the tenth of the first prompt, by then every compiled step is traced):
 primitives not yet evaluated, a multi-output primitive once. On the CPU backend od-moe computes with MLX
@@ -11,9 +11,9 @@ operations where CUDA runs its kernels (`stage_kernels.py`, `row_kernel.py`, `sl
 kernels (norms, rope) count as the operations they fall back to, and `lru` rows wait for the host inside the
 pass (so only the pass's last part is counted): run it on the GPU for the counts the host there pays.
 
-    python3 tools/op_count.py MODEL ROWS [--top N]
+    python3 lab/tools/op_count.py MODEL ROWS [--top N]
 
-ROWS: comma-separated `lru:F` or `tt:F` as in `tools/host_time.py`. Prints, per row, the operations of the
+ROWS: comma-separated `lru:F` or `tt:F` as in `lab/tools/host_time.py`. Prints, per row, the operations of the
 token and the primitives whose count differs most from stock's.
 """
 

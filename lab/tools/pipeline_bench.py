@@ -7,7 +7,7 @@ page cache: `drop_after_read`, the page cache dropped before each prompt), greed
 decode tok/s (mean over prompts of mlx-lm's generation tok/s) and, per rank, decode hit rate and MB read
 per decode pass; and whether the tokens equal the one process's.
 
-    python tools/pipeline_bench.py [--widen 32] [--max-tokens 24] [--fraction 0.25] [--backend nccl]
+    python lab/tools/pipeline_bench.py [--widen 32] [--max-tokens 24] [--fraction 0.25] [--backend nccl]
 
 The bundled model, and a copy widened `--widen` times (`od_moe.bench.widen`, 0: none) written to
 `--workdir`. Run by hand; CI runs the exactness tests instead (`tests/test_pipeline.py`).

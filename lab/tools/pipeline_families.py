@@ -2,7 +2,7 @@
 stock mlx-lm's, at 25% of the experts with next-gate prefetch. CI runs two families
 (`tests/test_pipeline.py`); this runs them all, by hand (a few minutes on 2 cores):
 
-    python tools/pipeline_families.py [--ranks 2] [--workdir DIR]
+    python lab/tools/pipeline_families.py [--ranks 2] [--workdir DIR]
 
 Prints one line per family: equal or not, and each rank's decoder layers.
 """
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+TESTS = Path(__file__).resolve().parents[2] / "tests"
 PROMPTS = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
 NEW_TOKENS = 10
 

@@ -5,7 +5,7 @@ Two loopback ranks run `od-moe generate` (the bundled model, 25%, 200 tokens), s
 process ends, its sockets close) or SIGSTOP (it stays, silent: a hung process, or a machine gone from the
 network). Per case: the survivor's exit code, its last line, and the seconds from the death to its exit.
 
-    python tools/pipeline_faults.py [--timeout 3]   # OD_MOE_HEARTBEAT_TIMEOUT for the silent cases
+    python lab/tools/pipeline_faults.py [--timeout 3]   # OD_MOE_HEARTBEAT_TIMEOUT for the silent cases
 """
 
 import argparse
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HOOK = Path(__file__).resolve().parent.parent / "tests" / "dying_rank.py"
+HOOK = Path(__file__).resolve().parents[2] / "tests" / "dying_rank.py"
 ARGS = ["generate", "--prompt", "def fibonacci(n):", "--ignore-chat-template", "--max-tokens", 200]
 
 

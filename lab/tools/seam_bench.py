@@ -9,7 +9,7 @@ that prefetch runs where it would not pay: this measures the seam), `--capacity`
 experts, reads cold (past the page cache) unless `--warm`, greedy, 3 prompts; the tokens are compared with
 the seam's prediction off. Each mode loads its own engine (on first, then off), cold caches.
 
-    python tools/seam_bench.py [--widen 32] [--max-tokens 24] [--capacity 0.5] [--warm]
+    python lab/tools/seam_bench.py [--widen 32] [--max-tokens 24] [--capacity 0.5] [--warm]
 
 Run by hand; CI checks the seam's counts and exactness in `tests/test_pipeline.py`.
 """

@@ -2,7 +2,7 @@
 arrivals begun together, as a front end that read every request in parallel would hand them over), against
 one job alone: the best any HTTP front end could give the serving benchmark's `ttft` rows.
 
-    python3 tools/worker_first_tokens.py [MODEL | bundled] [ROUNDS]
+    python3 lab/tools/worker_first_tokens.py [MODEL | bundled] [ROUNDS]
 
 Per capacity (every expert resident, then 25%): medians over ROUNDS of the 8 prompts' median first-token
 time, alone (one job at a time) and together; the ratio is together / alone. Greedy, 8 tokens a job.

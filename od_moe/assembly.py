@@ -141,7 +141,7 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 # two calls of four, 0.828x against 0.725x stock and 0.750x against 0.714x; behind in two, 0.682x against
 # 0.726x and 327 against 336 tok/s) with a third of the bytes across PCIe (3.7 experts a token against
 # 11.1), level in batches of 8 and 16; the bundled model's 20 KB experts: admission ahead (0.82x against
-# 0.72x stock at 25%), the row kernel costing more than the bytes it saves (docs/two-tier-h100.md).
+# 0.72x stock at 25%), the row kernel costing more than the bytes it saves (docs/GPU.md, "Device-kept rows").
 LRU_EXPERT_NBYTES = 1 << 20
 
 

@@ -130,9 +130,9 @@ def attention_choice() -> str | None:
     builds a graph for each new (batch, prompt length) on first use, 39-47 ms against 2.7-3.2 ms for the
     same prefill once built (H200, bundled model; MLX's kernels 3.7-4.1 ms the first time), and a server
     meets new shapes with nearly every request (8 streamed requests arriving together: first tokens 13.0x
-    the time of one alone with cuDNN, 4.35x without; docs/GPU.md). Long prompts are prefilled in chunks,
-    which bounds the scores MLX's kernels hold. MLX reads the setting at its first attention on the GPU,
-    so it is made when od-moe is imported. Returns the setting made, or None."""
+    the time of one alone with cuDNN, 4.35x without; docs/GPU.md, "Time to first token"). Long prompts are
+    prefilled in chunks, which bounds the scores MLX's kernels hold. MLX reads the setting at its first
+    attention on the GPU, so it is made when od-moe is imported. Returns the setting made, or None."""
     if CUDNN_ATTENTION in os.environ or not mx.cuda.is_available():
         return None
     os.environ[CUDNN_ATTENTION] = "0"
@@ -273,7 +273,8 @@ def _hold_in_host(address: int, nbytes: int):
     memory (0: one let go). MLX counts them as active memory, and past its limit it waits for the GPU
     after every operation and empties its buffer cache at every allocation: two-tier decode at 25% of the
     widened x128 copy ran at 108-110 tok/s with the limit below the mapped bytes against 176-179 above
-    them (H100, one process, `docs/two-tier-h100.md`), which a model larger than the GPU's memory meets."""
+    them (H100, one process, `docs/GPU.md`, "MLX's memory limit"), which a model larger than the GPU's memory
+    meets."""
     change = nbytes - _held_in_host.pop(address, 0)
     if nbytes:
         _held_in_host[address] = nbytes

@@ -4,8 +4,8 @@ array made from host bytes.
 
 On CUDA an array made from host bytes (`mx.array` of numpy) takes managed memory MLX may allocate anew,
 and a pass during which one was made took 3.5 ms more than another, whether 2 KB or the tables' size, made
-with `mx.array` or `mx.load` (H200, MLX 0.32.4; `docs/two-tier-h100.md`). Here `depth` arrays are made
-at the start, kept in host memory for the device to read in place (`backend.map_for_device`), and written
+with `mx.array` or `mx.load` (H200, MLX 0.32.4; `docs/GPU.md`, "Slots and admission"). Here `depth` arrays are
+made at the start, kept in host memory for the device to read in place (`backend.map_for_device`), and written
 through numpy views. An array is written again only once what the device made from it last time is
 computed (`used_by`, waited for with `mx.eval`, which returns at once when it is), so no read sees a
 half-written value. On the CPU and Metal the arrays are plain memory and the same code runs.

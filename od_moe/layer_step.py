@@ -3,7 +3,7 @@ block), and a layer's pass of one position as one compiled MLX call: how its lan
 slots' table, the row kernel's copies, a staging copy) and mlx-lm's switch on those rows (`LayerSteps`),
 or mlx-lm's whole MoE block around them: router, top-k, the switch, the weighted sum (`CompiledBlock`).
 
-A decoded token on a fast GPU waits on the host (docs/two-tier-h100.md, "Where a decoded token's time
+A decoded token on a fast GPU waits on the host (docs/GPU.md, "Where a decoded token's time
 goes"): at every pass Python makes each MLX operation of a layer's router, its lookups and mlx-lm's switch
 (`SwitchGLU`: three `gather_qmm`s and the activation). `mx.compile` traces a step once per input shapes
 and MLX replays it with none of that Python. The operations are the same ones on the same bytes, so the

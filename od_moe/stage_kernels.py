@@ -4,11 +4,11 @@ expert copied, which lanes were hits and the pass's counts) where MLX operations
 
 MLX's host pays for every operation of a pass when it encodes it, and where the device finishes first that is
 the token's time (H100: stock mlx-lm's decoded token 2.96-3.83 ms of wall for 2.55 ms of kernels on the
-widened copy, `lab/tools/kernel_time.py`; docs/two-tier-h100.md). A staged pass of one position looked up each
-lane's row in the table, copied the rows, and counted its hits in several operations besides the copy; here
-the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block writes the lane's
-hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows` copies, so the
-layer's products and tokens are unchanged. CUDA only: elsewhere the same work is MLX operations
+widened copy, `lab/tools/kernel_time.py`; docs/GPU.md, "The 0% row's floor"). A staged pass of one position
+looked up each lane's row in the table, copied the rows, and counted its hits in several operations besides
+the copy; here the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block
+writes the lane's hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows`
+copies, so the layer's products and tokens are unchanged. CUDA only: elsewhere the same work is MLX operations
 (`staging.py`).
 Not here: what the copies are used for, or which pass is staged (`two_tier.py`).
 """

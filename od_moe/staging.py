@@ -5,8 +5,8 @@ mlx-lm's switch computes every routed lane apart: CUDA's `gather_qmm` runs one p
 reading its expert's rows. Read in place from host memory (`two_tier.py`), a miss therefore crosses PCIe
 once for every lane routed to it, and a prompt of 512 tokens reads each of a layer's missing experts
 dozens of times (H200, widened x128 copy, 25% of experts in slots: prefill ran at 0.08x stock,
-`docs/two-tier-h100.md`). A staged pass first copies, on the device, every expert the pass routes to from
-the row that holds it (a slot, or its host row read once) into a device array of min(E, lanes) rows,
+`docs/GPU.md`, "Staged passes"). A staged pass first copies, on the device, every expert the pass routes to
+from the row that holds it (a slot, or its host row read once) into a device array of min(E, lanes) rows,
 in expert order, and computes every lane on that array at its expert's place: the same kernel on the
 same bytes, so stock's output bit for bit. The union and the places are found on the device, so nothing
 waits for the host. Rows of the copy no expert needs (fewer routed than rows) copy a device row: no PCIe
@@ -29,7 +29,7 @@ from .stage_kernels import copy_rows
 BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
 
 # positions of a layer pass from which it is staged: a decode token's lanes route to distinct experts, which
-# staging would only copy once more. H200, widened x128 copy at 25% (`docs/two-tier-h100.md`, "Staged
+# staging would only copy once more. H200, widened x128 copy at 25% (`docs/GPU.md`, "Staged
 # passes"): batch 1 decoded 180 tok/s unstaged and 145 staged, batch 2 231 and 256-263, batch 4 266-276
 # and 393-404, batch 8 284 and 613-629
 STAGE_POSITIONS = 2
@@ -37,8 +37,9 @@ STAGE_POSITIONS = 2
 # Decode passes are staged too where a layer keeps no expert in device rows and its experts are this large:
 # every lane then misses, and the staging copy crosses PCIe at about twice the rate of the kernel's reads in
 # place (H100: 45-48 GB/s against 22-25). H100, the widened copy's 2.65 MB experts, no slots, same process
-# (`benchmarks/two_tier.py --widen 128`, docs/two-tier-h100.md): 175.7 tok/s staged against 122.9 read in
-# place; the bundled model's 20 KB experts: 240.4 staged against 278.9, so small experts are not staged.
+# (`benchmarks/two_tier.py --widen 128`, lab/runs/staged-decode-h100.txt): 175.7 tok/s staged against 122.9
+# read in place; the bundled model's 20 KB experts: 240.4 staged against 278.9, so small experts are not
+# staged.
 STAGE_DECODE_NBYTES = 1 << 20
 
 

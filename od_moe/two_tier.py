@@ -50,9 +50,9 @@ from .tally import DeviceTally, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
 # passes. On an H200 (widened x128 copy, 25% of experts in slots, 3 prompts x 48 tokens;
-# `docs/two-tier-h100.md`), with slots filled by kernels and tables written into host rings, a pass that
-# fills costs about 4 ms more than another; every 16 passes against every 64 hit 0.59 against 0.51 of
-# lookups, and gave 4.63 against 5.24 ms a token by median pass times but 180 against 189 tok/s by
+# `docs/GPU.md`, "Slots and admission"), with slots filled by kernels and tables written into host rings, a
+# pass that fills costs about 4 ms more than another; every 16 passes against every 64 hit 0.59 against 0.51
+# of lookups, and gave 4.63 against 5.24 ms a token by median pass times but 180 against 189 tok/s by
 # mlx-lm's count: no gain that holds, so admissions stay rare. A batch's pass brings the routing of all its
 # sequences: on an H100, batches of 8 admitted every 8 passes hit 0.470 of lookups against 0.340 every 64
 # (`od-moe bench --batch`, widened copy at 25%); every 2 passes (batches of 32) decoded 4-6% slower

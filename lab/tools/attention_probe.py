@@ -1,5 +1,5 @@
 """Prefill milliseconds of stock mlx-lm, each (batch, length) shape the first time and once warm, under this
-process's attention setting: what `backend.attention_choice` rests on (`docs/GPU.md`).
+process's attention setting: what `backend.attention_choice` rests on (`docs/GPU.md`, "Time to first token").
 
     MLX_CUDA_USE_CUDNN_SDPA=1 python3 lab/tools/attention_probe.py MODEL
     MLX_CUDA_USE_CUDNN_SDPA=0 python3 lab/tools/attention_probe.py MODEL

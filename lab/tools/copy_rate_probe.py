@@ -13,7 +13,7 @@ every (lane, array) unit, each thread `ilp` loads in flight before its stores.
     python3 lab/tools/copy_rate_probe.py [WORKDIR]
 
 CUDA only (the kernels are `mx.fast.cuda_kernel`s). Not a test and not a bench row: a measurement for
-docs/two-tier-h100.md.
+docs/GPU.md, "The 0% row's floor".
 """
 
 import sys

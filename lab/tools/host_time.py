@@ -16,7 +16,8 @@ device's kernels (`lab/tools/kernel_time.py`) against the wall.
 
 ROWS: comma-separated `lru:F` (device-kept rows, `two_tier="lru"`) or `tt:F` (counted slots,
 `two_tier=True`), F the fraction of experts in slots. For a profile of the same decoding by function:
-`python3 -m cProfile -s tottime` around `Engine.stream_generate` (docs/two-tier-h100.md).
+`python3 -m cProfile -s tottime` around `Engine.stream_generate` (docs/GPU.md, "Where a decoded token's time
+goes").
 """
 
 import gc

@@ -15,7 +15,7 @@ the largest by name. MODE: `stock`; `mapped` (two-tier, no experts in slots: eve
 lanes from host memory, `staging.py`); `device` (the same engine with its stacks moved to device memory:
 the same operations with no bytes on the bus).
 
-Not a test or a bench row: a measurement for docs/two-tier-h100.md. CUDA only.
+Not a test or a bench row: a measurement for docs/GPU.md ("The 0% row's floor"). CUDA only.
 """
 
 import collections

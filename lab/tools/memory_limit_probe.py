@@ -1,5 +1,5 @@
 """Two-tier decode tok/s with MLX's memory limit below the bytes of the mapped expert stacks: what a model
-whose experts outgrow the GPU's memory meets (`backend._hold_in_host`; `docs/two-tier-h100.md`).
+whose experts outgrow the GPU's memory meets (`backend._hold_in_host`; `docs/GPU.md`, "MLX's memory limit").
 
     python3 lab/tools/memory_limit_probe.py MODEL [--widen 128] [--limit-gb 0.5] [--set after]
 

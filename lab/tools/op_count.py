@@ -3,7 +3,7 @@
 The host pays for each operation when MLX encodes it, and on an H100 that shows where the device finishes
 first: stock mlx-lm's decoded token takes 2.96-3.83 ms of wall for 2.55 ms of kernels on the widened copy
 (`lab/tools/kernel_time.py`; a row whose kernels outlast the wall, like the widened 0% row, is bound by its
-device instead: docs/two-tier-h100.md, "The 0% row's floor"). The count is deterministic, so it shows what a
+device instead: docs/GPU.md, "The 0% row's floor"). The count is deterministic, so it shows what a
 change to a pass's operations does to that cost before any GPU run. It counts the graph mlx-lm hands to
 `mx.async_eval` for one decoded token (the tenth of the first prompt, by then every compiled step is traced):
 primitives not yet evaluated, a multi-output primitive once. On the CPU backend od-moe computes with MLX

@@ -1,18 +1,22 @@
-"""The house rules of issue #37: modules that fit in one head, and no import circle.
+"""The house rules of issue #37: modules that fit in one head, and no import circle; and of issue #55: docs
+that are guides, not logs.
 
 In `od_moe/`, `predictor/` and `training/`: no module over 450 lines, no class over 300, no function over 80
 (decorators included), and no circle among the package's imports (those inside functions included: a
 deferred import hides a circle, it does not remove it). Read from the source with `ast`; nothing is
-imported.
+imported. Every Markdown file but the top-level README, `lab/` included, under 15,000 words in all, and the
+README under 500 lines.
 """
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> the package it installs as (`pyproject.toml`'s package-dir)
 PACKAGES = {"od_moe": "od_moe", "predictor": "od_moe.predictor", "training": "od_moe.training"}
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 300, 80
+MAX_DOC_WORDS, MAX_README_LINES = 15_000, 500
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -145,3 +149,44 @@ def test_nothing_in_the_product_imports_the_lab():
                 imported = [node.module or ""]
             offenders += [(name, m) for m in imported if m.split(".")[0] in ("lab", "tools")]
     assert offenders == []
+
+
+def markdown_words(root: Path = ROOT) -> dict[str, int]:
+    """Words (`len(text.split())`) of every .md file under `root` but its README.md, by path: `lab/` and the
+    model cards included; hidden folders (`.venv/`, `.git/`, caches) and `build/` left out."""
+    counts = {}
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "build"]
+        for name in files:
+            path = Path(folder) / name
+            if name.endswith(".md") and path != root / "README.md":
+                counts[str(path.relative_to(root))] = len(path.read_text().split())
+    return counts
+
+
+def test_the_docs_and_the_readme_fit_their_limits():
+    """The docs say what is true now (history lives in git): every .md file but the README under 15,000
+    words together, and the README under 500 lines."""
+    counts = markdown_words()
+    assert "docs/GPU.md" in counts  # the walk found the docs
+    listing = ", ".join(f"{path} {words:,}" for path, words in sorted(counts.items(), key=lambda kv: -kv[1]))
+    total = sum(counts.values())
+    assert total < MAX_DOC_WORDS, f"{total:,} words in .md files, limit {MAX_DOC_WORDS:,}: {listing}"
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines < MAX_README_LINES, f"README.md has {lines} lines, limit {MAX_README_LINES}"
+
+
+def test_the_word_count_sees_every_markdown_file(tmp_path):
+    """Nested folders and `lab/` count; the top-level README, hidden folders and `build/` do not."""
+    for path, text in {
+        "README.md": "not counted " * 9,
+        "docs/A.md": "one two three",
+        "lab/notes/B.md": "four five",
+        "pkg/models/m/README.md": "six",
+        ".venv/lib/C.md": "hidden",
+        "build/lib/D.md": "built",
+        "docs/E.txt": "not markdown",
+    }.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    assert markdown_words(tmp_path) == {"docs/A.md": 3, "lab/notes/B.md": 2, "pkg/models/m/README.md": 1}

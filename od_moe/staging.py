@@ -4,8 +4,7 @@ it routes to, so that each expert missing from the slots crosses PCIe once per p
 mlx-lm's switch computes every routed lane apart: CUDA's `gather_qmm` runs one product per lane, each
 reading its expert's rows. Read in place from host memory (`two_tier.py`), a miss therefore crosses PCIe
 once for every lane routed to it, and a prompt of 512 tokens reads each of a layer's missing experts
-dozens of times (H200, widened x128 copy, 25% of experts in slots: prefill ran at 0.08x stock,
-`docs/GPU.md`, "Staged passes"). A staged pass first copies, on the device, every expert the pass routes to
+dozens of times, so prefill ran at a small fraction of stock's speed (`docs/GPU.md`, "Staged passes"). A staged pass first copies, on the device, every expert the pass routes to
 from the row that holds it (a slot, or its host row read once) into a device array of min(E, lanes) rows,
 in expert order, and computes every lane on that array at its expert's place: the same kernel on the
 same bytes, so stock's output bit for bit. The union and the places are found on the device, so nothing
@@ -29,17 +28,15 @@ from .stage_kernels import copy_rows
 BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
 
 # positions of a layer pass from which it is staged: a decode token's lanes route to distinct experts, which
-# staging would only copy once more. H200, widened x128 copy at 25% (`docs/GPU.md`, "Staged
-# passes"): batch 1 decoded 180 tok/s unstaged and 145 staged, batch 2 231 and 256-263, batch 4 266-276
-# and 393-404, batch 8 284 and 613-629
+# staging would only copy once more, so batch 1 decodes slower staged; from two positions lanes share
+# experts and staging wins, more so the larger the batch (`docs/GPU.md`, "Staged passes")
 STAGE_POSITIONS = 2
 
 # Decode passes are staged too where a layer keeps no expert in device rows and its experts are this large:
 # every lane then misses, and the staging copy crosses PCIe at about twice the rate of the kernel's reads in
-# place (H100: 45-48 GB/s against 22-25). H100, the widened copy's 2.65 MB experts, no slots, same process
-# (`benchmarks/two_tier.py --widen 128`, lab/runs/staged-decode-h100.txt): 175.7 tok/s staged against 122.9
-# read in place; the bundled model's 20 KB experts: 240.4 staged against 278.9, so small experts are not
-# staged.
+# place. Large experts (the widened copy's 2.65 MB) decode faster staged; small ones (the bundled model's
+# 20 KB) slower, the copy costing more than it saves, so they are not staged (`docs/GPU.md`, "Staged
+# passes").
 STAGE_DECODE_NBYTES = 1 << 20
 
 

@@ -3,10 +3,9 @@
 MLX's CUDA arrays are managed memory: one address the host and the device both use. Two things MLX's own
 API does slowly for expert bytes read from disk, done here with the runtime MLX already loaded:
 - `DeviceCopies`: host bytes copied straight into rows of an evaluated MLX array (a cache slot) with
-  `cudaMemcpyAsync`, no MLX operation at all, from staging registered as pinned memory. On an H100 (MLX
-  0.32.4, scratch `memcpy_probe.py`) a 2.65 MB expert went in in 0.104 ms from pinned staging (25.5 GB/s;
-  30.8 GB/s for 8 at once) and 0.359 ms from pageable memory, where an MLX slice update from a host-made
-  array took 2.3 ms and one from a host-preferred managed row about 0.8 ms. The copies run on the legacy
+  `cudaMemcpyAsync`, no MLX operation at all, from staging registered as pinned memory: a copy from pinned
+  memory runs at the bus's rate with no MLX graph around it, where an MLX slice update first makes or maps
+  an array (docs/BENCHMARKS.md, "Investigations", `copy_installs`). The copies run on the legacy
   default stream; `flush` issues and waits for them, so MLX work launched after it reads the new bytes,
   and the caller makes sure, as for host writes on the CPU, that no computation in flight reads the rows
   being written. Off by default (`OffloadRuntime.copy_installs`): see there what it measured.
@@ -94,8 +93,9 @@ class RowWriter:
 
 class DeviceCopies:
     """Host-to-device copies into MLX arrays: queued row by row and issued at `flush`, their host buffers
-    pinned on first use. One call per row: an install of the bundled model's 20 KB experts is nine copies,
-    about 17 us each on the H100 (`cudaMemcpyBatchAsync` as CUDA 13 declares it returned an error there)."""
+    pinned on first use. One call per row, so small experts pay a call's fixed cost per array (an install of
+    the bundled model's 20 KB experts is nine copies; docs/BENCHMARKS.md, "Investigations"):
+    `cudaMemcpyBatchAsync` as CUDA 13 declares it returned an error."""
 
     def __init__(self, runtime=None):
         self.on = None if runtime is None else True  # None: the runtime not looked for yet
@@ -189,8 +189,8 @@ class ManagedStaging:
     its advice taken back (`release`) before MLX may recycle it: the advice stays with the memory. An
     error turns the hints off for good, leaving the arrays as MLX made them."""
 
-    # the bundled model's 20 KB experts gain nothing: per-operation latency (advised too, its rows gave
-    # 0.967x and 0.934x with the oracle at 25% and 50% on the H100, scratch `ab_minb.py`)
+    # the bundled model's 20 KB experts gain nothing: per-operation latency, not bytes, bounds them, and
+    # advising them too was slower (docs/BENCHMARKS.md, "Investigations", `installs.py`)
     MIN_BYTES = 256 * 1024
     PREFERRED_LOCATION, ACCESSED_BY = 3, 5  # cudaMemoryAdvise (each one more: unset)
     HOST, DEVICE = 2, 1  # cudaMemLocationType
@@ -257,8 +257,8 @@ class HostMapping:
     place (two-tier mode, `two_tier.py`): preferred location the host and accessed by the device over the
     whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its last
     `device_tail` bytes (the layer's slots) preferred on the device and moved there, so that a hit reads
-    device memory (a row on the host cost as much as a miss: H100, 11.1 ms a token at every hit rate
-    against 1.51-10.4 ms with that row on the device, `../shared/tools/two_tier_probe.py`). `release_at` takes
+    device memory (a slot left on the host is read over PCIe like a miss, so hits would save nothing:
+    docs/GPU.md, "One computation per lane"). `release_at` takes
     the advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the
     runtime's error state; the arrays then stay as MLX made them (still exact, read as MLX places them)."""
 
@@ -374,8 +374,8 @@ def _nvml_library():
 
 def process_device_bytes(pid: int) -> int | None:
     """Device memory the driver counts for process `pid` over every GPU (what nvidia-smi lists for it:
-    its CUDA context and device allocations, but not managed memory, which MLX's slots are: H100, MLX
-    0.32.4, `lab/device_memory/measure.py`), or None where NVML cannot say: no driver library, or no
+    its CUDA context and device allocations, but not managed memory, which MLX's slots are, as
+    `lab/device_memory/measure.py` found with MLX 0.32.4), or None where NVML cannot say: no driver library, or no
     process of that id (a container sees other ids than the driver)."""
     nvml = _nvml_library()
     if nvml is None:

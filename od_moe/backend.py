@@ -22,10 +22,10 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   touch: `stage_for_device` asks the driver to keep such an array's pages in host memory, mapped for the
   GPU, so neither side faults. The advice stays with the memory when MLX recycles the buffer, so only
   buffers od-moe keeps are advised, and `unstage` takes the advice back before they go: a recycled
-  host-preferred buffer under the slots or activations of a later engine slowed its decode (H100,
-  widened x128 at 25%).
+  host-preferred buffer under the slots or activations of a later engine slowed its decode (docs/GPU.md,
+  "The per-layer path on CUDA").
 - On CUDA attention runs on MLX's own kernels, not cuDNN's (`MLX_CUDA_USE_CUDNN_SDPA=0` unless the user
-  set it): cuDNN builds a graph for every new prompt shape, about 40 ms each where a prefill takes 3
+  set it): cuDNN builds a graph for every new prompt shape, which costs many times a short prefill
   (`attention_choice`).
 - On Linux MLX's backend is a package of its own (mlx-cpu, mlx-cuda-12, mlx-cuda-13: od-moe's extras cpu,
   cuda12, cuda13). Where importing MLX fails for want of one that runs here, importing od-moe (this module
@@ -127,10 +127,9 @@ CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 
 def attention_choice() -> str | None:
     """On CUDA, prefill attention by MLX's own kernels unless the environment asks for cuDNN's: cuDNN
-    builds a graph for each new (batch, prompt length) on first use, 39-47 ms against 2.7-3.2 ms for the
-    same prefill once built (H200, bundled model; MLX's kernels 3.7-4.1 ms the first time), and a server
-    meets new shapes with nearly every request (8 streamed requests arriving together: first tokens 13.0x
-    the time of one alone with cuDNN, 4.35x without; docs/GPU.md, "Time to first token"). Long prompts are
+    builds a graph for each new (batch, prompt length) on first use, which costs many times the prefill
+    itself, and a server meets new shapes with nearly every request, so requests arriving together wait
+    far longer for their first tokens with cuDNN (docs/GPU.md, "Time to first token"). Long prompts are
     prefilled in chunks, which bounds the scores MLX's kernels hold. MLX reads the setting at its first
     attention on the GPU, so it is made when od-moe is imported. Returns the setting made, or None."""
     if CUDNN_ATTENTION in os.environ or not mx.cuda.is_available():
@@ -262,8 +261,8 @@ def limit_device_memory(budget: int):
     """Where the device has memory of its own, MLX's memory limit at the device `budget` (plus the mapped
     host bytes it counts as its own, `_hold_in_host`): past it MLX gives back its cache of freed buffers
     before it allocates more. Its own limit is a share of the card's whole memory, blind to what other
-    processes hold: with 13 GB of an H100 free, a 4,096-token prompt's prefill failed in `cudaMallocAsync`
-    with MLX's limit as it was (Qwen3-30B-A3B shape, two tiers; lab/device_memory/small_card.sh)."""
+    processes hold, so on a card shared with another process a long prompt's prefill ran out of memory with
+    MLX's limit as it was (docs/GPU.md, "A card smaller than the model")."""
     if not arrays_in_host_memory():
         mx.set_memory_limit(budget + sum(_held_in_host.values()))
 
@@ -271,10 +270,9 @@ def limit_device_memory(budget: int):
 def _hold_in_host(address: int, nbytes: int):
     """Keep MLX's memory limit a bound on device memory: raised by the bytes of mapped arrays kept in host
     memory (0: one let go). MLX counts them as active memory, and past its limit it waits for the GPU
-    after every operation and empties its buffer cache at every allocation: two-tier decode at 25% of the
-    widened x128 copy ran at 108-110 tok/s with the limit below the mapped bytes against 176-179 above
-    them (H100, one process, `docs/GPU.md`, "MLX's memory limit"), which a model larger than the GPU's memory
-    meets."""
+    after every operation and empties its buffer cache at every allocation, which slows decode by a large
+    share and which a model larger than the GPU's memory meets from the first token (`docs/GPU.md`, "MLX's
+    memory limit")."""
     change = nbytes - _held_in_host.pop(address, 0)
     if nbytes:
         _held_in_host[address] = nbytes
@@ -286,9 +284,8 @@ def stage_for_device(array: mx.array) -> mx.array:
     """`array`, made from host bytes to be copied into device memory, kept where neither the host's
     writes nor the device's read of it migrate pages (CUDA managed memory); unchanged elsewhere. For
     arrays the caller keeps and writes again: `unstage` each before letting it go.
-    On the H100 (MLX 0.32.4; docs/BENCHMARKS.md, "Investigations", `installs.py`): a 2.65 MB expert made
-    from read bytes and copied into a cache slot took 1,089 + 1,422 us as MLX leaves it and 284 + 534 us
-    with the hint."""
+    Without the hint pages migrate on first touch from each side, so making and installing a large expert
+    takes several times longer (docs/BENCHMARKS.md, "Investigations", `installs.py`)."""
     if arrays_in_host_memory():
         return array
     return _managed_staging.apply(array)

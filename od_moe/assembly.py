@@ -136,12 +136,10 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 
 
 # In two-tier mode by "auto", experts this large get slots kept by the device (least recently used, every
-# miss copied in: `lookahead.py`) instead of slots admitted by routing counts. H100, the widened copy's
-# 2.65 MB experts: 1.1-1.5x the tok/s at 25-37.5% of experts in slots; at 50% level (counted slots ahead in
-# two calls of four, 0.828x against 0.725x stock and 0.750x against 0.714x; behind in two, 0.682x against
-# 0.726x and 327 against 336 tok/s) with a third of the bytes across PCIe (3.7 experts a token against
-# 11.1), level in batches of 8 and 16; the bundled model's 20 KB experts: admission ahead (0.82x against
-# 0.72x stock at 25%), the row kernel costing more than the bytes it saves (docs/GPU.md, "Device-kept rows").
+# miss copied in: `lookahead.py`) instead of slots admitted by routing counts. Large experts (the widened
+# copy's 2.65 MB) decode faster with them at small capacities and level at 50%, with fewer bytes across
+# PCIe; for small ones (the bundled model's 20 KB) admission stays ahead, the row kernel costing more than
+# the bytes it saves (docs/GPU.md, "Device-kept rows").
 LRU_EXPERT_NBYTES = 1 << 20
 
 

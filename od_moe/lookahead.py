@@ -34,9 +34,8 @@ from .layer_step import Plan
 THREADS = 256
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
 # Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
-# are on the pass's path, with no layer to share the SMs with, and more loads in flight move them sooner.
-# H100, widened copy, `lru` rows (`docs/GPU.md`, "Device-kept rows"): 25% 0.590x stock at 1 block an (expert,
-# array), 0.635x at 4, 0.677-0.723x at 16, 0.671-0.703x at 32-64.
+# are on the pass's path, with no layer to share the SMs with, and more loads in flight move them sooner,
+# up to a plateau past 16 blocks an (expert, array) (`docs/GPU.md`, "Device-kept rows").
 DEMAND_BLOCKS = 128
 
 AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first

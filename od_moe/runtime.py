@@ -85,14 +85,14 @@ class OffloadRuntime:
         self.settings: PrefetchSettings | None = None
         self._deferred = []
         self._pass_started: float | None = None
-        # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device (1.25x
-        # at 87.5% resident on an H100; 0.82-0.88x on the CPU backend: docs/BENCHMARKS.md, "Investigations")
+        # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device, which
+        # then idles; on the CPU a sync costs nothing and a pass run again does (docs/BENCHMARKS.md,
+        # "Investigations")
         self.optimistic = backend.syncs_stall_device()
         self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
         # a decode layer that misses computes its resident experts while the missing ones are read
-        # (`_split`): on the CPU backend, for experts large enough that reading them takes time (widened
-        # x128 at 25% cold: 1.18x; the bundled model's 20 KB experts: 0.95-0.97x; an H100: 0.84-0.88x;
-        # docs/BENCHMARKS.md, "Investigations")
+        # (`_split`): on the CPU backend, for experts large enough that reading them takes time; small
+        # experts and GPUs, where a sync stalls the device, lost by it (docs/BENCHMARKS.md, "Investigations")
         large = max(c.layout.expert_nbytes for c in caches) >= SMALL_EXPERT_BYTES
         self.split_on_miss = large and not backend.syncs_stall_device()
         self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer

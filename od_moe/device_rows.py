@@ -38,8 +38,8 @@ import numpy as np
 from . import backend
 from .layout import BlockLayout, Staging
 
-# about three decode passes of reads at 25% of the widened x128 model; at 128 MiB 22% of its decode reads
-# went to copies (this CPU, CUDA path forced) and the H100 decoded at 25.4 tok/s against 35.6 (none, warm)
+# about three decode passes of reads at 25% of the widened x128 model; with fewer rows more decode reads
+# went to copies and decode slowed (docs/GPU.md, "The per-layer path on CUDA")
 DEVICE_ROW_BYTES = 256 * 2**20
 PASSES_APART = 2  # a row given back in decode pass n is written again after a sync in decode pass n + 2
 

@@ -15,8 +15,7 @@ It decides from the ledger, between tokens (`end_token`), with its settings in o
   is less; without such reads, in that stretch, else in decode so far, else at the reader's mean read
   time; plus the mean install time. Demand reads beside prefetch reads wait for the disk, the CPU and
   the GIL they share, and prefill's read more at once: priced by either, prefetch seemed to save more
-  than a whole token without it took (H100, widened x128 at 25%, warm: by the stretch's reads 33.6-59.2
-  ms saved per token against 29.5-55.7 ms tokens; by prefill's, 40.7 against 27.6). If the saving is
+  than a whole token without it took (docs/GPU.md, "The per-layer path on CUDA"). If the saving is
   smaller, with `MIN_GAIN` of the
   token time as margin (reads from the page cache of a small model), it pauses; while paused, a demand
   stall worth twice that cost brings it back.
@@ -42,8 +41,8 @@ MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
 COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it
 MIN_GAIN = 0.02  # of the token time: what prefetch must save beyond its cost to stay on
 # a measuring token this many times slower than another of its window carries a one-off (the predictor's
-# kernels compiling on first use: 15.3 s over two tokens on the H100 against about 0.1 s after): the gain
-# check waits for a window without it
+# kernels compiling on first use take orders of magnitude longer than a token: docs/GPU.md, "The per-layer
+# path on CUDA"): the gain check waits for a window without it
 ONE_OFF = 10
 READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waiting for reads
 MARKS_KEPT = 64
@@ -57,9 +56,8 @@ class PrefetchSettings:
     window: int = 16  # decode tokens per precision check
     timed_checks: bool = True  # the baseline, the gain check, the cost probe and the read-bound check
     # decode tokens after a reset with prefetch paused (with `timed_checks`), to price saved reads by demand
-    # reads alone from the first gain check on. Off by default: on the H100 (widened x128, 25%, 2 rounds
-    # against 0) 2 tokens took the predictor from 0.95 / 0.62 to 0.87 / 0.97 of none with warm reads, but
-    # from 0.95 / 1.01 to 0.87 / 0.88 with cold reads, and the oracle from 53.1 / 41.7 to 38.5 / 40.1 tok/s
+    # reads alone from the first gain check on. Off by default: paused tokens helped the predictor in some
+    # runs and cost it in others, and slowed the oracle (docs/GPU.md, "The per-layer path on CUDA")
     baseline_tokens: int = 0
     first_check: int = 2
     first_probe: int = 48

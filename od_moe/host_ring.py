@@ -3,8 +3,8 @@ host decides between passes (two-tier mode's lookup tables and slot fills) reach
 array made from host bytes.
 
 On CUDA an array made from host bytes (`mx.array` of numpy) takes managed memory MLX may allocate anew,
-and a pass during which one was made took 3.5 ms more than another, whether 2 KB or the tables' size, made
-with `mx.array` or `mx.load` (H200, MLX 0.32.4; `docs/GPU.md`, "Slots and admission"). Here `depth` arrays are
+and a pass during which one was made took milliseconds more than another, whatever the array's size or
+how it was made (`docs/GPU.md`, "Slots and admission"). Here `depth` arrays are
 made at the start, kept in host memory for the device to read in place (`backend.map_for_device`), and written
 through numpy views. An array is written again only once what the device made from it last time is
 computed (`used_by`, waited for with `mx.eval`, which returns at once when it is), so no read sees a

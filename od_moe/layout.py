@@ -97,8 +97,8 @@ def flat_rows(layout: BlockLayout, raw, count: int) -> np.ndarray:
 
 # Where in a page staging memory starts. Linux's allocators put numpy's large arrays 16 bytes into a page
 # and MLX's CPU arrays 24 bytes in; copying between such addresses (the destination a few bytes past the
-# source, modulo 4 KiB) ran at a tenth of the speed on this project's CPU (0.23 against 0.02 ms per 786 KB:
-# stores and loads alias), which made every CPU install of a widened expert cost 0.76 ms
+# source, modulo 4 KiB) ran at a tenth of the speed on a CPU, stores and loads aliasing, which slowed
+# every CPU install of a large expert (docs/BENCHMARKS.md, "The cache alone (no prefetch)")
 STAGING_PAGE_OFFSET = 2048
 
 

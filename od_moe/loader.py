@@ -72,8 +72,8 @@ class Loader:
         numpy views of host memory, the CUDA runtime's copies); off, they are MLX writes from arrays the
         reader threads make. Set it before the engine reads. On by default where arrays are host memory;
         off on CUDA, where the runtime's copies moved install work off the GPU, where lazy MLX writes
-        overlap the host's work, onto the host: decode ran 0.87-1.06x of MLX writes on an H100
-        (docs/BENCHMARKS.md, "Investigations")."""
+        overlap the host's work, onto the host, and decode was no faster (docs/BENCHMARKS.md,
+        "Investigations")."""
         return self._copy_installs
 
     @copy_installs.setter

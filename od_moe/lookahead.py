@@ -307,8 +307,8 @@ class LookaheadRows:
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """(copies, hit lanes of the layers' own calls) per layer since the last read (waits for the passes
-        that made them). Each comes to the host as one array: on CUDA a conversion cost about 0.3 ms, and
-        one a pass made a request's end wait 17 ms."""
+        that made them). Each comes to the host as one array: on CUDA each conversion waits for the device,
+        so one a pass would hold up the request's end (docs/GPU.md, "Device-kept rows")."""
         copies, self.copies = self._sum(self._pending) + self.copies, np.zeros(len(self.stacks), np.int64)
         return copies, self._sum(self._hits)
 

@@ -36,10 +36,9 @@ from .stats import Ledger
 from .store import ExpertStore
 
 MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory
-# Reads in flight at once for large experts: SSDs read faster at depth 4 (1.38 -> 1.91 GB/s for 2.65 MB
-# reads on the H100 machine's disk). Small experts come from the page cache, where more threads only contend
-# for the CPU (bundled model, 25%, predictor policy, this 2-core CPU: 0.20-0.26x resident with 4 threads,
-# 0.36-0.47x with 1).
+# Reads in flight at once for large experts: SSDs read faster with a few requests queued (docs/GPU.md,
+# "Packed experts"). Small experts come from the page cache, where more threads only contend for the CPU
+# (docs/BENCHMARKS.md, "Prefetch on this CPU").
 READ_THREADS = 4
 SMALL_EXPERT_BYTES = 2**20
 

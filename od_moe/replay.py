@@ -74,7 +74,7 @@ def replay_layer(
         next_use = np.asarray(distances)[:, :num_experts] + np.arange(len(uses))[:, None]
         next_use = np.concatenate([np.zeros((1, num_experts)), next_use])
     # plain Python lists from here: a pass touches a handful of experts, where numpy's per-call cost
-    # dominated (about 100 us a pass)
+    # dominated (docs/BENCHMARKS.md, "The prefetch grid and the roofline")
     held = [False] * num_experts
     for e in [] if resident is None else np.asarray(resident, dtype=np.int64).tolist():
         held[e] = True

@@ -3,8 +3,8 @@ loads (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: ea
 expert copied, which lanes were hits and the pass's counts) where MLX operations took several.
 
 MLX's host pays for every operation of a pass when it encodes it, and where the device finishes first that is
-the token's time (H100: stock mlx-lm's decoded token 2.96-3.83 ms of wall for 2.55 ms of kernels on the
-widened copy, `lab/tools/kernel_time.py`; docs/GPU.md, "The 0% row's floor"). A staged pass of one position
+the token's time: even stock mlx-lm's decoded token takes longer in wall time than its kernels do
+(docs/GPU.md, "The 0% row's floor"). A staged pass of one position
 looked up each lane's row in the table, copied the rows, and counted its hits in several operations besides
 the copy; here the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block
 writes the lane's hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows`

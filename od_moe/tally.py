@@ -76,8 +76,8 @@ class DeviceTally:
     def tie(self, output: mx.array) -> mx.array:
         """`output` (a decode pass's last MoE layer's) made to depend on what this pass added, so that the
         pass's own evaluation (its token) computes the counts: no evaluation of their own. An eval per
-        pass cost the host about 0.4 ms of a 4-5 ms token on the H100 (profiled, `docs/GPU.md`, "Where a
-        decoded token's time goes"). Not for a prompt's pass: its output is not evaluated (mlx-lm evaluates
+        pass cost the host a tenth of a token where the host sets the token's time (`docs/GPU.md`, "Where
+        a decoded token's time goes"). Not for a prompt's pass: its output is not evaluated (mlx-lm evaluates
         the caches)."""
         return output if self._added is None else mx.depends(output, self._queue())
 

@@ -49,13 +49,11 @@ from .switch import switch_on
 from .tally import DeviceTally, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
-# passes. On an H200 (widened x128 copy, 25% of experts in slots, 3 prompts x 48 tokens;
-# `docs/GPU.md`, "Slots and admission"), with slots filled by kernels and tables written into host rings, a
-# pass that fills costs about 4 ms more than another; every 16 passes against every 64 hit 0.59 against 0.51
-# of lookups, and gave 4.63 against 5.24 ms a token by median pass times but 180 against 189 tok/s by
-# mlx-lm's count: no gain that holds, so admissions stay rare. A batch's pass brings the routing of all its
-# sequences: on an H100, batches of 8 admitted every 8 passes hit 0.470 of lookups against 0.340 every 64
-# (`od-moe bench --batch`, widened copy at 25%); every 2 passes (batches of 32) decoded 4-6% slower
+# passes. Even with slots filled by kernels and tables written into host rings, a pass that fills costs
+# more than another, and admitting more often buys hit rate but no speed that holds, so admissions stay
+# rare. A batch's pass brings the routing of all its sequences, so admission counts positions: counting
+# passes, a batch would admit too rarely and miss more; admitting every few passes decoded slower
+# (`docs/GPU.md`, "Slots and admission")
 ADMIT_EVERY, ADMIT_PASSES = 64, 8
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 

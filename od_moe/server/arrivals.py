@@ -3,7 +3,7 @@
 Clients that send together reach the worker apart: each request is accepted, read and tokenized on its
 own thread, a millisecond or more each and one at a time under the GIL. A batch that started its step
 with the first of them would prefill the others in later steps, each a pass of its own before their
-first tokens (H200, 8 streamed requests sent together were admitted in 2.5-3 groups). So before a step
+first tokens (docs/GPU.md, "Time to first token"). So before a step
 that prefills requests that just joined, the worker waits while other requests are being read, and for
 `ARRIVAL_GRACE_S` after the last of them for one more to start, at most `ARRIVAL_WAIT_S` in all; they
 join the same step. A request that arrives alone waits for nothing: its arrival ends as it is queued,

@@ -373,10 +373,10 @@ def _nvml_library():
 
 
 def process_device_bytes(pid: int) -> int | None:
-    """Device memory the driver counts for process `pid` over every GPU (what nvidia-smi lists for it:
-    its CUDA context and device allocations, but not managed memory, which MLX's slots are, as
-    `lab/device_memory/measure.py` found with MLX 0.32.4), or None where NVML cannot say: no driver library, or no
-    process of that id (a container sees other ids than the driver)."""
+    """Device memory the driver counts for process `pid` over every GPU (what nvidia-smi lists for it: its
+    CUDA context and device allocations, but not managed memory, which MLX's slots are, as
+    `lab/device_memory/measure.py` found with MLX 0.32.4), or None where NVML cannot say: no driver library,
+    or no process of that id (a container sees other ids than the driver)."""
     nvml = _nvml_library()
     if nvml is None:
         return None

@@ -13,13 +13,12 @@ When recent tokens rarely missed, `OptimisticModel` runs a decode pass without t
    before the first that missed compute as they did, with no sync (their inputs, so their routing, are
    the same) and no booking (done in step 2); from that layer on, the exact path loads what is missing.
    The tokens, and with the on-demand policy every count, are those of exact mode.
-Used for single-token passes with trimmable KV caches, while no prefetch runs (prefetching from such
-passes waited for reads with the device idle, lost to a sync per layer, and was removed: docs/GPU.md, "Optimistic
-passes with prefetch (removed)"), when
-`OffloadRuntime.optimistic` is set (by default
-where a sync stalls the device, a GPU: on the CPU backend a sync costs little and the second runs cost
-more than the syncs saved; docs/BENCHMARKS.md, "Investigations"); the runtime then decides from how
-often recent decode tokens missed (`OffloadRuntime.optimistic_ok`).
+Used for single-token passes with trimmable KV caches, while no prefetch runs (prefetching from such passes
+waited for reads with the device idle, lost to a sync per layer, and was removed: docs/GPU.md, "Optimistic
+passes with prefetch (removed)"), when `OffloadRuntime.optimistic` is set (by default where a sync stalls the
+device, a GPU: on the CPU backend a sync costs little and the second runs cost more than the syncs saved;
+docs/BENCHMARKS.md, "Investigations"); the runtime then decides from how often recent decode tokens missed
+(`OffloadRuntime.optimistic_ok`).
 Not here: the per-layer path (`runtime.py`).
 """
 

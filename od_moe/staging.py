@@ -1,10 +1,11 @@
 """Staged passes in two-tier mode: a layer pass of several positions computes on a device copy of the experts
 it routes to, so that each expert missing from the slots crosses PCIe once per pass, not once per lane.
 
-mlx-lm's switch computes every routed lane apart: CUDA's `gather_qmm` runs one product per lane, each
-reading its expert's rows. Read in place from host memory (`two_tier.py`), a miss therefore crosses PCIe
-once for every lane routed to it, and a prompt of 512 tokens reads each of a layer's missing experts
-dozens of times, so prefill ran at a small fraction of stock's speed (`docs/GPU.md`, "Staged passes"). A staged pass first copies, on the device, every expert the pass routes to
+mlx-lm's switch computes every routed lane apart: CUDA's `gather_qmm` runs one product per lane, each reading
+its expert's rows. Read in place from host memory (`two_tier.py`), a miss therefore crosses PCIe once for
+every lane routed to it, and a prompt of 512 tokens reads each of a layer's missing experts dozens of times,
+so prefill ran at a small fraction of stock's speed (`docs/GPU.md`, "Staged passes"). A staged pass first
+copies, on the device, every expert the pass routes to
 from the row that holds it (a slot, or its host row read once) into a device array of min(E, lanes) rows,
 in expert order, and computes every lane on that array at its expert's place: the same kernel on the
 same bytes, so stock's output bit for bit. The union and the places are found on the device, so nothing

@@ -13,7 +13,8 @@ the steps from joining to the first token, and whether each answer was the same 
 Beside them, the floor no schedule beats with mlx-lm's arithmetic on this machine: stock mlx-lm's own
 `BatchGenerator` in this process (no HTTP, no server), the same prompts inserted one at a time and all at
 once, time from insertion to each sequence's first token. Where compute is the limit (a CPU, where a prefill
-of 8 prompts costs nearly 8 of one: docs/BENCHMARKS.md, "The server under many clients"), "together" cannot come near "alone" however the steps are arranged.
+of 8 prompts costs nearly 8 of one: docs/BENCHMARKS.md, "The server under many clients"), "together" cannot
+come near "alone" however the steps are arranged.
 `model` serves another checkpoint (the benchmark's `--widen` copy: experts as large as a big model's,
 where a prompt's expert reads, not the host, set its time).
 Not here: the server's other benchmarks (`serving.py`).

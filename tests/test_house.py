@@ -5,11 +5,13 @@ In `od_moe/`, `predictor/` and `training/`: no module over 450 lines, no class o
 (decorators included), and no circle among the package's imports (those inside functions included: a
 deferred import hides a circle, it does not remove it). Read from the source with `ast`; nothing is
 imported. Every Markdown file but the top-level README, `lab/` included, under 15,000 words in all, and the
-README under 500 lines.
+README under 500 lines. No machine figures in the code (issue #55): a docstring says why, the number lives
+in the docs, and the code points to the section that holds it.
 """
 
 import ast
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,3 +192,83 @@ def test_the_word_count_sees_every_markdown_file(tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     assert markdown_words(tmp_path) == {"docs/A.md": 3, "lab/notes/B.md": 2, "pkg/models/m/README.md": 1}
+
+
+# Machine figures: what a measurement on some machine gave. Sizes, constants, API limits and model facts
+# ("2**63 - 1", "256 tokens", "x128", "8 of 128") match none of these; f-strings that print a measured
+# value ("{tok_s:.1f} tok/s") neither, as no digit comes right before the unit.
+MACHINE_FIGURES = [
+    r"\bH[12]00s?\b",  # a named GPU: the sentence reports what ran on it
+    r"\b\d[\d,]*(\.\d+)?\s*(tok/s|GB/s|MB/s)",  # a measured rate
+    r"\b\d[\d,]*(\.\d+)?\s*(ms|us|µs)\b",  # a measured time
+    r"\b\d+\.\d+(-\d+\.\d+)?x\b",  # a measured ratio (0.87x, 0.82-0.88x)
+    r'\bthis (\d+-core )?CPU\b(?!")',  # the project's machine ("Prefetch on this CPU", a doc section, is not)
+]
+# (path, text on the line): figures that are not measurements, each with its reason
+FIGURES_ALLOWED = {
+    ("od_moe/server/app.py", "Python's default: 5 ms"): "Python's documented default switch interval",
+}
+
+
+def machine_figures(root: Path = ROOT) -> list[str]:
+    """Every line of the package's .py files that states a machine figure, as 'path:line: text'."""
+    found = []
+    for folder in PACKAGES:
+        for path in sorted((root / folder).rglob("*.py")):
+            name = path.relative_to(root).as_posix()
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                allowed = any(name == p and text in line for p, text in FIGURES_ALLOWED)
+                if not allowed and any(re.search(pattern, line) for pattern in MACHINE_FIGURES):
+                    found.append(f"{name}:{number}: {line.strip()}")
+    return found
+
+
+def test_no_machine_figures_in_the_code():
+    """A docstring or comment says why; the figure a measurement gave lives in the docs (docs/GPU.md,
+    docs/BENCHMARKS.md, docs/DISTRIBUTED.md), and the code names the section that holds it."""
+    found = machine_figures()
+    assert found == [], "machine figures in the code; move them to the docs:\n" + "\n".join(found)
+
+
+def test_the_figure_patterns_catch_measurements_only(tmp_path):
+    """The patterns flag figures a machine gave and pass sizes, limits, shapes and printed values."""
+    measured = [
+        "# (H100, widened x128 at 25%)",
+        "# ran at 108-110 tok/s against 176-179",
+        "# read at 1.38 -> 1.91 GB/s",
+        "# about 0.4 ms of a 4-5 ms token",
+        "# took 1,089 + 1,422 us",
+        "# 0.82-0.88x on the CPU backend",
+        "# on this 2-core CPU: 0.20-0.26x",
+    ]
+    legitimate = [
+        "LIMIT = 2**63 - 1  # the largest seed",
+        "# 256 tokens of a 4,096-token prompt; a 768 x 2048 matrix; Qwen3-30B-A3B: 8 of 128",
+        "# the widened x128 copy's 2.65 MB experts, 20 KB rows, 32 MiB in flight",
+        'say(f"{tok_s:.1f} tok/s, {ms:.2f} ms, {bw / 1e9:.2f} GB/s")',
+        '# (docs/BENCHMARKS.md, "Prefetch on this CPU")',
+    ]
+    (tmp_path / "od_moe").mkdir()
+    (tmp_path / "od_moe" / "m.py").write_text("\n".join(measured + legitimate) + "\n")
+    found = machine_figures(tmp_path)
+    assert [f.split(": ", 1)[1] for f in found] == measured
+
+
+def test_the_doc_sections_the_code_cites_exist():
+    """A pointer such as (docs/GPU.md, "Staged passes") names a heading of that file (its start)."""
+    headings = {
+        path.name: [
+            line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")
+        ]
+        for path in (ROOT / "docs").glob("*.md")
+    }
+    cited = re.compile(r'docs/(\w+\.md)`?,?\s*\(?"([^"]+)"')
+    missing, seen = [], 0
+    for path, _ in _modules().values():
+        flat = re.sub(r"\n\s*#?\s*", " ", path.read_text())  # a citation may run over comment lines
+        for doc, section in cited.findall(flat):
+            seen += 1
+            if not any(h.startswith(section) for h in headings.get(doc, [])):
+                missing.append(f"{path.relative_to(ROOT)}: {doc}, {section!r}")
+    assert seen > 20  # the pattern finds the citations
+    assert missing == []

@@ -212,9 +212,7 @@ def resolve_capacity(
         budget = int(available_memory_bytes() * AUTO_BUDGET_FRACTION)
     else:
         budget = parse_size(memory_budget)
-    fixed = non_expert_nbytes + working_nbytes
-    usable = budget * (1 - BUDGET_RESERVE) - fixed
-    slots = int(usable // (slot_nbytes * moe_layers)) if usable > 0 else 0
+    slots = max(0, _slots_within(budget, non_expert_nbytes + working_nbytes, slot_nbytes, moe_layers))
     if slots < 1:
         need = budget_for(1, moe_layers, slot_nbytes, non_expert_nbytes, working_nbytes)
         raise UserError(
@@ -237,6 +235,12 @@ def device_budget(device_memory, free: int) -> tuple[int, str]:
         budget,
         f"{format_bytes(budget)} ({DEVICE_BUDGET_FRACTION:.0%} of the card's {format_bytes(free)} free)",
     )
+
+
+def _slots_within(budget: int, fixed: int, slot_nbytes: int, moe_layers: int) -> int:
+    """Experts per layer a `budget` holds beside `fixed` bytes and the reserve; negative where even the
+    fixed bytes do not fit."""
+    return int((budget * (1 - BUDGET_RESERVE) - fixed) // (slot_nbytes * moe_layers))
 
 
 def budget_for(
@@ -266,8 +270,7 @@ def device_slots(
     what it holds) and the reserve; 0 where `none_allowed` (two-tier mode reads every expert in place)
     and not even one expert a layer fits. Nothing fitting is a UserError saying what would."""
     nbytes, where = budget
-    fixed = non_expert_nbytes + working[0]
-    fit = int((nbytes * (1 - BUDGET_RESERVE) - fixed) // (slot_nbytes * moe_layers))
+    fit = _slots_within(nbytes, non_expert_nbytes + working[0], slot_nbytes, moe_layers)
     held = (
         f"the device budget {where} holds the non-expert weights ({format_bytes(non_expert_nbytes)}), "
         f"working memory for {working[1]} ({format_bytes(working[0])}) and a {BUDGET_RESERVE:.0%} reserve"

@@ -24,9 +24,9 @@ from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, model_layouts
 from ..errors import UserError
 from ..governor import PrefetchSettings
+from ..model_files import use_packed_experts
 from ..packed import default_path as default_packed_path
 from ..packed import pack as pack_experts
-from ..packed import use_packed
 from ..predictor import load_predictor
 from ..replay import Tally, replay_recording
 from ..report import table
@@ -301,8 +301,7 @@ def _link_packed(wide: Path, file: Path):
     them) through a link at the folder's default packed path."""
     store = ExpertStore(wide)
     try:
-        if not use_packed(store, file):
-            raise UserError(f"no packed experts at {file}: make them with `od-moe pack {wide} --out {file}`")
+        use_packed_experts(store, wide, file)
     finally:
         store.close()
     link = default_packed_path(wide)

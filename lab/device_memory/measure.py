@@ -8,7 +8,7 @@ count for the process after the CUDA context exists, after load and after genera
 PyTorch allocation (a smaller card) until killed.
 
   python3 lab/device_memory/measure.py run MODEL [CAPACITY|auto] [TOKENS] [PROMPT_TOKENS]
-  python3 lab/device_memory/measure.py stock MODEL [TOKENS]
+  python3 lab/device_memory/measure.py stock MODEL [TOKENS [PROMPT_TOKENS]]
   python3 lab/device_memory/measure.py hold FREE_GB
 """
 
@@ -38,6 +38,29 @@ def _prompt(tokenizer, n: int) -> str:
     return tokenizer.decode(ids[:n])
 
 
+class Peaks:
+    """The card's lowest free bytes by phase, polled on a thread every 5 ms (cudaMemGetInfo releases the
+    GIL): the driver's peak of this process, where nothing else on the card changes."""
+
+    def __init__(self):
+        import threading
+
+        self.phase, self.low, self._stop = "load", {}, False
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self):
+        while not self._stop:
+            free = _card()[0]
+            self.low[self.phase] = min(self.low.get(self.phase, free), free)
+            time.sleep(0.005)
+
+    def stop(self, start_free: int, context: int) -> dict:
+        self._stop = True
+        self._thread.join()
+        return {k: start_free - v + context for k, v in self.low.items()}
+
+
 def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     import mlx.core as mx
 
@@ -49,10 +72,8 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     out = {"capacity_asked": capacity, "card_free_at_start": card0[0], "card_total": card0[1]}
     out["nvml_context"] = _nvml_bytes()
     report = inspect_model(model, capacity=None if capacity == "auto" else capacity)
-    out["inspect"] = {
-        k: report.get(k) for k in ("non_expert_bytes", "expert_bytes", "working_bytes", "device")
-    }
-    out["inspect"]["budgets"] = report.get("budgets")
+    out["inspect"] = report
+    peaks = Peaks()
     engine = od_moe.load(model, capacity=None if capacity == "auto" else capacity)
     out["load_s"] = time.perf_counter() - t0
     out["capacity"], out["num_experts"], out["layers"] = (
@@ -66,16 +87,19 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     prompt = _prompt(engine.tokenizer, prompt_tokens)
     t1 = time.perf_counter()
     first, n, r = None, 0, None
+    peaks.phase = "prefill"
     try:
         for response in engine.stream_generate(prompt, max_tokens=tokens):
             n, r = n + 1, response
             if first is None:
                 first = time.perf_counter() - t1
+                peaks.phase = "decode"
     except RuntimeError as e:  # out of memory: say where it stood
         out["error"], out["generated"] = str(e), n
         out["mlx_at_error"] = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory()}
         out["mlx_at_error"].update(peak=mx.get_peak_memory(), limit=mx.get_memory_limit())
         out["card_free_at_error"] = _card()[0]
+        out["driver_peak_with_context"] = peaks.stop(card0[0], out["nvml_context"])
         print(json.dumps(out), flush=True)
         return
     out["first_token_s"], out["generated"], out["gen_tok_s"] = first, n, r.generation_tps
@@ -87,23 +111,30 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
         "peak": mx.get_peak_memory(),
     }
     out["card_free_after"] = _card()[0]
+    out["driver_peak_with_context"] = peaks.stop(card0[0], out["nvml_context"])
     out["stats_memory"] = engine.stats()["memory"]
     out["decode_hit"] = engine.stats()["total"]["decode"]["hit_rate"]
     print(json.dumps(out), flush=True)
 
 
-def stock(model: str, tokens: int):
+def stock(model: str, tokens: int = 48, prompt_tokens: int = 0):
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
     t0 = time.perf_counter()
     card0 = _card()
     out = {"stock": True, "card_free_at_start": card0[0], "nvml_context": _nvml_bytes()}
+    peaks = Peaks()
     m, tok = load(model)
     mx.eval(m.parameters())
     out["load_s"] = time.perf_counter() - t0
     out["nvml_after_load"] = _nvml_bytes()
-    responses = list(stream_generate(m, tok, "def fibonacci(n):", max_tokens=tokens))
+    out["weights"] = mx.get_active_memory()
+    peaks.phase = "generate"
+    prompt = _prompt(tok, prompt_tokens) if prompt_tokens else "def fibonacci(n):"
+    responses = list(stream_generate(m, tok, prompt, max_tokens=tokens))
+    out["driver_peak_with_context"] = peaks.stop(card0[0], out["nvml_context"])
+    out["mlx_peak"] = mx.get_peak_memory()
     out["gen_tok_s"] = responses[-1].generation_tps
     out["nvml_after_generate"] = _nvml_bytes()
     out["mlx_after_generate"] = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory()}
@@ -128,6 +159,6 @@ if __name__ == "__main__":
         args = sys.argv[2:] + ["auto", "48", "16"][len(sys.argv) - 3 :]
         run(args[0], args[1], int(args[2]), int(args[3]))
     elif what == "stock":
-        stock(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 48)
+        stock(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
     elif what == "hold":
         hold(float(sys.argv[2]))

@@ -3,7 +3,7 @@
 # which path runs, how fast, and what od-moe says. Qwen3-30B-A3B shape, built if absent.
 # Usage (after install.sh, PYTHONPATH=/tmp/site): lab/device_memory/past_host.sh
 set -uo pipefail
-M=/tmp/rs/q30
+M=/tmp/rs/qwen3-30b-a3b
 [ -f $M/config.json ] || python3 -c "from od_moe.bench.real_shapes import build_shape; build_shape('qwen3-30b-a3b', '$M', threads=8)" >/dev/null
 python3 -m od_moe inspect $M --memory-budget 8GB | grep -E "^(mode|host|device) "
 for io in off on; do

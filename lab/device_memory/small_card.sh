@@ -5,7 +5,7 @@
 # Usage (after install.sh, PYTHONPATH=/tmp/site): lab/device_memory/small_card.sh OUT_DIR 13 8 24
 set -uo pipefail
 out=$1; shift
-M=/tmp/rs/q30
+M=/tmp/rs/qwen3-30b-a3b
 [ -f $M/config.json ] || python3 -c "from od_moe.bench.real_shapes import build_shape; build_shape('qwen3-30b-a3b', '$M', threads=8)" >/dev/null
 for free in "$@"; do
     rm -f /tmp/hold.json

@@ -98,25 +98,38 @@ class TwoTierSwitch(nn.Module):
         return self.runtime.compute(self.layer, self.stacked, x, indices)
 
 
+@dataclass
+class CompileVerdict:
+    """Whether a model's MoE blocks compile to the bits they give op by op (`CompiledBlock.compiles_exactly`):
+    None until asked."""
+
+    exact: bool | None = None
+
+
 class CompiledBlock(nn.Module):
     """mlx-lm's MoE block (`inner`) in two-tier mode: a pass of one position computed as one compiled call
-    per plan (the runtime's `one_position`), any other as `inner` itself. Begins and ends the runtime's
-    passes at the first and last MoE layer."""
+    per plan (the runtime's `one_position`) where that is exact (`verdict`, shared by the model's blocks),
+    any other as `inner` itself. Begins and ends the runtime's passes at the first and last MoE layer.
+    `stack`: the layer's stack arrays, experts first in expert order."""
 
-    def __init__(self, inner: nn.Module, runtime, layer: int):
+    def __init__(self, inner: nn.Module, runtime, layer: int, stack: tuple, verdict: CompileVerdict):
         super().__init__()
         self.inner = inner
         self.layer = layer
         object.__setattr__(self, "runtime", runtime)  # not a child
         object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "stack", stack)  # not parameters of the model
+        object.__setattr__(self, "verdict", verdict)
         self.traceable = True  # False once the block proved not traceable (it waits for an array)
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         runtime, layer = self.runtime, self.layer
         runtime.begin_layer(layer, x)
         # one position, and no forecast (it reads each layer's hidden state for later layers)
-        one = x.size == x.shape[-1] and runtime.forecast is None and not (args or kwargs)
-        plan = runtime.one_position(layer) if one and self.traceable else None
+        one = x.size == x.shape[-1] and runtime.forecast is None and not (args or kwargs) and self.traceable
+        if one and self.verdict.exact is None:
+            self.verdict.exact = self.compiles_exactly(x)  # None where this block cannot be traced
+        plan = runtime.one_position(layer) if one and self.traceable and self.verdict.exact else None
         if plan is not None:
             if plan.key not in self._compiled:
                 self._compiled[plan.key] = mx.compile(self._traced(plan.lanes))
@@ -128,6 +141,21 @@ class CompiledBlock(nn.Module):
                 runtime.book(layer, plan, indices, outputs)
                 return runtime.end_layer(layer, y)
         return runtime.end_layer(layer, self.inner(x, *args, **kwargs))
+
+    def compiles_exactly(self, x: mx.array) -> bool | None:
+        """Whether the block compiled gives, on `x`, the bits it gives op by op (as stock mlx-lm runs it),
+        each routed expert read where it is mapped. Compiling fuses the block's elementwise operations
+        into one kernel, which on CUDA can round otherwise: Qwen3-Next's shared-expert gate (a sigmoid,
+        a product and a sum) did (docs/GPU.md, "Exact on every shape"). Where it does, blocks run op by op
+        and only their switch is compiled (`LayerSteps`), which rounds as stock does. Asked once, at the
+        first pass of one position; None where the block cannot be traced (it waits for an array)."""
+        call = self._traced(as_routed)
+        try:
+            compiled = mx.compile(call)(x, self.stack)[0]
+        except ValueError:  # MLX refuses a trace that evaluates an array
+            self.traceable = False
+            return None
+        return bool(mx.array_equal(call(x, self.stack)[0], compiled).item())
 
     def _traced(self, lanes: Callable) -> Callable:
         """The block's pass for `mx.compile` to trace: the switch inside takes its rows through `lanes`

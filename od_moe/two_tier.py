@@ -38,7 +38,7 @@ from .admission import Admission
 from .cache import LayerCache
 from .errors import UserError
 from .host_ring import HostRing
-from .layer_step import CompiledBlock, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
+from .layer_step import CompiledBlock, CompileVerdict, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
 from .lookahead import LookaheadRows
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
 from .policies import OnDemand
@@ -406,12 +406,13 @@ def build(
         slots, kept = [c.capacity for c in caches], lookahead_rows
     if kept:
         runtime.lookahead = LookaheadRows(stacks, runtime.num_experts, slots, kept, kept)
+    verdict = CompileVerdict()  # one for all blocks: they fuse alike
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         runtime.switches[i] = switch_on(block.switch, stack)
         runtime.steps[i] = LayerSteps(runtime.switches[i], stack)
         block.replace_switch(TwoTierSwitch(runtime.switches[i], runtime, i))
         if runtime.by_block:
-            block.replace_block(CompiledBlock(block.block, runtime, i))
+            block.replace_block(CompiledBlock(block.block, runtime, i, tuple(stack.values()), verdict))
         for part in cache.layout.parts:
             cache.projections[part.proj][part.name] = mx.zeros(
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype

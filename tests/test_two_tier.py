@@ -2,6 +2,8 @@
 selects run as on CUDA. Exact tokens at every capacity and in other families, admission that moves experts
 between passes, the ledger, and no host sync inside a pass."""
 
+import types
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -13,7 +15,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots
 from od_moe import slot_fill, staging, stats, tally, two_tier
 from od_moe.admission import Admission
 from od_moe.errors import UserError
-from od_moe.layer_step import CompiledBlock, LayerSteps
+from od_moe.layer_step import CompiledBlock, CompileVerdict, LayerSteps
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 
@@ -209,6 +211,47 @@ def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference,
     assert od_moe_tokens(eager, PROMPTS, NEW_TOKENS) == bundled_reference
     assert not any(layer.mlp.traceable for layer in eager.model.model.layers)
     assert eager.stats()["total"]["decode"]["hits"] == hits > 0
+
+
+def test_blocks_that_compile_otherwise_run_op_by_op(bundled_reference, monkeypatch):
+    """A block is compiled whole only where that gives the bits it gives op by op (on this CPU it does;
+    Qwen3-Next's did not on CUDA): asked once for the model. Where it does not, every block runs op by op,
+    its switch compiled, with stock's tokens and the hits of the compiled blocks."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    blocks = [layer.mlp for layer in engine.model.model.layers]
+    assert all(b.verdict is blocks[0].verdict for b in blocks) and blocks[0].verdict.exact is True
+    assert all(b._compiled for b in blocks)
+    hits = engine.stats()["total"]["decode"]["hits"]
+
+    asked = []
+    monkeypatch.setattr(CompiledBlock, "compiles_exactly", lambda self, x: asked.append(self.layer) or False)
+    otherwise = od_moe.load(capacity=0.25, two_tier=True)
+    assert od_moe_tokens(otherwise, PROMPTS, NEW_TOKENS) == bundled_reference
+    assert asked == [0] and not any(layer.mlp._compiled for layer in otherwise.model.model.layers)
+    assert all(otherwise.runtime.steps[i]._compiled for i in range(len(blocks)))  # the switches are
+    assert otherwise.stats()["total"]["decode"]["hits"] == hits > 0
+
+
+def test_compiles_exactly_compares_the_bits():
+    """The check itself: a block whose compiled trace differs from its op-by-op run is caught."""
+
+    class Counts(nn.Module):  # each call adds its count: a trace freezes the count it saw
+        calls = 0
+
+        def __call__(self, x):
+            Counts.calls += 1
+            return x * 2 + Counts.calls
+
+    class Pure(nn.Module):
+        def __call__(self, x):
+            return mx.sigmoid(x) * x + x
+
+    runtime = types.SimpleNamespace(trace=None)
+    x = mx.random.normal((1, 1, 8))
+    for inner, exact in ((Counts(), False), (Pure(), True)):
+        block = CompiledBlock(inner, runtime, 0, (), CompileVerdict())
+        assert block.compiles_exactly(x) is exact and runtime.trace is None
 
 
 @pytest.mark.parametrize("stage_positions", [1, 10**9])

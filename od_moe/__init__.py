@@ -25,7 +25,7 @@ if not os.path.isdir(os.path.join(__path__[0], "predictor")) and os.path.isfile(
 from . import backend  # noqa: E402, F401 (first to import MLX: says which backend to install where none runs)
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load  # noqa: E402 (after the path above)
 from .errors import ExpertReadError, UserError  # noqa: E402
-from .governor import PrefetchSettings  # noqa: E402
+from .per_layer.governor import PrefetchSettings  # noqa: E402
 
 __all__ = [
     "load",

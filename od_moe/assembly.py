@@ -22,9 +22,9 @@ from .capacity import (
     working_nbytes,
 )
 from .errors import UserError
+from .per_layer.reader import read_threads_for
+from .per_layer.runtime import MISS_POLICIES, OffloadRuntime
 from .progress import byte_progress
-from .reader import read_threads_for
-from .runtime import MISS_POLICIES, OffloadRuntime
 from .staging import positions_to_stage
 from .store import ExpertStore
 from .surgery import MoEBlock, weight_nbytes

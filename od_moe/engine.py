@@ -17,7 +17,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend, governor, pipeline, seams
+from . import backend, pipeline, seams
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -30,7 +30,6 @@ from .assembly import (
 )
 from .cache import LayerCache
 from .errors import ExpertReadError, UserError
-from .governor import PrefetchSettings
 from .layout import BlockLayout
 from .model_files import (  # noqa: F401 (imported from here elsewhere)
     DEFAULT_MODEL,
@@ -41,11 +40,13 @@ from .model_files import (  # noqa: F401 (imported from here elsewhere)
     open_store,
     resolve_model_path,
 )
-from .optimistic import OptimisticModel
-from .policies import make_policy
+from .per_layer import governor
+from .per_layer.governor import PrefetchSettings
+from .per_layer.optimistic import OptimisticModel
+from .per_layer.policies import make_policy
+from .per_layer.runtime import OffloadRuntime
 from .progress import byte_progress
 from .routing import router_matrices, router_of, tap_router
-from .runtime import OffloadRuntime
 from .sampling import make_sampler, vocab_size_of
 from .stats import PHASES, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
 from .store import ExpertStore

@@ -24,7 +24,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from .policies import NextGatePolicy, Prediction, Step, _last_row, _softmax_topk
+from .per_layer.policies import NextGatePolicy, Prediction, Step, _last_row, _softmax_topk
 from .routing import next_gate
 
 

@@ -41,7 +41,7 @@ from .host_ring import HostRing
 from .layer_step import CompiledBlock, CompileVerdict, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
 from .lookahead import LookaheadRows
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
-from .policies import OnDemand
+from .per_layer.policies import OnDemand
 from .staging import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .stats import PHASES, Ledger
 from .store import ExpertStore

@@ -12,9 +12,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import od_moe_tokens, reference_tokens
-from od_moe import optimistic as optimistic_module
 from od_moe.errors import UserError
-from od_moe.governor import PrefetchSettings
+from od_moe.per_layer import optimistic as optimistic_module
+from od_moe.per_layer.governor import PrefetchSettings
 from od_moe.store import ExpertStore
 from tiny_models import DBRX, FAMILIES, write_hf_per_expert, write_mlx_model
 

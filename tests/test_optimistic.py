@@ -5,8 +5,8 @@ import numpy as np
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, invariants, od_moe_tokens, slots_hold_their_experts
-from od_moe import optimistic as optimistic_module
-from od_moe.governor import PrefetchSettings
+from od_moe.per_layer import optimistic as optimistic_module
+from od_moe.per_layer.governor import PrefetchSettings
 
 TOKENS = NEW_TOKENS // 2  # the first half of the reference's greedy tokens
 

@@ -115,7 +115,7 @@ def test_a_missing_layer_computes_its_resident_experts_while_the_rest_are_read(
         return real_install(self, *args, synchronize=synchronize, **kwargs)
 
     monkeypatch.setattr(LayerCache, "install", install)
-    from od_moe import runtime as runtime_module
+    from od_moe.per_layer import runtime as runtime_module
 
     predictor = od_moe.DEFAULT_PREDICTOR if prefetch == "predictor" else None
     assert not od_moe.load(capacity=0.25).runtime.split_on_miss  # 20 KB experts: nothing to hide

@@ -15,8 +15,8 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 from conftest import consistent as _consistent
 from conftest import invariants as _invariants
 from od_moe.errors import UserError
-from od_moe.governor import PrefetchSettings
-from od_moe.policies import Prediction, Step
+from od_moe.per_layer.governor import PrefetchSettings
+from od_moe.per_layer.policies import Prediction, Step
 from od_moe.predictor import PredictorConfig, ShadowPredictor
 
 
@@ -230,7 +230,7 @@ def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
 
 
 def test_the_predictor_reads_more_one_layer_ahead_and_fewer_farther(predictor_dir):
-    from od_moe.policies import experts_at_distance
+    from od_moe.per_layer.policies import experts_at_distance
 
     assert [experts_at_distance(8, d) for d in (1, 2, 3, 4)] == [10, 4, 2, 1]
     engine = _engine("predictor", predictor_dir, "25%")
@@ -319,7 +319,7 @@ def test_prefetch_pauses_when_it_costs_more_than_it_saves(predictor_dir):
 def test_what_prefetch_costs_counts_its_bookkeeping_not_only_predicting(predictor_dir, monkeypatch):
     """The gain check weighs what prefetch costs the generation thread: besides predicting and queueing,
     the policy's bookkeeping after each routing and choosing which finished reads go in count too."""
-    import od_moe.loader as loader_module
+    import od_moe.per_layer.loader as loader_module
 
     engine = _engine("predictor", predictor_dir, "25%")
     runtime, policy = engine.runtime, engine.runtime.policy

@@ -12,7 +12,7 @@ from od_moe import store as store_module
 from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
 from od_moe.layout import Staging, flat_rows
-from od_moe.reader import Reader
+from od_moe.per_layer.reader import Reader
 from od_moe.stats import Ledger
 from od_moe.store import ExpertStore
 
@@ -305,7 +305,7 @@ def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync
     """Staging rows that are MLX memory (`device_rows.py`, CUDA's read path): a row installed from is
     handed out again only after a host sync made once the second decode pass after it began (prefill
     passes do not count); one given back unused is free at once; past the bound, numpy staging."""
-    from od_moe.device_rows import GROW, DeviceRows
+    from od_moe.per_layer.device_rows import GROW, DeviceRows
 
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
@@ -333,7 +333,7 @@ def test_device_rows_installed_into_the_computing_layer_are_free_after_a_later_l
     """A demand read installed into the layer about to compute: the sync of a later layer's routing in the
     same pass depends on that layer's output, so the row is free after it, not after the layer's own sync
     or a sync with no layer; one no later layer's sync freed waits two decode passes like the others."""
-    from od_moe.device_rows import GROW, DeviceRows
+    from od_moe.per_layer.device_rows import GROW, DeviceRows
 
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
@@ -362,7 +362,7 @@ def test_device_rows_take_back_their_memory_hints_when_the_reader_closes_or_they
     buffers once they go, so the advice is taken back first: when the reader closes, or when rows nobody
     closed are collected. After `release` no row is handed out."""
     from od_moe import backend
-    from od_moe.device_rows import GROW, DeviceRows
+    from od_moe.per_layer.device_rows import GROW, DeviceRows
 
     gc.collect()  # rows other tests left are released before the count starts
     unstaged = []

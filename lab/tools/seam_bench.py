@@ -33,7 +33,7 @@ def rank_run(model: str, capacity: float, max_tokens: int, warm: bool) -> dict:
 def _one_mode(model: str, capacity: float, max_tokens: int, warm: bool, seam: bool) -> dict:
     import od_moe
     from od_moe import seams
-    from od_moe.governor import PrefetchSettings
+    from od_moe.per_layer.governor import PrefetchSettings
 
     engine = od_moe.load(model, capacity=capacity)
     # the governor's precision check only: its timed checks pause prefetch where it does not pay

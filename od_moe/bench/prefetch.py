@@ -23,10 +23,10 @@ import mlx.core as mx
 from .. import backend, load
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, model_layouts
 from ..errors import UserError
-from ..governor import PrefetchSettings
 from ..model_files import use_packed_experts
 from ..packed import default_path as default_packed_path
 from ..packed import pack as pack_experts
+from ..per_layer.governor import PrefetchSettings
 from ..predictor import load_predictor
 from ..replay import Tally, replay_recording
 from ..report import table

@@ -21,7 +21,7 @@ import numpy as np
 from .. import backend, load
 from ..engine import model_layouts
 from ..layout import Staging, flat_rows
-from ..reader import Reader
+from ..per_layer.reader import Reader
 from ..stats import Ledger
 
 DEPTHS = (1, 2, 4, 8)

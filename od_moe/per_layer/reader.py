@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..layout import BlockLayout, Staging, flat_rows
+from ..stats import Ledger
+from ..store import ExpertStore
 from .device_rows import GROW, DeviceRows, Row
-from .layout import BlockLayout, Staging, flat_rows
-from .stats import Ledger
-from .store import ExpertStore
 
 MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory
 # Reads in flight at once for large experts: SSDs read faster with a few requests queued (docs/GPU.md,

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .stats import Ledger
+from ..stats import Ledger
 
 MIN_PRECISION, RECOVER_PRECISION = 0.25, 0.5
 COST_MARGIN = 0.03  # the cost probe pauses prefetch when tokens run this much faster without it

@@ -36,10 +36,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import UserError
-from .predictor.next_use import AGE_CAP, features
-from .replay import first_uses
-from .routing import next_gate
+from ..errors import UserError
+from ..predictor.next_use import AGE_CAP, features
+from ..replay import first_uses
+from ..routing import next_gate
 
 POLICIES = ("none", "profile", "next-gate", "predictor", "oracle")
 DISTANCE_DISCOUNT = 0.8  # a prediction d layers ahead ranks as its probability times 0.8^(d-1)

@@ -20,16 +20,16 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import backend
-from .cache import Installed, LayerCache
-from .errors import ExpertReadError
+from .. import backend
+from ..cache import Installed, LayerCache
+from ..errors import ExpertReadError
+from ..layout import Staging
+from ..stats import Ledger
+from ..store import ExpertStore
 from .governor import Governor
-from .layout import Staging
 from .passes import Passes
 from .policies import Prediction
 from .reader import Read, Reader
-from .stats import Ledger
-from .store import ExpertStore
 
 READ_BATCH = 16  # experts per read round at most...
 STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install copies count against budgets

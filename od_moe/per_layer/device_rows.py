@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import backend
-from .layout import BlockLayout, Staging
+from .. import backend
+from ..layout import BlockLayout, Staging
 
 # about three decode passes of reads at 25% of the widened x128 model; with fewer rows more decode reads
 # went to copies and decode slowed (docs/GPU.md, "The per-layer path on CUDA")

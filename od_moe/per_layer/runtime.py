@@ -33,17 +33,17 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from . import backend
-from .cache import LayerCache
+from .. import backend
+from ..cache import LayerCache
+from ..routing import routing_weights
+from ..stats import Ledger
+from ..store import ExpertStore
 from .governor import Governor, PrefetchSettings
 from .loader import Loader
 from .optimistic import may_run
 from .passes import Passes
 from .policies import OnDemand, Prediction, Step
 from .reader import READ_THREADS, SMALL_EXPERT_BYTES, Reader
-from .routing import routing_weights
-from .stats import Ledger
-from .store import ExpertStore
 
 MISS_POLICIES = ("load", "skip")
 MISS_RATE_WEIGHT = 0.125  # the decode token miss rate is a moving average over about 8 tokens

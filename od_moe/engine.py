@@ -17,7 +17,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend, pipeline, seams
+from . import backend
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -29,6 +29,7 @@ from .assembly import (
     say,
 )
 from .cache import LayerCache
+from .distributed import pipeline, seams
 from .errors import ExpertReadError, UserError
 from .layout import BlockLayout
 from .model_files import (  # noqa: F401 (imported from here elsewhere)

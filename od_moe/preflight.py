@@ -31,8 +31,8 @@ from .capacity import (
     resolve_capacity,
     working_nbytes,
 )
+from .distributed.pipeline import layers_of, stage_ranges
 from .errors import UserError
-from .pipeline import layers_of, stage_ranges
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore
 from .surgery import offloadable_blocks, top_k_of, weight_nbytes

@@ -16,9 +16,9 @@ from pathlib import Path
 from mlx.utils import tree_flatten
 
 import od_moe
-from od_moe import seams
+from od_moe.distributed import seams
+from od_moe.distributed.pipeline import Handover
 from od_moe.per_layer.governor import PrefetchSettings
-from od_moe.pipeline import Handover
 from od_moe.store import ExpertStore
 
 model, out, capacities, max_tokens, prompts = sys.argv[1:6]

@@ -14,9 +14,9 @@ import pytest
 
 import od_moe
 from conftest import reference_tokens
+from od_moe.distributed.local_ranks import launch
+from od_moe.distributed.pipeline import stage_ranges
 from od_moe.engine import model_layouts
-from od_moe.local_ranks import launch
-from od_moe.pipeline import stage_ranges
 from tiny_models import MIXTRAL, write_mlx_model
 
 RANK_SCRIPT = Path(__file__).parent / "pipeline_rank.py"

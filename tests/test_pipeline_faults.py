@@ -19,7 +19,7 @@ import pytest
 
 import od_moe
 from od_moe import backend
-from od_moe.local_ranks import start
+from od_moe.distributed.local_ranks import start
 
 SCRIPT = Path(__file__).parent / "dying_rank.py"
 PROMPTS = ["def fibonacci(n):", "class Stack:"]

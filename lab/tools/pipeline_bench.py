@@ -53,7 +53,7 @@ def _row(name: str, result: dict, reference) -> str:
 
 
 def compare(model: str, fraction: float, max_tokens: int, label: str, backend: str = "ring") -> list[str]:
-    from od_moe.local_ranks import launch
+    from od_moe.distributed.local_ranks import launch
 
     one = run_here(model, fraction, max_tokens)
     with tempfile.TemporaryDirectory() as out:

@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    from od_moe.local_ranks import launch
+    from od_moe.distributed.local_ranks import launch
     from tiny_models import FAMILIES, write_mlx_model
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -21,7 +21,7 @@ ARGS = ["generate", "--prompt", "def fibonacci(n):", "--ignore-chat-template", "
 
 
 def case(dying: int, how: str, timeout: str, folder: str) -> str:
-    from od_moe.local_ranks import start
+    from od_moe.distributed.local_ranks import start
 
     env = dict(DIE_RANK=str(dying), DIE_AFTER="4", DIE_HOW=how, OD_MOE_HEARTBEAT_TIMEOUT=timeout)
     ranks = start(HOOK, [*ARGS, "--capacity", "25%"], folder=folder, env=env)

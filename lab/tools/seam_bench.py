@@ -32,7 +32,7 @@ def rank_run(model: str, capacity: float, max_tokens: int, warm: bool) -> dict:
 
 def _one_mode(model: str, capacity: float, max_tokens: int, warm: bool, seam: bool) -> dict:
     import od_moe
-    from od_moe import seams
+    from od_moe.distributed import seams
     from od_moe.per_layer.governor import PrefetchSettings
 
     engine = od_moe.load(model, capacity=capacity)
@@ -69,7 +69,7 @@ def _one_mode(model: str, capacity: float, max_tokens: int, warm: bool, seam: bo
 
 
 def report(model: str, capacity: float, max_tokens: int, warm: bool, label: str) -> list[str]:
-    from od_moe.local_ranks import launch
+    from od_moe.distributed.local_ranks import launch
 
     with tempfile.TemporaryDirectory() as out:
         args = ["--rank-run", model, capacity, max_tokens, int(warm), out]

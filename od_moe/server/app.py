@@ -332,7 +332,7 @@ def serve(
     from werkzeug.serving import make_server
 
     from .. import load
-    from ..pipeline import group_for
+    from ..distributed.pipeline import group_for
 
     def loader():
         return load(model, sequences=max_batch, **load_options)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import RankLost, UserError
+from ..errors import RankLost, UserError
 
 BEAT_S = 0.5  # a beat every half second
 GRACE_S = 2.0  # how long pipeline work may take to end or fail by itself once a peer is lost

@@ -24,8 +24,8 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from .per_layer.policies import NextGatePolicy, Prediction, Step, _last_row, _softmax_topk
-from .routing import next_gate
+from ..per_layer.policies import NextGatePolicy, Prediction, Step, _last_row, _softmax_topk
+from ..routing import next_gate
 
 
 class SeamSender:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHECKOUT = Path(__file__).resolve().parent.parent  # the folder od_moe is imported from
+CHECKOUT = Path(__file__).resolve().parents[2]  # the folder od_moe is imported from
 
 
 def free_ports(count: int) -> int:

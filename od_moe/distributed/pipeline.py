@@ -28,11 +28,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from . import backend, heartbeat
-from .errors import RankLost, UserError
-from .mlx_lm_private import BaseCache
-from .routing import router_matrices
-from .units import format_bytes
+from .. import backend
+from ..errors import RankLost, UserError
+from ..mlx_lm_private import BaseCache
+from ..routing import router_matrices
+from ..units import format_bytes
+from . import heartbeat
 
 _LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
 

@@ -25,11 +25,11 @@ from .errors import UserError
 from .per_layer.reader import read_threads_for
 from .per_layer.runtime import MISS_POLICIES, OffloadRuntime
 from .progress import byte_progress
-from .staging import positions_to_stage
 from .store import ExpertStore
 from .surgery import MoEBlock, weight_nbytes
 from .switch import OffloadedSwitch
-from .two_tier import build as build_two_tier
+from .two_tier.runtime import build as build_two_tier
+from .two_tier.staging import positions_to_stage
 
 
 def check_policies(miss_policy: str, eviction: str):

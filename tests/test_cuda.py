@@ -254,7 +254,7 @@ def test_mapped_stacks_raise_mlx_memory_limit_by_their_host_bytes_until_let_go(m
 def test_a_host_ring_rewrites_an_array_only_after_what_was_made_from_it():
     """`HostRing` (two-tier tables, slot fills): each write lands in the next array of the ring, holds the
     values given, and waits for what the device made from that array last time before writing it."""
-    from od_moe.host_ring import HostRing
+    from od_moe.two_tier.host_ring import HostRing
 
     ring = HostRing((2, 3), np.int32, depth=2)
     first = ring.write(np.array([[1, 2, 3], [4, 5, 6]]))

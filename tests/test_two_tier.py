@@ -12,10 +12,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
-from od_moe import slot_fill, staging, stats, tally, two_tier
-from od_moe.admission import Admission
+from od_moe import stats
 from od_moe.errors import UserError
-from od_moe.layer_step import CompiledBlock, CompileVerdict, LayerSteps
+from od_moe.two_tier import runtime as two_tier
+from od_moe.two_tier import slot_fill, staging, tally
+from od_moe.two_tier.admission import Admission
+from od_moe.two_tier.layer_step import CompiledBlock, CompileVerdict, LayerSteps
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 

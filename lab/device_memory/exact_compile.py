@@ -7,7 +7,7 @@ import sys
 from mlx_lm import load, stream_generate
 
 import od_moe
-from od_moe.layer_step import CompiledBlock
+from od_moe.two_tier.layer_step import CompiledBlock
 
 model = sys.argv[1]
 m, tok = load(model)

@@ -18,9 +18,10 @@ import mlx.core as mx
 import numpy as np
 
 import od_moe
-from od_moe import forecast, two_tier
 from od_moe.bench.foundation import PROMPTS
 from od_moe.replay import replay_layer
+from od_moe.two_tier import forecast
+from od_moe.two_tier import runtime as two_tier
 
 TOPS = (1, 2, 4, 8)
 

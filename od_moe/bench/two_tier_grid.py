@@ -29,12 +29,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import load, slot_fill, staging
+from .. import load
 from ..assembly import auto_tiers
-from ..layer_step import TwoTierSwitch
 from ..preflight import inspect_model
 from ..replay import replay_recording
 from ..report import table
+from ..two_tier import slot_fill, staging
+from ..two_tier.layer_step import TwoTierSwitch
 from ..units import MB
 from .foundation import PROMPTS, stock_decode, stock_model
 from .roofline import roofline_ms

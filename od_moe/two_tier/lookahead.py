@@ -28,7 +28,8 @@ and their admission (`two_tier.py`), the forecasts (`forecast.py`).
 import mlx.core as mx
 import numpy as np
 
-from . import cuda, row_kernel, slot_fill
+from .. import cuda
+from . import row_kernel, slot_fill
 from .layer_step import Plan
 
 THREADS = 256

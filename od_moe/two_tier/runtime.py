@@ -33,19 +33,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cache import LayerCache
+from ..errors import UserError
+from ..per_layer.policies import OnDemand
+from ..stats import PHASES, Ledger
+from ..store import ExpertStore
+from ..switch import switch_on
 from . import slot_fill
 from .admission import Admission
-from .cache import LayerCache
-from .errors import UserError
 from .host_ring import HostRing
 from .layer_step import CompiledBlock, CompileVerdict, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
 from .lookahead import LookaheadRows
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
-from .per_layer.policies import OnDemand
 from .staging import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
-from .stats import PHASES, Ledger
-from .store import ExpertStore
-from .switch import switch_on
 from .tally import DeviceTally, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES

@@ -17,7 +17,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cuda
+from .. import backend, cuda
 
 
 class HostRing:

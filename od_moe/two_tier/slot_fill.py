@@ -18,7 +18,7 @@ Not here: which experts to copy (`admission.py`), the tables and the caches' boo
 import mlx.core as mx
 import numpy as np
 
-from . import backend
+from .. import backend
 from .host_ring import HostRing
 
 THREADS = 256  # per block

@@ -17,7 +17,7 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 
-from .stats import PHASES
+from ..stats import PHASES
 
 
 class DeviceTally:

@@ -13,10 +13,10 @@ Not here: the forward math, filling the slots or admission (`two_tier.py`).
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cuda
-from .cache import SAME_BYTES, _host_bits
-from .layout import BlockLayout, Staging
-from .store import ExpertStore
+from .. import backend, cuda
+from ..cache import SAME_BYTES, _host_bits
+from ..layout import BlockLayout, Staging
+from ..store import ExpertStore
 
 READ_BATCH_BYTES = 64 * 2**20  # staging for one read round of a layer's experts
 

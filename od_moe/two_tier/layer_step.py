@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .switch import switch_on
+from ..switch import switch_on
 
 
 @dataclass

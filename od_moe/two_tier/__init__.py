@@ -1,0 +1,19 @@
+"""The two-tier path: where the GPU has memory of its own (CUDA) and the host holds every expert, misses
+are read in place from host memory by the kernels that need them, hits computed on device slots, and no
+pass waits for the host.
+
+- `runtime.py`: `TwoTierRuntime` and `build`: the stacks, the tables, the passes and what is booked of
+  them; `layer_step.py`: what the mode puts into the model, and a layer's pass of one position as one
+  compiled call (`Plan`);
+- `mapped.py`: every expert of a layer in host memory, as MLX arrays the GPU reads in place;
+- `admission.py`, `tally.py`: which experts earn a slot, from routing counted on the device;
+- `slot_fill.py`, `host_ring.py`: filling slots between passes, and the host-written tables and moves;
+- `lookahead.py`, `forecast.py`: rows kept by the device (least recently used, and experts predicted
+  for a later layer copied ahead), and the forecasts from earlier layers;
+- `staging.py`: passes of several positions computed on a device copy of their experts;
+- `stage_kernels.py`, `row_kernel.py`: CUDA kernel sources.
+
+On the CPU and Metal the same code runs on plain memory (the tests run it there). Not here: choosing the
+path (`od_moe/assembly.py`), reading experts from the model's files (`store.py`), the slots' bookkeeping
+(`cache.py`), the per-layer path (`od_moe/per_layer/`).
+"""

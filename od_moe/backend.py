@@ -190,7 +190,7 @@ def arrays_in_host_memory() -> bool:
 
 def sends_between_ranks() -> bool:
     """Whether `mx.distributed.send`/`recv` run on this device: not on CUDA (MLX 0.32: "Send has no CUDA
-    implementation"), where a pipeline hands hidden states over with a collective instead (`pipeline.py`).
+    implementation"), where a pipeline hands hidden states over with a collective instead (`rank_split.py`).
     OD_MOE_SEAMS=collective asks for the collective anywhere (to test it on the CPU)."""
     if os.environ.get("OD_MOE_SEAMS") == "collective":
         return False

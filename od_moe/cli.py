@@ -104,7 +104,7 @@ def _chat_prompt(tokenizer, prompt: str, args, options: dict) -> str:
 
 def cmd_generate(args):
     from . import load
-    from .distributed.pipeline import rank_lines
+    from .distributed.rank_split import rank_lines
     from .report import format_stats
     from .sampling import OPENAI_MAX_TEMPERATURE, check_sampling
 

@@ -29,7 +29,7 @@ from .assembly import (
     say,
 )
 from .cache import LayerCache
-from .distributed import pipeline, seams
+from .distributed import rank_split, seams
 from .errors import ExpertReadError, UserError
 from .layout import BlockLayout
 from .model_files import (  # noqa: F401 (imported from here elsewhere)
@@ -85,7 +85,7 @@ class Engine:
         self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
-        self.stage = None  # this rank's part of a pipeline over several processes (`pipeline.Stage`)
+        self.stage = None  # this rank's part of a pipeline over several processes (`rank_split.Stage`)
         self.seam_receiver = None  # across ranks: the predictions the rank before sends (`seams.py`)
 
     @property
@@ -377,7 +377,7 @@ def load(
         layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
         holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by the
         device: `lookahead.py`); then capacity may be 0. `Engine.mode` says which path runs and why.
-    ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`pipeline.py`: each
+    ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`rank_split.py`: each
         rank caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     device_memory, context_tokens, sequences: on a GPU with memory of its own (CUDA), its budget (default 90%
         of the card's free memory), which holds the slots beside the rest and a KV cache of `context_tokens`
@@ -389,9 +389,9 @@ def load(
     store = open_store(path, packed, direct_io)
     identity = model_identity(path, store)
     settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
-    group = pipeline.join(ranks, dict(settings, model=identity), predictor)
+    group = rank_split.join(ranks, dict(settings, model=identity), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
-    stage = group and pipeline.split(mlx_model, group, find_moe_blocks(mlx_model))
+    stage = group and rank_split.split(mlx_model, group, find_moe_blocks(mlx_model))
     blocks = offloadable_blocks(mlx_model, path)
     device = device_plan(device_memory, context_tokens, sequences, max_positions(path))
     asked = dict(two_tier=two_tier, capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy)
@@ -400,7 +400,7 @@ def load(
     threads = read_threads_of(read_threads, caches)
     runtime = build_runtime(store, blocks, caches, place.tiered, miss_policy, threads)
     if stage:
-        pipeline.wrap_seams(mlx_model, stage)
+        rank_split.wrap_seams(mlx_model, stage)
         runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)

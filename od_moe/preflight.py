@@ -31,7 +31,7 @@ from .capacity import (
     resolve_capacity,
     working_nbytes,
 )
-from .distributed.pipeline import layers_of, stage_ranges
+from .distributed.rank_split import layers_of, stage_ranges
 from .errors import UserError
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
 from .store import ExpertStore

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 import od_moe
 from od_moe.distributed import seams
-from od_moe.distributed.pipeline import Handover
+from od_moe.distributed.rank_split import Handover
 from od_moe.per_layer.governor import PrefetchSettings
 from od_moe.store import ExpertStore
 

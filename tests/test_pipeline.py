@@ -1,4 +1,4 @@
-"""A model split over two ranks (`pipeline.py`), launched with `mlx.launch` on loopback (ring backend, CPU):
+"""A model split over two ranks (`rank_split.py`), launched with `mlx.launch` on loopback (ring backend, CPU):
 greedy tokens equal single-process stock mlx-lm's at 25% and 100% of experts resident, on the bundled
 model and on a tiny random Mixtral; each rank holds, and reads from disk, only its own layers' experts;
 a rank started with another budget is refused at start in one line; `od-moe generate` prints on rank 0.
@@ -15,7 +15,7 @@ import pytest
 import od_moe
 from conftest import reference_tokens
 from od_moe.distributed.local_ranks import launch
-from od_moe.distributed.pipeline import stage_ranges
+from od_moe.distributed.rank_split import stage_ranges
 from od_moe.engine import model_layouts
 from tiny_models import MIXTRAL, write_mlx_model
 
@@ -92,7 +92,7 @@ def test_mixtral_over_two_ranks_matches_mlx_lm(tmp_path):
 
 def test_a_collective_hand_over_gives_the_same_tokens(tmp_path, monkeypatch):
     """Where sends do not run on the device (CUDA), each stage's first layer takes the hidden state from an
-    all_gather every rank joins (`pipeline.Handover`): the same tokens, asked for here on the CPU."""
+    all_gather every rank joins (`rank_split.Handover`): the same tokens, asked for here on the CPU."""
     monkeypatch.setenv("OD_MOE_SEAMS", "collective")
     path = write_mlx_model(tmp_path / "mixtral", MIXTRAL)
     prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]

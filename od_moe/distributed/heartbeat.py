@@ -17,7 +17,7 @@ rank's `on_lost` decides what follows:
 The same connections carry other messages: the server's (rank 0's requests and per-token decisions, the
 other ranks' statistics) go to `inbox`, in order; a kind with a handler (`handlers`: the seam's
 predictions, `seams.py`) is handed to it on the reader thread; rank 0 relays a message `to` another rank.
-Not here: the split itself (`pipeline.py`) or serving across ranks (`server/ranks.py`).
+Not here: the split itself (`rank_split.py`) or serving across ranks (`server/ranks.py`).
 """
 
 import atexit

@@ -4,7 +4,7 @@ port is fixed, and several test workers or users may launch at once), the od-moe
 import path, and a deadline after which the whole process group is killed (a rank that died leaves the
 others blocked in a collective: `mx.distributed` has no timeouts). `start` starts the ranks as the
 launcher does but without it (the launcher stops every rank once one fails), so that the fault tests can
-watch what a surviving rank does by itself. Not here: the pipeline (`pipeline.py`)."""
+watch what a surviving rank does by itself. Not here: the pipeline (`rank_split.py`)."""
 
 import json
 import os

@@ -1,9 +1,9 @@
 """Prediction across a seam of the pipeline: the rank before a seam predicts the next rank's first MoE layer
 and sends the prediction ahead of the hidden state, so that the next rank's reads start before its turn.
 
-Hidden states flow from the highest rank down (`pipeline.py`): rank r+1 computes the layers before rank
+Hidden states flow from the highest rank down (`rank_split.py`): rank r+1 computes the layers before rank
 r's. With next-gate prefetch each rank predicts its next MoE layer from the current one's input; at its
-last MoE layer it has no next layer of its own. So `pipeline.split` keeps the router of the next rank's
+last MoE layer it has no next layer of its own. So `rank_split.split` keeps the router of the next rank's
 first MoE layer on the rank before (`Stage.next_router`: one dense float32 matrix), and `SeamSender`,
 wrapped around that rank's policy, applies it to its last MoE layer's input, lets the runtime evaluate it
 with that layer's routing (the layer's one sync, as next-gate's own predictions), and sends the ids and
@@ -16,7 +16,7 @@ prediction that comes once the layer has run is dropped (booked as late).
 Measured (`SeamReceiver.counts`, while `watch` is on: it adds one sync where the hidden state is received):
 of the reads asked for the first layer, how many had started when the hidden state came. Across more than
 two ranks the hub (rank 0) relays a seam message between two other ranks. Not here: the split
-(`pipeline.py`), what a policy predicts (`policies.py`), reading (`reader.py`).
+(`rank_split.py`), what a policy predicts (`policies.py`), reading (`reader.py`).
 """
 
 import threading
@@ -91,7 +91,7 @@ class SeamReceiver:
             self.asked[t] = [int(e) for e in wanted.get(0, ())]
 
     def hidden_state_came(self):
-        """Called where this rank receives the hidden state (`pipeline.Seam.watch`): count the reads asked
+        """Called where this rank receives the hidden state (`rank_split.Seam.watch`): count the reads asked
         for this pass that had started (no longer waiting in the reader's queue)."""
         with self.lock:
             t = self.runtime.passes.clock + 1  # the pass about to run its first layer
@@ -127,7 +127,7 @@ def attach(engine, policy):
 def watch(engine, on: bool = True):
     """Count, where this rank receives the hidden state, the seam's reads started by then
     (`SeamReceiver.counts`; one more sync a pass while on)."""
-    from .pipeline import Seam
+    from .rank_split import Seam
 
     stage = engine.stage
     owner = dict(engine.model.named_modules())[stage.layers_path] if stage.layers_path else engine.model

@@ -332,7 +332,7 @@ def serve(
     from werkzeug.serving import make_server
 
     from .. import load
-    from ..distributed.pipeline import group_for
+    from ..distributed.rank_split import group_for
 
     def loader():
         return load(model, sequences=max_batch, **load_options)

@@ -1,6 +1,6 @@
 """Serving across ranks: rank 0 serves HTTP, the other ranks follow its requests pass for pass.
 
-Under `mlx.launch`, `serve` loads the split model on every rank (`pipeline.py`); rank 0 binds the port and
+Under `mlx.launch`, `serve` loads the split model on every rank (`rank_split.py`); rank 0 binds the port and
 runs the usual worker, the others run `follow`: a worker of their own fed with rank 0's requests. Both run
 the same code on the same tokens, so every rank makes the same passes, sampling, stop-string and
 prompt-cache decisions; the one thing only rank 0 knows, whether a client went away, it decides for all

@@ -49,7 +49,7 @@ from od_moe.bench.prefetch import _predictor_for
 from od_moe.bench.roofline import roofline_ms
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
 from od_moe.report import table
-from od_moe.two_tier import forecast, lookahead
+from od_moe.two_tier import forecast, kept_rows
 
 BUS: dict = {}  # the bus bandwidths (`bus_bandwidth`), measured once a process
 
@@ -110,7 +110,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
             engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
             continue
-        if name == "decay":  # device rows by decayed routing counts (`lookahead.py`), `lru` rows
+        if name == "decay":  # device rows by decayed routing counts (`kept_rows.py`), `lru` rows
             engine.runtime.lookahead.decay = float(value)
             continue
         owner = engine.runtime if name == "admit_every" else engine.runtime.admission
@@ -139,7 +139,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
         "load_s": load_s,
         "stack_moves": getattr(engine.runtime, "stack_moves", 0),
-        "wrong_lookahead_rows": lookahead.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
+        "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
     }
     if two_tier:  # the roofline: max(stock's step, moved bytes / the faster measured way across the bus)
         moved = moved_per_token(engine) * engine.caches[0].layout.expert_nbytes

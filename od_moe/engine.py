@@ -376,7 +376,7 @@ def load(
     two_tier: every expert in host memory, read in place by the device on a miss, `capacity` experts per
         layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
         holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by the
-        device: `lookahead.py`); then capacity may be 0. `Engine.mode` says which path runs and why.
+        device: `kept_rows.py`); then capacity may be 0. `Engine.mode` says which path runs and why.
     ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`rank_split.py`: each
         rank caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     device_memory, context_tokens, sequences: on a GPU with memory of its own (CUDA), its budget (default 90%

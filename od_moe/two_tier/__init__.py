@@ -8,7 +8,7 @@ pass waits for the host.
 - `mapped.py`: every expert of a layer in host memory, as MLX arrays the GPU reads in place;
 - `admission.py`, `tally.py`: which experts earn a slot, from routing counted on the device;
 - `slot_fill.py`, `host_ring.py`: filling slots between passes, and the host-written tables and moves;
-- `lookahead.py`, `forecast.py`: rows kept by the device (least recently used, and experts predicted
+- `kept_rows.py`, `forecast.py`: rows kept by the device (least recently used, and experts predicted
   for a later layer copied ahead), and the forecasts from earlier layers;
 - `staging.py`: passes of several positions computed on a device copy of their experts;
 - `stage_kernels.py`, `row_kernel.py`: CUDA kernel sources.

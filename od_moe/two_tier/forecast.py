@@ -1,7 +1,7 @@
 """Forecasts of a later layer's routing from an earlier layer's hidden state, for the rows the device
-keeps (`lookahead.py`): `forecast(source, x)` -> [(target layer, scores (n, E))], built lazily as MLX ops
+keeps (`kept_rows.py`): `forecast(source, x)` -> [(target layer, scores (n, E))], built lazily as MLX ops
 of the pass. Two kinds: next-gate (the target's router applied to the source's state) and the shadow
-network folded into a few matmuls. Not here: what is done with the scores (`lookahead.LookaheadRows`), or
+network folded into a few matmuls. Not here: what is done with the scores (`kept_rows.KeptRows`), or
 the network's training (`predictor/`).
 """
 

@@ -1,9 +1,9 @@
-"""The CUDA source of the rows the device keeps (`lookahead.py`): one call decides which candidate experts
+"""The CUDA source of the rows the device keeps (`kept_rows.py`): one call decides which candidate experts
 go into which of a layer's rows (least recently used, or by decayed counts), writes the layer's expert->row
 tables, each candidate lane's row and hit, and copies the chosen experts host row -> device row, one
 (expert, array) per block row of the grid. Every thread repeats the decision in registers; block 0 writes
-the tables. `lookahead.plan` is the same decision in numpy, which the CPU tests run.
-Not here: calling it (`lookahead.LookaheadRows`), the rows' bookkeeping.
+the tables. `kept_rows.plan` is the same decision in numpy, which the CPU tests run.
+Not here: calling it (`kept_rows.KeptRows`), the rows' bookkeeping.
 """
 
 SOURCE = """

@@ -42,8 +42,8 @@ from ..switch import switch_on
 from . import slot_fill
 from .admission import Admission
 from .host_ring import HostRing
+from .kept_rows import KeptRows
 from .layer_step import CompiledBlock, CompileVerdict, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
-from .lookahead import LookaheadRows
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
 from .staging import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .tally import DeviceTally, book_read
@@ -102,9 +102,9 @@ class TwoTierRuntime:
         self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
         self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
-        self.lookahead: LookaheadRows | None = None  # rows after the slots, filled by prediction
+        self.lookahead: KeptRows | None = None  # rows after the slots, filled by prediction
         self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`forecast.py`)
-        self.device_lru = False  # the slots are kept on the device (`lookahead.py`), none by the host
+        self.device_lru = False  # the slots are kept on the device (`kept_rows.py`), none by the host
         self.by_block = False  # each MoE block is a `CompiledBlock`, which begins and ends the passes
         self.trace = None  # a compiled block's `layer_step.Trace` while it is traced
         weakref.finalize(self, release_stacks, stacks)
@@ -389,7 +389,7 @@ def build(
     """Read every layer's stack (`progress.update(bytes)` as it goes), make the runtime and put a
     `TwoTierSwitch` where each block's switch was. `caches` were made over the blocks' switches; their own
     slot arrays are given back (the slots are the stacks' last rows). `lookahead_rows`: device rows per
-    layer after the slots, kept on the device (`lookahead.py`: filled by the layer's misses and, once
+    layer after the slots, kept on the device (`kept_rows.py`: filled by the layer's misses and, once
     `forecast` is set, by predictions). `device_lru`: the slots themselves are such rows (the host's
     caches stay empty, admission off), unless every expert fits in them."""
     device_lru = device_lru and caches[0].capacity < caches[0].num_experts
@@ -405,7 +405,7 @@ def build(
     else:
         slots, kept = [c.capacity for c in caches], lookahead_rows
     if kept:
-        runtime.lookahead = LookaheadRows(stacks, runtime.num_experts, slots, kept, kept)
+        runtime.lookahead = KeptRows(stacks, runtime.num_experts, slots, kept, kept)
     verdict = CompileVerdict()  # one for all blocks: they fuse alike
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         runtime.switches[i] = switch_on(block.switch, stack)

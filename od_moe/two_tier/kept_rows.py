@@ -123,7 +123,7 @@ def top(scores: np.ndarray, count: int) -> list[int]:
     return [int(e) for e in np.argsort(-scores, kind="stable")[:count]]
 
 
-class LookaheadRows:
+class KeptRows:
     """S rows per layer after its C slots (`stacks` must have E + C + S rows), least recently used first,
     filled on the device: by predictions of the layer's experts made some layers before it (`expect`,
     `per_layer` experts each) and, where `demand` is on, by the layer's own routing (copied, then read)."""
@@ -389,7 +389,7 @@ class LookaheadRows:
         return (*(mx.array(t.astype(np.uint32)) for t in tables), mx.array(lane_hit))
 
 
-def wrong_rows(lookahead: LookaheadRows) -> int:
+def wrong_rows(lookahead: KeptRows) -> int:
     """Lookahead rows whose bytes differ from the expert they are said to hold (want 0): a check for the
     benches, which waits for every pass."""
     wrong = 0

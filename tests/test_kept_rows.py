@@ -1,6 +1,6 @@
-"""Rows kept by the device in two-tier mode (`od_moe/lookahead.py`): least recently used, filled by the
-layer's misses and by predictions; exact tokens, rows holding what they say, and the decisions the CUDA
-kernel makes (its numpy twin `plan`, which the CPU runs)."""
+"""Rows kept by the device in two-tier mode (`od_moe/two_tier/kept_rows.py`): least recently used, filled
+by the layer's misses and by predictions; exact tokens, rows holding what they say, and the decisions the
+CUDA kernel makes (its numpy twin `plan`, which the CPU runs)."""
 
 import mlx.core as mx
 import numpy as np
@@ -10,17 +10,17 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.errors import UserError
-from od_moe.two_tier import forecast, lookahead
+from od_moe.two_tier import forecast, kept_rows
 from od_moe.two_tier import runtime as two_tier
 from tiny_models import FAMILIES, write_mlx_model
 
-E, C, EMPTY = 16, 2, lookahead.AGE_EMPTY
+E, C, EMPTY = 16, 2, kept_rows.AGE_EMPTY
 
 
 def test_plan_keeps_wanted_rows_and_evicts_the_least_recently_used():
     base = np.arange(E)  # nothing in a slot
     held, age = np.array([3, 5, -1, 7]), np.array([0, 4, EMPTY, 2])
-    rows, now, new_age, copies, _ = lookahead.plan([5, 9, 9, 11], base, held, age, E, C, demand=True)
+    rows, now, new_age, copies, _ = kept_rows.plan([5, 9, 9, 11], base, held, age, E, C, demand=True)
     # 5 is kept; 9 (once) goes to the empty row, 11 to the oldest of the rest (row 3, age 2 beats 0)
     assert copies == [(9, E + C + 2), (11, E + C + 3)]
     assert now.tolist() == [3, 5, 9, 11] and new_age.tolist() == [1, 0, 0, 0]
@@ -31,10 +31,10 @@ def test_plan_skips_experts_in_slots_and_stops_when_rows_run_out():
     base = np.arange(E)
     base[4] = E + 1  # expert 4 is in slot 1
     held, age = np.array([-1, -1]), np.array([EMPTY, EMPTY])
-    rows, now, new_age, copies, _ = lookahead.plan([4, 6, 8, 10], base, held, age, E, C, demand=False)
+    rows, now, new_age, copies, _ = kept_rows.plan([4, 6, 8, 10], base, held, age, E, C, demand=False)
     assert [e for e, _ in copies] == [6, 8] and rows[4] == E + 1 and rows[10] == 10
     # a prediction (not the layer's own routing) ages nothing
-    _, _, aged, _, _ = lookahead.plan([], base, now, new_age, E, C, demand=False)
+    _, _, aged, _, _ = kept_rows.plan([], base, now, new_age, E, C, demand=False)
     assert aged.tolist() == [0, 0]
 
 
@@ -46,29 +46,29 @@ def test_plan_by_decayed_counts_admits_a_miss_only_over_a_lower_count():
     held, age = np.array([3, 5, 7]), np.zeros(3, np.int64)
     score = np.zeros(E, np.float32)
     score[[3, 5, 7, 9, 11]] = [4.0, 2.0, 1.0, 0.5, 3.0]
-    rows, now, _, copies, after = lookahead.plan([5, 9, 11], base, held, age, E, C, True, score, 0.5)
+    rows, now, _, copies, after = kept_rows.plan([5, 9, 11], base, held, age, E, C, True, score, 0.5)
     # counts after: 3 -> 2.0, 5 -> 2.0 (routed), 7 -> 0.5, 9 -> 1.25 (routed), 11 -> 2.5 (routed)
     assert after[[3, 5, 7, 9, 11]].tolist() == [2.0, 2.0, 0.5, 1.25, 2.5] and after.dtype == np.float32
     # 9 beats row 2's 7 (1.25 > 0.5) and takes it; 11 (2.5) beats nothing below it but 3 (2.0): row 0
     assert copies == [(9, E + C + 2), (11, E + C + 0)] and now.tolist() == [11, 5, 9]
-    _, now, _, copies, _ = lookahead.plan([9], base, np.array([3, -1]), age[:2], E, C, True, after, 0.5)
+    _, now, _, copies, _ = kept_rows.plan([9], base, np.array([3, -1]), age[:2], E, C, True, after, 0.5)
     assert copies == [(9, E + C + 1)]  # an empty row takes any miss
-    _, _, _, copies, _ = lookahead.plan([13], base, np.array([3, 5]), age[:2], E, C, True, after, 0.5)
+    _, _, _, copies, _ = kept_rows.plan([13], base, np.array([3, 5]), age[:2], E, C, True, after, 0.5)
     assert copies == []  # 13's count (1.0) is not above 3's (1.0) nor 5's: read in place
 
 
 def test_demand_calls_take_a_few_sizes_padded_with_an_id_no_call_copies():
     """A batch's routed lanes are padded to 8 / 16 / 32 / 64 candidates (the kernel compiles per size),
     with E, which the decision drops: the same copies and rows as the lanes alone."""
-    assert [lookahead.padded_size(n) for n in (1, 8, 9, 16, 17, 40, 64)] == [8, 8, 16, 16, 32, 64, 64]
-    assert {lookahead.padded_size(n) for n in range(1, lookahead.MAX_DEMAND + 1)} == {8, 16, 32, 64}
+    assert [kept_rows.padded_size(n) for n in (1, 8, 9, 16, 17, 40, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert {kept_rows.padded_size(n) for n in range(1, kept_rows.MAX_DEMAND + 1)} == {8, 16, 32, 64}
     ids = mx.array([5, 9, 9, 11, 2, 3, 4, 6, 8, 1], mx.uint32)
-    cand = lookahead.padded(ids, E)
+    cand = kept_rows.padded(ids, E)
     assert cand.dtype == mx.uint32 and cand.size == 16 and cand[10:].tolist() == [E] * 6
-    assert lookahead.padded(ids[:8], E).size == 8
+    assert kept_rows.padded(ids[:8], E).size == 8
     base, held, age = np.arange(E), np.array([3, 5, -1, 7]), np.array([0, 4, EMPTY, 2])
-    alone = lookahead.plan(ids.tolist(), base, held, age, E, C, demand=True)
-    with_pad = lookahead.plan(cand.tolist(), base, held, age, E, C, demand=True)
+    alone = kept_rows.plan(ids.tolist(), base, held, age, E, C, demand=True)
+    with_pad = kept_rows.plan(cand.tolist(), base, held, age, E, C, demand=True)
     assert (
         alone[3] == with_pad[3]
         and np.array_equal(alone[0], with_pad[0])
@@ -78,7 +78,7 @@ def test_demand_calls_take_a_few_sizes_padded_with_an_id_no_call_copies():
 
 def test_top_ranks_as_the_kernel_does():
     scores = np.array([0.5, 2.0, 2.0, -1.0, 3.0], np.float32)
-    assert lookahead.top(scores, 3) == [4, 1, 2]  # ties: the lower id first
+    assert kept_rows.top(scores, 3) == [4, 1, 2]  # ties: the lower id first
 
 
 @pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
@@ -95,13 +95,13 @@ def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
     assert total["experts_loaded"] == total["decode"]["misses"] > 0 and total["bytes_read"] == 0
     # a later prompt's prefill reads the experts the rows hold from them (before: every lane mapped)
     assert total["prefill"]["hits"] > 0
-    assert lookahead.wrong_rows(runtime.lookahead) == 0
+    assert kept_rows.wrong_rows(runtime.lookahead) == 0
     assert all((c.slot_of < 0).all() for c in engine.caches)  # the host keeps none
     assert int(runtime.tally.counts.sum()) == 0  # routing counts feed admission alone: with it off, none
 
 
 def test_device_rows_by_decayed_counts_match_mlx_lm_and_copy_fewer_experts(bundled_reference):
-    """Rows kept by decayed routing counts (`LookaheadRows.decay`) give stock's tokens; a miss that does
+    """Rows kept by decayed routing counts (`KeptRows.decay`) give stock's tokens; a miss that does
     not earn a row is read in place, so fewer experts are copied than under least recently used for the
     same prompts, and every row holds the expert it is said to."""
     copied = {}
@@ -111,7 +111,7 @@ def test_device_rows_by_decayed_counts_match_mlx_lm_and_copy_fewer_experts(bundl
         assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
         total = engine.stats()["total"]
         copied[decay] = total["experts_loaded"]
-        assert total["bytes_read"] == 0 and lookahead.wrong_rows(engine.runtime.lookahead) == 0
+        assert total["bytes_read"] == 0 and kept_rows.wrong_rows(engine.runtime.lookahead) == 0
     assert 0 < copied[0.9] < copied[None]
 
 
@@ -127,7 +127,7 @@ def test_device_lru_other_families(tmp_path, name):
     prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
     engine = od_moe.load(str(path), capacity=0.25, two_tier="lru")
     assert od_moe_tokens(engine, prompts, 12) == reference_tokens(path, prompts, 12)
-    assert lookahead.wrong_rows(engine.runtime.lookahead) == 0
+    assert kept_rows.wrong_rows(engine.runtime.lookahead) == 0
 
 
 @pytest.mark.parametrize("kind", ["shadow", "next-gate"])
@@ -147,7 +147,7 @@ def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypat
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     total = engine.stats()["total"]
     assert total["decode"]["hit_rate"] > 0.5 and total["experts_loaded"] > 0
-    assert lookahead.wrong_rows(runtime.lookahead) == 0
+    assert kept_rows.wrong_rows(runtime.lookahead) == 0
 
 
 def test_the_folded_shadow_network_scores_as_the_network():

@@ -16,7 +16,7 @@ slots are that prompt's profile), to compare with learned admission on the same 
 
 `--prefill N`: per row also prompt tok/s of an N-token prompt (od-moe's own Python source) against stock,
 alternating, median of `--rounds` ratios (`stage=P` sets the positions from which a pass is staged,
-`staging.py`; `stage=0` stages nothing).
+`staged_passes.py`; `stage=0` stages nothing).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
 `lru:F:decay=D`: by decayed routing counts, not recency);

@@ -29,7 +29,7 @@ from .store import ExpertStore
 from .surgery import MoEBlock, weight_nbytes
 from .switch import OffloadedSwitch
 from .two_tier.runtime import build as build_two_tier
-from .two_tier.staging import positions_to_stage
+from .two_tier.staged_passes import positions_to_stage
 
 
 def check_policies(miss_policy: str, eviction: str):
@@ -147,7 +147,7 @@ def auto_tiers(asked, on: bool, why: str, slot_nbytes: int, fraction: float) -> 
     """Where `asked` is "auto", `backend.two_tier_choice`'s answer with the kind of slots: "lru" (truthy)
     for experts of `LRU_EXPERT_NBYTES` or more, where two-tier mode is on and some but not all of them
     have slots (`fraction`). With none, large experts are staged at every pass, which `why` then says
-    (`staging.positions_to_stage`). Otherwise (on, why) as they are."""
+    (`staged_passes.positions_to_stage`). Otherwise (on, why) as they are."""
     if asked == "auto" and on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
         return (
             "lru",

@@ -162,7 +162,7 @@ def working_nbytes(
     of the `context` (by default `RESERVED_CONTEXT` tokens of one sequence), the activations of its
     prefill chunk, and the dense float32 router copies the prefetch policies predict with. In two-tier
     mode (`staged_expert_nbytes`: an expert's bytes) also a staged pass's device copy of the experts its
-    layer routes to (`staging.py`): for a chunk that long, every expert of one layer in practice."""
+    layer routes to (`staged_passes.py`): for a chunk that long, every expert of one layer in practice."""
     hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
     kv = kv_nbytes_per_token(model) * context.tokens * context.sequences
     activations = activation_nbytes_per_token(model, context.tokens) * context.chunk

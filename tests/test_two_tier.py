@@ -15,7 +15,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots
 from od_moe import stats
 from od_moe.errors import UserError
 from od_moe.two_tier import runtime as two_tier
-from od_moe.two_tier import slot_fill, staging, tally
+from od_moe.two_tier import slot_fill, staged_passes, tally
 from od_moe.two_tier.admission import Admission
 from od_moe.two_tier.layer_step import CompiledBlock, CompileVerdict, LayerSteps
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
@@ -284,9 +284,10 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
     says so; with slots, or with small experts, a decode pass is read in place."""
     from od_moe import backend, preflight
 
-    assert od_moe.load(capacity=0, two_tier=True).runtime.stage_positions == staging.STAGE_POSITIONS
-    monkeypatch.setattr(staging, "STAGE_DECODE_NBYTES", 1)  # the bundled model's 20 KB experts count large
-    assert od_moe.load(capacity=0.25, two_tier=True).runtime.stage_positions == staging.STAGE_POSITIONS
+    assert od_moe.load(capacity=0, two_tier=True).runtime.stage_positions == staged_passes.STAGE_POSITIONS
+    # the bundled model's 20 KB experts count large
+    monkeypatch.setattr(staged_passes, "STAGE_DECODE_NBYTES", 1)
+    assert od_moe.load(capacity=0.25, two_tier=True).runtime.stage_positions == staged_passes.STAGE_POSITIONS
     engine = od_moe.load(capacity=0, two_tier=True)
     assert engine.runtime.stage_positions == 1
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
@@ -327,7 +328,7 @@ def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
     steps = LayerSteps(Stacked(), stack)
     indices = mx.array([[6, 1], [1, 3], [6, 6]], dtype=mx.uint32)  # 3 positions, top-2: 6 lanes
     x = mx.zeros((1,))
-    y, counts = staging.staged_switch(steps, stack, table, x, indices, E)
+    y, counts = staged_passes.staged_switch(steps, stack, table, x, indices, E)
     copy = np.array(seen[0])
     assert copy.shape == (6, 3)  # min(E, lanes)
     assert np.array_equal(copy[:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
@@ -337,7 +338,7 @@ def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
     assert steps.switch["p"]["weight"] is None  # the copy is not kept alive by the switch
     # one position (a decode pass): lane i's expert in row i, no union to find
     for _ in range(2):  # traced, then replayed
-        y, counts = staging.staged_switch(steps, stack, table, x, indices[:1, None], E)
+        y, counts = staged_passes.staged_switch(steps, stack, table, x, indices[:1, None], E)
         assert np.array_equal(np.array(y), host[[[[E, 1]]]])  # 6 from its slot, then 1
         assert np.array(counts).tolist() == [2, 1, 1, 1]
     assert len(seen) == 2 and steps.switch["p"]["weight"] is None  # traced once

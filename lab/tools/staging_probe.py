@@ -1,5 +1,5 @@
 """Prompt tok/s and batched decode tok/s of od-moe against stock mlx-lm in one process, for the staged
-passes of two-tier mode (`od_moe/staging.py`): what `docs/GPU.md` ("Staged passes") reports.
+passes of two-tier mode (`od_moe/two_tier/staged_passes.py`): what `docs/GPU.md` ("Staged passes") reports.
 
     python3 lab/tools/staging_probe.py MODEL WIDEN tt:0.25,tt:0.25:stage=1000000,lru:0.25 \
         [--lengths 16,128,512] [--batches 1,2,4,8]

@@ -34,7 +34,7 @@ from ..assembly import auto_tiers
 from ..preflight import inspect_model
 from ..replay import replay_recording
 from ..report import table
-from ..two_tier import slot_fill, staging
+from ..two_tier import slot_fill, staged_passes
 from ..two_tier.layer_step import TwoTierSwitch
 from ..units import MB
 from .foundation import PROMPTS, stock_decode, stock_model
@@ -71,14 +71,14 @@ def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
 
 
 def staged_read_bandwidth(engine, repeats: int = 5) -> float:
-    """Bytes per second at which a staged pass's copy (`staging.py`: a kernel of 16-byte loads on CUDA)
+    """Bytes per second at which a staged pass's copy (`staged_passes.py`: a kernel of 16-byte loads on CUDA)
     brings every expert of the first MoE layer's mapped stack to the device, the best of `repeats` after a
     warm-up: the other way bytes cross the bus, so the roofline takes the faster of the two."""
     switch = _first_switch(engine)
     stack, cache = engine.runtime.stacks[switch.layer], engine.caches[switch.layer]
     rows, E = mx.arange(cache.num_experts, dtype=mx.int32), cache.num_experts
     copy = functools.partial(
-        staging.take_rows, list(stack.values()), rows, mx.array(E), slot_fill.available()
+        staged_passes.take_rows, list(stack.values()), rows, mx.array(E), slot_fill.available()
     )
     return E * cache.layout.expert_nbytes / best_seconds(copy, repeats)
 
@@ -92,10 +92,10 @@ def bus_bandwidth(engine) -> dict:
 
 def experts_across_bus(engine, phase: str | None = None) -> float:
     """Experts a two-tier engine moved across the bus in `phase` (None: both): lanes read in place (misses),
-    the distinct experts staged passes copied from host rows (once for all their lanes: `staging.py`), and
-    copies into slots. With device-kept rows (`two_tier="lru"`) a miss is copied into a row and read there,
-    so a pass moves its copies, and a staged pass also the experts no row held after them; a pass of one
-    position copies every miss (its top-k fit in the rows at every fraction the benches run)."""
+    the distinct experts staged passes copied from host rows (once for all their lanes: `staged_passes.py`),
+    and copies into slots. With device-kept rows (`two_tier="lru"`) a miss is copied into a row and read
+    there, so a pass moves its copies, and a staged pass also the experts no row held after them; a pass of
+    one position copies every miss (its top-k fit in the rows at every fraction the benches run)."""
     stats, led = engine.stats(), engine.runtime.ledger
     misses = stats["total"]["misses"] if phase is None else stats["total"][phase]["misses"]
     copies = stats["total"]["experts_loaded"] if phase is None else stats["io"][phase]["experts_loaded"]

@@ -12,8 +12,8 @@ the table's rows: bytes cross PCIe only for misses, and the output is stock mlx-
 kernel on the same bytes per lane). Nothing in a pass waits for the host: lookups are booked from the ids'
 shapes, and what needs the routing itself, the hits and `Admission`'s counts, is added up on the device
 (`tally.py`) and read by the host a few passes late, when it is done; `record_routing`'s trace is read
-when recording stops. A pass of several positions (prefill, a batch) is staged instead (`staging.py`): its
-routed experts copied once into device memory, then computed there, since a lane read in place crosses
+when recording stops. A pass of several positions (prefill, a batch) is staged instead (`staged_passes.py`):
+its routed experts copied once into device memory, then computed there, since a lane read in place crosses
 PCIe once per lane.
 Between passes (at the first MoE layer of the next), admission copies the experts worth a slot from their
 host rows into slot rows. MLX writes an array in place only where nothing else holds it, so a fill first
@@ -45,7 +45,7 @@ from .host_ring import HostRing
 from .kept_rows import KeptRows
 from .layer_step import CompiledBlock, CompileVerdict, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
-from .staging import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
+from .staged_passes import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .tally import DeviceTally, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
@@ -95,7 +95,7 @@ class TwoTierRuntime:
         self._last_output: mx.array | None = None  # the last MoE layer's output in the last pass
         self._table_ring = HostRing((len(caches), self.num_experts), np.uint32)
         self._dirty = True  # slots changed since the tables were made
-        # this pass's routed ids, hit lanes and staged layers' counts (`staging.staged_switch`), by layer
+        # this pass's routed ids, hit lanes, staged layers' counts (`staged_passes.staged_switch`), by layer
         self._routed, self._hit, self._union = {}, {}, {}
         self.stage_positions = STAGE_POSITIONS  # a pass of this many positions or more is staged (`build`)
         self._recording: list | None = None
@@ -224,7 +224,7 @@ class TwoTierRuntime:
         if self.lookahead is not None:  # the rows keep their own call's hits
             fused = self.phase == "decode" and self.lookahead.fuses()
             return self.lookahead.plan(layer, table) if fused else None
-        if self.stage_positions <= 1:  # each lane's expert copied to the device first (`staging.py`)
+        if self.stage_positions <= 1:  # each lane's expert copied to the device first (`staged_passes.py`)
             by_kernel = slot_fill.available()
             return Plan(("staged", by_kernel), staged_lanes(by_kernel), (table, *stack), self._keep)
         if self._resident[layer].any():
@@ -250,7 +250,7 @@ class TwoTierRuntime:
 
     def _eager(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
         """A layer pass op by op (several positions; rows the host decides): each lane's row, then the
-        switch on them, or on device copies of the experts routed (staged, `staging.py`)."""
+        switch on them, or on device copies of the experts routed (staged, `staged_passes.py`)."""
         steps, rows, stack, E = self.steps[layer], self._tables[layer], self.stacks[layer], self.num_experts
         if self._full[layer]:
             views = self._direct[layer]

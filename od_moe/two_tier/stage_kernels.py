@@ -1,4 +1,4 @@
-"""The CUDA kernels of staged passes (`staging.py`): rows of the stacks copied to the device by 16-byte
+"""The CUDA kernels of staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte
 loads (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its
 expert copied, which lanes were hits and the pass's counts) where MLX operations took several.
 
@@ -9,7 +9,7 @@ looked up each lane's row in the table, copied the rows, and counted its hits in
 the copy; here the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block
 writes the lane's hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows`
 copies, so the layer's products and tokens are unchanged. CUDA only: elsewhere the same work is MLX operations
-(`staging.py`).
+(`staged_passes.py`).
 Not here: what the copies are used for, or which pass is staged (`two_tier.py`).
 """
 
@@ -64,7 +64,7 @@ _kernels: dict[tuple, object] = {}
 def staged_lanes(indices: mx.array, table: mx.array, arrays: list, blocks: int) -> tuple:
     """A staged pass of one position in one kernel: (lane i's expert, from the row `table` gives it, copied
     into row i of a copy of each of `arrays`; which lanes' experts were in device rows, the ids' shape;
-    the pass's counts (4,) int32 as `staging.staged_switch` gives them). `blocks`: thread blocks per
+    the pass's counts (4,) int32 as `staged_passes.staged_switch` gives them). `blocks`: thread blocks per
     (lane, array)."""
     k, E = indices.size, table.shape[0]
     unit, units = slot_fill.row_units(arrays)

@@ -27,7 +27,8 @@ class DeviceTally:
         self.layers, self.experts, self.phases = layers, experts, phases
         self.counts = mx.zeros((layers * experts,), mx.int32)
         self.hits = mx.zeros((phases * layers,), mx.int32)
-        self.union = mx.zeros((phases * layers, 4), mx.int32)  # staged: `staging.staged_switch`'s counts
+        # staged: `staged_passes.staged_switch`'s counts
+        self.union = mx.zeros((phases * layers, 4), mx.int32)
         # evaluated now: another thread may generate, and MLX streams are per thread
         mx.eval(self.counts, self.hits, self.union)
         self._offsets: dict[tuple, mx.array] = {}

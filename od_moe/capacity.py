@@ -6,8 +6,8 @@ engine's MLX memory: non-expert weights, C slots in every MoE layer, the working
 beyond weights (`working_nbytes`: the KV cache of `RESERVED_CONTEXT` tokens and the routers' float32
 copies prefetch predicts with), and 10% for activations. Contexts longer than `RESERVED_CONTEXT` take
 `kv_nbytes_per_token` more per token. Not counted: host memory outside MLX (numpy staging buffers, the
-page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows (`device_rows.py`: MLX
-arrays kept in host memory, at most `DEVICE_ROW_BYTES`, which MLX counts as its own).
+page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows (`mlx_rows.py`: MLX
+arrays kept in host memory, at most `MLX_ROW_BYTES`, which MLX counts as its own).
 
 On CUDA the device's memory is its own, and the slots live there: a device budget (`device_budget`: a
 given size, else `DEVICE_BUDGET_FRACTION` of what the card has free) holds the non-expert weights, the

@@ -301,16 +301,16 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
         od_moe.load(capacity=8, direct_io="yes")
 
 
-def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync():
-    """Staging rows that are MLX memory (`device_rows.py`, CUDA's read path): a row installed from is
+def test_mlx_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync():
+    """Staging rows that are MLX memory (`mlx_rows.py`, CUDA's read path): a row installed from is
     handed out again only after a host sync made once the second decode pass after it began (prefill
     passes do not count); one given back unused is free at once; past the bound, numpy staging."""
-    from od_moe.per_layer.device_rows import GROW, DeviceRows
+    from od_moe.per_layer.mlx_rows import GROW, MLXRows
 
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     layout = store.block_layout("model.layers.1.mlp.switch_mlp", parts, 64)
-    rows = DeviceRows(max_bytes=2 * layout.expert_nbytes)
+    rows = MLXRows(max_bytes=2 * layout.expert_nbytes)
     assert rows.reserve(layout) is GROW
     row = rows.make(layout)
     raw = store.read(layout, [17], row.staging)  # read straight into the MLX array's memory
@@ -329,16 +329,16 @@ def test_device_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync
     assert rows.reserve(layout) is row
 
 
-def test_device_rows_installed_into_the_computing_layer_are_free_after_a_later_layers_sync():
+def test_mlx_rows_installed_into_the_computing_layer_are_free_after_a_later_layers_sync():
     """A demand read installed into the layer about to compute: the sync of a later layer's routing in the
     same pass depends on that layer's output, so the row is free after it, not after the layer's own sync
     or a sync with no layer; one no later layer's sync freed waits two decode passes like the others."""
-    from od_moe.per_layer.device_rows import GROW, DeviceRows
+    from od_moe.per_layer.mlx_rows import GROW, MLXRows
 
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     layout = store.block_layout("model.layers.1.mlp.switch_mlp", parts, 64)
-    rows = DeviceRows(max_bytes=layout.expert_nbytes)
+    rows = MLXRows(max_bytes=layout.expert_nbytes)
     rows.begin_pass(decode=False)
     assert rows.reserve(layout) is GROW
     row = rows.make(layout)
@@ -357,12 +357,12 @@ def test_device_rows_installed_into_the_computing_layer_are_free_after_a_later_l
     assert rows.reserve(layout) is row  # a sync once the second decode pass after it began
 
 
-def test_device_rows_take_back_their_memory_hints_when_the_reader_closes_or_they_are_collected(monkeypatch):
+def test_mlx_rows_take_back_their_memory_hints_when_the_reader_closes_or_they_are_collected(monkeypatch):
     """Rows are MLX arrays advised host-preferred on CUDA (`backend.stage_for_device`); MLX recycles their
     buffers once they go, so the advice is taken back first: when the reader closes, or when rows nobody
     closed are collected. After `release` no row is handed out."""
     from od_moe import backend
-    from od_moe.per_layer.device_rows import GROW, DeviceRows
+    from od_moe.per_layer.mlx_rows import GROW, MLXRows
 
     gc.collect()  # rows other tests left are released before the count starts
     unstaged = []
@@ -384,7 +384,7 @@ def test_device_rows_take_back_their_memory_hints_when_the_reader_closes_or_they
     assert len(unstaged) == 2  # once
 
     unstaged.clear()
-    rows = DeviceRows()
+    rows = MLXRows()
     assert rows.reserve(layout) is GROW
     array_id = id(rows.make(layout).array)
     del rows

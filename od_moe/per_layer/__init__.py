@@ -10,7 +10,7 @@ experts, and on Metal, whose GPU shares the host's memory.
 - `runtime.py`: `OffloadRuntime`, what happens at every MoE layer between routing and the expert math;
   `passes.py`, where generation stands (the clock the runtime and its reads share);
 - `loader.py`: demand reads and installs, prefetches queued and installed;
-- `reader.py`, `device_rows.py`: the read queue and its threads; on CUDA, the rows of MLX memory reads
+- `reader.py`, `mlx_rows.py`: the read queue and its threads; on CUDA, the rows of MLX memory reads
   land in;
 - `policies.py`, `governor.py`: what to prefetch, and how much;
 - `optimistic.py`: decode passes with one host sync instead of one per partly resident layer.

@@ -63,7 +63,7 @@ class Loader:
 
     @property
     def rows(self):
-        """The reader's rows of MLX memory (`device_rows.py`), where reads land in them."""
+        """The reader's rows of MLX memory (`mlx_rows.py`), where reads land in them."""
         return self._reader.rows if self._reader is not None else None
 
     @property

@@ -9,7 +9,7 @@
   `wanted` is kept from eviction when reads are installed (`wanted(layer)`).
 - The threads do file I/O (`ExpertStore.read` into staging buffers from a bounded pool). With
   `make_arrays` (CUDA, where arrays are device memory) each read's bytes must become one flat MLX array
-  (`flat_rows`'s row): they are read straight into one (`device_rows.py`: rows of MLX memory, reused once
+  (`flat_rows`'s row): they are read straight into one (`mlx_rows.py`: rows of MLX memory, reused once
   their installs surely ran), or, past the rows' bound, copied into a new one (`mx.array`, which holds
   the GIL). One expert at a time, demand first, then best score, while the prefetched bytes read and not
   yet taken stay under `max_inflight_bytes`. Several threads keep several reads in flight: SSDs need
@@ -33,7 +33,7 @@ import mlx.core as mx
 from ..layout import BlockLayout, Staging, flat_rows
 from ..stats import Ledger
 from ..store import ExpertStore
-from .device_rows import GROW, DeviceRows, Row
+from .mlx_rows import GROW, MLXRows, Row
 
 MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory
 # Reads in flight at once for large experts: SSDs read faster with a few requests queued (docs/GPU.md,
@@ -60,7 +60,7 @@ class Read:
     raw: dict | None = None
     arrays: mx.array | None = None  # raw's bytes as one flat MLX array, where the reader makes it
     staging: Staging | None = None
-    row: Row | None = None  # where `staging` is an MLX array's memory (`device_rows.py`)
+    row: Row | None = None  # where `staging` is an MLX array's memory (`mlx_rows.py`)
     error: BaseException | None = None
 
     @property
@@ -80,7 +80,7 @@ class Reader:
     ):
         self.store, self.layouts, self.ledger = store, layouts, ledger
         self.make_arrays = make_arrays
-        self.rows = DeviceRows() if make_arrays else None  # reads straight into MLX memory (CUDA)
+        self.rows = MLXRows() if make_arrays else None  # reads straight into MLX memory (CUDA)
         self.max_inflight_bytes = max(max_inflight_bytes, max(layout.expert_nbytes for layout in layouts))
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # reader threads wait here for requests

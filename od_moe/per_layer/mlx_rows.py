@@ -40,7 +40,7 @@ from ..layout import BlockLayout, Staging
 
 # about three decode passes of reads at 25% of the widened x128 model; with fewer rows more decode reads
 # went to copies and decode slowed (docs/GPU.md, "The per-layer path on CUDA")
-DEVICE_ROW_BYTES = 256 * 2**20
+MLX_ROW_BYTES = 256 * 2**20
 PASSES_APART = 2  # a row given back in decode pass n is written again after a sync in decode pass n + 2
 
 
@@ -55,10 +55,10 @@ class Row:
 GROW = object()  # `reserve`'s answer where a new row may be made (by the reading thread, `make`)
 
 
-class DeviceRows:
+class MLXRows:
     """The rows of MLX memory the reader threads read into, by expert shape, and those cooling."""
 
-    def __init__(self, max_bytes: int = DEVICE_ROW_BYTES):
+    def __init__(self, max_bytes: int = MLX_ROW_BYTES):
         self.max_bytes = max_bytes
         self.bytes = 0  # rows made (in use, cooling or free)
         self.epoch = 0  # decode passes begun

@@ -1,5 +1,5 @@
 """What an expert's bytes look like in memory: the arrays an expert owns (`ExpertPart`), where a MoE
-block's experts are (`BlockLayout`), and the host memory reads land in (`Staging`, one row per expert with
+block's experts are (`BlockLayout`), and the host memory reads land in (`ExpertRows`, one row per expert with
 its arrays back to back, which is also what an install copies from and what `od-moe pack` writes).
 Not here: finding the bytes in a model's files or reading them (`store.py`).
 """
@@ -109,7 +109,7 @@ def host_rows(count: int, nbytes: int) -> np.ndarray:
     return raw[start : start + count * nbytes].reshape(count, nbytes)
 
 
-class Staging:
+class ExpertRows:
     """Preallocated host memory for a batch of up to `size` experts of one layout: one row per expert,
     its parts back to back (`flat`), and per part a view of its columns (`buffers`), which reads fill.
     A row is what a host-to-device copy of one expert carries, with no gathering of parts."""

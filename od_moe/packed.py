@@ -21,7 +21,7 @@ import struct
 from pathlib import Path
 
 from .errors import ExpertReadError, UserError
-from .layout import BlockLayout, Staging
+from .layout import BlockLayout, ExpertRows
 from .store import ExpertStore, _read_header
 
 PACKED_DIR = "od-moe-packed"
@@ -59,7 +59,7 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
             f.write(struct.pack("<Q", len(encoded)) + encoded)
             for layout in layouts:
                 batch = max(1, PACK_BATCH_BYTES // layout.expert_nbytes)
-                staging = Staging(layout, min(batch, layout.num_experts))
+                staging = ExpertRows(layout, min(batch, layout.num_experts))
                 for start in range(0, layout.num_experts, staging.size):
                     ids = range(start, min(start + staging.size, layout.num_experts))
                     f.write(store.read(layout, list(ids), staging).flat)

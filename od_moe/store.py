@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ExpertReadError, UserError
-from .layout import RAW_NUMPY_DTYPES, BlockLayout, ExpertBytes, ExpertPart, Staging
+from .layout import RAW_NUMPY_DTYPES, BlockLayout, ExpertBytes, ExpertPart, ExpertRows
 
 # Names a projection of mlx-lm's SwitchGLU / SwitchMLP has in per-expert Hugging Face checkpoints.
 HF_PROJECTION_NAMES = {
@@ -262,7 +262,7 @@ class ExpertStore:
         return None
 
     def read(
-        self, layout: BlockLayout, ids: Sequence[int], staging: Staging
+        self, layout: BlockLayout, ids: Sequence[int], staging: ExpertRows
     ) -> dict[tuple[str, str], np.ndarray]:
         """Read the experts `ids` (at most `staging.size`) into `staging`; returns views, row i = ids[i].
 

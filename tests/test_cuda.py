@@ -13,7 +13,7 @@ import pytest
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 from od_moe import backend, cuda
-from od_moe.layout import Staging
+from od_moe.layout import ExpertRows
 
 
 class _Call:
@@ -136,7 +136,9 @@ def test_copies_the_device_does_not_see_fall_back_to_mlx_writes(cuda_copies, bun
     engine.runtime.copy_installs = True
     full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
     cache, ids = engine.caches[2], np.array([9, 3, 60])
-    slots = cache.install(ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4))).slots
+    slots = cache.install(
+        ids, engine.runtime.store.read(cache.layout, ids, ExpertRows(cache.layout, 4))
+    ).slots
     assert backend._copies.trusted is False and not backend.copies_into_arrays() and not cache.host_writes
     for part in cache.layout.parts:
         stacked = cache.projections[part.proj][part.name]

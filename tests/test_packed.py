@@ -13,7 +13,7 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, slots_hold_their_experts
 from od_moe.cli import main
 from od_moe.errors import UserError
-from od_moe.layout import Staging
+from od_moe.layout import ExpertRows
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +42,9 @@ def test_packed_reads_give_the_checkpoints_bytes_in_one_request_per_run(packed_m
         p_layout, u_layout = p_cache.layout, u_cache.layout
         assert p_layout.packed is not None and u_layout.packed is None
         calls.clear()
-        got = packed.runtime.store.read(p_layout, ids, Staging(p_layout, 8))
+        got = packed.runtime.store.read(p_layout, ids, ExpertRows(p_layout, 8))
         assert calls == [1, 1, 1, 1]  # one request per run of consecutive experts, into the staging rows
-        want = plain.runtime.store.read(u_layout, ids, Staging(u_layout, 8))
+        want = plain.runtime.store.read(u_layout, ids, ExpertRows(u_layout, 8))
         assert np.array_equal(got.flat, want.flat)
         assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
 
@@ -157,7 +157,7 @@ def test_packed_reads_through_direct_io_give_the_same_bytes(packed_model):
     plain = od_moe.load(str(packed_model), capacity=4, packed=False)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     module = plain.caches[2].layout.module_path
-    want = plain.runtime.store.read(plain.caches[2].layout, [3, 4, 50], Staging(plain.caches[2].layout, 3))
+    want = plain.runtime.store.read(plain.caches[2].layout, [3, 4, 50], ExpertRows(plain.caches[2].layout, 3))
     for direct_first in (True, False):
         store = ExpertStore(packed_model)
         if direct_first:
@@ -167,5 +167,5 @@ def test_packed_reads_through_direct_io_give_the_same_bytes(packed_model):
         assert direct == ExpertStore(packed_model).use_direct_io(True)  # as the file system allows
         assert store._direct is None or len(store._direct) == len(store.files)
         layout = store.block_layout(module, parts, 64)
-        got = store.read(layout, [3, 4, 50], Staging(layout, 3))
+        got = store.read(layout, [3, 4, 50], ExpertRows(layout, 3))
         assert layout.packed is not None and np.array_equal(got.flat, want.flat)

@@ -11,7 +11,7 @@ import od_moe
 from od_moe import store as store_module
 from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.errors import UserError
-from od_moe.layout import Staging, flat_rows
+from od_moe.layout import ExpertRows, flat_rows
 from od_moe.per_layer.reader import Reader
 from od_moe.stats import Ledger
 from od_moe.store import ExpertStore
@@ -24,7 +24,7 @@ def test_store_reads_exactly_the_expert_rows():
     assert layout.layout == "mlx" and len(layout.parts) == 9
     full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
     ids = [5, 6, 7, 40, 63]  # a run of neighbours (one preadv) and stragglers
-    raw = store.read(layout, ids, Staging(layout, 8))
+    raw = store.read(layout, ids, ExpertRows(layout, 8))
     for part in layout.parts:
         expected = full[f"model.layers.2.mlp.switch_mlp.{part.proj}.{part.name}"][mx.array(ids)]
         got = mx.array(raw[(part.proj, part.name)])
@@ -40,7 +40,7 @@ def test_reads_cut_short_by_the_os_resume_where_they_stopped(monkeypatch):
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     layout = store.block_layout("model.layers.3.mlp.switch_mlp", parts, 64)
     ids = [7, 8, 9, 31]  # a run of three rows and one alone
-    whole = store.read(layout, ids, Staging(layout, 4))
+    whole = store.read(layout, ids, ExpertRows(layout, 4))
     expected = {key: np.array(rows) for key, rows in whole.items()}
     real, calls = store_module.os.preadv, []
 
@@ -55,7 +55,7 @@ def test_reads_cut_short_by_the_os_resume_where_they_stopped(monkeypatch):
         return real(fd, cut, offset)
 
     monkeypatch.setattr(store_module.os, "preadv", short)
-    got = store.read(layout, ids, Staging(layout, 4))
+    got = store.read(layout, ids, ExpertRows(layout, 4))
     assert len(calls) > 2 * len(layout.parts)
     for key, rows in expected.items():
         assert np.array_equal(got[key], rows)
@@ -67,7 +67,7 @@ def test_staging_holds_each_expert_as_one_row_of_its_parts_back_to_back():
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     layout = store.block_layout("model.layers.5.mlp.switch_mlp", parts, 64)
-    staging = Staging(layout, 8)
+    staging = ExpertRows(layout, 8)
     raw = store.read(layout, [12, 13, 2], staging)
     gathered = flat_rows(layout, {k: [np.array(row) for row in v] for k, v in raw.items()}, 3)
     made = flat_rows(layout, raw, 3)
@@ -86,7 +86,7 @@ def test_both_install_paths_put_the_checkpoint_rows_in_the_slots(dtype):
         cache = engine.caches[4]
         cache.host_writes = host
         slots = cache.install(
-            ids, engine.runtime.store.read(cache.layout, ids, Staging(cache.layout, 4))
+            ids, engine.runtime.store.read(cache.layout, ids, ExpertRows(cache.layout, 4))
         ).slots
         assert cache.host_writes == host  # the CPU backend takes the numpy path whenever asked
         for part in cache.layout.parts:
@@ -106,9 +106,9 @@ def test_mlx_installs_from_the_readers_flat_arrays(made):
     cache.host_writes = False
     layout, store = cache.layout, engine.runtime.store
     first = np.array([1, 2])
-    cache.install(first, store.read(layout, first, Staging(layout, 4)))
+    cache.install(first, store.read(layout, first, ExpertRows(layout, 4)))
     ids = np.array([60]) if made == "one" else np.array([9, 3, 40])
-    raw = store.read(layout, ids, Staging(layout, 4))
+    raw = store.read(layout, ids, ExpertRows(layout, 4))
     arrays = [mx.array(row) for row in flat_rows(layout, raw, len(ids))]
     if made == "some":
         arrays[1] = None
@@ -131,7 +131,7 @@ def test_mlx_installs_are_left_to_the_computation_that_reads_the_slots(monkeypat
     monkeypatch.setattr(mx, "eval", lambda *arrays: started.append(arrays))
     layout, store = cache.layout, engine.runtime.store
     for ids in (np.array([5, 7]), np.array([11]), np.array([20, 21])):
-        cache.install(ids, store.read(layout, ids, Staging(layout, 4)))
+        cache.install(ids, store.read(layout, ids, ExpertRows(layout, 4)))
     assert started == []
     monkeypatch.undo()
     assert set(cache.resident_ids().tolist()) >= {5, 7, 11, 20, 21}
@@ -283,13 +283,16 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     layout = buffered.block_layout("model.layers.6.mlp.switch_mlp", parts, 64)
     for ids in ([0], [63], [5, 6, 7, 40, 62], list(range(16))):  # unaligned starts, runs, the file's tail
-        a, b = buffered.read(layout, ids, Staging(layout, 16)), direct.read(layout, ids, Staging(layout, 16))
+        a, b = (
+            buffered.read(layout, ids, ExpertRows(layout, 16)),
+            direct.read(layout, ids, ExpertRows(layout, 16)),
+        )
         assert all(np.array_equal(a[k], b[k]) for k in a)
     monkeypatch.setattr(store_module, "BOUNCE_BYTES", 2 * store_module.DIRECT_ALIGN)
     small = ExpertStore(od_moe.DEFAULT_MODEL)  # a run of experts spread over many bounce-buffer spans
     assert small.use_direct_io(True)
     ids = list(range(3, 19))
-    a, b = buffered.read(layout, ids, Staging(layout, 16)), small.read(layout, ids, Staging(layout, 16))
+    a, b = buffered.read(layout, ids, ExpertRows(layout, 16)), small.read(layout, ids, ExpertRows(layout, 16))
     assert all(np.array_equal(a[k], b[k]) for k in a) and np.array_equal(a.flat, b.flat)
     engine = od_moe.load(capacity="25%", direct_io=True)
     assert (
@@ -401,7 +404,7 @@ def test_staging_starts_mid_page_so_installs_do_not_copy_onto_aliasing_addresses
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}
     layout = store.block_layout("model.layers.1.mlp.switch_mlp", parts, 64)
-    staging = Staging(layout, 3)
+    staging = ExpertRows(layout, 3)
     assert staging.flat.ctypes.data % 4096 == STAGING_PAGE_OFFSET
     assert staging.flat.shape == (3, layout.expert_nbytes) and staging.flat.flags.c_contiguous
     raw = store.read(layout, [5, 6, 40], staging)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import backend, load
 from ..engine import model_layouts
-from ..layout import Staging, flat_rows
+from ..layout import ExpertRows, flat_rows
 from ..per_layer.reader import Reader
 from ..stats import Ledger
 
@@ -68,7 +68,7 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     batches = [np.arange(experts) + experts * (n % 2) for n in range(repeats + 1)]  # alternate: always fresh
     raws = {}
     for ids in batches[:2]:
-        staging = Staging(cache.layout, experts)
+        staging = ExpertRows(cache.layout, experts)
         raws[int(ids[0])] = store.read(cache.layout, ids, staging)
     made = not engine.runtime.copy_installs  # MLX writes from arrays the reader threads make (CUDA)
     seconds = 0.0

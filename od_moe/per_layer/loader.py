@@ -23,7 +23,7 @@ import numpy as np
 from .. import backend
 from ..cache import Installed, LayerCache
 from ..errors import ExpertReadError
-from ..layout import Staging
+from ..layout import ExpertRows
 from ..stats import Ledger
 from ..store import ExpertStore
 from .governor import Governor
@@ -45,7 +45,7 @@ class Loader:
         self.read_threads = read_threads
         self.governor: Governor | None = None  # set while prefetch runs
         self._reader: Reader | None = None
-        self._staging: dict[tuple, Staging] = {}  # this thread's buffers for reads it does itself
+        self._staging: dict[tuple, ExpertRows] = {}  # this thread's buffers for reads it does itself
         self.copy_installs = backend.arrays_in_host_memory()
 
     @property
@@ -177,7 +177,7 @@ class Loader:
         if self.read_threads == 1 and (self.governor is None or not self.reader.busy):
             staging = self._staging.get(cache.layout.shape_key)
             if staging is None or staging.size < len(ids):
-                staging = self._staging[cache.layout.shape_key] = Staging(
+                staging = self._staging[cache.layout.shape_key] = ExpertRows(
                     cache.layout, max(len(ids), READ_BATCH)
                 )
             try:

@@ -1,5 +1,5 @@
-"""Staging that is already an MLX array: where MLX arrays are not host memory (CUDA), reads land in the
-memory the device copies from, with no host copy between.
+"""Expert rows (`layout.ExpertRows`) that are already an MLX array: where MLX arrays are not host memory
+(CUDA), reads land in the memory the device copies from, with no host copy between.
 
 On CUDA the bytes of an expert reach the cache's slots through an MLX array made from host bytes
 (`mx.array`), a copy that holds Python's GIL, so the reader threads made arrays one at a time and
@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import backend
-from ..layout import BlockLayout, Staging
+from ..layout import BlockLayout, ExpertRows
 
 # about three decode passes of reads at 25% of the widened x128 model; with fewer rows more decode reads
 # went to copies and decode slowed (docs/GPU.md, "The per-layer path on CUDA")
@@ -49,7 +49,7 @@ class Row:
     """One expert's bytes as a flat uint8 MLX array, and the staging whose `flat` is its memory."""
 
     array: mx.array
-    staging: Staging
+    staging: ExpertRows
 
 
 GROW = object()  # `reserve`'s answer where a new row may be made (by the reading thread, `make`)
@@ -103,7 +103,7 @@ class MLXRows:
                 self._made.append(array)
         if released:  # made while the reader closed: nothing will release it later
             backend.unstage(array)
-        return Row(array, Staging(layout, 1, flat=view[None]))
+        return Row(array, ExpertRows(layout, 1, flat=view[None]))
 
     def release(self):
         """No more rows: take back the memory hints of those made (the reader is closing)."""

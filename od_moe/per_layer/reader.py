@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..layout import BlockLayout, Staging, flat_rows
+from ..layout import BlockLayout, ExpertRows, flat_rows
 from ..stats import Ledger
 from ..store import ExpertStore
 from .mlx_rows import GROW, MLXRows, Row
@@ -59,7 +59,7 @@ class Read:
     nbytes: int
     raw: dict | None = None
     arrays: mx.array | None = None  # raw's bytes as one flat MLX array, where the reader makes it
-    staging: Staging | None = None
+    staging: ExpertRows | None = None
     row: Row | None = None  # where `staging` is an MLX array's memory (`mlx_rows.py`)
     error: BaseException | None = None
 
@@ -90,8 +90,8 @@ class Reader:
         self._ready: dict[tuple[int, int], Read] = {}
         self._inflight_bytes = 0  # prefetched bytes being read or read and not taken
         self._wanted: dict[int, set] = {}
-        self._spare: dict[tuple, list[Staging]] = {}  # staging buffers of taken reads, by expert shape
-        self._batch_staging: dict[tuple, Staging] = {}  # the calling thread's batched demand reads
+        self._spare: dict[tuple, list[ExpertRows]] = {}  # staging buffers of taken reads, by expert shape
+        self._batch_staging: dict[tuple, ExpertRows] = {}  # the calling thread's batched demand reads
         self._keep_spare = (
             max(self.max_inflight_bytes // min(l.expert_nbytes for l in layouts), threads) + threads
         )
@@ -268,7 +268,7 @@ class Reader:
         r.row = self.rows.reserve(layout) if self.rows is not None else None
         if r.row is None:
             spare = self._spare.get(layout.shape_key)
-            r.staging = spare.pop() if spare else Staging(layout, 1)
+            r.staging = spare.pop() if spare else ExpertRows(layout, 1)
         elif r.row is not GROW:
             r.staging = r.row.staging
 
@@ -277,7 +277,7 @@ class Reader:
         layout = self.layouts[layer]
         staging = self._batch_staging.get(layout.shape_key)
         if staging is None or staging.size < len(batch):
-            staging = self._batch_staging[layout.shape_key] = Staging(layout, max(len(batch), 16))
+            staging = self._batch_staging[layout.shape_key] = ExpertRows(layout, max(len(batch), 16))
         try:
             raw = self.store.read(layout, [r.expert for r in batch], staging)
         except BaseException as e:  # raised on the generation thread when taken
@@ -300,7 +300,7 @@ class Reader:
             if r.row is GROW:
                 r.row = None  # until made
                 r.row = self.rows.make(layout)
-                r.staging = r.row.staging if r.row is not None else Staging(layout, 1)
+                r.staging = r.row.staging if r.row is not None else ExpertRows(layout, 1)
             r.raw = self.store.read(layout, [r.expert], r.staging)
             if r.row is not None:
                 r.arrays = r.row.array  # the bytes were read into it

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import backend, cuda
 from ..cache import SAME_BYTES, _host_bits
-from ..layout import BlockLayout, Staging
+from ..layout import BlockLayout, ExpertRows
 from ..store import ExpertStore
 
 READ_BATCH_BYTES = 64 * 2**20  # staging for one read round of a layer's experts
@@ -56,7 +56,7 @@ def read_stack(
         for p in layout.parts
     }
     batch = max(1, min(E, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
-    staging = Staging(layout, batch)
+    staging = ExpertRows(layout, batch)
     for start in range(0, E, batch):
         ids = np.arange(start, min(E, start + batch))
         raw = store.read(layout, ids, staging)

@@ -197,7 +197,7 @@ def sends_between_ranks() -> bool:
     return not (mx.cuda.is_available() and mx.default_device().type == mx.gpu)
 
 
-_managed_staging = cuda.ManagedStaging()
+_host_preferred_hints = cuda.HostPreferredHints()
 _copies = cuda.DeviceCopies()
 _host_mapping = cuda.HostMapping()
 # of the memory available, what the mapped stacks of two-tier mode may take before "auto" declines it
@@ -288,14 +288,14 @@ def stage_for_device(array: mx.array) -> mx.array:
     takes several times longer (docs/BENCHMARKS.md, "Investigations", `installs.py`)."""
     if arrays_in_host_memory():
         return array
-    return _managed_staging.apply(array)
+    return _host_preferred_hints.apply(array)
 
 
 def unstage(array: mx.array):
     """Undo `stage_for_device` for an array that is no longer needed, so that MLX recycles its buffer as
     any other (call it once nothing still computing reads the array)."""
     if not arrays_in_host_memory():
-        _managed_staging.release(array)
+        _host_preferred_hints.release(array)
 
 
 def copies_into_arrays() -> bool:

@@ -9,7 +9,7 @@ API does slowly for expert bytes read from disk, done here with the runtime MLX 
   default stream; `flush` issues and waits for them, so MLX work launched after it reads the new bytes,
   and the caller makes sure, as for host writes on the CPU, that no computation in flight reads the rows
   being written. Off by default (`OffloadRuntime.copy_installs`): see there what it measured.
-- `ManagedStaging`: memory advice for host-made arrays the device reads once (`backend.stage_for_device`),
+- `HostPreferredHints`: memory advice for host-made arrays the device reads once (`backend.stage_for_device`),
   used where copies are unavailable (the fallback install path through MLX arrays).
 Any error turns the feature off for good and clears the runtime's error state (MLX checks it after its
 launches); callers then fall back to MLX operations. Not here: which backend is running (`backend.py`).
@@ -183,7 +183,7 @@ class DeviceCopies:
         self.runtime.cudaHostUnregister(address)
 
 
-class ManagedStaging:
+class HostPreferredHints:
     """CUDA managed-memory hints for host-made arrays that the GPU reads once (expert bytes on their way
     into the cache): preferred location the host, accessed by the device. Each buffer is advised once, and
     its advice taken back (`release`) before MLX may recycle it: the advice stays with the memory. An
@@ -274,8 +274,8 @@ class HostMapping:
             self.on = found is not None
             if found is not None:
                 runtime, version = found
-                staging = ManagedStaging(runtime, version, self.device)
-                self.runtime, self.host, self.gpu = runtime, staging.host, staging.gpu
+                hints = HostPreferredHints(runtime, version, self.device)
+                self.runtime, self.host, self.gpu = runtime, hints.host, hints.gpu
                 where = type(self.gpu)
                 if version >= 13000:  # CUDA 13 takes a location and flags where CUDA 12 took a device
                     runtime.cudaMemPrefetchAsync.argtypes = [
@@ -298,15 +298,15 @@ class HostMapping:
             address, nbytes = address_of(array), array.nbytes
             steps = [
                 lambda: self.runtime.cudaMemAdvise(
-                    address, nbytes, ManagedStaging.PREFERRED_LOCATION, self.host
+                    address, nbytes, HostPreferredHints.PREFERRED_LOCATION, self.host
                 ),
-                lambda: self.runtime.cudaMemAdvise(address, nbytes, ManagedStaging.ACCESSED_BY, self.gpu),
+                lambda: self.runtime.cudaMemAdvise(address, nbytes, HostPreferredHints.ACCESSED_BY, self.gpu),
             ]
             if device_tail:
                 tail = address + nbytes - device_tail
                 steps += [
                     lambda: self.runtime.cudaMemAdvise(
-                        tail, device_tail, ManagedStaging.PREFERRED_LOCATION, self.gpu
+                        tail, device_tail, HostPreferredHints.PREFERRED_LOCATION, self.gpu
                     ),
                     lambda: self._prefetch(tail, device_tail),
                     lambda: self.runtime.cudaDeviceSynchronize(),
@@ -327,8 +327,8 @@ class HostMapping:
                 return
             nbytes = self.advised.pop(address, 0)
             for advice, where in (
-                (ManagedStaging.PREFERRED_LOCATION + 1, self.host),
-                (ManagedStaging.ACCESSED_BY + 1, self.gpu),
+                (HostPreferredHints.PREFERRED_LOCATION + 1, self.host),
+                (HostPreferredHints.ACCESSED_BY + 1, self.gpu),
             ):
                 if nbytes and self.runtime.cudaMemAdvise(address, nbytes, advice, where) != 0:
                     self.runtime.cudaGetLastError()

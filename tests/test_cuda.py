@@ -177,16 +177,16 @@ def test_cuda_staging_hints_advise_each_large_buffer_once_and_stand_down_on_an_e
     the runtime is older, and on an error no further calls, the runtime's last error cleared (MLX checks
     it after its launches) and the array returned as it was."""
     runtime = _Runtime()
-    hints = cuda.ManagedStaging(runtime)
+    hints = cuda.HostPreferredHints(runtime)
     big, small = mx.array(np.zeros(hints.MIN_BYTES, np.uint8)), mx.array(np.zeros(1024, np.uint8))
     assert hints.apply(big) is big and hints.apply(big) is big and hints.apply(small) is small
     address = np.array(big, copy=False).__array_interface__["data"][0]
     assert runtime.cudaMemAdvise.calls == [(address, big.nbytes, 3, (2, 0)), (address, big.nbytes, 5, (1, 0))]
     old = _Runtime()
-    cuda.ManagedStaging(old, version=12080).apply(big)
+    cuda.HostPreferredHints(old, version=12080).apply(big)
     assert [c[2:] for c in old.cudaMemAdvise.calls] == [(3, -1), (5, 0)]  # cudaCpuDeviceId, device 0
     failing = _Runtime(fail_at=2)
-    hints = cuda.ManagedStaging(failing)
+    hints = cuda.HostPreferredHints(failing)
     other = mx.array(np.ones(hints.MIN_BYTES, np.uint8))
     assert hints.apply(big) is big and hints.apply(other) is other
     assert len(failing.cudaMemAdvise.calls) == 2 and failing.cleared == 1 and hints.on is False
@@ -198,7 +198,7 @@ def test_cuda_staging_hints_are_taken_back_from_a_buffer_before_mlx_recycles_it(
     engine, where host-preferred memory slows the GPU), so each advised buffer is unset once, and only
     those advised."""
     runtime = _Runtime()
-    hints = cuda.ManagedStaging(runtime)
+    hints = cuda.HostPreferredHints(runtime)
     big, other = mx.array(np.zeros(hints.MIN_BYTES, np.uint8)), mx.array(np.ones(hints.MIN_BYTES, np.uint8))
     address = np.array(big, copy=False).__array_interface__["data"][0]
     hints.apply(big)

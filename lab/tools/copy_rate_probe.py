@@ -1,6 +1,6 @@
 """How fast a decoded token's staged copies cross the bus on CUDA: the widened copy with no experts in slots
 (`tt:0`, every decode pass staged, `staged_passes.py`), its eight MoE layers' lanes copied from the mapped
-stacks by `stage_kernels.staged_lanes` and by candidate kernels, in the same process as the token they serve.
+stacks by `kernels.staged_lanes` and by candidate kernels, in the same process as the token they serve.
 
 Per kernel: the eight layers' copies (8 lanes of 2.65 MB each) evaluated together with no order between
 them ("together": the bus's best), and chained so that each layer's copy waits for the one before
@@ -26,7 +26,8 @@ from kernel_time import decode, stacks_to_device  # a tool beside this one
 import od_moe
 from od_moe.bench.two_tier_grid import best_seconds
 from od_moe.bench.widen import widen_model
-from od_moe.two_tier import slot_fill, stage_kernels
+from od_moe.two_tier import kernels as two_tier_kernels
+from od_moe.two_tier import slot_fill
 
 REPEATS = 20
 LANES = 8
@@ -106,7 +107,7 @@ def main():
     expert = sum(a.nbytes // a.shape[0] for a in stacks[0].values())
     total = len(stacks) * LANES * expert
     print(f"{len(stacks)} layers x {LANES} lanes x {expert / 1e6:.2f} MB = {total / 1e6:.1f} MB a token")
-    kernels = {"staged_lanes blocks=32": lambda i, t, a: stage_kernels.staged_lanes(i, t, a, 32)[0]}
+    kernels = {"staged_lanes blocks=32": lambda i, t, a: two_tier_kernels.staged_lanes(i, t, a, 32)[0]}
     for blocks, ilp in ((264, 4), (1056, 1)):
         kernels[f"flat blocks={blocks} ilp={ilp}"] = lambda i, t, a, b=blocks, p=ilp: flat_lanes(
             i, t, a, b, p

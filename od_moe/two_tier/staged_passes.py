@@ -15,16 +15,16 @@ decode pass too where no expert is in a device row and experts are large (`posit
 lives until the layer's products are computed: min(E, lanes) experts of device memory at a time, beyond
 the slots.
 Not here: the tables and slots the rows come from (`two_tier.py`), the copies' CUDA kernels
-(`stage_kernels.py`), the products' own reads (mlx-lm).
+(`kernels.py`), the products' own reads (mlx-lm).
 """
 
 import functools
 
 import mlx.core as mx
 
-from . import slot_fill, stage_kernels
+from . import kernels, slot_fill
+from .kernels import copy_rows
 from .layer_step import LayerSteps
-from .stage_kernels import copy_rows
 
 BLOCKS = 32  # per (row, array) of the copy: the layer waits for it, so it may take the whole device
 
@@ -96,7 +96,7 @@ def _one_position(by_kernel: bool, indices: mx.array, table: mx.array, *arrays):
     k, E = indices.size, table.shape[0]
     read = mx.arange(k, dtype=indices.dtype).reshape(indices.shape)
     if by_kernel:  # one kernel: rows, hits and counts
-        copies, hit, counts = stage_kernels.staged_lanes(indices, table, list(arrays), BLOCKS)
+        copies, hit, counts = kernels.staged_lanes(indices, table, list(arrays), BLOCKS)
         return copies, read, (counts, hit)
     sources = table[indices.reshape(-1)].astype(mx.int32)
     copies = [mx.take(array, sources, axis=0) for array in arrays]

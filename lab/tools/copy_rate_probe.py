@@ -27,7 +27,6 @@ import od_moe
 from od_moe.bench.two_tier_grid import best_seconds
 from od_moe.bench.widen import widen_model
 from od_moe.two_tier import kernels as two_tier_kernels
-from od_moe.two_tier import slot_fill
 
 REPEATS = 20
 LANES = 8
@@ -60,7 +59,7 @@ _flat_kernels: dict = {}
 
 def flat_lanes(indices, table, arrays, blocks: int, ilp: int):
     """Lane i's expert copied into row i of a copy of each array, by one grid striding over every unit."""
-    unit, units = slot_fill.row_units(arrays)
+    unit, units = two_tier_kernels.row_units(arrays)
     k = indices.size
     key = (unit, units, k, ilp)
     if key not in _flat_kernels:

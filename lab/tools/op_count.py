@@ -7,7 +7,7 @@ device instead: docs/GPU.md, "The 0% row's floor"). The count is deterministic, 
 change to a pass's operations does to that cost before any GPU run. It counts the graph mlx-lm hands to
 `mx.async_eval` for one decoded token (the tenth of the first prompt, by then every compiled step is traced):
 primitives not yet evaluated, a multi-output primitive once. On the CPU backend od-moe computes with MLX
-operations where CUDA runs its kernels (`kernels.py`, `row_kernel.py`, `slot_fill.py`), MLX's fast
+operations where CUDA runs its kernels (`od_moe/two_tier/kernels.py`), MLX's fast
 kernels (norms, rope) count as the operations they fall back to, and `lru` rows wait for the host inside the
 pass (so only the pass's last part is counted): run it on the GPU for the counts the host there pays.
 

@@ -11,7 +11,7 @@ pass waits for the host.
 - `kept_rows.py`, `forecast.py`: rows kept by the device (least recently used, and experts predicted
   for a later layer copied ahead), and the forecasts from earlier layers;
 - `staged_passes.py`: passes of several positions computed on a device copy of their experts;
-- `kernels.py`, `row_kernel.py`: CUDA kernel sources.
+- `kernels.py`: every CUDA kernel source of the path (slot fills, device-kept rows, staged passes).
 
 On the CPU and Metal the same code runs on plain memory (the tests run it there). Not here: choosing the
 path (`od_moe/assembly.py`), reading experts from the model's files (`store.py`), the slots' bookkeeping

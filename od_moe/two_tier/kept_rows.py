@@ -21,7 +21,7 @@ bytes, never a wrong token (an expert not copied is read in place, as before).
 
 On the CPU (and Metal) the stacks are host memory and no kernel runs: `plan` decides in numpy what the
 kernel decides, after waiting for the prediction, and writes the rows through numpy views, so the same
-tables and rows are exercised by the tests. Not here: the kernel's CUDA source (`row_kernel.py`), the slots
+tables and rows are exercised by the tests. Not here: the kernel's CUDA source (`kernels.py`), the slots
 and their admission (`two_tier.py`), the forecasts (`forecast.py`).
 """
 
@@ -29,10 +29,10 @@ import mlx.core as mx
 import numpy as np
 
 from .. import cuda
-from . import row_kernel, slot_fill
+from . import slot_fill
+from .kernels import THREADS, kept_rows_source, row_units
 from .layer_step import Plan
 
-THREADS = 256
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
 # Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
 # are on the pass's path, with no layer to share the SMs with, and more loads in flight move them sooner,
@@ -335,7 +335,7 @@ class KeptRows:
         """(the layer's kernel, the most copy units of a row among its arrays), made once per layer; layers
         whose rows are alike share one kernel."""
         if layer not in self._by_layer:
-            unit, units = slot_fill.row_units(self.stacks[layer].values())
+            unit, units = row_units(self.stacks[layer].values())
             key = (unit, units)
             if key not in self._kernels:
                 self._kernels[key] = mx.fast.cuda_kernel(
@@ -359,7 +359,7 @@ class KeptRows:
                         "lane_rows",
                         "lane_hit",
                     ],
-                    source=row_kernel.source(unit, units, AGE_EMPTY),
+                    source=kept_rows_source(unit, units, AGE_EMPTY),
                 )
             self._by_layer[layer] = (self._kernels[key], max(units))
         return self._by_layer[layer]

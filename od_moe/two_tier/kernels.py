@@ -1,6 +1,17 @@
-"""The CUDA kernels of staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte
-loads (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its
-expert copied, which lanes were hits and the pass's counts) where MLX operations took several.
+"""Every CUDA kernel source of the two-tier path, and the staged passes' launches.
+
+Each runs through `mx.fast.cuda_kernel` on MLX's stream, compiled on first use, and only where MLX runs on
+CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests run. Three kinds:
+- slot fills (`slot_fill_source`, launched by `slot_fill.KernelFills`): experts copied from their host rows
+  into slot rows of the same stack, between passes;
+- device-kept rows (`kept_rows_source`, launched by `kept_rows.KeptRows`): one call decides which candidate
+  experts go into which of a layer's rows (least recently used, or by decayed counts), writes the layer's
+  expert->row tables, each candidate lane's row and hit, and copies the chosen experts host row -> device
+  row, one (expert, array) per block row of the grid. Every thread repeats the decision in registers;
+  block 0 writes the tables. `kept_rows.plan` is the same decision in numpy;
+- staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte loads
+  (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its expert
+  copied, which lanes were hits and the pass's counts) where MLX operations took several.
 
 MLX's host pays for every operation of a pass when it encodes it, and where the device finishes first that is
 the token's time: even stock mlx-lm's decoded token takes longer in wall time than its kernels do
@@ -8,17 +19,176 @@ the token's time: even stock mlx-lm's decoded token takes longer in wall time th
 looked up each lane's row in the table, copied the rows, and counted its hits in several operations besides
 the copy; here the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block
 writes the lane's hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows`
-copies, so the layer's products and tokens are unchanged. CUDA only: elsewhere the same work is MLX operations
-(`staged_passes.py`).
-Not here: what the copies are used for, or which pass is staged (`two_tier.py`).
+copies, so the layer's products and tokens are unchanged.
+Not here: when each kernel runs and what its copies are for (`runtime.py`, `slot_fill.py`, `kept_rows.py`,
+`staged_passes.py`).
 """
 
 import mlx.core as mx
 
-from . import slot_fill
+THREADS = 256  # per block, in every kernel here
 
-THREADS = 256
+_ROW_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
 
+
+def row_units(arrays) -> tuple[str, tuple[int, ...]]:
+    """For one kernel copying rows of every array in `arrays` (staged passes, device-kept rows): the
+    widest load (a C type) that divides each array's row, and each row's length in such loads."""
+    sizes = [a.nbytes // a.shape[0] for a in arrays]
+    unit = next(u for u in _ROW_UNIT_TYPES if all(size % u == 0 for size in sizes))
+    return _ROW_UNIT_TYPES[unit], tuple(size // unit for size in sizes)
+
+
+# slot fills (`slot_fill.py`): `moves` holds (host row, slot row) pairs, one per block row of the grid;
+# `done` is written once a block has copied, for what reads the slots to depend on
+_SLOT_FILL = """
+    using U = {unit};
+    const U* rows = reinterpret_cast<const U*>(stack);
+    U* slots = const_cast<U*>(rows);  // the slot rows of the same stack: MLX holds it as an input
+    size_t from = (size_t)moves[2 * blockIdx.y] * UNITS;
+    size_t to = (size_t)moves[2 * blockIdx.y + 1] * UNITS;
+    size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < UNITS; i += step) {{
+        slots[to + i] = rows[from + i];
+    }}
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {{
+        done[0] = 1;
+    }}
+"""
+_SLOT_FILL_UNITS = {16: "uint4", 4: "uint32_t", 1: "uint8_t"}
+
+
+def slot_fill_unit(row_bytes: int) -> int:
+    """The widest load (bytes) a slot fill copies a row of `row_bytes` with."""
+    return next(u for u in _SLOT_FILL_UNITS if row_bytes % u == 0)
+
+
+def slot_fill_source(unit: int) -> str:
+    """The slot fill's body for rows copied `unit` bytes at a time (`slot_fill_unit`)."""
+    return _SLOT_FILL.format(unit=_SLOT_FILL_UNITS[unit])
+
+
+# device-kept rows (`kept_rows.py`)
+_KEPT_ROWS = """
+    using U = {unit};
+    int want[P];  // the candidates in order, -1 where repeated or already in a slot
+    if (SCORES) {{  // the top P of E scores (ties: the lower id)
+        float last_v = INFINITY;
+        int last_i = -1;
+        for (int q = 0; q < P; ++q) {{
+            int best = -1;
+            float best_v = -INFINITY;
+            for (int e = 0; e < E; ++e) {{
+                float v = static_cast<float>(cand[e]);
+                bool below = v < last_v || (v == last_v && e > last_i);
+                if (below && (best < 0 || v > best_v)) {{
+                    best = e;
+                    best_v = v;
+                }}
+            }}
+            last_v = best_v;
+            last_i = best;
+            want[q] = best;
+        }}
+    }} else {{  // P expert ids
+        for (int q = 0; q < P; ++q) {{
+            int e = (int)static_cast<float>(cand[q]);
+            for (int r = 0; r < q; ++r) e = (want[r] == e) ? -1 : e;
+            want[q] = e;
+        }}
+    }}
+    for (int q = 0; q < P; ++q) {{
+        int e = want[q];
+        want[q] = (e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
+    }}
+    int now[S];
+    int new_age[S];
+    bool free_row[S];
+    for (int s = 0; s < S; ++s) {{
+        now[s] = held[s];
+        bool keep = false;
+        for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
+        free_row[s] = !keep && COPY;
+        new_age[s] = keep ? 0 : (DEMAND ? min(age[s] + 1, {empty}) : age[s]);
+    }}
+    auto scored = [&](int e) -> float {{  // decayed routing counts after this pass (COUNTS only)
+        if (!COUNTS) return score[e];
+        bool routed = false;
+        for (int q = 0; q < P; ++q) routed = routed || want[q] == e;
+        return __fadd_rn(__fmul_rn(score[e], decay[0]), routed ? 1.0f : 0.0f);
+    }};
+    int into = -1;  // the row this block's expert is copied to
+    int copies = 0;
+    for (int q = 0; q < P; ++q) {{
+        if (want[q] < 0) continue;
+        bool there = false;
+        for (int s = 0; s < S; ++s) there = there || (!free_row[s] && now[s] == want[q]);
+        if (there) continue;
+        int v = -1;  // empty rows first; then the least recently used, or the lowest count (ties: lower row)
+        for (int s = 0; s < S; ++s) {{
+            if (!free_row[s]) continue;
+            if (!COUNTS && (v < 0 || age[s] > age[v])) v = s;
+            if (COUNTS && (v < 0 || (now[v] >= 0 && (now[s] < 0 || scored(now[s]) < scored(now[v]))))) v = s;
+        }}
+        if (v < 0) break;
+        if (COUNTS && now[v] >= 0 && !(scored(want[q]) > scored(now[v]))) continue;  // read in place
+        free_row[v] = false;
+        now[v] = want[q];
+        new_age[v] = 0;
+        copies += 1;
+        if (q == (int)blockIdx.y) into = v;
+    }}
+    auto placed = [&](int e, const int* in) -> uint32_t {{  // e's row: a slot, else a device row `in` holds
+        uint32_t row = base[e];
+        for (int s = 0; s < S; ++s) row = (in[s] == e && row < (uint32_t)E) ? E + C + s : row;
+        return row;
+    }};
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {{
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {{
+            rows[i] = placed(i, now);
+            found[i] = placed(i, held);
+            score_out[i] = scored(i);
+        }}
+        if (threadIdx.x == 0) {{
+            for (int s = 0; s < S; ++s) {{
+                held_out[s] = now[s];
+                age_out[s] = new_age[s];
+            }}
+            copied[0] = copies;
+        }}
+        for (int q = threadIdx.x; q < P && DEMAND; q += blockDim.x) {{  // each candidate lane's row, hit
+            int e = (int)static_cast<float>(cand[q]);
+            bool known = e >= 0 && e < E;
+            lane_rows[q] = known ? placed(e, now) : (uint32_t)E;
+            lane_hit[q] = known && placed(e, held) >= (uint32_t)E;
+        }}
+    }}
+    if (into < 0) return;
+    size_t from_row = (size_t)want[blockIdx.y];
+    size_t to_row = (size_t)(E + C + into);
+    size_t step = (size_t)gridDim.x * blockDim.x;
+    size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    switch (blockIdx.z) {{
+{cases}
+    }}
+"""
+
+_KEPT_ROWS_CASE = """        case {i}: {{
+            U* rows_{i} = const_cast<U*>(reinterpret_cast<const U*>(a{i}));
+            for (size_t u = first; u < {units}; u += step)
+                rows_{i}[to_row * {units} + u] = rows_{i}[from_row * {units} + u];
+            break;
+        }}"""
+
+
+def kept_rows_source(unit: str, units: list[int], empty: int) -> str:
+    """The body of the device-kept rows' kernel for stacks whose rows are `units[i]` elements of type `unit`
+    (array i), `empty` the age of an empty row."""
+    cases = "\n".join(_KEPT_ROWS_CASE.format(i=i, units=n) for i, n in enumerate(units))
+    return _KEPT_ROWS.format(unit=unit, cases=cases, empty=empty)
+
+
+# staged passes (`staged_passes.py`)
 _ROWS = """
     using U = {unit};
     uint32_t row = blockIdx.y;
@@ -67,7 +237,7 @@ def staged_lanes(indices: mx.array, table: mx.array, arrays: list, blocks: int) 
     the pass's counts (4,) int32 as `staged_passes.staged_switch` gives them). `blocks`: thread blocks per
     (lane, array)."""
     k, E = indices.size, table.shape[0]
-    unit, units = slot_fill.row_units(arrays)
+    unit, units = row_units(arrays)
     key = ("lanes", unit, units, k, E)
     if key not in _kernels:
         cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
@@ -92,7 +262,7 @@ def copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int, block
     """`mx.take(array, sources, axis=0)` of every array of `arrays` as one CUDA kernel that loads 16 bytes
     a thread and leaves rows from `count` on unwritten (no lane reads them). `blocks`: thread blocks per
     (row, array)."""
-    unit, units = slot_fill.row_units(arrays)
+    unit, units = row_units(arrays)
     key = ("rows", unit, units)
     if key not in _kernels:
         cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))

@@ -4,10 +4,10 @@ into slot rows of the same stack.
 Two-tier mode (`two_tier.py`) keeps a layer's slots as the last rows of its stack. MLX writes an array in
 place only when nothing else holds it, so its own slice update must first wait for the passes in flight
 (`mx.synchronize`) and then costs two operations per weight array. Here one custom kernel per weight array
-(`mx.fast.cuda_kernel`) reads each expert's host row over PCIe and writes its slot row, through the
-stack's own pointer, where MLX would not write. What makes that safe is the order MLX's CUDA backend
-keeps, which follows data: each kernel takes the hidden state entering the pass's first MoE layer as an
-input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
+(`mx.fast.cuda_kernel`, its source in `kernels.py`) reads each expert's host row over PCIe and writes its
+slot row, through the stack's own pointer, where MLX would not write. What makes that safe is the order MLX's
+CUDA backend keeps, which follows data: each kernel takes the hidden state entering the pass's first MoE layer
+as an input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
 state), and the layer's expert-to-row table for this pass is made from the kernels' outputs, so no
 computation reads a slot before its copy landed.
 Only where MLX runs on CUDA; elsewhere (and before the first pass) MLX writes the stacks after a wait
@@ -20,36 +20,9 @@ import numpy as np
 
 from .. import backend
 from .host_ring import HostRing
+from .kernels import THREADS, slot_fill_source, slot_fill_unit
 
-THREADS = 256  # per block
 MAX_BLOCKS = 64  # per expert row: enough loads in flight to keep PCIe busy
-_UNIT_TYPES = {16: "uint4", 4: "uint32_t", 1: "uint8_t"}
-
-_SOURCE = """
-    using U = {unit};
-    const U* rows = reinterpret_cast<const U*>(stack);
-    U* slots = const_cast<U*>(rows);  // the slot rows of the same stack: MLX holds it as an input
-    size_t from = (size_t)moves[2 * blockIdx.y] * UNITS;
-    size_t to = (size_t)moves[2 * blockIdx.y + 1] * UNITS;
-    size_t step = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < UNITS; i += step) {{
-        slots[to + i] = rows[from + i];
-    }}
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {{
-        done[0] = 1;
-    }}
-"""
-
-
-_ROW_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
-
-
-def row_units(arrays) -> tuple[str, tuple[int, ...]]:
-    """For one kernel copying rows of every array in `arrays` (staged passes, device-kept rows): the
-    widest load (a C type) that divides each array's row, and each row's length in such loads."""
-    sizes = [a.nbytes // a.shape[0] for a in arrays]
-    unit = next(u for u in _ROW_UNIT_TYPES if all(size % u == 0 for size in sizes))
-    return _ROW_UNIT_TYPES[unit], tuple(size // unit for size in sizes)
 
 
 def available() -> bool:
@@ -105,7 +78,7 @@ class KernelFills:
                 name=f"od_moe_slot_fill_{unit}",
                 input_names=["stack", "moves", "after"],
                 output_names=["done"],
-                source=_SOURCE.format(unit=_UNIT_TYPES[unit]),
+                source=slot_fill_source(unit),
             )
         return self._kernels[unit]
 
@@ -116,7 +89,7 @@ class KernelFills:
         dones = []
         for array in stack.values():
             row_bytes = array.nbytes // array.shape[0]
-            unit = next(u for u in _UNIT_TYPES if row_bytes % u == 0)
+            unit = slot_fill_unit(row_bytes)
             units = row_bytes // unit
             threads = min(units, THREADS * MAX_BLOCKS)
             (done,) = self._kernel(unit)(

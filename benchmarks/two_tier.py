@@ -16,7 +16,7 @@ slots are that prompt's profile), to compare with learned admission on the same 
 
 `--prefill N`: per row also prompt tok/s of an N-token prompt (od-moe's own Python source) against stock,
 alternating, median of `--rounds` ratios (`stage=P` sets the positions from which a pass is staged,
-`staged_passes.py`; `stage=0` stages nothing).
+`two_tier/staged_passes.py`; `stage=0` stages nothing).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
 `lru:F:decay=D`: by decayed routing counts, not recency);
@@ -110,7 +110,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
             engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
             continue
-        if name == "decay":  # device rows by decayed routing counts (`kept_rows.py`), `lru` rows
+        if name == "decay":  # device rows by decayed routing counts (`two_tier/kept_rows.py`), `lru` rows
             engine.runtime.lookahead.decay = float(value)
             continue
         owner = engine.runtime if name == "admit_every" else engine.runtime.admission

@@ -4,7 +4,7 @@
 and the per-layer path (and says why), sizes the caches from a capacity or a memory budget, makes a
 `LayerCache` per MoE block, builds the runtime behind every block's new switch, and checks a shadow
 predictor against the model. Not here: the files themselves (`model_files.py`), generation (`engine.py`),
-what either runtime does per layer (`runtime.py`, `two_tier.py`).
+what either runtime does per layer (`per_layer/runtime.py`, `two_tier/runtime.py`).
 """
 
 import sys
@@ -135,11 +135,11 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
     return read_threads
 
 
-# In two-tier mode by "auto", experts this large get slots kept by the device (least recently used, every
-# miss copied in: `kept_rows.py`) instead of slots admitted by routing counts. Large experts (the widened
-# copy's 2.65 MB) decode faster with them at small capacities and level at 50%, with fewer bytes across
-# PCIe; for small ones (the bundled model's 20 KB) admission stays ahead, the row kernel costing more than
-# the bytes it saves (docs/GPU.md, "Device-kept rows").
+# In two-tier mode by "auto", experts this large get slots kept by the device (least recently used, every miss
+# copied in: `two_tier/kept_rows.py`) instead of slots admitted by routing counts. Large experts (the widened
+# copy's 2.65 MB) decode faster with them at small capacities and level at 50%, with fewer bytes across PCIe;
+# for small ones (the bundled model's 20 KB) admission stays ahead, the row kernel costing more than the bytes
+# it saves (docs/GPU.md, "Device-kept rows").
 LRU_EXPERT_NBYTES = 1 << 20
 
 
@@ -164,7 +164,8 @@ def two_tier_mode(
 ) -> tuple[bool | str, str]:
     """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
     host and device allow it); "lru" (truthy) where asked for: its slots kept on the device
-    (`kept_rows.py`). Which slots "auto" keeps is settled once their number is known (`auto_tiers`)."""
+    (`two_tier/kept_rows.py`). Which slots "auto" keeps is settled once their number is known
+    (`auto_tiers`)."""
     if two_tier not in (True, False, "auto", "lru"):
         raise UserError(f"two_tier must be True, False, 'auto' or 'lru', got {two_tier!r}")
     if two_tier == "lru":

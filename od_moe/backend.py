@@ -4,7 +4,7 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 - On the CPU backend `GatherMM` (unquantized experts) supports float32 only, and float32 scales make the
   quantized kernels several times faster than bfloat16, so floating weights are cast to float32 there.
   On GPUs the checkpoint's dtype is kept.
-- On a GPU a host sync idles the device, so optimistic decode passes are on there (`optimistic.py`).
+- On a GPU a host sync idles the device, so optimistic decode passes are on there (`per_layer/optimistic.py`).
 - Metal reports a recommended working-set size; on Linux the OS reports available memory. On CUDA the
   device's own memory is a second budget: the driver reports what is free on the card (`device_memory`),
   and what this process holds (`memory_in_use`).
@@ -13,11 +13,11 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   there (`cuda.DeviceCopies`: `cudaMemcpyAsync` from pinned staging into the managed memory MLX computes
   on), also with no MLX op; where that is unavailable, the cache falls back to MLX slice updates, from
   arrays the reader threads make.
-- Two-tier mode (`two_tier.py`) keeps every expert in host memory for the GPU to read in place where the
-  GPU has memory of its own (CUDA) and the host holds the experts (`two_tier_choice`); `map_for_device`
-  advises such a stack (`cuda.HostMapping`). On the CPU and Metal the same code runs on plain memory.
-  MLX counts a mapped stack as active memory against its memory limit (on CUDA 0.95 of the device's
-  memory), so the limit is raised by the bytes kept in host memory (`map_for_device`, `unmap`).
+- Two-tier mode (`two_tier/runtime.py`) keeps every expert in host memory for the GPU to read in place where
+  the GPU has memory of its own (CUDA) and the host holds the experts (`two_tier_choice`); `map_for_device`
+  advises such a stack (`cuda.HostMapping`). On the CPU and Metal the same code runs on plain memory. MLX
+  counts a mapped stack as active memory against its memory limit (on CUDA 0.95 of the device's memory), so
+  the limit is raised by the bytes kept in host memory (`map_for_device`, `unmap`).
 - That fallback's arrays are managed memory made from host bytes, which migrates page by page on first
   touch: `stage_for_device` asks the driver to keep such an array's pages in host memory, mapped for the
   GPU, so neither side faults. The advice stays with the memory when MLX recycles the buffer, so only
@@ -190,8 +190,9 @@ def arrays_in_host_memory() -> bool:
 
 def sends_between_ranks() -> bool:
     """Whether `mx.distributed.send`/`recv` run on this device: not on CUDA (MLX 0.32: "Send has no CUDA
-    implementation"), where a pipeline hands hidden states over with a collective instead (`rank_split.py`).
-    OD_MOE_SEAMS=collective asks for the collective anywhere (to test it on the CPU)."""
+    implementation"), where a pipeline hands hidden states over with a collective instead
+    (`distributed/rank_split.py`). OD_MOE_SEAMS=collective asks for the collective anywhere (to test it on the
+    CPU)."""
     if os.environ.get("OD_MOE_SEAMS") == "collective":
         return False
     return not (mx.cuda.is_available() and mx.default_device().type == mx.gpu)

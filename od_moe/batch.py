@@ -6,7 +6,7 @@ the sequences' experts, reads each missing expert once for all of them, and comp
 union is larger than the layer's slots. The arithmetic is mlx-lm's own (left-padded batch KV caches, a
 sampler per sequence), so in exact mode the tokens are those `mlx_lm.batch_generate` gives with every
 expert resident. Sequences join as the generator admits them and leave when they finish.
-Not here: the server's queue of requests (`server/`), the per-layer path (`runtime.py`).
+Not here: the server's queue of requests (`server/`), the per-layer path (`per_layer/runtime.py`).
 """
 
 from collections.abc import Generator, Sequence

@@ -10,8 +10,8 @@ remapped to slots. Bookkeeping is numpy on the generation thread:
   per expert, in tokens, the routing history the next-use head reads (`RoutingHistory`).
 Eviction never touches pinned slots or the experts the running layer needs. Methods return what happened
 (slots used, evictions, first uses of prefetched experts) and the runtime books it in the ledger. Not
-here: deciding when to read (`runtime.py`, `loader.py`), counting (`stats.py`), how bytes come off disk
-(`store.py`).
+here: deciding when to read (`per_layer/runtime.py`, `per_layer/loader.py`), counting (`stats.py`), how bytes
+come off disk (`store.py`).
 """
 
 from collections.abc import Sequence

@@ -6,7 +6,7 @@ engine's MLX memory: non-expert weights, C slots in every MoE layer, the working
 beyond weights (`working_nbytes`: the KV cache of `RESERVED_CONTEXT` tokens and the routers' float32
 copies prefetch predicts with), and 10% for activations. Contexts longer than `RESERVED_CONTEXT` take
 `kv_nbytes_per_token` more per token. Not counted: host memory outside MLX (numpy staging buffers, the
-page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows (`mlx_rows.py`: MLX
+page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows (`per_layer/mlx_rows.py`: MLX
 arrays kept in host memory, at most `MLX_ROW_BYTES`, which MLX counts as its own).
 
 On CUDA the device's memory is its own, and the slots live there: a device budget (`device_budget`: a
@@ -162,7 +162,8 @@ def working_nbytes(
     of the `context` (by default `RESERVED_CONTEXT` tokens of one sequence), the activations of its
     prefill chunk, and the dense float32 router copies the prefetch policies predict with. In two-tier
     mode (`staged_expert_nbytes`: an expert's bytes) also a staged pass's device copy of the experts its
-    layer routes to (`staged_passes.py`): for a chunk that long, every expert of one layer in practice."""
+    layer routes to (`two_tier/staged_passes.py`): for a chunk that long, every expert of one layer in
+    practice."""
     hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
     kv = kv_nbytes_per_token(model) * context.tokens * context.sequences
     activations = activation_nbytes_per_token(model, context.tokens) * context.chunk

@@ -5,7 +5,7 @@ swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`a
 materialises only the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on
 that model, so responses are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. The
 engine also chooses the prefetch policy, reports the ledger (`stats`) and saves snapshots. Not here: the
-CLI, the server, the per-layer path (`runtime.py`), reading bytes or cache policy.
+CLI, the server, the per-layer path (`per_layer/runtime.py`), reading bytes or cache policy.
 """
 
 import contextlib
@@ -86,7 +86,7 @@ class Engine:
         self._routers = None
         self.max_positions = max_positions(model_path)
         self.stage = None  # this rank's part of a pipeline over several processes (`rank_split.Stage`)
-        self.seam_receiver = None  # across ranks: the predictions the rank before sends (`seams.py`)
+        self.seam_receiver = None  # the predictions the rank before sends (`distributed/seams.py`)
 
     @property
     def caches(self) -> list[LayerCache]:
@@ -134,7 +134,7 @@ class Engine:
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
         and a `prompt_cache` passed in is trimmed back to what it held before (where its caches can be
         trimmed; others must be made anew). Across ranks, a rank found gone fails it with `RankLost` (or
-        ends the process where nothing else frees a collective: `heartbeat.py`).
+        ends the process where nothing else frees a collective: `distributed/heartbeat.py`).
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -247,7 +247,7 @@ class Engine:
 
     # -- prefetch --------------------------------------------------------------------------------
     def configure_prefetch(self, policy: str, oracle_trace=None, settings: PrefetchSettings | None = None):
-        """Choose what predicts experts ahead (see `policies.py`): "none", "profile", "next-gate",
+        """Choose what predicts experts ahead (see `per_layer/policies.py`): "none", "profile", "next-gate",
         "predictor" or "oracle" (which needs `oracle_trace`, the routing `record_routing` gave for the same
         prompt). `settings`: how the reader and the governor run (`PrefetchSettings`)."""
         if policy in ("next-gate", "predictor", "oracle") and self.miss_policy == "skip":
@@ -305,7 +305,7 @@ class Engine:
             "layers": layers,
             "total": totals(layers),
             "prefetch": dict(prefetch, policy=self.policy_name),
-            "optimistic": {  # decode passes run with one sync (`optimistic.py`)
+            "optimistic": {  # decode passes run with one sync (`per_layer/optimistic.py`)
                 "enabled": runtime.optimistic,
                 "passes": runtime.optimistic_passes,
                 "missed": runtime.optimistic_misses,
@@ -364,7 +364,7 @@ def load(
     miss_policy: "load" (exact) or "skip" (approximate). eviction: "lru" or "lfu".
     predictor: a shadow predictor folder written by `od-moe train-predictor` (checked against this model).
     snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
-    prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `policies.py`); default:
+    prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `per_layer/policies.py`); default:
         "predictor" with a predictor, else "none".
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
     direct_io: read experts past the OS page cache (O_DIRECT, F_NOCACHE): True, False, or "auto" (on when
@@ -374,11 +374,11 @@ def load(
     packed: read experts from packed rows (`od-moe pack`, one request per expert): "auto" (where the model
         folder has them), True (required), False, or the path of a packed file.
     two_tier: every expert in host memory, read in place by the device on a miss, `capacity` experts per
-        layer in device slots, no host sync per layer (`two_tier.py`): "auto" (on CUDA where host memory
-        holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by the
-        device: `kept_rows.py`); then capacity may be 0. `Engine.mode` says which path runs and why.
-    ranks: "auto" splits the decoder layers over the processes `mlx.launch` started (`rank_split.py`: each
-        rank caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
+        layer in device slots, no host sync per layer (`two_tier/runtime.py`): "auto" (on CUDA where host
+        memory holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by
+        the device: `two_tier/kept_rows.py`); then capacity may be 0. `Engine.mode` tells the path and why.
+    ranks: "auto" splits the decoder layers over the `mlx.launch` processes (`distributed/rank_split.py`:
+        each caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     device_memory, context_tokens, sequences: on a GPU with memory of its own (CUDA), its budget (default 90%
         of the card's free memory), which holds the slots beside the rest and a KV cache of `context_tokens`
         for each of `sequences` (`capacity.py`); the memory budget is then the host's. `capacity_choice`.

@@ -4,8 +4,8 @@ A `UserError` carries a message that says what went wrong and what to do; the CL
 and exits with code 2, the server turns it into an HTTP 4xx. An `ExpertReadError` fails the one request
 whose expert could not be read (the CLI prints it on one line, the server answers 500 and /health shows
 it); the engine, its caches and the next request are unaffected. A `RankLost` says another rank of a
-pipeline is gone (`heartbeat.py`): nothing can be generated until every rank is started again (the CLI
-prints one line and exits with 1, the server answers 503 and /health says "error"). Programming errors
+pipeline is gone (`distributed/heartbeat.py`): nothing can be generated until every rank is started again (the
+CLI prints one line and exits with 1, the server answers 503 and /health says "error"). Programming errors
 stay ordinary exceptions.
 """
 

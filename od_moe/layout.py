@@ -116,7 +116,7 @@ class ExpertRows:
 
     def __init__(self, layout: BlockLayout, size: int, flat: np.ndarray | None = None):
         """`flat`: memory of its own for the rows, (size, expert bytes) uint8 (an MLX array's, read into
-        directly: `mlx_rows.py`)."""
+        directly: `per_layer/mlx_rows.py`)."""
         self.size = size
         self.flat = host_rows(size, layout.expert_nbytes) if flat is None else flat
         self.buffers, self.row_views, start = {}, {}, 0

@@ -5,7 +5,7 @@ server quietly sending first tokens a step late. Not here: mlx-lm's public API (
 `BatchGenerator`, the models' classes), which od-moe uses directly.
 """
 
-from mlx_lm.models.cache import _BaseCache as BaseCache  # every KV cache's base class (`rank_split.py`)
+from mlx_lm.models.cache import _BaseCache as BaseCache  # every KV cache's base (`distributed/rank_split.py`)
 from mlx_lm.utils import _download as download  # a hub id to a local snapshot folder (`model_files.py`)
 from mlx_lm.utils import _get_classes as model_classes  # the model and args classes of a config
 

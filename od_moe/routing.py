@@ -6,7 +6,7 @@ Shared by the prefetch policies, the shadow predictor and trace recording, so ea
 - `router_matrices` gives the routers of all MoE blocks as dense float32 weights (L, E, H) and biases.
 - `next_gate` applies routers of layers ahead to a hidden state: "next-gate" speculation.
 - `routing_weights`: the weight a token gives each of its routed experts, from the tapped output.
-Not here: what is predicted or prefetched (`policies.py`, `predictor/`).
+Not here: what is predicted or prefetched (`per_layer/policies.py`, `predictor/`).
 """
 
 import mlx.core as mx

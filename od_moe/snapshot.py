@@ -40,7 +40,7 @@ def snapshot_key(engine) -> dict:
         "predictor": predictor,
     }
     stage = getattr(engine, "stage", None)
-    if stage is not None:  # one rank's layers of a pipeline (`rank_split.py`): never another rank's
+    if stage is not None:  # one rank's layers (`distributed/rank_split.py`): never another rank's
         key["decoder_layers"] = [stage.start, stage.end]
     return key
 

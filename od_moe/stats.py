@@ -12,14 +12,16 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - the same per pass: `experts`, `expert_hits`, the distinct experts a pass of the layer routed to (a
   batch's union, looked up once for all its sequences), and those resident; counted where the routing is
   read (`routings_read`: the layer passes counted): on the host, or on the device for the two-tier mode's
-  staged passes (`staged_passes.py`); not where nothing reads it (every expert resident and nothing watching,
-  the two-tier mode's passes of one position): a host sync would cost more than the figure is worth there;
+  staged passes (`two_tier/staged_passes.py`); not where nothing reads it (every expert resident and nothing
+  watching, the two-tier mode's passes of one position): a host sync would cost more than the figure is worth
+  there;
 - reads on the generation thread (demand misses, profile seeding, snapshots): experts, bytes, seconds;
 - prefetch reads taken from the reader (installed or not): experts and bytes; time spent waiting for
   late ones (`wait_s`); installs of both kinds and their seconds; evictions;
 - prefetch outcome: useful (used before eviction), wasted (evicted unused, or not installable), late;
-- two-tier mode's staged passes (`staged_passes.py`): `staged_misses`, their lanes whose expert was in no
-  device row (among the misses, but each such expert crossed PCIe once a pass: `experts` - `expert_hits`).
+- two-tier mode's staged passes (`two_tier/staged_passes.py`): `staged_misses`, their lanes whose expert was
+  in no device row (among the misses, but each such expert crossed PCIe once a pass: `experts` -
+  `expert_hits`).
 Per phase: passes of the model, and positions they ran (a prefill chunk's prompt positions; a decode
 pass one per sequence it decodes, so a batch of 8 runs 8). In all: forward passes, and tokens generated
 (given to the caller). mlx-lm computes one token ahead of the

@@ -10,7 +10,7 @@ is built (measured in docs/BENCHMARKS.md, "Investigations"). A decode token's la
 two rounds of positions (`Route.lanes`): its resident experts, started at once so that they compute while
 the runtime reads the missing ones, then those; the outputs are put back in routing order. In skip mode a
 route carries a per-expert scale that zeroes missing experts and renormalises the others.
-Not here: lookups and prefetch (`runtime.py`), reads and installs (`loader.py`).
+Not here: lookups and prefetch (`per_layer/runtime.py`), reads and installs (`per_layer/loader.py`).
 """
 
 import copy

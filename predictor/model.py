@@ -126,10 +126,10 @@ class ShadowPredictor(nn.Module):
         return mx.argsort(-scores, axis=-1)[..., :k]
 
     def for_layers(self, first: int, count: int) -> "ShadowPredictor":
-        """The predictor of MoE layers first .. first+count-1 alone (one pipeline rank's, `rank_split.py`),
-        indexed from 0: each source keeps its heads for the targets inside that range (a prediction past
-        its end is the next rank's: next-gate carries it across the seam), the next-use head its layers.
-        Shares the weights; attach the rank's routers to it."""
+        """The predictor of MoE layers first .. first+count-1 alone (one pipeline rank's,
+        `distributed/rank_split.py`), indexed from 0: each source keeps its heads for the targets inside that
+        range (a prediction past its end is the next rank's: next-gate carries it across the seam), the
+        next-use head its layers. Shares the weights; attach the rank's routers to it."""
         c = self.config
         if first == 0 and count == c.num_layers:
             return self

@@ -2,8 +2,8 @@
 each capacity given, generate greedily from the prompts, and write what this rank did to OUT/rank<r>.json:
 the tokens, its stage, the module paths of its MoE layers, every expert read by module path (recorded at
 the store, load-time reads included), the bytes its slots hold, the names of the parameters it holds, and
-what crossed the seam (`seams.py`: next-gate prefetch with the governor's precision check only, so that it
-predicts every decode pass; the reads started before the hidden state came are counted).
+what crossed the seam (`distributed/seams.py`: next-gate prefetch with the governor's precision check only, so
+that it predicts every decode pass; the reads started before the hidden state came are counted).
 
     pipeline_rank.py MODEL OUT CAPACITIES(comma) MAX_TOKENS PROMPTS(JSON)
 """

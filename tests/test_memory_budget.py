@@ -46,9 +46,9 @@ def test_a_budget_below_the_non_expert_weights_is_refused_up_front(capsys):
 
 def test_a_two_tier_budget_keeps_room_for_a_staged_pass_copy_of_one_layers_experts():
     """In two-tier mode a prefill pass copies the experts its layer routes to into device memory
-    (`staged_passes.py`): up to all of one layer's, beyond the slots. A memory budget that buys 32 slots a
-    layer on the per-layer path buys as many fewer in two-tier mode as that copy takes (64 experts over 8
-    layers: 8 slots a layer)."""
+    (`two_tier/staged_passes.py`): up to all of one layer's, beyond the slots. A memory budget that buys 32
+    slots a layer on the per-layer path buys as many fewer in two-tier mode as that copy takes (64 experts
+    over 8 layers: 8 slots a layer)."""
     report = inspect_model(od_moe.DEFAULT_MODEL)
     layers, slot, experts = report["moe_layers"], report["expert_bytes"], report["experts_per_layer"]
     budget = budget_for(32, layers, slot, report["non_expert_bytes"], report["working_bytes"])

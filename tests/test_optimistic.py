@@ -1,5 +1,5 @@
-"""Optimistic decode passes (`od_moe/optimistic.py`): one sync per token where nothing misses, a second
-run from the first layer that missed where something does; tokens and counts as in exact mode."""
+"""Optimistic decode passes (`od_moe/per_layer/optimistic.py`): one sync per token where nothing misses, a
+second run from the first layer that missed where something does; tokens and counts as in exact mode."""
 
 import numpy as np
 

@@ -1,8 +1,8 @@
-"""A model split over two ranks (`rank_split.py`), launched with `mlx.launch` on loopback (ring backend, CPU):
-greedy tokens equal single-process stock mlx-lm's at 25% and 100% of experts resident, on the bundled
-model and on a tiny random Mixtral; each rank holds, and reads from disk, only its own layers' experts;
-a rank started with another budget is refused at start in one line; `od-moe generate` prints on rank 0.
-Faults and `serve` across ranks: `test_pipeline_faults.py`."""
+"""A model split over two ranks (`distributed/rank_split.py`), launched with `mlx.launch` on loopback (ring
+backend, CPU): greedy tokens equal single-process stock mlx-lm's at 25% and 100% of experts resident, on the
+bundled model and on a tiny random Mixtral; each rank holds, and reads from disk, only its own layers'
+experts; a rank started with another budget is refused at start in one line; `od-moe generate` prints on
+rank 0. Faults and `serve` across ranks: `test_pipeline_faults.py`."""
 
 import json
 import re

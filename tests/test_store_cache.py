@@ -305,7 +305,7 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
 
 
 def test_mlx_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync():
-    """Staging rows that are MLX memory (`mlx_rows.py`, CUDA's read path): a row installed from is
+    """Staging rows that are MLX memory (`per_layer/mlx_rows.py`, CUDA's read path): a row installed from is
     handed out again only after a host sync made once the second decode pass after it began (prefill
     passes do not count); one given back unused is free at once; past the bound, numpy staging."""
     from od_moe.per_layer.mlx_rows import GROW, MLXRows

@@ -472,7 +472,7 @@ def test_a_stack_copied_instead_of_written_in_place_is_found():
 
 
 def test_fills_as_kernels_are_booked_and_ordered_before_the_pass_that_reads_them(bundled_reference):
-    """The CUDA route (`slot_fill.py`) copies in kernels and makes the tables depend on them. Here a
+    """The CUDA route (`two_tier/slot_fill.py`) copies in kernels and makes the tables depend on them. Here a
     stand-in copies with MLX and records what it was asked: every admission's fills go that way, after the
     last pass's last MoE output, and tokens stay exact."""
     engine = od_moe.load(capacity=0.25, two_tier=True)

@@ -1,6 +1,6 @@
 """How fast a decoded token's staged copies cross the bus on CUDA: the widened copy with no experts in slots
-(`tt:0`, every decode pass staged, `staged_passes.py`), its eight MoE layers' lanes copied from the mapped
-stacks by `kernels.staged_lanes` and by candidate kernels, in the same process as the token they serve.
+(`tt:0`, every decode pass staged, `two_tier/staged_passes.py`), its eight MoE layers' lanes copied from the
+mapped stacks by `kernels.staged_lanes` and by candidate kernels, in the same process as the token they serve.
 
 Per kernel: the eight layers' copies (8 lanes of 2.65 MB each) evaluated together with no order between
 them ("together": the bus's best), and chained so that each layer's copy waits for the one before

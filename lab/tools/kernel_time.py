@@ -12,8 +12,8 @@ rows of the widened x128 copy, to tell a row bound by its device work from one b
 profiler on for `TOKENS` decoded tokens after a warm-up (Nsight Compute times each kernel of MLX's CUDA
 graphs apart: durations, not the gaps between them). `sum`: the kernels a token, their busy ms a token, and
 the largest by name. MODE: `stock`; `mapped` (two-tier, no experts in slots: every decode pass copies its
-lanes from host memory, `staged_passes.py`); `device` (the same engine with its stacks moved to device memory:
-the same operations with no bytes on the bus).
+lanes from host memory, `two_tier/staged_passes.py`); `device` (the same engine with its stacks moved to
+device memory: the same operations with no bytes on the bus).
 
 Not a test or a bench row: a measurement for docs/GPU.md ("The 0% row's floor"). CUDA only.
 """

@@ -1,4 +1,5 @@
-"""How long a surviving rank takes to stop once another dies mid-generation (issue #39, `heartbeat.py`).
+"""How long a surviving rank takes to stop once another dies mid-generation (issue #39,
+`distributed/heartbeat.py`).
 
 Two loopback ranks run `od-moe generate` (the bundled model, 25%, 200 tokens), started without `mlx.launch`
 (which would stop the survivor itself); `tests/dying_rank.py` ends one rank at its 4th token, by SIGKILL (its

@@ -1,4 +1,4 @@
-"""Prediction across the seam (issue #39, `od_moe/seams.py`), measured on two loopback ranks.
+"""Prediction across the seam (issue #39, `od_moe/distributed/seams.py`), measured on two loopback ranks.
 
 Rank 1 runs the first MoE layers, rank 0 the last; with next-gate prefetch rank 1 also predicts rank 0's
 first MoE layer and sends the prediction ahead of the hidden state. Per run: of the reads rank 0 was asked

@@ -1,6 +1,6 @@
 """The two-tier grid of `od-moe bench` (`--two-tier` alone, and after the prefetch grid with `--gpu`): how
-close to stock mlx-lm decoding gets when misses are read in place from host memory (`two_tier.py`), and how
-close to the bound the machine sets.
+close to stock mlx-lm decoding gets when misses are read in place from host memory (`two_tier/runtime.py`),
+and how close to the bound the machine sets.
 
 Per model (the bundled one, and the widened copy unless `--widen 0`) and per fraction of experts in device
 slots (0 / 25 / 50 / 100%), one engine in two-tier mode, with the slots "auto" would keep there (the
@@ -18,7 +18,7 @@ fewer). The roofline is a bound: max(the resident step, stock's ms per token; mo
 two bandwidths measured here: one layer's computation reading every expert of the mapped stack in place,
 and a staged pass's copy of them to the device). On the CPU and
 Metal the stack is plain memory: the counts and tokens hold, the speeds are that machine's.
-Not here: the two-tier runtime (`two_tier.py`), the per-layer path's grid (`prefetch.py`).
+Not here: the two-tier runtime (`two_tier/runtime.py`), the per-layer path's grid (`prefetch.py`).
 """
 
 import functools
@@ -71,9 +71,9 @@ def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
 
 
 def staged_read_bandwidth(engine, repeats: int = 5) -> float:
-    """Bytes per second at which a staged pass's copy (`staged_passes.py`: a kernel of 16-byte loads on CUDA)
-    brings every expert of the first MoE layer's mapped stack to the device, the best of `repeats` after a
-    warm-up: the other way bytes cross the bus, so the roofline takes the faster of the two."""
+    """Bytes per second at which a staged pass's copy (`two_tier/staged_passes.py`: a kernel of 16-byte loads
+    on CUDA) brings every expert of the first MoE layer's mapped stack to the device, the best of `repeats`
+    after a warm-up: the other way bytes cross the bus, so the roofline takes the faster of the two."""
     switch = _first_switch(engine)
     stack, cache = engine.runtime.stacks[switch.layer], engine.caches[switch.layer]
     rows, E = mx.arange(cache.num_experts, dtype=mx.int32), cache.num_experts
@@ -92,10 +92,11 @@ def bus_bandwidth(engine) -> dict:
 
 def experts_across_bus(engine, phase: str | None = None) -> float:
     """Experts a two-tier engine moved across the bus in `phase` (None: both): lanes read in place (misses),
-    the distinct experts staged passes copied from host rows (once for all their lanes: `staged_passes.py`),
-    and copies into slots. With device-kept rows (`two_tier="lru"`) a miss is copied into a row and read
-    there, so a pass moves its copies, and a staged pass also the experts no row held after them; a pass of
-    one position copies every miss (its top-k fit in the rows at every fraction the benches run)."""
+    the distinct experts staged passes copied from host rows (once for all their lanes:
+    `two_tier/staged_passes.py`), and copies into slots. With device-kept rows (`two_tier="lru"`) a miss is
+    copied into a row and read there, so a pass moves its copies, and a staged pass also the experts no row
+    held after them; a pass of one position copies every miss (its top-k fit in the rows at every fraction the
+    benches run)."""
     stats, led = engine.stats(), engine.runtime.ledger
     misses = stats["total"]["misses"] if phase is None else stats["total"][phase]["misses"]
     copies = stats["total"]["experts_loaded"] if phase is None else stats["io"][phase]["experts_loaded"]

@@ -16,7 +16,7 @@ prediction that comes once the layer has run is dropped (booked as late).
 Measured (`SeamReceiver.counts`, while `watch` is on: it adds one sync where the hidden state is received):
 of the reads asked for the first layer, how many had started when the hidden state came. Across more than
 two ranks the hub (rank 0) relays a seam message between two other ranks. Not here: the split
-(`rank_split.py`), what a policy predicts (`policies.py`), reading (`reader.py`).
+(`rank_split.py`), what a policy predicts (`per_layer/policies.py`), reading (`per_layer/reader.py`).
 """
 
 import threading

@@ -1,17 +1,18 @@
 """Serving across ranks: rank 0 serves HTTP, the other ranks follow its requests pass for pass.
 
-Under `mlx.launch`, `serve` loads the split model on every rank (`rank_split.py`); rank 0 binds the port and
-runs the usual worker, the others run `follow`: a worker of their own fed with rank 0's requests. Both run
-the same code on the same tokens, so every rank makes the same passes, sampling, stop-string and
+Under `mlx.launch`, `serve` loads the split model on every rank (`distributed/rank_split.py`); rank 0 binds
+the port and runs the usual worker, the others run `follow`: a worker of their own fed with rank 0's requests.
+Both run the same code on the same tokens, so every rank makes the same passes, sampling, stop-string and
 prompt-cache decisions; the one thing only rank 0 knows, whether a client went away, it decides for all
 (`Leader.lockstep`, at every cancellation check, before the ranks go on). The messages travel on the
-ranks' heartbeat connections (`heartbeat.py`), in order: a job, its decisions, the next job... Requests
-run one at a time across ranks (no batching: `serve` says so at start).
+ranks' heartbeat connections (`distributed/heartbeat.py`), in order: a job, its decisions, the next job...
+Requests run one at a time across ranks (no batching: `serve` says so at start).
 
 Each other rank sends its figures (layers, hit rate, bytes and experts read) with every beat; /health and
 the live page show one row per rank (`Leader.rows`). A rank that is gone (its connection closed or it went
 silent) ends the running and waiting requests with an error event and a 503, /health says "error" and
-which rank; the other ranks stop (`heartbeat.py`). Not here: HTTP (`app.py`), the worker (`worker.py`).
+which rank; the other ranks stop (`distributed/heartbeat.py`). Not here: HTTP (`app.py`), the worker
+(`worker.py`).
 """
 
 import os
@@ -102,7 +103,8 @@ class Leader:
 
 def follow(engine, log=print):
     """Run rank 0's requests on this rank until rank 0 ends the server. Waiting for rank 0 is pipeline
-    work: if rank 0 (or another rank) is gone, this process ends with one line (`heartbeat.py`)."""
+    work: if rank 0 (or another rank) is gone, this process ends with one line
+    (`distributed/heartbeat.py`)."""
     supervisor = engine.stage.supervisor
     supervisor.payload = lambda: rank_figures(engine)
     worker = GenerationWorker(engine, max_batch=1)
@@ -142,6 +144,7 @@ def _on_failure(worker: GenerationWorker, then):
 
 
 def _stop(message: str):
-    """End this rank at once: its pass is left half done, and rank 0 finds it gone (`heartbeat.py`)."""
+    """End this rank at once: its pass is left half done, and rank 0 finds it gone
+    (`distributed/heartbeat.py`)."""
     print(f"od-moe: error: {message}", file=sys.stderr, flush=True)
     os._exit(1)

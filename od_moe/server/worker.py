@@ -328,8 +328,8 @@ class GenerationWorker:
             job.events.put(("error", error))
 
     def break_pipeline(self, message: str, running: Job | None = None):
-        """A rank is gone (`heartbeat.py`): end the running and queued jobs with a 503 saying so, and every
-        later one; /health says "error". From any thread (the generation thread may be blocked for good)."""
+        """A rank is gone (`distributed/heartbeat.py`): end the running, queued and later jobs with a 503
+        saying so; /health says "error". From any thread (the generation thread may be blocked for good)."""
         with self.lock:
             first, self.broken = self.broken is None, self.broken or message
             self.last_error = self.broken

@@ -11,7 +11,7 @@ tokens are stock mlx-lm's (the suite compares them). Only one position's passes 
 repeat at every decoded token, while a prompt's would trace anew for each length. What a pass takes and
 gives besides the hidden state (tables, the rows' state, hits) is a `Plan`, made by the runtime per layer
 and pass: the host's decisions stay outside the compiled call, the arrays go in and out of it.
-Not here: what the lanes read and what is kept of their outputs (`two_tier.py`, `kept_rows.py`,
+Not here: what the lanes read and what is kept of their outputs (`runtime.py`, `kept_rows.py`,
 `staged_passes.py`).
 """
 

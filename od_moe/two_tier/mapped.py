@@ -7,7 +7,7 @@ the CPU backend), adds C rows after the last expert (the layer's device slots: o
 computed once, by one `gather_qmm`, whichever tier holds its expert), checks that each array holds exactly
 those bytes, and asks the backend to keep its experts in host memory for the device and its slot rows in
 device memory (`backend.map_for_device`). On the CPU and Metal that is plain memory and the same code runs.
-Not here: the forward math, filling the slots or admission (`two_tier.py`).
+Not here: the forward math, filling the slots or admission (`runtime.py`).
 """
 
 import mlx.core as mx

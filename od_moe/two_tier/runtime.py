@@ -1,7 +1,7 @@
 """Two-tier mode: misses read in place from host memory, hits computed on device slots, no host sync.
 
 Where the GPU has memory of its own (CUDA) and the host holds every expert, a missing expert need not
-be read from disk after the host learned the routing (the per-layer path, `runtime.py`: a host round
+be read from disk after the host learned the routing (the per-layer path, `per_layer/runtime.py`: a host round
 trip per layer with a miss). Here each MoE layer has one stack per weight array (`mapped.py`):
 - rows 0..E-1: every expert in host memory, as MLX arrays the GPU reads in place;
 - rows E..E+C-1: the layer's C slots, in device memory;
@@ -22,7 +22,7 @@ in flight therefore never sees a slot change, and the stack never moves (checked
 slots' device placement behind).
 A pass of one position (a decoded token) is a `layer_step.Plan` per layer, each MoE block one compiled call.
 Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py`), the CUDA advice
-(`cuda.HostMapping`), or the per-layer path with its prefetch (`runtime.py`).
+(`cuda.HostMapping`), or the per-layer path with its prefetch (`per_layer/runtime.py`).
 """
 
 import time

@@ -1,13 +1,13 @@
 """Routing counts kept on the device in two-tier mode, read by the host a few passes late, never waited for.
 
-A two-tier pass (`two_tier.py`) never learns its routing on the host. What the host needs of it, how often
+A two-tier pass (`runtime.py`) never learns its routing on the host. What the host needs of it, how often
 each expert was routed (admission) and how many routed lanes found their expert in a slot (the ledger's
 hits), is added up on the device by each pass: one scatter-add of the pass's expert ids into a
 (layers x experts) count and one of its hit lanes into a (phases x layers) count, both lazy, built into the
 pass's graph. A decode pass's are computed with its token (`tie`). A prompt pass's output is not
 evaluated, so `launch` starts its counts between passes (after that pass, on the same stream). `read`
 hands the host the counts as of an earlier pass, one that is sure to be done when the caller says so
-(`two_tier.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
+(`runtime.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
 Lookups need no device data (a layer's lane count is its ids' shape) and are booked by the caller.
 Not here: what the counts decide (`admission.py`), the ledger itself (`stats.py`).
 """

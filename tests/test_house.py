@@ -1,12 +1,14 @@
-"""The house rules of issue #37: modules that fit in one head, and no import circle; and of issue #55: docs
-that are guides, not logs.
+"""The house rules of issue #37: modules that fit in one head, and no import circle; and of issue #55: folders
+by concept, and docs that are guides, not logs.
 
 In `od_moe/`, `predictor/` and `training/`: no module over 450 lines, no class over 300, no function over 80
-(decorators included), and no circle among the package's imports (those inside functions included: a
-deferred import hides a circle, it does not remove it). Read from the source with `ast`; nothing is
-imported. Every Markdown file but the top-level README, `lab/` included, under 15,000 words in all, and the
-README under 500 lines. No machine figures in the code (issue #55): a docstring says why, the number lives
-in the docs, and the code points to the section that holds it.
+(decorators included) but where a concept keeps one whole (`SIZE_ALLOWED`, each entry saying which: a module
+is split by concept, never by line count), and no circle among the package's imports (those inside functions
+included: a deferred import hides a circle, it does not remove it). Every folder of `od_moe/` that holds code
+is a package whose `__init__.py` opens with what the folder holds and what it does not ("Not here"). Read from
+the source with `ast`; nothing is imported. Every Markdown file but the top-level README, `lab/` included,
+under 15,000 words in all, and the README under 500 lines. No machine figures in the code (issue #55): a
+docstring says why, the number lives in the docs, and the code points to the section that holds it.
 """
 
 import ast
@@ -19,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"od_moe": "od_moe", "predictor": "od_moe.predictor", "training": "od_moe.training"}
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 300, 80
 MAX_DOC_WORDS, MAX_README_LINES = 15_000, 500
+# modules, classes or functions over a limit, as `oversized` names them ('path: what'), each with the concept
+# that keeps it whole (a split along it would cut one idea in two); none today
+SIZE_ALLOWED: dict[str, str] = {}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -122,7 +127,25 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_modules_classes_and_functions_fit_their_limits():
-    assert oversized(_modules()) == []
+    over = oversized(_modules())
+    allowed = {item for item in over if item.rsplit(" (", 1)[0] in SIZE_ALLOWED}
+    assert sorted(set(over) - allowed) == []
+    # an entry for something back within its limits goes
+    assert sorted(set(SIZE_ALLOWED) - {item.rsplit(" (", 1)[0] for item in allowed}) == []
+
+
+def test_every_folder_says_what_it_holds():
+    """Each folder of `od_moe/` with modules in it is a package whose `__init__.py` opens with a docstring
+    that says what the folder holds and, in a "Not here" sentence, what it does not."""
+    folders = {path.parent for path in (ROOT / "od_moe").rglob("*.py")}
+    assert {"per_layer", "two_tier", "distributed", "server", "bench"} <= {f.name for f in folders}
+    silent = []
+    for folder in sorted(folders - {ROOT / "od_moe"}):
+        init = folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) if init.exists() else None
+        if not doc or "Not here" not in doc:
+            silent.append(str(folder.relative_to(ROOT)))
+    assert silent == []
 
 
 def test_no_import_circle():

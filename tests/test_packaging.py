@@ -60,13 +60,20 @@ def test_a_regular_wheel_installs_the_mapped_packages(wheel, tmp_path):
         "od_moe/models/tiny-qwen3-moe-4bit-predictor/predictor.safetensors",
         "od_moe/training/data/python_source.jsonl.gz",
         "od_moe/server/static/dashboard.js",
+        "od_moe/per_layer/runtime.py",
+        "od_moe/two_tier/kernels.py",
+        "od_moe/distributed/rank_split.py",
     ):
         assert expected in names
+    # every module of every folder (pyproject lists each package: a folder it misses is not installed)
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "od_moe").rglob("*.py")}
+    assert sorted(modules - names) == []
     assert not any(n.startswith(("predictor/", "training/")) for n in names)  # never top-level names
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
     code = (
-        "import od_moe, od_moe.predictor, od_moe.training.record, od_moe.server; "
+        "import od_moe, od_moe.predictor, od_moe.training.record, od_moe.server, od_moe.per_layer.runtime, "
+        "od_moe.two_tier.runtime, od_moe.distributed.rank_split; "
         "print(od_moe.__file__); print(od_moe.predictor.__file__)"
     )
     run = subprocess.run(

@@ -5,6 +5,9 @@ reads it, `worker.py` runs generations on one thread with prompt-cache reuse and
 time or decoded together (`batching.py`, whose schedule `schedule.py` logs and replays through mlx-lm),
 `health.py` writes /health and /metrics, `anthropic.py` speaks the Messages API, `app.py` is the Flask app
 (`create_app`) and `serve` starts it.
+Not here: generation itself (the engine, `od_moe/engine.py`, and either path under it), the split over
+ranks (`od_moe/distributed/`; serving across them is `ranks.py`), the benchmarks that load a server
+(`od_moe/bench/serving.py`).
 """
 
 from .app import create_app, serve

@@ -27,7 +27,10 @@ def main():
         nvml = cuda.process_device_bytes(os.getpid())
         line = {"step": step, "card_use": use, "nvml": nvml, "active": mx.get_active_memory()}
         line.update(cache=mx.get_cache_memory(), **more)
-        print(json.dumps({k: round(v / 1e9, 3) if isinstance(v, int) else v for k, v in line.items()}), flush=True)
+        print(
+            json.dumps({k: round(v / 1e9, 3) if isinstance(v, int) else v for k, v in line.items()}),
+            flush=True,
+        )
 
     note("context")
     what = sys.argv[1]
@@ -65,7 +68,9 @@ def main():
         gen = lambda p, n: list(stream_generate(m, tokenizer, p, max_tokens=n))  # noqa: E731
     ids = []
     while len(ids) < 4096:
-        ids += tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n")
+        ids += tokenizer.encode(
+            "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+        )
     prompt = tokenizer.decode(ids[:4096])
     gen("def f(x):", 4)
     note("short prompt, 4 tokens")

@@ -23,16 +23,19 @@ def main():
     def run(gen):
         return [[r.token for r in gen(p)] for p in prompts]
 
-    stock = run(lambda p: stream_generate(m, tok, p, max_tokens=tokens))
-    again = run(lambda p: stream_generate(m, tok, p, max_tokens=tokens))
+    stock = run(lambda p, m=m: stream_generate(m, tok, p, max_tokens=tokens))
+    again = run(lambda p, m=m: stream_generate(m, tok, p, max_tokens=tokens))
     print("stock twice equal:", [a == b for a, b in zip(stock, again)], flush=True)
     del m
     for two_tier, capacity in [(False, 0.25), (True, 1.0), (True, 0.25), ("lru", 0.25), ("lru", 0.5)]:
         engine = od_moe.load(model, capacity=capacity, two_tier=two_tier)
-        got = run(lambda p: engine.stream_generate(p, max_tokens=tokens))
+        got = run(lambda p, engine=engine: engine.stream_generate(p, max_tokens=tokens))
         first = [next((i for i, (a, b) in enumerate(zip(g, s)) if a != b), None) for g, s in zip(got, stock)]
-        print(f"two_tier={two_tier} capacity={capacity}: equal {[g == s for g, s in zip(got, stock)]}, "
-              f"first departure {first}", flush=True)
+        print(
+            f"two_tier={two_tier} capacity={capacity}: equal {[g == s for g, s in zip(got, stock)]}, "
+            f"first departure {first}",
+            flush=True,
+        )
         del engine
 
 

@@ -43,7 +43,15 @@ from . import slot_fill
 from .admission import Admission
 from .host_ring import HostRing
 from .kept_rows import KeptRows
-from .layer_step import CompiledBlock, CompileVerdict, LayerSteps, Plan, TwoTierSwitch, as_routed, through_table
+from .layer_step import (
+    CompiledBlock,
+    CompileVerdict,
+    LayerSteps,
+    Plan,
+    TwoTierSwitch,
+    as_routed,
+    through_table,
+)
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
 from .staged_passes import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .tally import DeviceTally, book_read

@@ -246,6 +246,31 @@ def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
     assert warm["choices"][0]["text"] == alone
 
 
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_the_warm_up_compiles_before_ready_and_keeps_no_figures(max_batch):
+    """`serve`'s worker runs one short request before it says it is ready, through the path requests take,
+    so that the passes a first request would compile are compiled then; after it the counters, the prompt
+    cache, the schedule log and the engine's statistics are empty, and a request gets the text it gets
+    from a worker with no warm-up."""
+    texts = []
+    for warm_up in (True, False):
+        engine = od_moe.load(capacity=0.25, two_tier=True)
+        blocks = [layer.mlp for layer in engine.model.model.layers]
+        base, log, srv, worker = start(engine, max_batch=max_batch, warm_up=warm_up)
+        if warm_up:
+            assert worker.warmed_up_s > 0 and all(b._compiled for b in blocks)  # decode passes compiled
+            assert set(worker.counters.values()) == {0} and worker.completion_tokens == 0
+            assert engine.stats()["positions"] == {"prefill": 0, "decode": 0} and not log.joins
+            assert worker.prompt_cache.take(engine.model, [1, 2, 3])[2] == 0  # nothing kept to reuse
+        else:
+            assert worker.warmed_up_s is None and not any(b._compiled for b in blocks)
+        body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        texts.append(call(base, "/v1/completions", body)["choices"][0]["text"])
+        srv.shutdown()
+        worker.stop()
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves_on(monkeypatch, stock):
     """A step that raises, and a ledger that cannot settle after it, end the running requests with a 5xx
     error; the generation thread lives on and the next request is answered. The new generator's

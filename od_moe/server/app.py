@@ -348,7 +348,7 @@ def serve(
         listener.close()
         raise
     schedule = None if sink is None else ScheduleLog(sink=sink)
-    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule)
+    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule, warm_up=True)
     try:
         app = create_app(
             worker=worker,
@@ -369,6 +369,10 @@ def serve(
     )
     if worker.engine.capacity_choice:
         log(f"od-moe: {worker.engine.capacity_choice}")
+    if worker.warmed_up_s is not None:
+        log(
+            f"od-moe: warmed up in {worker.warmed_up_s:.1f} s (one short request: what a first request compiles)"
+        )
     if worker.batch_cut:
         log(f"od-moe: {worker.batch_cut}")
         if sink is not None:

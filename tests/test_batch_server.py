@@ -26,6 +26,7 @@ from od_moe.server.arrivals import Arrivals
 from od_moe.server.batching import fitting_batch
 from od_moe.server.requests import parse_params
 from od_moe.server.schedule import ScheduleLog, replay
+from od_moe.server.warm_up import warm_up
 from od_moe.server.worker import GenerationWorker
 
 PROMPTS = [f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(6)]
@@ -247,27 +248,25 @@ def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])
-def test_the_warm_up_compiles_before_ready_and_keeps_no_figures(max_batch):
-    """`serve`'s worker runs one short request before it says it is ready, through the path requests take,
-    so that the passes a first request would compile are compiled then; after it the counters, the prompt
-    cache, the schedule log and the engine's statistics are empty, and a request gets the text it gets
-    from a worker with no warm-up."""
+def test_the_warm_up_compiles_before_serving_and_keeps_no_figures(max_batch):
+    """`serve` runs one short request on the engine before it serves (`warm_up.py`), so that the passes a
+    first request would compile are compiled then; after it the engine's statistics are empty and a
+    request gets the text it gets from an engine with no warm-up."""
     texts = []
-    for warm_up in (True, False):
+    for warm in (True, False):
         engine = od_moe.load(capacity=0.25, two_tier=True)
         blocks = [layer.mlp for layer in engine.model.model.layers]
-        base, log, srv, worker = start(engine, max_batch=max_batch, warm_up=warm_up)
-        if warm_up:
-            assert worker.warmed_up_s > 0 and all(b._compiled for b in blocks)  # decode passes compiled
-            assert set(worker.counters.values()) == {0} and worker.completion_tokens == 0
-            assert engine.stats()["positions"] == {"prefill": 0, "decode": 0} and not log.joins
-            assert worker.prompt_cache.take(engine.model, [1, 2, 3])[2] == 0  # nothing kept to reuse
+        if warm:
+            assert warm_up(engine) > 0 and all(b._compiled for b in blocks)  # decode passes compiled
+            assert engine.stats()["positions"] == {"prefill": 0, "decode": 0}
         else:
-            assert worker.warmed_up_s is None and not any(b._compiled for b in blocks)
+            assert not any(b._compiled for b in blocks)
+        base, log, srv, worker = start(engine, max_batch=max_batch)
         body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
         texts.append(call(base, "/v1/completions", body)["choices"][0]["text"])
         srv.shutdown()
         worker.stop()
+        assert worker.counters["completed"] == 1 and engine.stats()["positions"]["decode"] > 0
     assert texts[0] == texts[1] and texts[0]
 
 
@@ -413,6 +412,7 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
         except subprocess.TimeoutExpired:
             proc.kill()
             pytest.fail("the server did not exit within 120 s of SIGTERM; it said: " + "".join(said[-20:]))
+    assert any("warmed up in" in line for line in said), said  # and the warm-up joined no batch:
     log = ScheduleLog.read(path)
     assert len(log.joins) == 4 and log.stop_tokens and log.model.endswith("tiny-qwen3-moe-4bit")
     assert sorted(len(t) for t in log.tokens.values()) == [5, 6, 7, 8]

@@ -1,7 +1,7 @@
-"""Lab: a server started cold, with and without the worker's warm-up (not product code).
+"""Lab: a server started cold, with and without `serve`'s warm-up (not product code).
 
 Each run is a fresh process: load (the bundled model unless MODEL is given), start the server as `serve`
-does (one worker, `warm_up` on or off), then one streamed greedy request; one JSON line: seconds from the
+does (`warm_up.py` on or off), then one streamed greedy request; one JSON line: seconds from the
 process's start to ready, and from sending the request to its first text and to its end.
 
   python3 lab/cold_start/first_request.py on|off [--two-tier on|off] [--max-batch N] [--model M]
@@ -29,14 +29,20 @@ def main():
 
     import od_moe
     from od_moe.server import create_app
+    from od_moe.server.warm_up import warm_up
     from od_moe.server.worker import GenerationWorker
 
     two_tier = {"on": True, "off": False}.get(args.two_tier, args.two_tier)
 
-    def loader():
-        return od_moe.load(args.model, capacity=args.capacity, two_tier=two_tier, sequences=args.max_batch)
+    warmed = []
 
-    worker = GenerationWorker(loader=loader, max_batch=args.max_batch, warm_up=args.warm_up == "on")
+    def loader():
+        engine = od_moe.load(args.model, capacity=args.capacity, two_tier=two_tier, sequences=args.max_batch)
+        if args.warm_up == "on":
+            warmed.append(warm_up(engine))
+        return engine
+
+    worker = GenerationWorker(loader=loader, max_batch=args.max_batch)
     app = create_app(worker=worker)
     srv = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -56,7 +62,12 @@ def main():
     srv.shutdown()
     worker.stop()
     out = dict(warm_up=args.warm_up, two_tier=args.two_tier, max_batch=args.max_batch, ready_s=ready)
-    out.update(warmed_up_s=worker.warmed_up_s, first_text_s=first, request_s=end, mode=worker.engine.mode[0])
+    out.update(
+        warmed_up_s=warmed[0] if warmed else None,
+        first_text_s=first,
+        request_s=end,
+        mode=worker.engine.mode[0],
+    )
     print(json.dumps(out), flush=True)
 
 

@@ -33,6 +33,7 @@ from .health import health_body, prometheus_text
 from .kv_room import KvRoom
 from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
 from .schedule import ScheduleLog
+from .warm_up import warmed_loader
 from .worker import GenerationWorker
 
 # Used when a tokenizer has no chat template, as the embedded model's (a code model trained on raw Python,
@@ -331,11 +332,10 @@ def serve(
     where a rank was lost, `serve` raises `RankLost` once it stops."""
     from werkzeug.serving import make_server
 
-    from .. import load
     from ..distributed.rank_split import group_for
 
-    def loader():
-        return load(model, sequences=max_batch, **load_options)
+    warmed = []  # the warm-up's seconds, on rank 0
+    loader = warmed_loader(model, max_batch, load_options, warmed)
 
     group = group_for("auto")
     if group is not None and group.rank() > 0:
@@ -348,7 +348,7 @@ def serve(
         listener.close()
         raise
     schedule = None if sink is None else ScheduleLog(sink=sink)
-    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule, warm_up=True)
+    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule)
     try:
         app = create_app(
             worker=worker,
@@ -369,10 +369,8 @@ def serve(
     )
     if worker.engine.capacity_choice:
         log(f"od-moe: {worker.engine.capacity_choice}")
-    if worker.warmed_up_s is not None:
-        log(
-            f"od-moe: warmed up in {worker.warmed_up_s:.1f} s (one short request: what a first request compiles)"
-        )
+    if warmed:
+        log(f"od-moe: warmed up in {warmed[0]:.1f} s (a short request: what a first one compiles)")
     if worker.batch_cut:
         log(f"od-moe: {worker.batch_cut}")
         if sink is not None:

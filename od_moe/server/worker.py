@@ -28,11 +28,6 @@ from .prompt_cache import PromptCache
 from .requests import ApiError, GenerationParams
 from .schedule import ScheduleLog
 
-# The warm-up request (`GenerationWorker._warm_up`): a short prompt and a few greedy tokens take the
-# prefill and decode paths a first request takes.
-WARM_UP_PROMPT = "def add(a, b):\n    return"
-WARM_UP_TOKENS = 4
-
 
 @dataclass
 class Job:
@@ -119,8 +114,7 @@ class Cancelled(Exception):
 class GenerationWorker:
     """The thread that owns the engine; `prefill_step` tokens are prefilled between cancellation checks;
     `max_batch` requests decode together (1: one at a time, with prompt-cache reuse); `schedule`, if given,
-    logs the batch's schedule (`schedule.py`); `warm_up`: one short request runs before `ready`
-    (`_warm_up`)."""
+    logs the batch's schedule (`schedule.py`)."""
 
     def __init__(
         self,
@@ -129,7 +123,6 @@ class GenerationWorker:
         prefill_step: int = 256,
         max_batch: int = 1,
         schedule: ScheduleLog | None = None,
-        warm_up: bool = False,
     ):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise UserError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -147,7 +140,6 @@ class GenerationWorker:
         self.arrivals = Arrivals()  # requests being read, not queued yet
         self.prompt_cache = PromptCache()
         self.ready = threading.Event()
-        self.warm_up, self.warmed_up_s = warm_up, None  # `_warm_up`, and the seconds it took
         self.load_error: BaseException | None = None
         self.lock = threading.Lock()
         self.counters = {"total": 0, "completed": 0, "failed": 0, "cancelled": 0, "rejected": 0}
@@ -242,8 +234,6 @@ class GenerationWorker:
             self.max_batch = 1
         if self.max_batch > 1:
             self.max_batch, self.batch_cut = fitting_batch(self.engine, self.max_batch)
-        if self.warm_up and self.engine.stage is None:  # across ranks the others would have to follow
-            self._warm_up()
         if self.max_batch > 1:
             self.batch = RunningBatch(self, self.max_batch, self.prefill_step, self.schedule)
         self.ready.set()
@@ -276,26 +266,6 @@ class GenerationWorker:
                 self.decode_clock.stop()
                 with self.lock:
                     self.active, self.current = 0, None
-
-    def _warm_up(self):
-        """One short request through the path requests take, before the server says it is ready: what a
-        first request would compile (MLX's kernels and compiled passes) compiles here. Its figures are not
-        kept: the counters, the prompt cache and the engine's statistics start from nothing after it."""
-        start = time.perf_counter()
-        job = Job(self.engine.tokenizer.encode(WARM_UP_PROMPT), GenerationParams(WARM_UP_TOKENS, 0.0))
-        if self.max_batch > 1:
-            batch = RunningBatch(self, self.max_batch, self.prefill_step)  # no schedule log: not a request
-            batch.admit(job)
-            while len(batch):
-                batch.step()
-        else:
-            self._generate(job)
-        with self.lock:
-            self.counters = dict.fromkeys(self.counters, 0)
-            self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
-        self.prompt_cache, self.decode_clock = PromptCache(), DecodeClock()
-        self.engine.reset_stats()
-        self.warmed_up_s = time.perf_counter() - start
 
     def _serve_batches(self):
         """Up to `max_batch` jobs decode together: waiting jobs join between steps while there is room,

@@ -33,7 +33,7 @@ def row(fraction: float, policy: str, tokens: int) -> dict:
     probe = od_moe.load(capacity=1)
     layers, experts = len(probe.caches), probe.num_experts
     slots = max(1, round(fraction * experts))
-    working = working_nbytes(probe.model, layers, experts)
+    working = working_nbytes(probe.model, layers, experts, kv_per_token=probe.kv_nbytes_per_token)
     budget = budget_for(slots, layers, probe.caches[0].slot_nbytes, probe.non_expert_nbytes, working)
     del probe
     predictor = od_moe.DEFAULT_PREDICTOR if policy == "predictor" else None

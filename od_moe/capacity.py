@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from .backend import available_memory_bytes
 from .errors import UserError
@@ -35,6 +36,7 @@ AUTO_BUDGET_FRACTION = 0.70  # of available memory, when neither capacity nor bu
 DEVICE_BUDGET_FRACTION = 0.90
 DEFAULT_CONTEXT = 4096 + 256  # tokens a device budget keeps KV cache for: a 4k-token prompt, 256 generated
 PREFILL_CHUNK = 2048  # prompt tokens mlx-lm's generation prefills at once (its prefill_step_size)
+KV_PROBE = 256  # tokens of the lazy runs `kv_nbytes_per_token` measures caches with: one of mlx-lm's steps
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,31 @@ def no_slots(capacity, tiered: bool) -> bool:
 
 
 def kv_nbytes_per_token(model) -> int:
-    """KV-cache bytes one token of context takes: the outputs of every layer's k and v projections in the
-    compute dtype, from the (lazy) model's shapes; models without such projections are counted as full
-    multi-head attention (2 x hidden size per layer)."""
+    """KV-cache bytes one more token of context takes, as mlx-lm's own caches hold them for this model: the
+    model run lazily (nothing is evaluated, no weight is read) on prompts of `KV_PROBE` and twice as many
+    tokens into fresh caches (`make_prompt_cache`), and what their states hold apart, per token. So
+    multi-head latent attention (DeepSeek's keys and values per head, or a latent), sliding windows (a
+    bounded cache) and recurrent layers (a fixed state) count as they are held. A model od-moe has changed
+    (its switches would read experts) is not run; for it, and where the run fails, the outputs of every k
+    and v projection (a model without them counted as full multi-head attention, 2 x hidden a layer):
+    engines keep the figure measured before (`Engine.kv_nbytes_per_token`)."""
+    if any(type(m).__module__.startswith("od_moe.") for _, m in model.named_modules()):
+        return _projected_kv_nbytes_per_token(model)
+    try:
+        held = [_cache_nbytes(model, tokens) for tokens in (KV_PROBE, 2 * KV_PROBE)]
+        return max(0, (held[1] - held[0]) // KV_PROBE)
+    except Exception:  # a family whose code cannot run on a dummy prompt: the projections' outputs
+        return _projected_kv_nbytes_per_token(model)
+
+
+def _cache_nbytes(model, tokens: int) -> int:
+    """Bytes the states of fresh caches hold after a lazy run of `tokens` tokens (shapes only)."""
+    caches = make_prompt_cache(model)
+    model(mx.zeros((1, tokens), mx.int32), cache=caches)
+    return sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if isinstance(v, mx.array))
+
+
+def _projected_kv_nbytes_per_token(model) -> int:
     outputs = sum(
         m.weight.shape[0]
         for name, m in model.named_modules()
@@ -156,16 +180,23 @@ def _top_k(model) -> int:
 
 
 def working_nbytes(
-    model, moe_layers: int, num_experts: int, staged_expert_nbytes: int = 0, context: Context = Context()
+    model,
+    moe_layers: int,
+    num_experts: int,
+    staged_expert_nbytes: int = 0,
+    context: Context = Context(),
+    kv_per_token: int | None = None,
 ) -> int:
     """MLX memory generation needs beyond the weights and slots, counted into every budget: the KV cache
     of the `context` (by default `RESERVED_CONTEXT` tokens of one sequence), the activations of its
     prefill chunk, and the dense float32 router copies the prefetch policies predict with. In two-tier
     mode (`staged_expert_nbytes`: an expert's bytes) also a staged pass's device copy of the experts its
     layer routes to (`two_tier/staged_passes.py`): for a chunk that long, every expert of one layer in
-    practice."""
+    practice. `kv_per_token`: `kv_nbytes_per_token(model)` where the caller has it (a model od-moe has
+    changed must not be run: pass it)."""
     hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
-    kv = kv_nbytes_per_token(model) * context.tokens * context.sequences
+    kv_per_token = kv_nbytes_per_token(model) if kv_per_token is None else kv_per_token
+    kv = kv_per_token * context.tokens * context.sequences
     activations = activation_nbytes_per_token(model, context.tokens) * context.chunk
     staged = min(num_experts, context.chunk * _top_k(model)) * staged_expert_nbytes
     return kv + activations + moe_layers * num_experts * hidden * 4 + staged

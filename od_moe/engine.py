@@ -29,6 +29,7 @@ from .assembly import (
     say,
 )
 from .cache import LayerCache
+from .capacity import kv_nbytes_per_token
 from .distributed import rank_split, seams
 from .errors import ExpertReadError, UserError
 from .layout import BlockLayout
@@ -82,6 +83,7 @@ class Engine:
         self.load_peak_bytes = 0
         self.capacity_choice = None  # where a device budget chose the slots: what and why (`load`)
         self.device_budget = None  # ((bytes, where from), Context) where the device has memory of its own
+        self.kv_nbytes_per_token = 0  # KV cache a token of context takes (`capacity.kv_nbytes_per_token`)
         self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
@@ -393,6 +395,7 @@ def load(
     mlx_model, tokenizer = open_model(path, dtype)
     stage = group and rank_split.split(mlx_model, group, find_moe_blocks(mlx_model))
     blocks = offloadable_blocks(mlx_model, path)
+    kv = kv_nbytes_per_token(mlx_model)  # a lazy run, before od-moe changes the model
     device = device_plan(device_memory, context_tokens, sequences, max_positions(path))
     asked = dict(two_tier=two_tier, capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy)
     place = place_experts(mlx_model, blocks, device, prefetch=prefetch, predictor=predictor, **asked)
@@ -406,10 +409,9 @@ def load(
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
     engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, place.non_expert_nbytes)
     engine.mode, engine.stage = ("two-tier" if place.tiered else "per-layer", place.why), stage or None
-    engine.capacity_choice, engine.device_budget = place.choice, device
-    for line in (place.why if two_tier != "auto" or place.tiered else None, place.choice):
-        if line is not None:
-            say(line)
+    engine.capacity_choice, engine.device_budget, engine.kv_nbytes_per_token = place.choice, device, kv
+    for line in filter(None, (place.why if two_tier != "auto" or place.tiered else None, place.choice)):
+        say(line)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
         runtime.taps = [tap_router(b.block) for b in blocks]
     _start(engine, predictor, prefetch, snapshot)

@@ -25,6 +25,7 @@ from .capacity import (
     AUTO_BUDGET_FRACTION,
     RESERVED_CONTEXT,
     budget_for,
+    kv_nbytes_per_token,
     no_slots,
     parse_capacity,
     parse_size,
@@ -118,7 +119,8 @@ def inspect_model(
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
     tiers = _two_tier_report(slot_nbytes, slot_nbytes * num_experts * moe_layers, memory_budget)
-    working = working_nbytes(mlx_model, moe_layers, num_experts, slot_nbytes if tiers["auto"] else 0)
+    kv, staged = kv_nbytes_per_token(mlx_model), slot_nbytes if tiers["auto"] else 0
+    working = working_nbytes(mlx_model, moe_layers, num_experts, staged, kv_per_token=kv)
     bought = _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expert, working)
 
     def budget(count: int) -> int:
@@ -137,6 +139,7 @@ def inspect_model(
         all_experts_bytes=slot_nbytes * num_experts * moe_layers,
         non_expert_bytes=non_expert,
         working_bytes=working,
+        kv_bytes_per_token=kv,
         dtype=str(target or "model").removeprefix("mlx.core."),
         memory_budget=bought,
         device=_device_report(mlx_model, blocks, slot_nbytes, non_expert, tiers["auto"], path, **device),
@@ -311,7 +314,8 @@ def format_inspection(report: dict) -> str:
         f"bytes      {_size(report['expert_bytes'])} per expert in memory "
         f"({_size(report['expert_bytes_on_disk'])} on disk), {_size(report['all_experts_bytes'])} all "
         f"experts, {_size(report['non_expert_bytes'])} non-expert ({report['dtype']}), "
-        f"{_size(report['working_bytes'])} working (KV cache and prefill of {RESERVED_CONTEXT} tokens, "
+        f"{_size(report['working_bytes'])} working (KV cache and prefill of {RESERVED_CONTEXT} tokens at "
+        f"{_size(report['kv_bytes_per_token'])} a token, "
         f"routers{', a staged layer of two-tier mode' if report['two_tier']['auto'] else ''})",
         _budget_line(report),
         "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items()),

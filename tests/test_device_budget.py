@@ -4,6 +4,7 @@ said, a capacity the budget cannot hold is refused with what would fit, and memo
 driver and the OS count it. The card is simulated here (`backend.device_memory`); the arithmetic is the
 one CUDA runs."""
 
+import mlx.core as mx
 import pytest
 
 import od_moe
@@ -22,7 +23,7 @@ def shapes():
     layers, experts = len(engine.caches), engine.num_experts
     slot = engine.caches[0].slot_nbytes
     context = Context.for_device(engine.max_positions)
-    working = working_nbytes(engine.model, layers, experts, 0, context)
+    working = working_nbytes(engine.model, layers, experts, 0, context, engine.kv_nbytes_per_token)
     return dict(
         layers=layers, experts=experts, slot=slot, non_expert=engine.non_expert_nbytes, working=working
     )
@@ -57,7 +58,10 @@ def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch,
     s = shapes
     card(monkeypatch, 10**12)
     engine = od_moe.load(capacity=1)
-    eight = working_nbytes(engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, sequences=8))
+    kv = engine.kv_nbytes_per_token
+    eight = working_nbytes(
+        engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, sequences=8), kv
+    )
     given = budget_for(40, s["layers"], s["slot"], s["non_expert"], eight)  # 40 slots beside 8 sequences' KV
     many = od_moe.load(device_memory=given, sequences=8)
     one = od_moe.load(device_memory=given)
@@ -65,7 +69,7 @@ def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch,
     assert "a KV cache of 2,048 tokens for 8 sequences" in many.capacity_choice
     assert f"{given / 1e6:.2f} MB (--device-memory)" in many.capacity_choice
     short = working_nbytes(
-        engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, 8, tokens=256)
+        engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, 8, tokens=256), kv
     )
     assert short < eight and Context.for_device(2048, 8, tokens=256).chunk == 256
 
@@ -135,3 +139,32 @@ def test_on_cuda_the_memory_budget_is_the_hosts_and_decides_two_tiers(monkeypatc
         len(err) == 1
         and "not both (on a GPU with memory of its own the memory budget is the host's" in err[0]
     )
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_next", "gpt_oss", "jamba"]
+)
+def test_the_kv_cache_a_token_takes_is_what_mlx_lms_caches_hold(family, tmp_path):
+    """`kv_nbytes_per_token`, measured on a lazy run, is what mlx-lm's caches grow by per token of a
+    real (evaluated) prefill: multi-head latent attention, sliding windows and recurrent layers included.
+    An engine keeps the figure it measured before changing the model, and does not run a changed one."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from od_moe.capacity import kv_nbytes_per_token
+    from tiny_models import FAMILIES, write_mlx_model
+
+    path = write_mlx_model(tmp_path / family, FAMILIES[family])
+    lazy, _ = load_model(path, lazy=True)
+    per_token = kv_nbytes_per_token(lazy)
+    model, _ = load_model(path)
+
+    def held(tokens):
+        caches = make_prompt_cache(model)
+        mx.eval(model(mx.arange(1, tokens + 1)[None], cache=caches))
+        return sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if isinstance(v, mx.array))
+
+    assert per_token > 0 and held(512) - held(256) == per_token * 256  # mlx-lm grows caches 256 at a time
+    engine = od_moe.load(str(path), capacity=0.5, dtype="model")
+    assert engine.kv_nbytes_per_token == per_token

@@ -21,7 +21,7 @@ LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(9))  # ~17
 def test_peak_memory_stays_within_the_budget(fraction, prefetch):
     probe = od_moe.load(capacity=1)
     layers, experts = len(probe.caches), probe.num_experts
-    working = working_nbytes(probe.model, layers, experts)
+    working = working_nbytes(probe.model, layers, experts, kv_per_token=probe.kv_nbytes_per_token)
     slots = round(fraction * experts)
     budget = budget_for(slots, layers, probe.caches[0].slot_nbytes, probe.non_expert_nbytes, working)
     del probe

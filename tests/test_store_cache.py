@@ -260,7 +260,9 @@ def test_capacity_parsing_and_errors():
 def test_memory_budget_bounds_the_cache_and_peak_memory():
     probe = od_moe.load(capacity=1)
     slot = probe.caches[0].slot_nbytes
-    working = working_nbytes(probe.model, len(probe.caches), probe.num_experts)
+    working = working_nbytes(
+        probe.model, len(probe.caches), probe.num_experts, kv_per_token=probe.kv_nbytes_per_token
+    )
     budget = budget_for(16, len(probe.caches), slot, probe.non_expert_nbytes, working)
     gc.collect()
     base = mx.get_active_memory()  # other engines of this test process

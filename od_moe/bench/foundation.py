@@ -178,7 +178,7 @@ def _run_widened(path, factor, capacities, max_tokens, say):
     probe = load(str(path), capacity=1)
     slot, layers, non_expert = probe.caches[0].slot_nbytes, len(probe.caches), probe.non_expert_nbytes
     expert_disk = probe.caches[0].layout.expert_nbytes
-    working = working_nbytes(probe.model, layers, probe.num_experts)
+    working = working_nbytes(probe.model, layers, probe.num_experts, kv_per_token=probe.kv_nbytes_per_token)
     del probe
     rows = [_stock_row("widened", stock, compute_ms_per_token=1e3 / stock["tok_s"])]
     for fraction in capacities:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from mlx_lm.generate import BatchGenerator
 
 from .. import backend
-from ..capacity import kv_nbytes_per_token
 from ..mlx_lm_private import pending_tokens
 from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
@@ -64,7 +63,7 @@ def fitting_batch(engine, max_batch: int, available: int | None = None) -> tuple
     memory available after loading holds (at least 1). (the batch size, why it was cut, or None)"""
     if engine.device_budget is not None:  # it keeps a KV cache for each of them: `kv_room.py` admits by it
         return max_batch, None
-    per_request = kv_nbytes_per_token(engine.model) * engine.max_positions
+    per_request = engine.kv_nbytes_per_token * engine.max_positions
     available = backend.available_memory_bytes() if available is None else available
     fits = max(1, available // per_request) if per_request else max_batch
     if fits >= max_batch:

@@ -17,7 +17,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend
+from . import backend, drafts
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -50,7 +50,7 @@ from .per_layer.runtime import OffloadRuntime
 from .progress import byte_progress
 from .routing import router_matrices, router_of, tap_router
 from .sampling import make_sampler, vocab_size_of
-from .stats import PHASES, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
+from .stats import PHASES, decode_figures, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
 from .store import ExpertStore
 from .surgery import find_moe_blocks, offloadable_blocks, top_k_of
 
@@ -126,11 +126,15 @@ class Engine:
         top_k: int = 0,
         min_p: float = 0.0,
         seed: int | None = None,
+        draft_model=None,
+        num_draft_tokens: int | None = None,
         **kwargs,
     ) -> Generator[GenerationResponse, None, None]:
         """Yield mlx-lm `GenerationResponse`s for `prompt` (text or token ids).
 
-        kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`).
+        kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`). `draft_model`
+        (a model folder, loaded resident; an mlx-lm model; another engine) drafts `num_draft_tokens` a pass
+        (None: mlx-lm's default) for mlx-lm's speculative decoding (`drafts.py`; `from_draft` per response).
         Generation stops at the model's maximum positions (`max_positions`, prompt and reused cache
         included), with finish reason "length"; a prompt that leaves no room is a `UserError`.
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
@@ -143,7 +147,7 @@ class Engine:
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
-        prompt = self.encode(prompt)
+        prompt, draft = self.encode(prompt), drafts.prepare(self, draft_model, num_draft_tokens, kwargs)
         with self._pipeline_work():
             if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
                 prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
@@ -151,17 +155,19 @@ class Engine:
             sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
             context = max([o for o in held if o is not None], default=0) + len(prompt)
             max_tokens = self.token_limit(context, max_tokens)
-            yield from self._generate(prompt, max_tokens, sampler, held, kwargs)
+            yield from self._generate(prompt, max_tokens, sampler, held, kwargs, draft)
 
-    def _generate(self, prompt: list[int], max_tokens: int, sampler, held: list, kwargs: dict):
+    def _generate(self, prompt: list[int], max_tokens: int, sampler, held: list, kwargs: dict, draft=None):
         self.runtime.start_prompt(prompt)
-        ledger, counted = self.runtime.ledger, 0
+        ledger, counted, model = self.runtime.ledger, 0, self.forward
+        if draft is not None:  # the passes after the prompt's verify drafts (`drafts.Verifier`)
+            model, kwargs["draft_model"] = drafts.verifying(self, draft, prompt)
         try:
             for response in mlx_lm.stream_generate(
-                self.forward, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
+                model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
             ):
                 # the last response repeats the count of the one before (it carries the finish reason)
-                ledger.count_generated(response.generation_tokens - counted)
+                ledger.count_generated(response.generation_tokens - counted, response.from_draft)
                 counted = response.generation_tokens
                 yield response
         except ExpertReadError:  # layers before the failed one took the pass's tokens: take them back
@@ -170,7 +176,7 @@ class Engine:
                     c.trim(c.offset - offset)
             raise
         finally:
-            self.runtime.settle()
+            self.runtime.settle() if draft is None else drafts.stop_verifying(self, draft)
             if self.stage is not None:  # the pass computed ahead, on mlx-lm's stream, still talks to peers
                 mx.synchronize(generation_stream)
 
@@ -196,14 +202,9 @@ class Engine:
         bos = self.tokenizer.bos_token
         return self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
 
-    def generate(
-        self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, **kwargs
-    ) -> str:
-        """The whole completion of `prompt` as a string."""
-        return "".join(
-            r.text
-            for r in self.stream_generate(prompt, max_tokens=max_tokens, temperature=temperature, **kwargs)
-        )
+    def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, **kwargs) -> str:
+        """The whole completion of `prompt` as a string (other arguments as `stream_generate`'s)."""
+        return "".join(r.text for r in self.stream_generate(prompt, max_tokens, temperature, **kwargs))
 
     def batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
         """The completions of several prompts decoded together, as `mlx_lm.batch_generate` returns them
@@ -211,7 +212,6 @@ class Engine:
         from .batch import batch_generate
 
         self._single_process("batched decoding")
-
         return batch_generate(self, prompts, max_tokens, **kwargs)
 
     def stream_batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
@@ -219,7 +219,6 @@ class Engine:
         from .batch import stream_batch_generate
 
         self._single_process("batched decoding")
-
         return stream_batch_generate(self, prompts, max_tokens, **kwargs)
 
     def _single_process(self, what: str):
@@ -299,6 +298,8 @@ class Engine:
             "positions": ledger.positions,
             "passes": ledger.passes,
             "generated_tokens": ledger.generated,
+            # drafts (verify passes, drafted and accepted tokens) and experts moved per generated token
+            **decode_figures(ledger, self.mode[0] == "two-tier", getattr(runtime, "device_lru", False)),
             "io": io_by_phase(ledger),
             "per_pass": {phase: per_pass(ledger, phase) for phase in PHASES},
             "direct_io": runtime.store.direct_io,

@@ -29,6 +29,12 @@ one it yields, so N generated tokens take N + 1 decode passes: the extra pass re
 reads are booked like any other's. The reader's own counters (`READER_FIELDS`): reads issued,
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
 other than installs (`busy_s`: predicting, queueing, choosing what to install, the policy's bookkeeping).
+Drafting (`drafts.py`): `verify_passes`, the passes that verified drafts; `drafted`, the draft tokens they
+verified; `accepted`, the generated tokens that came from a draft (mlx-lm's `from_draft`). While `verifying`
+(set by the engine once a drafted generation's prompt is in), every count booked as prefill is booked as
+decode: a verify pass runs the last token and its k drafts, k + 1 positions as a prompt's pass does (and the
+runtimes run it so), but it decodes. So with drafting a decode pass gives 1 to k + 1 tokens, its positions
+count every draft verified, and no pass runs ahead of the tokens given.
 Not here: what is done with the figures (the governor decides, the report prints).
 """
 
@@ -69,6 +75,7 @@ class Ledger:
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
+        self.verifying = False  # passes verify drafts: booked as decode (the module docstring)
         self.reset()
 
     def reset(self):
@@ -77,11 +84,12 @@ class Ledger:
         self.passes = dict.fromkeys(PHASES, 0)
         self.forwards = 0
         self.generated = 0
+        self.verify_passes = self.drafted = self.accepted = 0
         self.reader = dict.fromkeys(READER_FIELDS, 0)
 
     def add(self, phase: str, layer: int, **counts):
         """Add `counts` (names from `LAYER_FIELDS`) to one layer in one phase."""
-        row = self.layers[_PHASE[phase], layer]
+        row = self.layers[_PHASE["decode" if self.verifying else phase], layer]
         for name, value in counts.items():
             row[_FIELD[name]] += value
 
@@ -91,7 +99,7 @@ class Ledger:
         """`add(phase, layer, lookups=..., hits=...)`, without the keyword loop: it runs at every layer.
         `experts`, `expert_hits`: the pass's distinct routed experts and those resident, where the routing
         was read (a layer pass routes to one at least)."""
-        row = self.layers[_PHASE[phase], layer]
+        row = self.layers[_PHASE["decode" if self.verifying else phase], layer]
         row[_LOOKUPS] += lookups
         row[_HITS] += hits
         if experts:
@@ -100,13 +108,21 @@ class Ledger:
             row[_ROUTINGS] += 1
 
     def count_forward(self, phase: str, positions: int):
+        phase = "decode" if self.verifying else phase
         self.forwards += 1
         self.passes[phase] += 1
         self.positions[phase] += positions
 
-    def count_generated(self, tokens: int):
-        """Tokens given to the caller (not the passes that computed them)."""
+    def count_generated(self, tokens: int, from_draft: bool = False):
+        """Tokens given to the caller (not the passes that computed them); `from_draft`: they were a draft's,
+        accepted."""
         self.generated += tokens
+        self.accepted += tokens if from_draft else 0
+
+    def count_verify(self, drafted: int):
+        """A pass that verifies `drafted` draft tokens (booked as decode while `verifying`)."""
+        self.verify_passes += 1
+        self.drafted += drafted
 
     def total(self, name: str, phase: str | None = None) -> float:
         """One layer field summed over layers, in one phase or (None) in both."""
@@ -120,6 +136,8 @@ class Ledger:
         copy.layers = self.layers.copy()
         copy.positions, copy.forwards, copy.reader = dict(self.positions), self.forwards, dict(self.reader)
         copy.generated, copy.passes = self.generated, dict(self.passes)
+        copy.verifying, copy.verify_passes = self.verifying, self.verify_passes
+        copy.drafted, copy.accepted = self.drafted, self.accepted
         return copy
 
     def field(self, name: str) -> np.ndarray:
@@ -250,4 +268,44 @@ def prefetch_counts(led: Ledger, unused_installed: int) -> dict:
         "bytes_read": int(led.total("prefetch_bytes")),
         "read_s": float(led.reader["reader_s"]),
         "wait_s": float(led.total("wait_s")),
+    }
+
+
+def draft_counts(led: Ledger) -> dict:
+    """Drafting's figures: verify passes, the draft tokens they verified, those accepted (given to the caller)
+    and their share (None without drafts)."""
+    return {
+        "verify_passes": led.verify_passes,
+        "drafted": led.drafted,
+        "accepted": led.accepted,
+        "acceptance_rate": _rate(led.accepted, led.drafted),
+    }
+
+
+def experts_moved(led: Ledger, two_tier: bool, device_lru: bool = False, phase: str | None = "decode") -> int:
+    """Experts that `phase`'s passes (None: every pass) brought to where they compute. The per-layer path:
+    experts read from storage, on demand and by prefetch (each into a slot or a scratch row). Two-tier mode:
+    lanes that read their expert in place (misses), the distinct experts staged passes copied from host rows
+    (once for all their lanes: `two_tier/staged_passes.py`), and copies into slots; with device-kept rows
+    (`two_tier="lru"`) a miss is copied into a row and read there, so the copies, and the experts a staged
+    pass found in no row."""
+    if not two_tier:
+        return int(led.total("experts_read", phase) + led.total("prefetch_taken", phase))
+    copies = led.total("installed", phase) + led.total("prefetch_installed", phase)
+    not_held = led.total("experts", phase) - led.total("expert_hits", phase)  # staged passes' distinct
+    if device_lru:
+        return int(copies + not_held)
+    misses = led.total("lookups", phase) - led.total("hits", phase)
+    return int(misses + not_held - led.total("staged_misses", phase) + copies)
+
+
+def decode_figures(led: Ledger, two_tier: bool, device_lru: bool = False) -> dict:
+    """Drafting's counts (`draft_counts`), and the experts decode passes moved (`experts_moved`) per
+    generated token (None before any)."""
+    moved = experts_moved(led, two_tier, device_lru)
+    return {
+        "drafts": draft_counts(led),
+        "decode_experts_moved": moved,
+        "experts_per_token": moved / led.generated if led.generated else None,
+        "moved_as": "read in place plus copied" if two_tier else "read",
     }

@@ -34,6 +34,7 @@ from ..assembly import auto_tiers
 from ..preflight import inspect_model
 from ..replay import replay_recording
 from ..report import table
+from ..stats import experts_moved
 from ..two_tier import slot_fill, staged_passes
 from ..two_tier.layer_step import TwoTierSwitch
 from ..units import MB
@@ -97,13 +98,8 @@ def experts_across_bus(engine, phase: str | None = None) -> float:
     copied into a row and read there, so a pass moves its copies, and a staged pass also the experts no row
     held after them; a pass of one position copies every miss (its top-k fit in the rows at every fraction the
     benches run)."""
-    stats, led = engine.stats(), engine.runtime.ledger
-    misses = stats["total"]["misses"] if phase is None else stats["total"][phase]["misses"]
-    copies = stats["total"]["experts_loaded"] if phase is None else stats["io"][phase]["experts_loaded"]
-    not_held = led.total("experts", phase) - led.total("expert_hits", phase)  # staged passes' distinct
-    if engine.runtime.device_lru:
-        return copies + not_held
-    return misses + not_held - led.total("staged_misses", phase) + copies
+    engine.stats()  # settled: the device's counts read
+    return experts_moved(engine.runtime.ledger, True, engine.runtime.device_lru, phase)
 
 
 def moved_per_token(engine) -> float:

@@ -74,6 +74,22 @@ def _placement_args(parser: argparse.ArgumentParser):
     _packed_arg(parser)
 
 
+def _draft_args(parser: argparse.ArgumentParser, serving: str = ""):
+    """mlx-lm's speculative decoding flags, with its names and default (`od_moe/drafts.py`)."""
+    parser.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="a model folder or hub id that drafts tokens for the model to verify (speculative decoding, as "
+        f"mlx-lm's; loaded whole, resident; its tokenizer must be the model's{serving}; default: none)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="tokens to draft a pass when using --draft-model",
+    )
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Help that shows every flag's default: written into its help where that says more, else appended."""
 
@@ -168,6 +184,7 @@ def _add_generate(sub):
     gen.add_argument(
         "--save-snapshot", help="after generating, save the resident set to this folder (default: not saved)"
     )
+    _draft_args(gen)
     gen.add_argument("--stats", action="store_true", help="print cache statistics after the text")
 
 
@@ -209,6 +226,7 @@ def _add_serve(sub):
         help="requests decoded together, joining and leaving between decode steps (1: one at a time, "
         "reusing the previous request's KV cache for a shared prompt prefix)",
     )
+    _draft_args(srv, "; every request drafts, one at a time: batching is off, as in mlx-lm's server")
     srv.add_argument(
         "--schedule-log",
         metavar="PATH",

@@ -117,6 +117,8 @@ def cmd_generate(args):
         context_tokens=args.context_tokens,
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    if args.draft_model is not None:  # speculative decoding (`drafts.py`), the oracle's recording too
+        sampling.update(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
     # before the model loads; the temperature in OpenAI's range, as the server's OpenAI routes take it
     check_sampling(args.temp, args.top_p, seed=args.seed, max_temperature=OPENAI_MAX_TEMPERATURE)
     prompt, template = _read_prompt(args), _template_options(args)
@@ -218,6 +220,8 @@ def cmd_serve(args):
         "schedule_log",
         "allow_host",
         "allow_origin",
+        "draft_model",
+        "num_draft_tokens",
     )
     picked = _pick(args, *names)
     picked["allow_hosts"], picked["allow_origins"] = picked.pop("allow_host"), picked.pop("allow_origin")
@@ -273,6 +277,8 @@ def main(argv=None) -> int:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("generate", "serve"):
         _check_positive(command, "--max-tokens", args.max_tokens)
+        if args.num_draft_tokens < 0:
+            command.error(f"--num-draft-tokens must be 0 or more, got {args.num_draft_tokens}")
     if args.command in ("generate", "serve", "inspect"):
         _check_positive(command, "--context-tokens", args.context_tokens)
     if args.command == "serve":

@@ -62,6 +62,7 @@ def format_stats(stats: dict, response=None) -> str:
         head,
         table(["layer", "lookups", "hits", "misses", "hit rate", "decode hit", "MB read", "stall ms"], rows),
     ]
+    out.append(decode_line(stats))
     out.append(prefetch_line(stats["prefetch"]))
     if (pause := pause_line(stats["prefetch"])) is not None:
         out.append(pause)
@@ -136,6 +137,24 @@ def passes_line(stats: dict) -> str:
         f"which the first decode pass takes) and {stats['passes']['decode']} decode passes for "
         f"{stats['generated_tokens']} generated tokens"
     )
+
+
+def decode_line(stats: dict) -> str:
+    """Experts the decode passes moved per generated token (`stats.experts_moved`), and with a draft model
+    the drafts its verify passes verified and accepted."""
+    per_token = stats.get("experts_per_token")
+    line = (
+        f"decode: {'-' if per_token is None else f'{per_token:.2f}'} experts {stats.get('moved_as', 'read')} "
+        "per generated token"
+    )
+    d = stats.get("drafts") or {}
+    if d.get("verify_passes"):
+        rate = "-" if d["acceptance_rate"] is None else f"{d['acceptance_rate']:.3f}"
+        line += (
+            f"; drafts: {d['accepted']} of {d['drafted']} accepted (acceptance rate {rate}) in "
+            f"{d['verify_passes']} verify passes, each a decode pass over its last token and its drafts"
+        )
+    return line
 
 
 def backoffs_text(n: int, reason: str | None) -> str:

@@ -1,7 +1,8 @@
 """`od-moe serve`: an OpenAI-compatible HTTP server over one engine (installed as `od_moe.server`).
 
 `requests.py` validates request bodies, `guard.py` checks Host, Origin and the body itself before any route
-reads it, `worker.py` runs generations on one thread with prompt-cache reuse and cancellation, one at a
+reads it, `worker.py` runs generations on one thread with prompt-cache reuse and cancellation (and a draft
+model where one is loaded), its tok/s timed by `decode_clock.py`, one at a
 time or decoded together (`batching.py`, whose schedule `schedule.py` logs and replays through mlx-lm),
 `health.py` writes /health and /metrics, `anthropic.py` speaks the Messages API, `app.py` is the Flask app
 (`create_app`) and `serve` starts it.

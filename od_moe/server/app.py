@@ -24,14 +24,16 @@ from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import WSGIRequestHandler
 
+from ..drafts import CLI_DRAFT_TOKENS
 from ..errors import RankLost, UserError
 from ..preflight import engine_capabilities
 from ..sampling import vocab_size_of
 from ..units import MB
 from . import anthropic, dashboard, guard, openai, ranks
+from .drafting import ServerDraft
 from .health import health_body, prometheus_text
 from .kv_room import KvRoom
-from .requests import ApiError, check_model, parse_messages, parse_params, parse_prompt
+from .requests import ApiError, check_draft, check_model, parse_messages, parse_params, parse_prompt
 from .schedule import ScheduleLog
 from .warm_up import warmed_loader
 from .worker import GenerationWorker
@@ -60,6 +62,8 @@ def create_app(
     allowed_origins=(),
     max_batch: int = 8,
     schedule=None,
+    draft_model=None,
+    num_draft_tokens: int = CLI_DRAFT_TOKENS,
 ) -> Flask:
     """The server app for `engine` (or for a running `worker`, whose thread owns the engine).
 
@@ -69,9 +73,11 @@ def create_app(
     a token fits after it). allowed_hosts: the Host names answered (default: the loopback names; see
     `guard.host_names`). allowed_origins: browser origins (`https://example.org`, or `*`) allowed besides
     the server's own. max_batch: requests decoded together (1: one at a time, with prompt-cache reuse);
-    schedule: a `schedule.ScheduleLog` the batch logs its schedule to (for replaying it).
+    schedule: a `schedule.ScheduleLog` the batch logs its schedule to (for replaying it). draft_model,
+    num_draft_tokens: a draft every request decodes with (`drafting.py`; batching is then off).
     """
-    worker = worker or GenerationWorker(engine, max_batch=max_batch, schedule=schedule)
+    drafting = ServerDraft(draft_model, num_draft_tokens)
+    worker = worker or GenerationWorker(engine, max_batch=max_batch, schedule=schedule, drafting=drafting)
     worker.ready.wait()
     if worker.load_error is not None:
         raise worker.load_error
@@ -174,6 +180,7 @@ def _register_generation(app: Flask, worker, name: str, limits: _Limits):
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
         check_model(data, (name, str(engine.model_path), "default"))
+        check_draft(data, worker.drafting.name)
         return data
 
     def chat_tokens(messages) -> list[int]:
@@ -322,14 +329,17 @@ def serve(
     log=print,
     max_batch=8,
     schedule_log=None,
+    draft_model=None,
+    num_draft_tokens=CLI_DRAFT_TOKENS,
     **load_options,
 ):
     """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
     end the running streams with an error event and stop the generation thread before returning.
     `load_options`: `od_moe.load`'s (capacity, predictor, two_tier...), a device budget keeping a KV cache
     for each of `max_batch` sequences. `schedule_log`: a file the running batch's schedule is written to
-    (`schedule.py`). Under `mlx.launch` rank 0 serves and the other ranks follow its requests (`ranks.py`);
-    where a rank was lost, `serve` raises `RankLost` once it stops."""
+    (`schedule.py`). `draft_model`, `num_draft_tokens`: a draft for every request (`drafting.py`). Under
+    `mlx.launch` rank 0 serves and the others follow its requests (`ranks.py`); where a rank was lost,
+    `serve` raises `RankLost` once it stops."""
     from werkzeug.serving import make_server
 
     from ..distributed.rank_split import group_for
@@ -338,6 +348,7 @@ def serve(
     loader = warmed_loader(model, max_batch, load_options, warmed)
 
     group = group_for("auto")
+    drafting = ServerDraft(draft_model, num_draft_tokens, across_ranks=group is not None)
     if group is not None and group.rank() > 0:
         return ranks.follow(loader(), log)
     listener = bind(host, port)  # a busy port is found before the model loads
@@ -348,7 +359,7 @@ def serve(
         listener.close()
         raise
     schedule = None if sink is None else ScheduleLog(sink=sink)
-    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule)
+    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule, drafting=drafting)
     try:
         app = create_app(
             worker=worker,

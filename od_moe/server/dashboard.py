@@ -6,7 +6,8 @@ it (`engine.stats(settle=False)`: no MLX work on a request thread, figures move 
 the worker's request counters; `History` keeps samples of the last minutes, so the plots of hit rate and
 tok/s are there as soon as the page opens, and every viewer sees the same curves. The per-layer strip says,
 per expert, whether it is resident and how it got there (pinned, prefetched and not used yet, prefetched,
-read on demand); `batch` is the running batch (its size, the queue, each request's tok/s).
+read on demand); `batch` is the running batch (its size, the queue, each request's tok/s); `drafts` the draft
+model's acceptance, where one is loaded.
 Not here: /health and /metrics (`health.py`), the API routes (`app.py`).
 """
 
@@ -123,7 +124,10 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
             "stall_s": io["stall_s"],
             "bytes_per_pass": io["bytes_read"] / passes if passes else None,
             "stall_ms_per_pass": io["stall_s"] * 1e3 / passes if passes else None,
+            "experts_per_token": stats["experts_per_token"],  # read (in place) plus copied: stats.py
+            "experts_moved_as": stats["moved_as"],
         },
+        "drafts": worker.drafting.figures(stats),
         "prefetch": {
             k: prefetch.get(k) for k in ("policy", "precision", "issued", "useful", "wasted", "late", "mode")
         },

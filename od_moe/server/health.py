@@ -4,8 +4,9 @@ Both read the engine's live ledger from any thread (`engine.stats(settle=False)`
 counters; `status` is the worker's real state (`GenerationWorker.state`); `decode_per_pass` books decode
 lookups per sequence and per pass (`stats.per_pass`: the batch's distinct experts, looked up once for all
 its sequences, against its sequences' lookups); `batch` is the running batch (`batch_figures`: its size,
-the queue, each request's and the total tok/s, the decode steps booked by batch size); across ranks,
-`ranks` has one row per rank (`ranks.Leader.rows`: its layers, state, hit rate and reads), else null.
+the queue, each request's and the total tok/s, the decode steps booked by batch size); `drafts` is the
+draft model and what it drafted (`drafting.ServerDraft.figures`); across ranks, `ranks` has one row per rank
+(`ranks.Leader.rows`: its layers, state, hit rate and reads), else null.
 Not here: routes (`app.py`).
 """
 
@@ -46,6 +47,14 @@ METRICS = {
         "Distinct experts per MoE layer per decode pass (the batch's union), where the routing was read.",
     ),
     "expert_cache_capacity": ("gauge", "Expert slots per MoE layer."),
+    "decode_experts_per_token": (
+        "gauge",
+        "Experts decode passes read (two-tier mode: read in place plus copied) per generated token.",
+    ),
+    "draft_verify_passes_total": ("counter", "Decode passes that verified a draft model's tokens."),
+    "draft_tokens_total": ("counter", "Draft tokens verified."),
+    "draft_accepted_tokens_total": ("counter", "Generated tokens that were a draft's, accepted."),
+    "draft_acceptance_rate": ("gauge", "Fraction of the draft tokens verified that were accepted."),
     "prefetch_precision": ("gauge", "Fraction of prefetched experts used before eviction."),
     "prefetch_issued_total": ("counter", "Expert reads issued by prefetch."),
     "prefetch_late_total": ("counter", "Prefetched experts needed before their read finished."),
@@ -135,7 +144,10 @@ def health_body(worker, name: str, started: float) -> dict:
             "decode_positions": stats["positions"]["decode"],
             "generated_tokens": stats["generated_tokens"],
             "decode_per_pass": stats["per_pass"]["decode"],
+            "experts_per_token": stats["experts_per_token"],  # decode's, per generated token (stats.py)
+            "experts_moved_as": stats["moved_as"],
         },
+        "drafts": worker.drafting.figures(stats),
         "memory": stats.get("memory", {}),
         "uptime_s": time.time() - started,
         "requests": requests,
@@ -178,6 +190,11 @@ def prometheus_text(health: dict) -> str:
         "expert_cache_decode_routings_read_total": c["decode_per_pass"]["routings_read"],
         "expert_cache_decode_experts_per_layer_pass": c["decode_per_pass"]["experts_per_layer_pass"],
         "expert_cache_capacity": c["capacity"],
+        "decode_experts_per_token": c["experts_per_token"],
+        "draft_verify_passes_total": health["drafts"]["verify_passes"],
+        "draft_tokens_total": health["drafts"]["drafted"],
+        "draft_accepted_tokens_total": health["drafts"]["accepted"],
+        "draft_acceptance_rate": health["drafts"]["acceptance_rate"],
         "prefetch_precision": prefetch.get("precision"),
         "prefetch_issued_total": prefetch.get("issued"),
         "prefetch_late_total": prefetch.get("late"),

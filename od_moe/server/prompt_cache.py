@@ -31,7 +31,16 @@ class PromptCache:
         return cache, prompt[n:], n
 
     def keep(self, cache, tokens: list[int]):
-        offset = next((c.offset for c in cache if hasattr(c, "offset")), None)
-        if offset is None or offset > len(tokens):
+        """Keep `cache`, which holds a prefix of `tokens`. Where it is a target's caches and its draft's,
+        which mlx-lm's drafting leaves a token apart, they are trimmed to the tokens both hold."""
+        offsets = [c.offset for c in cache if hasattr(c, "offset")]
+        if not offsets or min(offsets) > len(tokens):
             return
+        offset = min(offsets)
+        if max(offsets) > offset:
+            if not can_trim_prompt_cache(cache):
+                return
+            for c in cache:
+                if c.offset > offset:
+                    c.trim(c.offset - offset)
         self.cache, self.tokens = cache, tokens[:offset]

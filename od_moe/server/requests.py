@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..sampling import MAX_SEED, OPENAI_MAX_TEMPERATURE, out_of_range
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_DRAFT_TOKENS = 64  # a request's num_draft_tokens: more drafts a pass than any draft model gets accepted
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxlong = _REPR.maxother = 60
 
@@ -43,6 +44,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    num_draft_tokens: int | None = None  # with a draft model loaded; None: the server's --num-draft-tokens
 
 
 def shown(value, limit: int = 60) -> str:
@@ -140,6 +142,21 @@ def parse_params(
         stop=stop,
         stream=stream,
         include_usage=bool(include_usage),
+        num_draft_tokens=_number(body, "num_draft_tokens", None, 0, MAX_DRAFT_TOKENS, integer=True),
+    )
+
+
+def check_draft(body: dict, draft: str | None):
+    """A request's `draft_model` (mlx-lm's server takes one), if given, must be the one this server loaded
+    (`draft`, its --draft-model; mlx-lm's "default_model" names it too): a request cannot pick another."""
+    asked = body.get("draft_model")
+    if asked is None or draft is not None and asked in (draft, "default_model"):
+        return
+    loaded = f"drafts with {draft!r} (--draft-model)" if draft else "was started without --draft-model"
+    raise ApiError(
+        400,
+        f"'draft_model' {shown(asked)}: this server {loaded}, and a request cannot pick another",
+        "draft_model",
     )
 
 

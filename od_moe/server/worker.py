@@ -22,8 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import RankLost, UserError
+from . import one_at_a_time
 from .arrivals import Arrival, Arrivals
 from .batching import RunningBatch, fitting_batch
+from .decode_clock import DecodeClock
+from .drafting import ServerDraft
+from .one_at_a_time import Cancelled
 from .prompt_cache import PromptCache
 from .requests import ApiError, GenerationParams
 from .schedule import ScheduleLog
@@ -71,50 +75,10 @@ class Job:
                 return
 
 
-class DecodeClock:
-    """Tokens decoded and the seconds spent decoding them, all requests together, read live from any thread
-    (the live page's tok/s divides one by the other). A request's clock runs from its first token to its
-    end: the prompt's prefill (which gives the first token) and the idle time between requests are not
-    decoding, so neither is counted."""
-
-    def __init__(self, now: Callable[[], float] = time.monotonic):
-        self.now = now
-        self.lock = threading.Lock()
-        self.tokens, self.seconds, self.since = 0, 0.0, None
-
-    def tick(self, tokens: int = 1):
-        """A token came (or a batch pass gave `tokens`): the first of a request (or of a busy batch)
-        starts the clock; each later one is counted."""
-        t = self.now()
-        with self.lock:
-            if self.since is not None:
-                self.tokens += tokens
-                self.seconds += t - self.since
-            self.since = t
-
-    def stop(self):
-        """The request ended (its last pass still counts as decoding: the clock never goes back)."""
-        t = self.now()
-        with self.lock:
-            if self.since is not None:
-                self.seconds += t - self.since
-            self.since = None
-
-    def read(self) -> tuple[int, float]:
-        """(tokens, seconds) so far, the running request's time since its last token included."""
-        t = self.now()
-        with self.lock:
-            return self.tokens, self.seconds + (t - self.since if self.since is not None else 0.0)
-
-
-class Cancelled(Exception):
-    """Raised between prefill chunks when the job's client has gone away."""
-
-
 class GenerationWorker:
     """The thread that owns the engine; `prefill_step` tokens are prefilled between cancellation checks;
     `max_batch` requests decode together (1: one at a time, with prompt-cache reuse); `schedule`, if given,
-    logs the batch's schedule (`schedule.py`)."""
+    logs the batch's schedule (`schedule.py`); `drafting`: a draft model for every request (`drafting.py`)."""
 
     def __init__(
         self,
@@ -123,6 +87,7 @@ class GenerationWorker:
         prefill_step: int = 256,
         max_batch: int = 1,
         schedule: ScheduleLog | None = None,
+        drafting: ServerDraft | None = None,
     ):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise UserError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -147,6 +112,7 @@ class GenerationWorker:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.decode_clock = DecodeClock()
         self._loader = loader
+        self.drafting = drafting or ServerDraft()
         self.announce: Callable | None = None  # across ranks (`ranks.py`)
         self.lockstep: Callable[[bool], bool] | None = None
         self.ranks = None  # rank 0's `ranks.Leader`: the other ranks' figures for /health
@@ -223,10 +189,13 @@ class GenerationWorker:
         try:
             if self.engine is None:
                 self.engine = self._loader()
+            self.drafting.load(self.engine)
         except BaseException as e:  # reported by serve(), which then exits
             self.load_error = e
             self.ready.set()
             return
+        if self.max_batch > 1 and self.drafting.draft is not None:  # as in mlx-lm's server
+            self.max_batch, self.batch_cut = 1, self.drafting.batch_cut(self.max_batch)
         if self.max_batch > 1 and self.engine.stage is not None:
             self.batch_cut = (
                 f"batching is off across ranks: one request at a time (--max-batch {self.max_batch})"
@@ -246,7 +215,7 @@ class GenerationWorker:
                 self.active, self.current = 1, job
             try:
                 try:
-                    outcome = self._generate(job)
+                    outcome = one_at_a_time.generate(self, job)
                 except Cancelled:
                     self.prompt_cache = PromptCache()
                     outcome = "cancelled"
@@ -353,64 +322,6 @@ class GenerationWorker:
     def _count(self, key):
         with self.lock:
             self.counters[key] += 1
-
-    def _generate(self, job: Job) -> str:
-        engine, p = self.engine, job.params
-        cache, rest, reused = self.prompt_cache.take(engine.model, job.prompt)
-
-        if self.announce is not None:
-            self.announce(job)
-
-        def between_chunks(done, total):
-            if self._cancelled(job):
-                raise Cancelled  # the cache is dropped: it is not kept below
-
-        stops, hold = p.stop, max((len(s) for s in p.stop), default=1) - 1
-        text, sent, tokens, finish, matched = "", 0, [], "length", None
-        start = time.perf_counter()
-        for response in engine.stream_generate(
-            rest,
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed,
-            prompt_cache=cache,
-            prefill_step_size=self.prefill_step,
-            prompt_progress_callback=between_chunks,
-        ):
-            self.decode_clock.tick()
-            if self._cancelled(job):
-                return "cancelled"  # the cache is dropped: it is not kept below
-            tokens.append(response.token)
-            text += response.text
-            found = [(i, s) for s in stops if (i := text.find(s, max(0, sent - len(s)))) >= 0]
-            if found:
-                cut, matched = min(found)
-                text, finish = text[:cut], "stop"
-                break
-            if response.finish_reason == "stop":
-                finish = "stop"
-            safe = len(text) - hold if stops else len(text)
-            if safe > sent:
-                job.events.put(("text", text[sent:safe]))
-                sent = safe
-        if len(text) > sent:
-            job.events.put(("text", text[sent:]))
-        self.prompt_cache.keep(cache, list(job.prompt) + tokens)
-        usage = {
-            "prompt_tokens": len(job.prompt),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(job.prompt) + len(tokens),
-            "prompt_tokens_details": {"cached_tokens": reused},
-            "generation_s": time.perf_counter() - start,
-        }
-        with self.lock:
-            self.prompt_tokens += len(job.prompt)
-            self.cached_tokens += reused
-            self.completion_tokens += len(tokens)
-        job.events.put(("done", finish, usage, matched))
-        return "completed"
 
 
 def _shutting_down() -> ApiError:

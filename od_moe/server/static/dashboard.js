@@ -111,6 +111,14 @@ function render(d) {
     num(dec.stall_ms_per_pass, 2) + " ms");
   show("bytes", dec.bytes_per_pass, bytes(dec.bytes_per_pass));
   show("bytes-total", dec.bytes_read, bytes(dec.bytes_read));
+  show("experts-per-token", dec.experts_per_token, num(dec.experts_per_token, 2));
+  $("experts-moved-as").textContent = dec.experts_moved_as;
+  const drafts = d.drafts;
+  show("acceptance", drafts.acceptance_rate, pct(drafts.acceptance_rate));
+  show("draft-accepted", drafts.accepted, String(drafts.accepted));
+  show("drafted", drafts.drafted, String(drafts.drafted));
+  $("draft-model").textContent = drafts.model == null ? "none" : drafts.model + " (" +
+    drafts.num_draft_tokens + " a pass)";
   show("device-memory", d.memory.device_bytes, d.memory.device_bytes == null ? "none of its own" :
     bytes(d.memory.device_bytes));
   show("host-memory", d.memory.host_bytes, bytes(d.memory.host_bytes));

@@ -1,0 +1,297 @@
+"""Drafts (issue #57): speculative decoding on an offloaded MoE, exact by the right reference, and seen.
+
+The reference is stock mlx-lm doing the same verify passes: `mlx_lm.stream_generate(model, tokenizer, prompt,
+draft_model=draft, num_draft_tokens=k)` on the same target (every expert resident) and the same draft. The
+drafts here only prove the mechanism: the bundled model's first 6 of its 8 layers (cheap, deterministic, its
+tokenizer, accepting part of what it drafts), and the bundled model itself (the target in disguise, accepting
+nearly all). Agreement with undrafted greedy output is reported by the docs, not required here.
+"""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+import od_moe
+from conftest import PROMPTS
+from od_moe import backend
+from od_moe.cli import main
+from od_moe.drafts import Verifier
+from od_moe.report import decode_line
+from od_moe.server import create_app
+from od_moe.server.prompt_cache import PromptCache
+from od_moe.stats import Ledger
+from tiny_models import FAMILIES, LLAMA, write_mlx_model
+
+K, TOKENS = 3, 24
+CAPACITIES = (0.125, 0.25, 0.5, 1.0)
+
+
+def _stock(layers: int | None = None):
+    """Stock mlx-lm's bundled model in od-moe's compute dtype, cut to its first `layers` layers."""
+    model, tokenizer = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
+    dtype = backend.compute_dtype()
+    if dtype is not None:
+        model.set_dtype(dtype)
+    if layers is not None:
+        model.model.layers = model.model.layers[:layers]
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def stock():
+    """(target, tokenizer, a draft of its first 6 layers, the whole model as a draft), all resident."""
+    target, tokenizer = _stock()
+    return target, tokenizer, _stock(6)[0], _stock()[0]
+
+
+def _reference(stock, draft, prompt, max_tokens=TOKENS, k=K):
+    target, tokenizer = stock[0], stock[1]
+    stream = mlx_lm_stream_generate(
+        target, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k
+    )
+    return [(r.token, r.from_draft) for r in stream]
+
+
+@pytest.mark.parametrize("two_tier", [False, True], ids=["per-layer", "two-tier"])
+def test_drafted_tokens_equal_stock_drafting_at_every_capacity(stock, two_tier):
+    """Greedy tokens, and which came from the draft, are stock mlx-lm's drafting on the same pair at 12.5,
+    25, 50 and 100% of experts; the ledger books verify passes as decode and counts what was drafted."""
+    draft = stock[2]
+    references = [_reference(stock, draft, p) for p in PROMPTS]
+    accepted = [sum(f for _, f in ref) for ref in references]
+    assert 0 < sum(accepted) < sum(len(ref) for ref in references)  # drafts accepted and rejected alike
+    for capacity in CAPACITIES:
+        engine = od_moe.load(capacity=capacity, two_tier=two_tier)
+        assert engine.mode[0] == ("two-tier" if two_tier else "per-layer")
+        prefill = 0
+        for prompt, ref in zip(PROMPTS, references):
+            got = engine.stream_generate(prompt, max_tokens=TOKENS, draft_model=draft, num_draft_tokens=K)
+            assert [(r.token, r.from_draft) for r in got] == ref, (capacity, prompt)
+            prefill += len(engine.encode(prompt)) - 1
+        stats = engine.stats()
+        d = stats["drafts"]
+        assert stats["positions"]["prefill"] == prefill  # the prompts' passes only: no verify pass among them
+        assert stats["passes"]["decode"] == d["verify_passes"]  # with drafting every decode pass verifies
+        assert stats["positions"]["decode"] == d["verify_passes"] + d["drafted"]
+        assert d["accepted"] == sum(accepted)
+        assert stats["generated_tokens"] == sum(len(ref) for ref in references)
+        assert d["acceptance_rate"] == pytest.approx(d["accepted"] / d["drafted"])
+        assert stats["total"]["decode"]["lookups"] == stats["positions"]["decode"] * engine.top_k * 8
+        if capacity < 1:
+            assert stats["experts_per_token"] > 0
+        engine.close()
+
+
+def test_a_draft_by_path_and_an_engine_as_draft(stock):
+    """A folder is loaded resident with mlx-lm; another engine drafts through its own offloaded experts
+    (its passes booked in its own ledger); both give stock's drafting tokens."""
+    target = od_moe.load(capacity=0.25)
+    prompt = PROMPTS[0]
+    ref = _reference(stock, stock[3], prompt, k=2)
+    by_path = target.stream_generate(prompt, max_tokens=TOKENS, draft_model=str(od_moe.DEFAULT_MODEL))
+    assert [(r.token, r.from_draft) for r in by_path] == ref  # None drafts as mlx-lm's default, 2 a pass
+    assert target.stats()["drafts"]["acceptance_rate"] > 0.9  # the target in disguise
+
+    drafter = od_moe.load(capacity=0.5)
+    target.reset_stats()
+    got = target.stream_generate(prompt, max_tokens=TOKENS, draft_model=drafter, num_draft_tokens=2)
+    assert [(r.token, r.from_draft) for r in got] == ref
+    own = drafter.stats()
+    assert own["positions"]["prefill"] == len(target.encode(prompt)) - 1
+    assert own["passes"]["decode"] > 0 and own["drafts"]["verify_passes"] == 0
+    assert target.stats()["drafts"]["verify_passes"] > 0
+    target.close()
+    drafter.close()
+
+
+def test_drafting_lowers_the_experts_read_per_token():
+    """At 25%, verify passes over a draft's tokens read fewer experts per generated token than one
+    position at a time (each expert read serves several positions)."""
+    prompt, moved = PROMPTS[2], {}
+    for drafting in (False, True):
+        engine = od_moe.load(capacity=0.25)
+        options = dict(draft_model=str(od_moe.DEFAULT_MODEL), num_draft_tokens=4) if drafting else {}
+        for _ in engine.stream_generate(prompt, max_tokens=32, **options):
+            pass
+        moved[drafting] = engine.stats()["experts_per_token"]
+        engine.close()
+    assert moved[True] < 0.8 * moved[False], moved
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    """A tiny random llama whose tokenizer swaps two of the bundled tokenizer's ids."""
+    path = write_mlx_model(tmp_path_factory.mktemp("drafts") / "llama", LLAMA)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["test"], vocab["()"] = vocab["()"], vocab["test"]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+def test_drafts_that_cannot_draft_are_one_clear_error(other_tokenizer, tmp_path, capsys):
+    engine = od_moe.load(capacity=0.25)
+    cases = [
+        (dict(draft_model=str(other_tokenizer)), "another tokenizer"),
+        (dict(draft_model=engine), "cannot draft for itself"),
+        (dict(draft_model=str(od_moe.DEFAULT_MODEL), num_draft_tokens=-1), "non-negative"),
+        (dict(draft_model=str(tmp_path / "absent")), "the draft model: model folder"),
+        (dict(draft_model=3), "must be a model folder"),
+    ]
+    for options, message in cases:
+        with pytest.raises(od_moe.UserError, match=message):
+            next(engine.stream_generate("def f(x):", max_tokens=4, **options))
+    small, _ = _stock(1)
+    small.args.vocab_size = 1024  # as a model of another vocabulary says
+    with pytest.raises(od_moe.UserError, match="1024 logits per token"):
+        next(engine.stream_generate("def f(x):", max_tokens=4, draft_model=small))
+    engine.stage = object()  # split over ranks
+    with pytest.raises(od_moe.UserError, match="across ranks"):
+        next(engine.stream_generate("def f(x):", max_tokens=4, draft_model=str(od_moe.DEFAULT_MODEL)))
+    engine.stage = None
+    assert len(list(engine.stream_generate("def f(x):", max_tokens=4))) == 4  # the engine is unharmed
+    engine.close()
+    code = main(["generate", "--prompt", "x", "--max-tokens", "2", "--draft-model", str(other_tokenizer)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("od-moe: error: the draft model")
+
+
+def test_a_target_whose_cache_cannot_be_rewound_is_refused(tmp_path):
+    """Qwen3-Next's linear-attention layers keep a cache mlx-lm cannot trim: refused, as mlx-lm refuses it."""
+    path = write_mlx_model(tmp_path / "qwen3_next", FAMILIES["qwen3_next"])
+    engine = od_moe.load(str(path), capacity=0.5)
+    with pytest.raises(
+        od_moe.UserError, match=r"target keeps a KV cache that cannot be rewound \(ArraysCache"
+    ):
+        next(engine.stream_generate([1, 2, 3], max_tokens=4, draft_model=str(path)))
+    engine.close()
+
+
+def test_the_ledger_books_verify_passes_as_decode():
+    ledger = Ledger(2)
+    ledger.count_forward("prefill", 5)
+    ledger.add("prefill", 0, lookups=3)
+    ledger.verifying = True
+    ledger.count_forward("prefill", 4)  # a verify pass of 3 drafts: shaped as a prompt's
+    ledger.count_verify(3)
+    ledger.count_lookups("prefill", 1, 8, 6)
+    ledger.count_generated(1, from_draft=True)
+    ledger.count_generated(1, from_draft=False)
+    ledger.count_generated(0, from_draft=True)  # the last response repeats the count before it
+    assert ledger.passes == {"prefill": 1, "decode": 1}
+    assert ledger.positions == {"prefill": 5, "decode": 4}
+    assert ledger.total("lookups", "decode") == 8 and ledger.total("lookups", "prefill") == 3
+    snap = ledger.snapshot()
+    assert (snap.verify_passes, snap.drafted, snap.accepted, snap.generated) == (1, 3, 1, 2)
+    ledger.reset()
+    assert (ledger.verify_passes, ledger.drafted, ledger.accepted) == (0, 0, 0)
+
+
+def test_the_verifier_counts_passes_after_the_prompt():
+    class Runtime:
+        settled = 0
+
+        def __init__(self):
+            self.ledger = Ledger(1)
+
+        def settle(self):
+            self.settled += 1
+
+    runtime = Runtime()
+    verifier = Verifier(lambda inputs, cache=None: inputs, runtime, prefill=6)
+    for shape in [
+        (1, 4),
+        (1, 2),
+        (1, 4),
+        (1, 1),
+        (1, 3),
+    ]:  # the prompt's 6 tokens in two chunks, then verifies
+        verifier(mx.zeros(shape))
+    assert runtime.settled == 1 and runtime.ledger.verifying
+    assert (runtime.ledger.verify_passes, runtime.ledger.drafted) == (3, 3 + 0 + 2)
+
+
+def test_stats_show_the_acceptance_rate_and_experts_per_token(capsys):
+    code = main(
+        ["generate", "--prompt", "def add(a, b):", "--max-tokens", "12", "--capacity", "0.25", "--stats"]
+        + ["--ignore-chat-template", "--draft-model", str(od_moe.DEFAULT_MODEL), "--num-draft-tokens", "2"]
+    )
+    err = capsys.readouterr().err
+    assert code == 0
+    line = next(line for line in err.splitlines() if line.startswith("decode: "))
+    assert "experts read per generated token; drafts: " in line and "acceptance rate" in line
+    stats = {
+        "experts_per_token": 2.5,
+        "moved_as": "read in place plus copied",
+        "drafts": {"verify_passes": 0, "drafted": 0, "accepted": 0, "acceptance_rate": None},
+    }
+    assert decode_line(stats) == "decode: 2.50 experts read in place plus copied per generated token"
+
+
+def test_the_prompt_cache_keeps_what_a_target_and_its_draft_both_hold():
+    target, _ = _stock()
+    draft, _ = _stock(2)
+    caches = make_prompt_cache(target) + make_prompt_cache(draft)
+    for i, c in enumerate(caches):
+        n = 7 if i < len(target.layers) else 6
+        c.update_and_fetch(mx.zeros((1, 4, n, 48)), mx.zeros((1, 4, n, 48)))
+    kept = PromptCache()
+    kept.keep(caches, list(range(9)))
+    assert kept.tokens == list(range(6)) and {c.offset for c in caches} == {6}
+
+
+def test_the_server_drafts_every_request_one_at_a_time(stock):
+    engine = od_moe.load(capacity=0.25)
+    app = create_app(engine, max_batch=4, draft_model=str(od_moe.DEFAULT_MODEL), num_draft_tokens=K)
+    worker = app.worker
+    assert worker.max_batch == 1 and worker.batch is None
+    assert worker.batch_cut == "batching is off with a draft model: one request at a time (--max-batch 4)"
+    client = app.test_client()
+    body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    ref = _reference(stock, stock[3], PROMPTS[1], max_tokens=16)
+    first = client.post("/v1/completions", json=body).get_json()
+    assert first["choices"][0]["text"] == stock[1].decode([t for t, _ in ref])
+    again = client.post("/v1/completions", json=dict(body, num_draft_tokens=1)).get_json()  # cache reused
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for bad in [{"draft_model": "other"}, {"num_draft_tokens": -1}, {"num_draft_tokens": "3"}]:
+        r = client.post("/v1/completions", json=dict(body, **bad))
+        assert r.status_code == 400 and r.get_json()["error"]["param"] in bad
+    assert client.post("/v1/completions", json=dict(body, draft_model="default_model")).status_code == 200
+    health = client.get("/health").get_json()
+    drafts = health["drafts"]
+    assert drafts["model"] == str(od_moe.DEFAULT_MODEL) and drafts["num_draft_tokens"] == K
+    assert drafts["verify_passes"] > 0 and 0.9 < drafts["acceptance_rate"] <= 1
+    assert health["expert_cache_stats"]["experts_per_token"] is not None
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert f"od_moe_draft_accepted_tokens_total {float(drafts['accepted'])!r}" in metrics
+    assert "od_moe_draft_acceptance_rate " in metrics and "od_moe_decode_experts_per_token " in metrics
+    page = client.get("/dashboard/data").get_json()
+    assert page["drafts"] == drafts and page["decode"]["experts_per_token"] is not None
+    worker.shutdown()
+    engine.close()
+
+
+def test_a_server_without_a_draft_refuses_one_per_request():
+    engine = od_moe.load(capacity=0.25)
+    app = create_app(engine, max_batch=1)
+    r = app.test_client().post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "draft_model": "d"})
+    assert r.status_code == 400 and "without --draft-model" in r.get_json()["error"]["message"]
+    assert app.test_client().get("/health").get_json()["drafts"]["model"] is None
+    app.worker.shutdown()
+    engine.close()
+
+
+def test_a_copied_model_folder_drafts_like_its_original(tmp_path, stock):
+    """A draft folder elsewhere (the bundled model copied) loads and drafts as the bundled one does."""
+    copy = tmp_path / "copy"
+    shutil.copytree(od_moe.DEFAULT_MODEL, copy)
+    engine = od_moe.load(capacity=1.0, two_tier=True)
+    got = engine.stream_generate(PROMPTS[2], max_tokens=12, draft_model=str(copy), num_draft_tokens=K)
+    assert [(r.token, r.from_draft) for r in got] == _reference(stock, stock[3], PROMPTS[2], max_tokens=12)
+    engine.close()

@@ -55,7 +55,8 @@ def _engine_for(model, load_kwargs) -> Engine:
 def stream_generate(
     prompt, model=None, *, capacity=None, memory_budget=None, miss_policy="load", **kwargs
 ) -> Generator:
-    """Stream a completion of `prompt`; `model` is an `Engine`, a model path, or None (embedded default).
+    """Stream a completion of `prompt`; `model` is an `Engine`, a model path, or None (embedded default);
+    kwargs as `Engine.stream_generate` takes them (`draft_model=`, `num_draft_tokens=` too).
 
     Engines loaded here are kept for the next call with the same arguments.
     """

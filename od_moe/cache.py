@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .layout import BlockLayout
-from .slot_arrays import SAME_BYTES, SlotArrays, _host_bits  # noqa: F401 (mapped.py imports them from here)
+from .slot_arrays import SlotArrays
 
 EVICTION_POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 64.0  # forward passes after which an expert's use count has halved

@@ -33,7 +33,7 @@ SAME_BYTES = {
 }
 
 
-def _host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
+def host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
     """`raw` converted to `target`'s in-memory bytes with numpy, where that is exact; else None."""
     if SAME_BYTES.get(disk_dtype) == target:
         return raw
@@ -95,7 +95,7 @@ class SlotArrays:
         for part in self.layout.parts:
             key = (part.proj, part.name)
             writer = self._row_writer(part)
-            rows = [_host_bits(raw[key][j], part.dtype, self.targets[key]) for j in range(len(slots))]
+            rows = [host_bits(raw[key][j], part.dtype, self.targets[key]) for j in range(len(slots))]
             if writer is None or any(r is None for r in rows):
                 return False
             writes.append((writer, [np.ascontiguousarray(r).view(writer.dtype) for r in rows]))

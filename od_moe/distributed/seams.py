@@ -24,7 +24,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from ..per_layer.policies import NextGatePolicy, Prediction, Step, _last_row, _softmax_topk
+from ..per_layer.policies import NextGatePolicy, Prediction, Step, last_row, softmax_topk
 from ..routing import next_gate
 
 
@@ -46,8 +46,8 @@ class SeamSender:
     def before_layer(self, step: Step) -> list[Prediction]:
         predictions = self.policy.before_layer(step)
         if step.layer == self.last and step.predict and self.on:
-            scores = next_gate(_last_row(step.x), self.weights, self.biases)
-            ids, probs = _softmax_topk(scores[:, 0], self.policy.per_layer)
+            scores = next_gate(last_row(step.x), self.weights, self.biases)
+            ids, probs = softmax_topk(scores[:, 0], self.policy.per_layer)
             self._lazy = (ids[0], mx.minimum(probs[0] * self.policy.top_k, 1.0))
         return predictions
 

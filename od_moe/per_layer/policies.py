@@ -66,20 +66,20 @@ class Step:
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
 
 
-def _softmax_topk(scores: mx.array, k: int):
+def softmax_topk(scores: mx.array, k: int):
     """Top-k ids and probabilities of each row of `scores` (lazy)."""
     probs = mx.softmax(scores.astype(mx.float32), axis=-1)
     ids = mx.argsort(-probs, axis=-1)[..., :k]
     return ids, mx.take_along_axis(probs, ids, axis=-1)
 
 
-def _last_row(a: mx.array) -> mx.array:
+def last_row(a: mx.array) -> mx.array:
     return a.reshape(-1, a.shape[-1])[-1:]
 
 
 def _router_logprobs(router: mx.array) -> mx.array:
     """The last token's router log-probabilities (E,), lazy."""
-    return nn.log_softmax(_last_row(router)[0].astype(mx.float32))
+    return nn.log_softmax(last_row(router)[0].astype(mx.float32))
 
 
 def experts_at_distance(k: int, d: int) -> int:
@@ -171,9 +171,9 @@ class NextGatePolicy(OnDemand):
         if not step.predict or target >= self.weights.shape[0]:
             return []
         scores = next_gate(
-            _last_row(step.x), self.weights[target : target + 1], self.biases[target : target + 1]
+            last_row(step.x), self.weights[target : target + 1], self.biases[target : target + 1]
         )
-        ids, probs = _softmax_topk(scores[:, 0], self.per_layer)
+        ids, probs = softmax_topk(scores[:, 0], self.per_layer)
         return [Prediction(target, ids[0], mx.minimum(probs[0] * self.top_k, 1.0))]
 
 
@@ -215,7 +215,7 @@ class NextTokenLens:
 
     def predict(self, x: mx.array, k: int):
         """Lazy (ids, probabilities) of the k likeliest first-layer experts for the next token."""
-        h = _last_row(x) / self.post_norm_last.weight  # undo the norm's gain; the final norm rescales anyway
+        h = last_row(x) / self.post_norm_last.weight  # undo the norm's gain; the final norm rescales anyway
         logits = self.head(self.final_norm(h)).astype(mx.float32)[0]
         probs = mx.softmax(logits)
         top = mx.argpartition(-logits, kth=self.tokens - 1)[: self.tokens]
@@ -313,7 +313,7 @@ class PredictorPolicy(OnDemand):
         # too little for either to pay, and eviction falls back to the cache's own rule
         if self.head is not None and step.x is not None and step.prefetching:
             logprobs = _router_logprobs(step.router) if isinstance(step.router, mx.array) else None
-            self._fresh[source] = (self.head.x_term(source, _last_row(step.x))[0], logprobs)
+            self._fresh[source] = (self.head.x_term(source, last_row(step.x))[0], logprobs)
         if not step.predict:
             return []
         if source == c.num_layers - 1 and self.lens is not None:
@@ -328,8 +328,8 @@ class PredictorPolicy(OnDemand):
         prev = None
         if all(j in self.prev_logprobs for j in targets):
             prev = mx.stack([self.prev_logprobs[j] for j in targets], axis=0)[None]
-        scores = self.predictor(source, _last_row(step.x), _last_row(step.router), prev=prev)[0]  # (D_i, E)
-        ids, probs = _softmax_topk(scores, max(self.counts))
+        scores = self.predictor(source, last_row(step.x), last_row(step.router), prev=prev)[0]  # (D_i, E)
+        ids, probs = softmax_topk(scores, max(self.counts))
         routed = mx.minimum(probs * c.top_k, 1.0)  # the softmax targets spread 1 over the k routed experts
         ranked = routed * mx.array([DISTANCE_DISCOUNT**n for n in range(len(targets))])[:, None]
         out = []

@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import backend, cuda
-from ..cache import SAME_BYTES, _host_bits
 from ..layout import BlockLayout, ExpertRows
+from ..slot_arrays import SAME_BYTES, host_bits
 from ..store import ExpertStore
 
 READ_BATCH_BYTES = 64 * 2**20  # staging for one read round of a layer's experts
@@ -27,7 +27,7 @@ def _uint(size: int) -> np.dtype:
 
 def _target_bytes(raw: np.ndarray, disk_dtype: str, target: mx.Dtype) -> np.ndarray:
     """`raw` (disk bytes, rows of experts) as `target`'s in-memory bytes, viewed as unsigned integers."""
-    bits = _host_bits(raw, disk_dtype, target)
+    bits = host_bits(raw, disk_dtype, target)
     if bits is None:  # a cast numpy cannot make exactly: MLX makes it, on the CPU
         source = mx.array(raw).view(SAME_BYTES[disk_dtype])
         cast = source.astype(target, stream=mx.cpu)

@@ -95,7 +95,7 @@ def _first_miss(runtime, logits: mx.array) -> int | None:
     for layer, indices, phase, _ in speculative:
         if first_miss is not None and layer >= first_miss:
             break
-        runtime.book(layer, indices, phase)  # all resident: nothing absent
+        runtime.book_routing(layer, indices, phase)  # all resident: nothing absent
     runtime.pass_missed = first_miss is not None
     runtime.optimistic_passes += 1
     runtime.optimistic_misses += runtime.pass_missed

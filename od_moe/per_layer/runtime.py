@@ -318,7 +318,7 @@ class OffloadRuntime:
         mx.eval([indices for _, indices, _ in deferred])
         self.host_syncs += 1
         for layer, indices, phase in deferred:
-            missing, uses = self.book(layer, indices, phase)
+            missing, uses = self.book_routing(layer, indices, phase)
             if missing.size and self.miss_policy == "skip":
                 cache = self.caches[layer]
                 most_used_first = missing[np.argsort(-uses, kind="stable")]
@@ -326,7 +326,7 @@ class OffloadRuntime:
                 if fit.size:
                     self.loader.load(cache, np.sort(fit))
 
-    def book(self, layer: int, indices: mx.array, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    def book_routing(self, layer: int, indices: mx.array, phase: str) -> tuple[np.ndarray, np.ndarray]:
         """Account for a layer's routing known after it computed (evaluated `indices`): the policy's hook,
         lookups and hits, the uses of resident experts; returns the absent experts and their uses."""
         cache = self.caches[layer]

@@ -138,7 +138,7 @@ class CompiledBlock(nn.Module):
             except ValueError:  # MLX refuses a trace that evaluates an array: the block runs as it is
                 self.traceable = False
             else:
-                runtime.book(layer, plan, indices, outputs)
+                runtime.book_lookups(layer, plan, indices, outputs)
                 return runtime.end_layer(layer, y)
         return runtime.end_layer(layer, self.inner(x, *args, **kwargs))
 

@@ -205,7 +205,7 @@ class TwoTierRuntime:
             y, outputs = self.steps[layer].step(plan.key, lambda: plan.lanes)(x, (indices, *plan.state))
         else:
             y, outputs = self._eager(layer, stacked, x, indices, ahead), ()
-        self.book(layer, plan, indices, outputs)
+        self.book_lookups(layer, plan, indices, outputs)
         return y if self.by_block else self.end_layer(layer, y)
 
     def begin_layer(self, layer: int, x: mx.array):
@@ -239,7 +239,7 @@ class TwoTierRuntime:
             return Plan(("table",), through_table, (table, *stack), self._keep)
         return Plan(("routed",), as_routed, stack)  # no expert in a slot: every lane mapped
 
-    def book(self, layer: int, plan: Plan | None, indices: mx.array, outputs: tuple):
+    def book_lookups(self, layer: int, plan: Plan | None, indices: mx.array, outputs: tuple):
         """Count a layer pass's lookups, keep its routed ids (admission's counts, recording) and what `plan`
         keeps of its outputs."""
         lanes, full = indices.size, self._full[layer]

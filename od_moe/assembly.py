@@ -25,6 +25,7 @@ from .errors import UserError
 from .per_layer.reader import read_threads_for
 from .per_layer.runtime import MISS_POLICIES, OffloadRuntime
 from .progress import byte_progress
+from .runtime import TwoTierMode
 from .store import ExpertStore
 from .surgery import MoEBlock, weight_nbytes
 from .switch import OffloadedSwitch
@@ -96,11 +97,10 @@ def expert_slots(
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a model's experts live: the path (`tiered`: two-tier mode on, "lru" for device-kept slots)
-    and why, slots per MoE layer, the line saying how a device budget chose them (None where it did not),
-    and the non-expert bytes beside them."""
+    """Where a model's experts live: the path (`mode`) and why, slots per MoE layer, the line saying how a
+    device budget chose them (None where it did not), and the non-expert bytes beside them."""
 
-    tiered: bool | str
+    mode: TwoTierMode
     why: str
     slots: int
     choice: str | None
@@ -116,14 +116,14 @@ def place_experts(
     slot_nbytes, non_expert = weight_nbytes(model, blocks)
     host = host_budget(memory_budget, device)
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
-    tiered, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
+    mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
     slots, choice = expert_slots(
-        capacity, memory_budget, tiered, model, blocks, slot_nbytes, non_expert, device
+        capacity, memory_budget, mode.tiered, model, blocks, slot_nbytes, non_expert, device
     )
-    tiered, why = auto_tiers(two_tier, tiered, why, slot_nbytes, slots / num_experts)
+    mode, why = auto_tiers(two_tier, mode, why, slot_nbytes, slots / num_experts)
     if device is not None:
         backend.limit_device_memory(device[0][0])
-    return Placement(tiered, why, slots, choice, non_expert)
+    return Placement(mode, why, slots, choice, non_expert)
 
 
 def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
@@ -143,35 +143,37 @@ def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
 LRU_EXPERT_NBYTES = 1 << 20
 
 
-def auto_tiers(asked, on: bool, why: str, slot_nbytes: int, fraction: float) -> tuple[bool | str, str]:
-    """Where `asked` is "auto", `backend.two_tier_choice`'s answer with the kind of slots: "lru" (truthy)
+def auto_tiers(
+    asked, mode: TwoTierMode, why: str, slot_nbytes: int, fraction: float
+) -> tuple[TwoTierMode, str]:
+    """Where `asked` is "auto", `backend.two_tier_choice`'s answer (`mode`) with the kind of slots: `LRU`
     for experts of `LRU_EXPERT_NBYTES` or more, where two-tier mode is on and some but not all of them
     have slots (`fraction`). With none, large experts are staged at every pass, which `why` then says
-    (`staged_passes.positions_to_stage`). Otherwise (on, why) as they are."""
-    if asked == "auto" and on and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
+    (`staged_passes.positions_to_stage`). Otherwise (mode, why) as they are."""
+    if asked == "auto" and mode.tiered and slot_nbytes >= LRU_EXPERT_NBYTES and 0 < fraction < 1:
         return (
-            "lru",
+            TwoTierMode.LRU,
             f"{why}; slots kept by the device, least recently used ({slot_nbytes / 1e6:.1f} MB experts, "
             f"{fraction:.0%} of them in slots)",
         )
-    if on is True and positions_to_stage(slot_nbytes, device_rows=int(fraction > 0)) == 1:
-        return on, f"{why}; no slots: each pass copies its experts to the device first, once each"
-    return on, why
+    if mode is TwoTierMode.ON and positions_to_stage(slot_nbytes, device_rows=int(fraction > 0)) == 1:
+        return mode, f"{why}; no slots: each pass copies its experts to the device first, once each"
+    return mode, why
 
 
 def two_tier_mode(
     two_tier, expert_nbytes: int, miss_policy: str, prefetch, predictor, host_bytes: int | None = None
-) -> tuple[bool | str, str]:
-    """(two-tier mode on, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the
-    host and device allow it); "lru" (truthy) where asked for: its slots kept on the device
+) -> tuple[TwoTierMode, str]:
+    """(the mode, why) for `engine.load`'s arguments (`backend.two_tier_choice` decides where the host and
+    device allow it); `LRU` where "lru" is asked for: its slots kept on the device
     (`two_tier/kept_rows.py`). Which slots "auto" keeps is settled once their number is known
     (`auto_tiers`)."""
     if two_tier not in (True, False, "auto", "lru"):
         raise UserError(f"two_tier must be True, False, 'auto' or 'lru', got {two_tier!r}")
     if two_tier == "lru":
-        on, why = two_tier_mode(True, expert_nbytes, miss_policy, prefetch, predictor, host_bytes)
+        _, why = two_tier_mode(True, expert_nbytes, miss_policy, prefetch, predictor, host_bytes)
         return (
-            "lru",
+            TwoTierMode.LRU,
             f"{why}; slots kept by the device where fewer than the experts: least recently used, each "
             "miss copied in",
         )
@@ -185,8 +187,8 @@ def two_tier_mode(
             raise UserError(
                 f"two-tier mode computes every miss exactly and admits by routing counts: it takes no {clash}"
             )
-        return False, f"per-layer path: {clash} was asked for"
-    return on, why if on else f"per-layer path ({why})"
+        return TwoTierMode.OFF, f"per-layer path: {clash} was asked for"
+    return (TwoTierMode.ON, why) if on else (TwoTierMode.OFF, f"per-layer path ({why})")
 
 
 def say(line: str):
@@ -195,12 +197,12 @@ def say(line: str):
         print(f"od-moe: {line}", file=sys.stderr)
 
 
-def build_runtime(store, blocks, caches, tiered: bool, miss_policy: str, read_threads: int):
+def build_runtime(store, blocks, caches, mode: TwoTierMode, miss_policy: str, read_threads: int):
     """The runtime behind every MoE block's new switch: two tiers, or the per-layer path."""
-    if tiered:
+    if mode.tiered:
         nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
         with byte_progress("mapping experts", nbytes) as bar:
-            return build_two_tier(store, blocks, caches, bar, device_lru=tiered == "lru")
+            return build_two_tier(store, blocks, caches, bar, device_lru=mode is TwoTierMode.LRU)
     runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
     for i, block in enumerate(blocks):
         block.replace_switch(OffloadedSwitch(block.switch, runtime, i))

@@ -402,16 +402,16 @@ def load(
     place = place_experts(mlx_model, blocks, device, prefetch=prefetch, predictor=predictor, **asked)
     caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
-    runtime = build_runtime(store, blocks, caches, place.tiered, miss_policy, threads)
+    runtime = build_runtime(store, blocks, caches, place.mode, miss_policy, threads)
     if stage:
         rank_split.wrap_seams(mlx_model, stage)
         runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
     engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, place.non_expert_nbytes)
-    engine.mode, engine.stage = ("two-tier" if place.tiered else "per-layer", place.why), stage or None
+    engine.mode, engine.stage = ("two-tier" if place.mode.tiered else "per-layer", place.why), stage or None
     engine.capacity_choice, engine.device_budget, engine.kv_nbytes_per_token = place.choice, device, kv
-    for line in filter(None, (place.why if two_tier != "auto" or place.tiered else None, place.choice)):
+    for line in filter(None, (place.why if two_tier != "auto" or place.mode.tiered else None, place.choice)):
         say(line)
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
         runtime.taps = [tap_router(b.block) for b in blocks]

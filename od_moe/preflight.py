@@ -35,6 +35,7 @@ from .capacity import (
 from .distributed.rank_split import layers_of, stage_ranges
 from .errors import UserError
 from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
+from .runtime import TwoTierMode
 from .store import ExpertStore
 from .surgery import offloadable_blocks, top_k_of, weight_nbytes
 from .units import format_bytes as _size
@@ -223,8 +224,9 @@ def _two_tier_report(slot_nbytes: int, host_bytes: int, memory_budget) -> dict:
 def _slots_report(tiers: dict, slot_nbytes: int, fraction: float) -> dict:
     """`tiers` with the slots "auto" keeps at `fraction` of the experts in slots (the capacity asked, else
     the budget's), and why."""
-    tiered, why = auto_tiers("auto", tiers["auto"], tiers["reason"], slot_nbytes, fraction)
-    slots = "device-kept (least recently used)" if tiered == "lru" else "admitted by routing counts"
+    asked = TwoTierMode.ON if tiers["auto"] else TwoTierMode.OFF
+    mode, why = auto_tiers("auto", asked, tiers["reason"], slot_nbytes, fraction)
+    slots = "device-kept (least recently used)" if mode is TwoTierMode.LRU else "admitted by routing counts"
     return {**tiers, "slots": slots, "reason": why}
 
 

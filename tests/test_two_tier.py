@@ -14,6 +14,7 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
 from od_moe import stats
 from od_moe.errors import UserError
+from od_moe.runtime import TwoTierMode
 from od_moe.two_tier import runtime as two_tier
 from od_moe.two_tier import slot_fill, staged_passes, tally
 from od_moe.two_tier.admission import Admission
@@ -388,16 +389,19 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
         backend, "two_tier_choice", lambda asked, nbytes, host=None: (asked is not False, "on")
     )
     mode, tiers = assembly.two_tier_mode, assembly.auto_tiers
-    assert mode("auto", 1 << 30, "load", None, None)[0] is True
-    assert mode("auto", 1 << 30, "load", "next-gate", None)[0] is False
-    assert tiers("auto", True, "on", 2_650_000, 0.25)[0] == "lru"
-    assert "least recently used" in tiers("auto", True, "on", 2_650_000, 0.25)[1]
-    assert tiers("auto", True, "on", 2_650_000, 0.5)[0] == "lru"
-    assert tiers("auto", True, "on", 2_650_000, 0.0)[0] is True  # no slots: every miss read in place
-    assert tiers("auto", True, "on", 2_650_000, 1.0)[0] is True  # every expert in a slot
-    assert tiers(True, True, "on", 2_650_000, 0.25)[0] is True  # forced on: slots admitted by counts
-    assert tiers("auto", True, "on", 20_000, 0.25)[0] is True
-    assert tiers("auto", False, "off", 2_650_000, 0.25)[0] is False
+    ON, OFF, LRU = TwoTierMode.ON, TwoTierMode.OFF, TwoTierMode.LRU
+    assert mode("auto", 1 << 30, "load", None, None)[0] is ON
+    assert mode("auto", 1 << 30, "load", "next-gate", None)[0] is OFF
+    assert mode("lru", 1 << 30, "load", None, None)[0] is LRU
+    assert tiers("auto", ON, "on", 2_650_000, 0.25)[0] is LRU
+    assert "least recently used" in tiers("auto", ON, "on", 2_650_000, 0.25)[1]
+    assert tiers("auto", ON, "on", 2_650_000, 0.5)[0] is LRU
+    assert tiers("auto", ON, "on", 2_650_000, 0.0)[0] is ON  # no slots: every miss read in place
+    assert tiers("auto", ON, "on", 2_650_000, 1.0)[0] is ON  # every expert in a slot
+    assert tiers(True, ON, "on", 2_650_000, 0.25)[0] is ON  # forced on: slots admitted by counts
+    assert tiers("auto", ON, "on", 20_000, 0.25)[0] is ON
+    assert tiers("auto", OFF, "off", 2_650_000, 0.25)[0] is OFF
+    assert [m.argument for m in (OFF, ON, LRU)] == [False, True, "lru"]  # as `load` takes them
     report = preflight.inspect_model(capacity=0.25)["two_tier"]  # the bundled model: 20 KB experts
     assert report["auto"] is True and report["slots"] == "admitted by routing counts"
     monkeypatch.setattr(assembly, "LRU_EXPERT_NBYTES", 1)

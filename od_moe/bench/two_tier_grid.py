@@ -34,6 +34,7 @@ from ..assembly import auto_tiers
 from ..preflight import inspect_model
 from ..replay import replay_recording
 from ..report import table
+from ..runtime import TwoTierMode
 from ..stats import experts_moved
 from ..two_tier import slot_fill, staged_passes
 from ..two_tier.layer_step import TwoTierSwitch
@@ -156,7 +157,7 @@ def run_row(
 ):
     """One fraction of experts in slots, of `slot_nbytes` each (which slots "auto" keeps); `bw`: the bus
     bandwidths (`bus_bandwidth`, measured here where None)."""
-    two_tier = auto_tiers("auto", True, "", slot_nbytes, fraction)[0]  # on: "lru", or True (counted)
+    two_tier = auto_tiers("auto", TwoTierMode.ON, "", slot_nbytes, fraction)[0].argument  # "lru", or True
     t0 = time.perf_counter()
     engine = load(str(path), capacity=fraction, two_tier=two_tier)
     load_s = time.perf_counter() - t0

@@ -25,7 +25,8 @@ from .errors import UserError
 from .per_layer.reader import read_threads_for
 from .per_layer.runtime import MISS_POLICIES, OffloadRuntime
 from .progress import byte_progress
-from .runtime import TwoTierMode
+from .routing import tap_router
+from .runtime import Runtime, TwoTierMode
 from .store import ExpertStore
 from .surgery import MoEBlock, weight_nbytes
 from .switch import OffloadedSwitch
@@ -197,8 +198,11 @@ def say(line: str):
         print(f"od-moe: {line}", file=sys.stderr)
 
 
-def build_runtime(store, blocks, caches, mode: TwoTierMode, miss_policy: str, read_threads: int):
-    """The runtime behind every MoE block's new switch: two tiers, or the per-layer path."""
+def build_runtime(
+    store, blocks, caches, mode: TwoTierMode, miss_policy: str, read_threads: int, across_ranks: bool = False
+) -> Runtime:
+    """The runtime behind every MoE block's new switch: two tiers, or the per-layer path (`across_ranks`:
+    a rank of a pipeline over processes, `distributed/`)."""
     if mode.tiered:
         nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
         with byte_progress("mapping experts", nbytes) as bar:
@@ -206,6 +210,10 @@ def build_runtime(store, blocks, caches, mode: TwoTierMode, miss_policy: str, re
     runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
     for i, block in enumerate(blocks):
         block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
+    if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
+        runtime.taps = [tap_router(b.block) for b in blocks]
+    if across_ranks:
+        runtime.optimistic = False  # a pass run again would send and receive again
     return runtime
 
 

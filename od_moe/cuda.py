@@ -8,7 +8,7 @@ API does slowly for expert bytes read from disk, done here with the runtime MLX 
   an array (docs/BENCHMARKS.md, "Investigations", `copy_installs`). The copies run on the legacy
   default stream; `flush` issues and waits for them, so MLX work launched after it reads the new bytes,
   and the caller makes sure, as for host writes on the CPU, that no computation in flight reads the rows
-  being written. Off by default (`OffloadRuntime.copy_installs`): see there what it measured.
+  being written. Off by default (`Loader.copy_installs`): see there what it measured.
 - `HostPreferredHints`: memory advice for host-made arrays the device reads once (`backend.stage_for_device`),
   used where copies are unavailable (the fallback install path through MLX arrays).
 Any error turns the feature off for good and clears the runtime's error state (MLX checks it after its

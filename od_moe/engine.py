@@ -49,6 +49,7 @@ from .per_layer.policies import make_policy
 from .per_layer.runtime import OffloadRuntime
 from .progress import byte_progress
 from .routing import router_matrices, router_of, tap_router
+from .runtime import Runtime
 from .sampling import make_sampler, vocab_size_of
 from .stats import PHASES, decode_figures, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
 from .store import ExpertStore
@@ -63,17 +64,18 @@ class Engine:
         model,
         tokenizer,
         model_path: Path,
-        runtime: OffloadRuntime,
+        runtime: Runtime,
         moe_blocks: list,
         identity: str,
         top_k: int,
         non_expert_nbytes: int,
     ):
+        self.runtime = runtime  # first: `close` needs it
         self.model = model
-        self.forward = OptimisticModel(model, runtime)  # what mlx-lm's generation loop calls
+        # what mlx-lm's generation loop calls: on the per-layer path, with optimistic decode passes
+        self.forward = OptimisticModel(model, runtime) if isinstance(runtime, OffloadRuntime) else model
         self.tokenizer = tokenizer
         self.model_path = model_path
-        self.runtime = runtime
         self.moe_blocks = moe_blocks  # the modules that hold each MoE layer's router and switch, in order
         self.identity = identity
         self.top_k = top_k
@@ -104,7 +106,8 @@ class Engine:
 
     @property
     def miss_policy(self) -> str:
-        return self.runtime.miss_policy
+        """The per-layer path's, "load" (exact) or "skip"; two tiers compute every miss exactly ("load")."""
+        return self.runtime.miss_policy if isinstance(self.runtime, OffloadRuntime) else "load"
 
     def routers(self) -> tuple:
         """The model's routers as dense float32 weights (L, E, H) and biases (L, E)."""
@@ -238,10 +241,8 @@ class Engine:
 
     def close(self):
         """Stop prefetch and the reader threads (the engine can still generate: demand reads restart them)."""
-        runtime = getattr(self, "runtime", None)
-        if runtime is not None:
-            runtime.close()
-            self.policy_name = "none"
+        self.runtime.close()
+        self.policy_name = "none"
 
     def __del__(self):
         self.close()
@@ -256,7 +257,7 @@ class Engine:
                 f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
             )
         chosen = seams.attach(self, make_policy(policy, self, oracle_trace))  # across ranks: the seam too
-        if policy == "predictor":  # it reads the routers' outputs
+        if policy == "predictor" and isinstance(self.runtime, OffloadRuntime):  # router outputs
             self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
         predicts = policy in ("next-gate", "predictor", "oracle")
         self.runtime.set_policy(chosen, (settings or PrefetchSettings()) if predicts else None, self.top_k)
@@ -279,10 +280,11 @@ class Engine:
         ledger = runtime.ledger.snapshot()
         layers = layer_rows(ledger, self.caches)
         prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
-        if runtime.governor is None:
+        per_layer = runtime if isinstance(runtime, OffloadRuntime) else None  # prefetch, optimistic passes
+        if per_layer is None or per_layer.governor is None:
             prefetch.update(pending=0, **governor.OFF)
         else:
-            prefetch.update(pending=runtime.reader.counts()["pending"], **runtime.governor.stats())
+            prefetch.update(pending=per_layer.reader.counts()["pending"], **per_layer.governor.stats())
         cache_bytes = sum(c.slot_nbytes * c.capacity for c in self.caches)
         return {
             "model": str(self.model_path),
@@ -308,11 +310,11 @@ class Engine:
             "layers": layers,
             "total": totals(layers),
             "prefetch": dict(prefetch, policy=self.policy_name),
-            "optimistic": {  # decode passes run with one sync (`per_layer/optimistic.py`)
-                "enabled": runtime.optimistic,
-                "passes": runtime.optimistic_passes,
-                "missed": runtime.optimistic_misses,
-                "token_miss_rate": runtime.token_miss_rate,
+            "optimistic": {  # decode passes run with one sync (`per_layer/optimistic.py`); none on two tiers
+                "enabled": per_layer is not None and per_layer.optimistic,
+                "passes": per_layer.optimistic_passes if per_layer else 0,
+                "missed": per_layer.optimistic_misses if per_layer else 0,
+                "token_miss_rate": per_layer.token_miss_rate if per_layer else 0.0,
                 "host_syncs": runtime.host_syncs,
             },
             "memory": {  # as the driver and the OS count them (`backend.memory_in_use`), then as MLX does
@@ -402,10 +404,9 @@ def load(
     place = place_experts(mlx_model, blocks, device, prefetch=prefetch, predictor=predictor, **asked)
     caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
-    runtime = build_runtime(store, blocks, caches, place.mode, miss_policy, threads)
+    runtime = build_runtime(store, blocks, caches, place.mode, miss_policy, threads, across_ranks=bool(stage))
     if stage:
         rank_split.wrap_seams(mlx_model, stage)
-        runtime.optimistic = False  # a pass run again would send and receive again
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
     engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, place.non_expert_nbytes)
@@ -413,8 +414,6 @@ def load(
     engine.capacity_choice, engine.device_budget, engine.kv_nbytes_per_token = place.choice, device, kv
     for line in filter(None, (place.why if two_tier != "auto" or place.mode.tiered else None, place.choice)):
         say(line)
-    if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
-        runtime.taps = [tap_router(b.block) for b in blocks]
     _start(engine, predictor, prefetch, snapshot)
     engine.load_peak_bytes = backend.peak_memory_bytes()
     engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes

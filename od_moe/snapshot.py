@@ -173,7 +173,7 @@ def load_snapshot(engine, path):
 
 
 def _fill(engine, path: Path, layers: list, packed: dict | None, bar):
-    """Put the saved experts into every layer's slots, from the packed arrays or the model's files."""
+    """Put the saved experts into every layer's slots (`Runtime.place`), with their bytes where saved."""
     for i, (cache, saved) in enumerate(zip(engine.caches, layers)):
         slots = np.asarray(saved["slots"], dtype=np.int64)
         if slots.shape != (cache.capacity,) or np.any(slots >= cache.num_experts):
@@ -181,31 +181,15 @@ def _fill(engine, path: Path, layers: list, packed: dict | None, bar):
         ids = slots[slots >= 0]
         if len(set(ids.tolist())) != len(ids):
             raise UserError(f"snapshot {path} layer {i} lists an expert twice: delete it and save a new one")
-        if getattr(engine.runtime, "two_tier", False):  # host memory holds every expert: copy, not read
-            engine.runtime.place(cache, slots)
-        elif packed is not None:
-            arrays = {name: packed.get(f"layer{i}.{name}") for name in cache.stacked_arrays()}
-            try:
-                cache.restore(slots, arrays)
-            except ValueError:
-                raise UserError(f"snapshot {path} has no matching weights for layer {i}: save a new snapshot")
-        else:
-            _read_into_slots(engine, cache, ids, slots)
+        arrays = None
+        if packed is not None:
+            arrays = {name: packed.get(f"layer{i}.{name}") for name in engine.runtime.slot_arrays(cache)}
+        try:
+            engine.runtime.place(cache, slots, arrays)
+        except ValueError:
+            if arrays is None:
+                raise
+            raise UserError(f"snapshot {path} has no matching weights for layer {i}: save a new snapshot")
         if saved.get("pinned"):
             cache.pin(slots[np.asarray(saved["pinned"], dtype=np.int64)])
         bar.update((cache.slot_nbytes if packed is not None else cache.layout.expert_nbytes) * cache.capacity)
-
-
-def _read_into_slots(engine, cache, ids, saved_slots):
-    """Read the saved experts from the model's files into the slots they had. A cleared cache fills
-    slots 0..n-1 in order, which is what a saved cache filled the same way has; other orders are
-    permuted so slot numbers match the snapshot."""
-    cache.restore(np.full(cache.capacity, -1))
-    engine.runtime.load(cache, ids)
-    wanted = np.flatnonzero(saved_slots >= 0)
-    current = cache.slot_of[ids]
-    if np.array_equal(current, wanted):
-        return
-    permutation = np.arange(cache.capacity)
-    permutation[wanted] = current
-    cache.move(permutation, saved_slots)

@@ -115,8 +115,8 @@ def test_engine_installs_through_cuda_copies_give_exact_tokens(cuda_copies, bund
     arrays made by the reader threads); the tokens are stock mlx-lm's."""
     runtime = cuda_copies(_CopyRuntime())
     engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4)
-    assert not engine.runtime.copy_installs  # off by default on CUDA
-    engine.runtime.copy_installs = True
+    assert not engine.runtime.loader.copy_installs  # off by default on CUDA
+    engine.runtime.loader.copy_installs = True
     engine.configure_prefetch("next-gate")
     assert not engine.runtime.reader.make_arrays
     assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
@@ -133,7 +133,7 @@ def test_copies_the_device_does_not_see_fall_back_to_mlx_writes(cuda_copies, bun
     again through MLX, later ones go through MLX, and the tokens stay stock mlx-lm's."""
     cuda_copies(_CopyRuntime(seen=False))
     engine = od_moe.load(capacity="25%", prefetch="none")
-    engine.runtime.copy_installs = True
+    engine.runtime.loader.copy_installs = True
     full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
     cache, ids = engine.caches[2], np.array([9, 3, 60])
     slots = cache.install(
@@ -145,7 +145,7 @@ def test_copies_the_device_does_not_see_fall_back_to_mlx_writes(cuda_copies, bun
         expected = full[f"model.layers.2.mlp.switch_mlp.{part.proj}.{part.name}"][mx.array(ids)]
         assert mx.array_equal(stacked[mx.array(slots)], expected.astype(stacked.dtype)), part.name
     engine = od_moe.load(capacity="25%", prefetch="none")
-    engine.runtime.copy_installs = True
+    engine.runtime.loader.copy_installs = True
     assert engine.runtime.reader.make_arrays
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
 

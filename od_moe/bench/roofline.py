@@ -22,6 +22,7 @@ from .. import backend, load
 from ..engine import model_layouts
 from ..layout import ExpertRows, flat_rows
 from ..per_layer.reader import Reader
+from ..per_layer.runtime import OffloadRuntime
 from ..stats import Ledger
 
 DEPTHS = (1, 2, 4, 8)
@@ -70,7 +71,9 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     for ids in batches[:2]:
         staging = ExpertRows(cache.layout, experts)
         raws[int(ids[0])] = store.read(cache.layout, ids, staging)
-    made = not engine.runtime.copy_installs  # MLX writes from arrays the reader threads make (CUDA)
+    runtime = engine.runtime
+    copied = isinstance(runtime, OffloadRuntime) and runtime.loader.copy_installs
+    made = not copied  # MLX writes from arrays the reader threads make (CUDA)
     seconds = 0.0
     for n, ids in enumerate(batches):
         raw = raws[int(ids[0])]

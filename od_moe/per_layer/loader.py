@@ -392,3 +392,18 @@ def _arrays(reads: list[Read]) -> list | None:
     it made none at all."""
     made = [r.arrays for r in reads]
     return None if all(a is None for a in made) else made
+
+
+def read_into_slots(loader: Loader, cache: LayerCache, expert_in_slot: np.ndarray):
+    """Read the experts of `expert_in_slot` (-1: empty; a snapshot's) from the model's files into those
+    slots. A cleared cache fills slots 0..n-1 in order, which is what a saved cache filled the same way has;
+    other orders are permuted so slot numbers match."""
+    held = np.asarray(expert_in_slot, dtype=np.int64)
+    ids, wanted = held[held >= 0], np.flatnonzero(held >= 0)
+    cache.restore(np.full(cache.capacity, -1))
+    loader.load(cache, ids)
+    current = cache.slot_of[ids]
+    if not np.array_equal(current, wanted):
+        permutation = np.arange(cache.capacity)
+        permutation[wanted] = current
+        cache.move(permutation, held)

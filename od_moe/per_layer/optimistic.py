@@ -18,7 +18,7 @@ waited for reads with the device idle, lost to a sync per layer, and was removed
 passes with prefetch (removed)"), when `OffloadRuntime.optimistic` is set (by default where a sync stalls the
 device, a GPU: on the CPU backend a sync costs little and the second runs cost more than the syncs saved;
 docs/BENCHMARKS.md, "Investigations"); the runtime then decides from how often recent decode tokens missed
-(`OffloadRuntime.optimistic_ok`).
+(`may_run`).
 Not here: the per-layer path (`runtime.py`).
 """
 
@@ -60,7 +60,7 @@ class OptimisticModel:
         if (
             cache is None
             or tokens != 1
-            or not runtime.optimistic_ok()
+            or not may_run(runtime)
             or not all(hasattr(c, "trim") and c.is_trimmable() for c in cache)
         ):
             return self.model(inputs, cache=cache, **kwargs)

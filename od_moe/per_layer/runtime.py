@@ -39,8 +39,7 @@ from ..routing import routing_weights
 from ..stats import Ledger
 from ..store import ExpertStore
 from .governor import Governor, PrefetchSettings
-from .loader import Loader
-from .optimistic import may_run
+from .loader import Loader, read_into_slots
 from .passes import Passes
 from .policies import OnDemand, Prediction, Step
 from .reader import READ_THREADS, SMALL_EXPERT_BYTES, Reader
@@ -128,18 +127,20 @@ class OffloadRuntime:
         """The reader threads (`Loader.reader`)."""
         return self.loader.reader
 
-    @property
-    def copy_installs(self) -> bool:
-        """`Loader.copy_installs`: installs copy the read bytes into the slots where the backend allows."""
-        return self.loader.copy_installs
-
-    @copy_installs.setter
-    def copy_installs(self, on: bool):
-        self.loader.copy_installs = on
-
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **kwargs):
         """Read experts `ids` of `cache`'s layer and install them, now (`Loader.load`)."""
         self.loader.load(cache, ids, protect, **kwargs)
+
+    def place(self, cache: LayerCache, expert_in_slot: np.ndarray, arrays: dict | None = None):
+        """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's): `arrays` where
+        given (a ValueError where they do not fit), else read from the model's files (`read_into_slots`)."""
+        if arrays is None:
+            read_into_slots(self.loader, cache, expert_in_slot)
+        else:
+            cache.restore(expert_in_slot, arrays)
+
+    def prepare_batches(self):
+        """Nothing to make ahead: a batch's pass reads what it misses as any pass does."""
 
     def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
         """What `cache`'s slots hold, by `proj.part` name (snapshots; two tiers keep them elsewhere)."""
@@ -276,11 +277,6 @@ class OffloadRuntime:
         self.loader.load_missing(cache, missing, uniq, counts, synchronize=False)
         self.loader.submit(predictions)
         yield Route(cache.routed_slots(_take_lanes(indices, later)), launch=self.launch_early, lanes=later)
-
-    # -- optimistic decode passes (`optimistic.py`) -----------------------------------------------
-    def optimistic_ok(self) -> bool:
-        """Whether the next decode pass may run optimistically (`optimistic.may_run`)."""
-        return may_run(self)
 
     def _nobody_watches(self) -> bool:
         """No policy hook and no recording needs the routing (so a full cache need not know it)."""

@@ -99,9 +99,7 @@ class RunningBatch:
         # the last requests completed, as /health shows
         self.finished: deque[dict] = deque(maxlen=FINISHED_KEPT)
         self.generator = self._new_generator()
-        rows = getattr(self.engine.runtime, "lookahead", None)
-        if rows is not None:  # device-kept rows: their kernel for every batch size, before any request
-            rows.compile()
+        self.engine.runtime.prepare_batches()  # before any request (device-kept rows: their kernels)
 
     def __len__(self) -> int:
         return len(self.sequences)

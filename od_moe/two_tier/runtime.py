@@ -35,7 +35,6 @@ import numpy as np
 
 from ..cache import LayerCache
 from ..errors import UserError
-from ..per_layer.policies import OnDemand
 from ..stats import PHASES, Ledger
 from ..store import ExpertStore
 from ..switch import switch_on
@@ -67,11 +66,8 @@ LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm
 
 
 class TwoTierRuntime:
-    """What the engine drives in two-tier mode: the same interface as `OffloadRuntime` where the engine
-    uses it (ledger, caches, settle, recording, policy), with no reads after load and no prefetch."""
-
-    miss_policy = "load"
-    two_tier = True
+    """What the engine drives in two-tier mode (`runtime.Runtime`), with no reads after load and no
+    prefetch."""
 
     def __init__(
         self, store: ExpertStore, caches: list[LayerCache], stacks: list[dict], admit_every: int = ADMIT_EVERY
@@ -82,11 +78,8 @@ class TwoTierRuntime:
         self.admission = Admission(len(caches), self.num_experts)
         self.admit_every = admit_every
         self.admissions = True  # fill slots between passes; off, the slots stay as loaded or seeded
-        self.policy = OnDemand()
-        self.taps: list = [None] * len(caches)
-        self.governor = self.settings = None
-        self.optimistic, self.optimistic_passes, self.optimistic_misses = False, 0, 0
-        self.token_miss_rate, self.host_syncs, self.copy_installs = 0.0, 0, False
+        self.policy = None  # whose prompt hooks run (`set_policy`)
+        self.host_syncs = 0
         self.clock, self.phase = 0, "prefill"
         self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
         # per layer, (E,) uint32: the stack row of each expert, E + its slot where resident (a hit)
@@ -117,7 +110,7 @@ class TwoTierRuntime:
         self.trace = None  # a compiled block's `layer_step.Trace` while it is traced
         weakref.finalize(self, release_stacks, stacks)
 
-    # -- the engine's interface ------------------------------------------------------------------
+    # -- the runtime interface (`runtime.Runtime`) -------------------------------------------------
     def set_policy(self, policy, settings=None, experts_per_layer: int = 0):
         """Use `policy`'s prompt hooks (router discovery: `profile`); predictions are not used here."""
         if settings is not None:
@@ -128,7 +121,7 @@ class TwoTierRuntime:
         self.policy = policy
 
     def close(self):
-        self.policy = OnDemand()
+        self.policy = None
 
     def reset_counts(self):
         """Zero the ledger (the slots and admission's counts stay)."""
@@ -138,7 +131,8 @@ class TwoTierRuntime:
 
     def start_prompt(self, prompt):
         self._dirty = True  # slots may have changed between requests (a snapshot, seeding)
-        self.policy.prompt_start(prompt)
+        if self.policy is not None:
+            self.policy.prompt_start(prompt)
 
     def start_recording(self):
         self._recording = []
@@ -148,9 +142,6 @@ class TwoTierRuntime:
         self.settle()
         recording, self._recording = self._recording, None
         return recording
-
-    def optimistic_ok(self) -> bool:
-        return False  # no pass here waits for the host: nothing to run optimistically
 
     def settle(self):
         """Bring every pass's hits into the ledger (and routing, where recorded), waiting for passes."""
@@ -162,7 +153,7 @@ class TwoTierRuntime:
             self._recording += _routing(self._recorded)
             self._recorded = []
 
-    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **_):
+    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
         snapshots, a fully resident start), free slots first, then the most evictable."""
         if self.device_lru:  # the device fills its slots from the routing; the host places nothing
@@ -173,8 +164,9 @@ class TwoTierRuntime:
             slots = cache.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=self.clock)
             self._fill([(cache, ids, slots)])
 
-    def place(self, cache: LayerCache, expert_in_slot: np.ndarray):
-        """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's), empty the rest."""
+    def place(self, cache: LayerCache, expert_in_slot: np.ndarray, arrays: dict | None = None):
+        """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's), empty the rest:
+        copied from its host rows, which hold every expert (so `arrays`, a snapshot's bytes, are not read)."""
         cache.restore(np.full(cache.capacity, -1))
         if self.device_lru:
             return
@@ -187,6 +179,11 @@ class TwoTierRuntime:
         """The slot rows of `cache`'s layer by `proj.part` name, as `LayerCache.stacked_arrays` names them."""
         E, C = self.num_experts, cache.capacity
         return {f"{proj}.{name}": rows[E : E + C] for (proj, name), rows in self.stacks[cache.layer].items()}
+
+    def prepare_batches(self):
+        """Device-kept rows compile their kernel for every batch size (`KeptRows.compile`)."""
+        if self.lookahead is not None:
+            self.lookahead.compile()
 
     # -- a pass --------------------------------------------------------------------------------
     def compute(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array):

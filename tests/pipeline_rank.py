@@ -50,7 +50,7 @@ for capacity in capacities.split(","):
         "slot_bytes": stats["memory"]["expert_cache_bytes"],
         "misses": stats["total"]["misses"],
         "parameters": [k for k, _ in tree_flatten(engine.model.parameters())],
-        "seam_sent": getattr(engine.runtime.policy, "sent", None),
+        "seam_sent": policy.sent if isinstance(policy := engine.runtime.policy, seams.SeamSender) else None,
         "seam_received": engine.seam_receiver.counts if engine.seam_receiver is not None else None,
     }
     engine.close()

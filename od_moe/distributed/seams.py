@@ -24,7 +24,10 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from ..per_layer.loader import Loader
+from ..per_layer.passes import Passes
 from ..per_layer.policies import NextGatePolicy, Prediction, Step, last_row, softmax_topk
+from ..per_layer.runtime import OffloadRuntime
 from ..routing import next_gate
 
 
@@ -32,8 +35,8 @@ class SeamSender:
     """The rank's policy, which at its last MoE layer also predicts the next rank's first MoE layer (with
     that layer's router) and sends the prediction on: to rank `to`, tagged with the pass."""
 
-    def __init__(self, policy: NextGatePolicy, router: tuple, runtime, supervisor, last: int, to: int):
-        self.policy, self.runtime, self.supervisor = policy, runtime, supervisor
+    def __init__(self, policy: NextGatePolicy, router: tuple, passes: Passes, supervisor, last: int, to: int):
+        self.policy, self.passes, self.supervisor = policy, passes, supervisor
         self.weights, self.biases = mx.array(router[0]), mx.array(router[1])
         self.last, self.to = last, to
         self._lazy = None
@@ -59,17 +62,18 @@ class SeamSender:
         if self._lazy is not None and step.layer == self.last:  # evaluated with this layer's routing
             experts, scores = (np.array(a).tolist() for a in self._lazy)
             self._lazy = None
-            message = {"k": "seam", "to": self.to, "pass": self.runtime.passes.clock}
+            message = {"k": "seam", "to": self.to, "pass": self.passes.clock}
             self.supervisor.send(dict(message, ids=experts, scores=scores), to=0)  # rank 0 relays it on
             self.sent += 1
 
 
 class SeamReceiver:
-    """The next rank's side: queues each prediction for its first MoE layer, and (with `watch`) counts the
-    asked reads that had started when the hidden state came."""
+    """The next rank's side: queues each prediction for its first MoE layer with the rank's `loader` (where
+    passes stand: `passes`), and (with `watch`) counts the asked reads that had started when the hidden
+    state came."""
 
-    def __init__(self, runtime):
-        self.runtime = runtime
+    def __init__(self, passes: Passes, loader: Loader):
+        self.passes, self.loader = passes, loader
         self.lock = threading.Lock()
         self.asked: dict[int, list[int]] = {}  # pass -> experts asked to be read for layer 0
         self.received = 0  # the last pass whose hidden state came (counted only while watching)
@@ -77,15 +81,14 @@ class SeamReceiver:
 
     def on_message(self, _peer: int, message: dict):
         """A prediction for this rank's first MoE layer in pass `message["pass"]` (reader thread)."""
-        runtime, t = self.runtime, message["pass"]
-        passes = runtime.passes
+        passes, t = self.passes, message["pass"]
         with self.lock:
             self.counts["predictions"] += 1
             waiting = t == passes.clock + 1 or (t == passes.clock and passes.layer == 0)
-            if runtime.governor is None or not waiting or t <= self.received:
+            if self.loader.governor is None or not waiting or t <= self.received:
                 self.counts["late"] += 1
                 return
-            wanted = runtime.loader.submit(
+            wanted = self.loader.submit(
                 [Prediction(0, np.array(message["ids"]), np.array(message["scores"]))]
             )
             self.asked[t] = [int(e) for e in wanted.get(0, ())]
@@ -94,11 +97,11 @@ class SeamReceiver:
         """Called where this rank receives the hidden state (`rank_split.Seam.watch`): count the reads asked
         for this pass that had started (no longer waiting in the reader's queue)."""
         with self.lock:
-            t = self.runtime.passes.clock + 1  # the pass about to run its first layer
+            t = self.passes.clock + 1  # the pass about to run its first layer
             self.received = t
             asked = self.asked.pop(t, [])
             self.asked = {k: v for k, v in self.asked.items() if k > t}
-            started = self.runtime.reader.started(0, asked)
+            started = self.loader.reader.started(0, asked)
             self.counts["reads"] += len(asked)
             self.counts["started_before_hidden_state"] += sum(started)
 
@@ -111,17 +114,20 @@ class SeamReceiver:
 def attach(engine, policy):
     """`policy` for a rank of a pipeline: wrapped to predict across the seam after this rank's layers
     where it is next-gate and the next rank's first router was kept; and this rank's receiver of the
-    predictions the rank before sends (`engine.seam_receiver`). One process: `policy` itself."""
-    stage = engine.stage
-    if stage is None:
+    predictions the rank before sends (`engine.seam_receiver`). One process, or two tiers (which read
+    nothing ahead): `policy` itself."""
+    stage, runtime = engine.stage, engine.runtime
+    if stage is None or not isinstance(runtime, OffloadRuntime):
         return policy
-    supervisor, runtime = stage.supervisor, engine.runtime
-    if stage.rank < stage.size - 1 and getattr(engine, "seam_receiver", None) is None:
-        engine.seam_receiver = SeamReceiver(runtime)
+    supervisor = stage.supervisor
+    if stage.rank < stage.size - 1 and engine.seam_receiver is None:
+        engine.seam_receiver = SeamReceiver(runtime.passes, runtime.loader)
         supervisor.handlers["seam"] = engine.seam_receiver.on_message
     if stage.rank == 0 or stage.next_router is None or not isinstance(policy, NextGatePolicy):
         return policy
-    return SeamSender(policy, stage.next_router, runtime, supervisor, len(engine.caches) - 1, stage.rank - 1)
+    return SeamSender(
+        policy, stage.next_router, runtime.passes, supervisor, len(engine.caches) - 1, stage.rank - 1
+    )
 
 
 def watch(engine, on: bool = True):

@@ -50,6 +50,7 @@ from od_moe.bench.roofline import roofline_ms
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
 from od_moe.report import table
 from od_moe.two_tier import forecast, kept_rows
+from od_moe.two_tier.runtime import TwoTierRuntime
 
 BUS: dict = {}  # the bus bandwidths (`bus_bandwidth`), measured once a process
 
@@ -113,8 +114,14 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         if name == "decay":  # device rows by decayed routing counts (`two_tier/kept_rows.py`), `lru` rows
             engine.runtime.lookahead.decay = float(value)
             continue
-        owner = engine.runtime if name == "admit_every" else engine.runtime.admission
-        setattr(owner, name, type(getattr(owner, name))(value))
+        if name == "admit_every":
+            engine.runtime.admit_every = int(value)
+        elif name == "margin":
+            engine.runtime.admission.margin = float(value)
+        elif name == "max_swaps":
+            engine.runtime.admission.max_swaps = int(value)
+        else:
+            engine.runtime.admission.half_life = float(value)
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
         list(engine.stream_generate(WARM_PROMPT, max_tokens=args.tokens))
     if kind == "static":
@@ -138,7 +145,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "copies_per_token": stats["total"]["experts_loaded"] / tokens,
         "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
         "load_s": load_s,
-        "stack_moves": getattr(engine.runtime, "stack_moves", 0),
+        "stack_moves": engine.runtime.stack_moves if isinstance(engine.runtime, TwoTierRuntime) else 0,
         "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
     }
     if two_tier:  # the roofline: max(stock's step, moved bytes / the faster measured way across the bus)

@@ -66,7 +66,12 @@ def main():
         engine = od_moe.load(str(path), capacity=float(fraction), two_tier=two_tier)
         for knob in knobs:
             name, value = knob.split("=")
-            setattr(engine.runtime, {"stage": "stage_positions", "admit": "admit_every"}[name], int(value))
+            if name == "stage":
+                engine.runtime.stage_positions = int(value)
+            elif name == "admit":
+                engine.runtime.admit_every = int(value)
+            else:
+                raise KeyError(name)
         for n in [int(n) for n in args.lengths.split(",")]:
             prompt_tps(engine.stream_generate, ids[:n]), prompt_tps(stock_run, ids[:n])
             pairs = [

@@ -298,3 +298,58 @@ def test_the_doc_sections_the_code_cites_exist():
                 missing.append(f"{path.relative_to(ROOT)}: {doc}, {section!r}")
     assert seen > 20  # the pattern finds the citations
     assert missing == []
+
+
+# folders whose code may look into a runtime by name: each runtime's own (`od_moe/runtime.py`'s `Runtime`)
+RUNTIME_FOLDERS = ("od_moe/per_layer/", "od_moe/two_tier/")
+PROBES = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _names_runtime(node: ast.AST) -> bool:
+    """Whether an expression names a runtime: `runtime`, `x.runtime` or anything reached through them."""
+    return any(
+        isinstance(n, ast.Name) and n.id == "runtime" or isinstance(n, ast.Attribute) and n.attr == "runtime"
+        for n in ast.walk(node)
+    )
+
+
+def runtime_probes(source: str) -> list[int]:
+    """The lines of `source` that call `getattr`, `hasattr`, `setattr` or `delattr` on a runtime (or ask
+    any object for its attribute "runtime")."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PROBES):
+            continue
+        target, name = (node.args + [None, None])[:2]
+        asks_runtime = isinstance(name, ast.Constant) and name.value == "runtime"
+        if target is not None and (_names_runtime(target) or asks_runtime):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_code_probes_a_runtime_from_outside():
+    """Outside each runtime's own folder, code uses a runtime through the interface both give
+    (`od_moe.runtime.Runtime`) or, for what one path alone has, after `isinstance`: never by probing its
+    attributes by name (a probe hides which runtime it expects, and a stub would answer it)."""
+    found, seen = [], 0
+    for folder in ("od_moe", "benchmarks", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name = path.relative_to(ROOT).as_posix()
+            if name.startswith(RUNTIME_FOLDERS):
+                continue
+            seen += 1
+            found += [f"{name}:{line}" for line in runtime_probes(path.read_text())]
+    assert seen > 100  # the walk found the code
+    assert found == []
+
+
+def test_the_probe_check_can_fail():
+    source = (
+        'a = getattr(engine.runtime, "lookahead", None)\n'
+        'b = hasattr(runtime.policy, "sent")\n'
+        "setattr(engine.runtime, name, 1)\n"
+        'c = getattr(self, "runtime", None)\n'
+        'd = getattr(engine.model, "args", None)\n'
+        "e = isinstance(engine.runtime, object) and engine.runtime.caches\n"
+    )
+    assert runtime_probes(source) == [1, 2, 3, 4]

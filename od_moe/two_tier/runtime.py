@@ -53,7 +53,7 @@ from .layer_step import (
 )
 from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
 from .staged_passes import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
-from .tally import DeviceTally, book_read
+from .tally import DeviceTally, RoutingRecord, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
 # passes. Even with slots filled by kernels and tables written into host rings, a pass that fills costs
@@ -99,8 +99,7 @@ class TwoTierRuntime:
         # this pass's routed ids, hit lanes, staged layers' counts (`staged_passes.staged_switch`), by layer
         self._routed, self._hit, self._union = {}, {}, {}
         self.stage_positions = STAGE_POSITIONS  # a pass of this many positions or more is staged (`build`)
-        self._recording: list | None = None
-        self._recorded: list[tuple[mx.array, int]] = []  # (pass's ids (layers, lanes), k), lazy
+        self._recording: RoutingRecord | None = None
         self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
         self.lookahead: KeptRows | None = None  # rows after the slots, filled by prediction
@@ -135,23 +134,21 @@ class TwoTierRuntime:
             self.policy.prompt_start(prompt)
 
     def start_recording(self):
-        self._recording = []
+        self._recording = RoutingRecord()
 
     def stop_recording(self) -> list[dict[int, np.ndarray]]:
         """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
         self.settle()
         recording, self._recording = self._recording, None
-        return recording
+        return None if recording is None else recording.passes
 
     def settle(self):
         """Bring every pass's hits into the ledger (and routing, where recorded), waiting for passes."""
-        if book_read(self.ledger, self.admission, self.tally.read()) or self._recorded:
+        booked = book_read(self.ledger, self.admission, self.tally.read())
+        if self._recording is not None and self._recording.read() or booked:
             self.host_syncs += 1
         if self.lookahead is not None:
             self.lookahead.book(self.ledger)
-        if self._recorded:
-            self._recording += _routing(self._recorded)
-            self._recorded = []
 
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
@@ -300,8 +297,7 @@ class TwoTierRuntime:
         if self.lookahead is not None:
             self.lookahead.end_pass()
         if self._recording is not None:
-            routed = [ids for _, ids in sorted(self._routed.items())]  # each (..., k)
-            self._recorded.append((mx.stack([ids.reshape(-1) for ids in routed]), routed[0].shape[-1]))
+            self._recording.add(self._routed)
         self._prompt_done = self._prompt_done or self.phase == "prefill"
         self._routed, self._hit, self._union = {}, {}, {}
         return y
@@ -363,14 +359,6 @@ class TwoTierRuntime:
             self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
         _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
         self._dirty = True  # the tables are out of date
-
-
-def _routing(recorded: list[tuple[mx.array, int]]) -> list[dict[int, np.ndarray]]:
-    """Recorded passes (their ids (layers, lanes), k), waited for: [{layer: ids (tokens, k)}, ...]."""
-    mx.eval([ids for ids, _ in recorded])
-    return [
-        {i: row.reshape(-1, k) for i, row in enumerate(np.array(ids).astype(np.int64))} for ids, k in recorded
-    ]
 
 
 def _book_fills(ledger: Ledger, phase: str, fills, seconds: float):

@@ -9,6 +9,8 @@ evaluated, so `launch` starts its counts between passes (after that pass, on the
 hands the host the counts as of an earlier pass, one that is sure to be done when the caller says so
 (`runtime.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
 Lookups need no device data (a layer's lane count is its ids' shape) and are booked by the caller.
+`record_routing`'s routing is kept the same way (`RoutingRecord`): each pass's ids stacked on the device,
+read by the host when the ledger is settled.
 Not here: what the counts decide (`admission.py`), the ledger itself (`stats.py`).
 """
 
@@ -140,3 +142,28 @@ def book_read(ledger, admission, read) -> bool:
             )
     admission.add(counts, passes)
     return True
+
+
+class RoutingRecord:
+    """The routing of every pass while it is recorded (`Engine.record_routing`): each pass's routed ids by
+    layer stacked on the device (`add`), read by the host at `read` (no pass waits for it)."""
+
+    def __init__(self):
+        self.passes: list[dict[int, np.ndarray]] = []  # read: [{layer: ids (tokens, k)}, ...]
+        self._lazy: list[tuple[mx.array, int]] = []  # (a pass's ids (layers, lanes), k), not read yet
+
+    def add(self, routed: dict[int, mx.array]):
+        """A pass's routed ids (each (..., k)) by layer."""
+        ids = [ids for _, ids in sorted(routed.items())]
+        self._lazy.append((mx.stack([i.reshape(-1) for i in ids]), ids[0].shape[-1]))
+
+    def read(self) -> bool:
+        """Wait for the passes not read yet and add them to `passes`; whether there were any."""
+        lazy, self._lazy = self._lazy, []
+        if lazy:
+            mx.eval([ids for ids, _ in lazy])
+            self.passes += [
+                {i: row.reshape(-1, k) for i, row in enumerate(np.array(ids).astype(np.int64))}
+                for ids, k in lazy
+            ]
+        return bool(lazy)

@@ -18,7 +18,7 @@ from od_moe.runtime import TwoTierMode
 from od_moe.two_tier import runtime as two_tier
 from od_moe.two_tier import slot_fill, staged_passes, tally
 from od_moe.two_tier.admission import Admission
-from od_moe.two_tier.layer_step import CompiledBlock, CompileVerdict, LayerSteps
+from od_moe.two_tier.layer_step import CompiledBlock, CompileVerdict, LayerSteps, Trace
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 
@@ -186,13 +186,13 @@ def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference,
     engine = od_moe.load(capacity=0.25, two_tier=True)
     runtime, layers = engine.runtime, engine.model.model.layers
     assert runtime.by_block and all(isinstance(layer.mlp, CompiledBlock) for layer in layers)
-    calls, compute = [], two_tier.TwoTierRuntime.compute
+    calls, switch = [], two_tier.TwoTierRuntime.switch
 
     def counted(self, layer, *args):
-        calls.append((self.phase, self.trace is not None))
-        return compute(self, layer, *args)
+        calls.append((self.phase, isinstance(self.open, Trace)))
+        return switch(self, layer, *args)
 
-    monkeypatch.setattr(two_tier.TwoTierRuntime, "compute", counted)
+    monkeypatch.setattr(two_tier.TwoTierRuntime, "switch", counted)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     decode_passes = engine.stats()["positions"]["decode"]
     in_decode = [traced for phase, traced in calls if phase == "decode"]
@@ -250,11 +250,11 @@ def test_compiles_exactly_compares_the_bits():
         def __call__(self, x):
             return mx.sigmoid(x) * x + x
 
-    runtime = types.SimpleNamespace(trace=None)
+    runtime = types.SimpleNamespace(open=None)
     x = mx.random.normal((1, 1, 8))
     for inner, exact in ((Counts(), False), (Pure(), True)):
         block = CompiledBlock(inner, runtime, 0, (), CompileVerdict())
-        assert block.compiles_exactly(x) is exact and runtime.trace is None
+        assert block.compiles_exactly(x) is exact and runtime.open is None
 
 
 @pytest.mark.parametrize("stage_positions", [1, 10**9])

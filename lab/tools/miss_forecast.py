@@ -38,20 +38,19 @@ def record(tokens: int):
         return []
 
     runtime.forecast = kept
-    compute = two_tier.TwoTierRuntime.compute
+    book = two_tier.TwoTierRuntime.book_lookups
 
-    def recorded(self, layer, stacked, x, indices):
-        y = compute(self, layer, stacked, x, indices)
+    def recorded(self, layer, plan, indices, outputs):
+        book(self, layer, plan, indices, outputs)
         if self.phase == "decode":
             routed[(self.clock, layer)] = np.array(indices).reshape(-1)
-        return y
 
-    two_tier.TwoTierRuntime.compute = recorded
+    two_tier.TwoTierRuntime.book_lookups = recorded
     try:
         for prompt in PROMPTS:
             list(engine.stream_generate(prompt, max_tokens=tokens))
     finally:
-        two_tier.TwoTierRuntime.compute = compute
+        two_tier.TwoTierRuntime.book_lookups = book
     return routed, scores, len(engine.caches)
 
 

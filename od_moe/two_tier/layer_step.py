@@ -10,7 +10,9 @@ and MLX replays it with none of that Python. The operations are the same ones on
 tokens are stock mlx-lm's (the suite compares them). Only one position's passes are compiled: their shapes
 repeat at every decoded token, while a prompt's would trace anew for each length. What a pass takes and
 gives besides the hidden state (tables, the rows' state, hits) is a `Plan`, made by the runtime per layer
-and pass: the host's decisions stay outside the compiled call, the arrays go in and out of it.
+and pass: the host's decisions stay outside the compiled call, the arrays go in and out of it. Each layer's
+pass enters the runtime once (`TwoTierRuntime.layer_pass`, from the block, else the switch) and computes in
+a `LayerPass`, which hands the routed ids back to the runtime; a compiled block's trace in a `Trace`.
 Not here: what the lanes read and what is kept of their outputs (`runtime.py`, `kept_rows.py`,
 `staged_passes.py`).
 """
@@ -95,7 +97,24 @@ class TwoTierSwitch(nn.Module):
         object.__setattr__(self, "runtime", runtime)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return self.runtime.compute(self.layer, self.stacked, x, indices)
+        return self.runtime.switch(self.layer, x, indices)
+
+
+class LayerPass:
+    """A MoE layer's pass in progress (`TwoTierRuntime.layer_pass`): its plan, and what its switch computed
+    with, which the runtime books: the routed ids, and the plan's other outputs. With a plan the switch is
+    one compiled call (`LayerSteps.step`), else op by op (`eager(x, indices)`)."""
+
+    def __init__(self, plan: Plan | None, eager: Callable):
+        self.plan, self.eager = plan, eager
+        self.indices, self.outputs = None, ()
+
+    def switch(self, steps: LayerSteps, x: mx.array, indices: mx.array) -> mx.array:
+        self.indices, plan = indices, self.plan
+        if plan is None:
+            return self.eager(x, indices)
+        y, self.outputs = steps.step(plan.key, lambda: plan.lanes)(x, (indices, *plan.state))
+        return y
 
 
 @dataclass
@@ -107,10 +126,10 @@ class CompileVerdict:
 
 
 class CompiledBlock(nn.Module):
-    """mlx-lm's MoE block (`inner`) in two-tier mode: a pass of one position computed as one compiled call
-    per plan (the runtime's `one_position`) where that is exact (`verdict`, shared by the model's blocks),
-    any other as `inner` itself. Begins and ends the runtime's passes at the first and last MoE layer.
-    `stack`: the layer's stack arrays, experts first in expert order."""
+    """mlx-lm's MoE block (`inner`) in two-tier mode, each call the layer's pass (the runtime's
+    `layer_pass`): a pass of one position computed as one compiled call per plan (`one_position`) where
+    that is exact (`verdict`, shared by the model's blocks), any other as `inner` itself, its switch
+    computing in the pass. `stack`: the layer's stack arrays, experts first in expert order."""
 
     def __init__(self, inner: nn.Module, runtime, layer: int, stack: tuple, verdict: CompileVerdict):
         super().__init__()
@@ -123,24 +142,36 @@ class CompiledBlock(nn.Module):
         self.traceable = True  # False once the block proved not traceable (it waits for an array)
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        runtime, layer = self.runtime, self.layer
-        runtime.begin_layer(layer, x)
+        return self.runtime.layer_pass(self.layer, x, lambda step: self._compute(step, x, args, kwargs))
+
+    def _compute(self, step: LayerPass, x: mx.array, args, kwargs) -> mx.array:
+        """The layer's pass `step` of `x`: its plan as one compiled call where that is exact, else `inner`
+        op by op, its switch computing in `step`."""
         # one position, and no forecast (it reads each layer's hidden state for later layers)
+        runtime = self.runtime
         one = x.size == x.shape[-1] and runtime.forecast is None and not (args or kwargs) and self.traceable
         if one and self.verdict.exact is None:
             self.verdict.exact = self.compiles_exactly(x)  # None where this block cannot be traced
-        plan = runtime.one_position(layer) if one and self.traceable and self.verdict.exact else None
-        if plan is not None:
+        plan = step.plan
+        if plan is not None and one and self.traceable and self.verdict.exact:
             if plan.key not in self._compiled:
                 self._compiled[plan.key] = mx.compile(self._traced(plan.lanes))
             try:
-                y, indices, outputs = self._compiled[plan.key](x, plan.state)
+                y, step.indices, step.outputs = self._compiled[plan.key](x, plan.state)
             except ValueError:  # MLX refuses a trace that evaluates an array: the block runs as it is
                 self.traceable = False
             else:
-                runtime.book_lookups(layer, plan, indices, outputs)
-                return runtime.end_layer(layer, y)
-        return runtime.end_layer(layer, self.inner(x, *args, **kwargs))
+                return y
+        return self._within(step, lambda: self.inner(x, *args, **kwargs))
+
+    def _within(self, opened, run: Callable):
+        """`run()` with `opened` (a `LayerPass` or a `Trace`) the pass the block's switch computes in."""
+        runtime = self.runtime
+        outer, runtime.open = runtime.open, opened
+        try:
+            return run()
+        finally:
+            runtime.open = outer
 
     def compiles_exactly(self, x: mx.array) -> bool | None:
         """Whether the block compiled gives, on `x`, the bits it gives op by op (as stock mlx-lm runs it),
@@ -162,18 +193,16 @@ class CompiledBlock(nn.Module):
         (`Trace`) and does no booking; the routed ids and the lanes' outputs come out with the output."""
 
         def call(x, state):
-            trace = self.runtime.trace = Trace(lanes, state)
-            try:
-                y = self.inner(x)
-            finally:
-                self.runtime.trace = None
+            trace = Trace(lanes, state)
+            y = self._within(trace, lambda: self.inner(x))
             return y, trace.indices, trace.outputs
 
         return call
 
 
 class Trace:
-    """What a compiled block's switch computes with while it is traced (`TwoTierRuntime.compute`)."""
+    """What a compiled block's switch computes with while it is traced (`CompiledBlock._traced`): its MLX
+    work alone, the routed ids and the lanes' outputs handed out of the compiled call."""
 
     def __init__(self, lanes: Callable, state: tuple):
         self.lanes, self.state = lanes, state

@@ -20,17 +20,18 @@ host rows into slot rows. MLX writes an array in place only where nothing else h
 waits for the passes in flight (`mx.synchronize`, once per admission: every `ADMIT_EVERY` positions); a pass
 in flight therefore never sees a slot change, and the stack never moves (checked: a copy would leave the
 slots' device placement behind).
-A pass of one position (a decoded token) is a `layer_step.Plan` per layer, each MoE block one compiled call.
+Each MoE layer's pass enters through `layer_pass` (called by the block, or the switch where the block
+stays mlx-lm's), which picks its `layer_step.Plan`: a pass of one position (a decoded token) is one
+compiled call per MoE block, else its switch is; other passes run op by op (`_eager`).
 Not here: reading the stack (`mapped.py`), choosing what to admit (`admission.py`), the CUDA advice
 (`cuda.HostMapping`), or the per-layer path with its prefetch (`per_layer/runtime.py`).
 """
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..cache import LayerCache
@@ -45,8 +46,10 @@ from .kept_rows import KeptRows
 from .layer_step import (
     CompiledBlock,
     CompileVerdict,
+    LayerPass,
     LayerSteps,
     Plan,
+    Trace,
     TwoTierSwitch,
     as_routed,
     through_table,
@@ -105,8 +108,8 @@ class TwoTierRuntime:
         self.lookahead: KeptRows | None = None  # rows after the slots, filled by prediction
         self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`forecast.py`)
         self.device_lru = False  # the slots are kept on the device (`kept_rows.py`), none by the host
-        self.by_block = False  # each MoE block is a `CompiledBlock`, which begins and ends the passes
-        self.trace = None  # a compiled block's `layer_step.Trace` while it is traced
+        self.by_block = False  # each MoE block is a `CompiledBlock`, whose call is the layer's pass
+        self.open: LayerPass | Trace | None = None  # the layer pass a `CompiledBlock` opened, or its trace
         weakref.finalize(self, release_stacks, stacks)
 
     # -- the runtime interface (`runtime.Runtime`) -------------------------------------------------
@@ -182,32 +185,35 @@ class TwoTierRuntime:
         if self.lookahead is not None:
             self.lookahead.compile()
 
-    # -- a pass --------------------------------------------------------------------------------
-    def compute(self, layer: int, stacked: nn.Module, x: mx.array, indices: mx.array):
-        """One MoE layer's experts for `indices`: what mlx-lm's switch would give, with no host sync. While
-        a compiled block is traced (`layer_step.CompiledBlock`), only its MLX work: the block books it."""
-        if self.trace is not None:
-            return self.trace.switch(self.steps[layer], x, indices)
-        if not self.by_block:
-            self.begin_layer(layer, x)
+    # -- a pass: one way in per layer --------------------------------------------------------------
+    def layer_pass(self, layer: int, x: mx.array, compute: Callable[[LayerPass], mx.array]) -> mx.array:
+        """MoE layer `layer`'s pass of `x`, the one way in (from `CompiledBlock`, else `TwoTierSwitch`): at
+        the first layer a pass begins; the plan is picked (`one_position`: a pass of one position as
+        compiled calls, else op by op); `compute(step)` computes the layer, its switch in `step` (a
+        `LayerPass`, which keeps the routed ids); their lookups are booked; at the last layer the pass
+        ends. No host sync."""
+        if layer == 0:
+            self._begin_pass(x)
         ahead = self.lookahead is not None and self.phase == "decode"
         if ahead and self.forecast is not None:
             for target, scores in self.forecast(layer, x):
                 self.lookahead.expect(target, scores)
-        plan = self.one_position(layer) if indices.size == indices.shape[-1] else None
-        if plan is not None:
-            y, outputs = self.steps[layer].step(plan.key, lambda: plan.lanes)(x, (indices, *plan.state))
-        else:
-            y, outputs = self._eager(layer, stacked, x, indices, ahead), ()
-        self.book_lookups(layer, plan, indices, outputs)
-        return y if self.by_block else self.end_layer(layer, y)
+        plan = self.one_position(layer) if x.size == x.shape[-1] else None
+        step = LayerPass(plan, lambda x, indices: self._eager(layer, x, indices, ahead))
+        y = compute(step)
+        self.book_lookups(layer, plan, step.indices, step.outputs)
+        return self._end_layer(layer, y)
 
-    def begin_layer(self, layer: int, x: mx.array):
-        """Before MoE layer `layer` computes `x`: at the first, a pass begins."""
-        if layer == 0:
-            self._begin_pass(x)
+    def switch(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        """What mlx-lm's switch of `layer` gives for `indices` (`TwoTierSwitch`): in the layer pass a block
+        opened (`open`: a `CompiledBlock`'s pass, or its trace, which computes only the MLX work), as that
+        pass computes; else this call is the layer's pass."""
+        steps = self.steps[layer]
+        if self.open is not None:
+            return self.open.switch(steps, x, indices)
+        return self.layer_pass(layer, x, lambda step: step.switch(steps, x, indices))
 
-    def end_layer(self, layer: int, y: mx.array) -> mx.array:
+    def _end_layer(self, layer: int, y: mx.array) -> mx.array:
         """`y`, the layer's output; at the last MoE layer the pass ends, its counts tied to `y`."""
         if layer == len(self.caches) - 1:
             y = self._end_pass(y)
@@ -250,10 +256,11 @@ class TwoTierRuntime:
         if self._resident[layer].any():
             self._hit[layer] = outputs[-1]
 
-    def _eager(self, layer, stacked: nn.Module, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
+    def _eager(self, layer: int, x: mx.array, indices: mx.array, ahead: bool) -> mx.array:
         """A layer pass op by op (several positions; rows the host decides): each lane's row, then the
         switch on them, or on device copies of the experts routed (staged, `staged_passes.py`)."""
         steps, rows, stack, E = self.steps[layer], self._tables[layer], self.stacks[layer], self.num_experts
+        stacked = self.switches[layer]
         if self._full[layer]:
             views = self._direct[layer]
             return steps.compute(views, x, indices) if views else stacked(x, rows[indices])

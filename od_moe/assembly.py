@@ -24,12 +24,12 @@ from .capacity import (
 from .errors import UserError
 from .per_layer.reader import read_threads_for
 from .per_layer.runtime import MISS_POLICIES, OffloadRuntime
+from .per_layer.switch import OffloadedSwitch
 from .progress import byte_progress
 from .routing import tap_router
 from .runtime import Runtime, TwoTierMode
 from .store import ExpertStore
 from .surgery import MoEBlock, weight_nbytes
-from .switch import OffloadedSwitch
 from .two_tier.runtime import build as build_two_tier
 from .two_tier.staged_passes import positions_to_stage
 

@@ -73,7 +73,7 @@ def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch)
     (`mx.async_eval`) so the device works while the next layer is built; the tokens stay exact."""
     import mlx.core as mx
 
-    from od_moe import switch
+    from od_moe.per_layer import switch
 
     launched = []
 

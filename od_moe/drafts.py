@@ -28,6 +28,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .errors import UserError
 from .model_files import open_model, resolve_model_path
+from .runtime import Runtime
 from .sampling import vocab_size_of
 
 # mlx-lm's draft length: its `generate` and `server` commands draft 3 tokens (`--num-draft-tokens`); its
@@ -43,7 +44,7 @@ class Draft:
     model: object
     tokenizer: object | None
     name: str
-    runtime: object | None = None
+    runtime: Runtime | None = None
 
     def cache_maker(self, target):
         """An object whose `make_cache()` gives `target`'s KV caches then the draft's, as mlx-lm's loop
@@ -148,7 +149,7 @@ class Verifier:
     as verify passes (the target's; a draft engine's own passes are only booked as decode). Every other
     attribute is the model's."""
 
-    def __init__(self, forward, runtime, prefill: int, counts: bool = True):
+    def __init__(self, forward, runtime: Runtime, prefill: int, counts: bool = True):
         object.__setattr__(self, "_forward", forward)
         object.__setattr__(self, "_runtime", runtime)
         object.__setattr__(self, "_prefill", prefill)

@@ -54,6 +54,7 @@ from .sampling import make_sampler, vocab_size_of
 from .stats import PHASES, decode_figures, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
 from .store import ExpertStore
 from .surgery import find_moe_blocks, offloadable_blocks, top_k_of
+from .two_tier.runtime import TwoTierRuntime
 
 
 class Engine:
@@ -281,6 +282,7 @@ class Engine:
         layers = layer_rows(ledger, self.caches)
         prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
         per_layer = runtime if isinstance(runtime, OffloadRuntime) else None  # prefetch, optimistic passes
+        device_lru = isinstance(runtime, TwoTierRuntime) and runtime.device_lru  # slots kept by the device
         if per_layer is None or per_layer.governor is None:
             prefetch.update(pending=0, **governor.OFF)
         else:
@@ -301,7 +303,7 @@ class Engine:
             "passes": ledger.passes,
             "generated_tokens": ledger.generated,
             # drafts (verify passes, drafted and accepted tokens) and experts moved per generated token
-            **decode_figures(ledger, self.mode[0] == "two-tier", getattr(runtime, "device_lru", False)),
+            **decode_figures(ledger, self.mode[0] == "two-tier", device_lru),
             "io": io_by_phase(ledger),
             "per_pass": {phase: per_pass(ledger, phase) for phase in PHASES},
             "direct_io": runtime.store.direct_io,

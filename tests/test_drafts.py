@@ -295,3 +295,24 @@ def test_a_copied_model_folder_drafts_like_its_original(tmp_path, stock):
     got = engine.stream_generate(PROMPTS[2], max_tokens=12, draft_model=str(copy), num_draft_tokens=K)
     assert [(r.token, r.from_draft) for r in got] == _reference(stock, stock[3], PROMPTS[2], max_tokens=12)
     engine.close()
+
+
+def test_the_servers_warm_up_drafts_as_its_requests_will(monkeypatch):
+    """`serve`'s loader loads the draft and warms up with it (verify passes), then forgets the figures; the
+    worker finds the draft loaded."""
+    from od_moe import engine as engine_module
+    from od_moe.server.drafting import ServerDraft
+    from od_moe.server.warm_up import warmed_loader
+
+    seen = []
+    reset = engine_module.Engine.reset_stats
+    monkeypatch.setattr(
+        engine_module.Engine, "reset_stats", lambda self: seen.append(self.stats()["drafts"]) or reset(self)
+    )
+    drafting, warmed = ServerDraft(str(od_moe.DEFAULT_MODEL), K), []
+    engine = warmed_loader(None, 1, {"capacity": 0.25}, warmed, drafting)()
+    assert drafting.draft is not None and len(warmed) == 1 and warmed[0] > 0
+    assert seen[-1]["verify_passes"] > 0  # the warm-up drafted, and its counts were then reset
+    assert engine.stats()["drafts"]["verify_passes"] == 0
+    drafting.load(engine)  # the worker's call: the draft is already there
+    engine.close()

@@ -344,11 +344,10 @@ def serve(
 
     from ..distributed.rank_split import group_for
 
-    warmed = []  # the warm-up's seconds, on rank 0
-    loader = warmed_loader(model, max_batch, load_options, warmed)
-
     group = group_for("auto")
     drafting = ServerDraft(draft_model, num_draft_tokens, across_ranks=group is not None)
+    warmed = []  # the warm-up's seconds, on rank 0
+    loader = warmed_loader(model, max_batch, load_options, warmed, drafting)
     if group is not None and group.rank() > 0:
         return ranks.follow(loader(), log)
     listener = bind(host, port)  # a busy port is found before the model loads

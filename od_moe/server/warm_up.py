@@ -6,6 +6,7 @@ short prompt and a few greedy tokens take those compiles before the port answers
 kept: the engine's statistics start from nothing after it. The worker never sees it, so its counters and
 prompt cache are untouched.
 `warmed_loader` is what `serve` loads with: on the generation thread, the engine and then its warm-up.
+With a draft model the warm-up drafts, as every request will.
 Not here: `serve`.
 """
 
@@ -15,26 +16,33 @@ PROMPT = "def add(a, b):\n    return"
 TOKENS = 4
 
 
-def warm_up(engine) -> float:
-    """Generate `TOKENS` greedy tokens of `PROMPT` on `engine`, then forget them; the seconds it took."""
+def warm_up(engine, draft=None, num_draft_tokens: int | None = None) -> float:
+    """Generate `TOKENS` greedy tokens of `PROMPT` on `engine` (drafted by `draft`, where the server has
+    one: its verify passes are what requests run), then forget them; the seconds it took."""
     start = time.perf_counter()
-    for _ in engine.stream_generate(PROMPT, max_tokens=TOKENS):
+    drafting = {} if draft is None else dict(draft_model=draft, num_draft_tokens=num_draft_tokens)
+    for _ in engine.stream_generate(PROMPT, max_tokens=TOKENS, **drafting):
         pass
     engine.reset_stats()
     return time.perf_counter() - start
 
 
-def warmed_loader(model, max_batch: int, load_options: dict, warmed: list):
+def warmed_loader(model, max_batch: int, load_options: dict, warmed: list, drafting=None):
     """What loads the engine on the generation thread: `od_moe.load` (a KV cache kept for each of
-    `max_batch` sequences), then `warm_up` where the engine is not split over ranks (the other ranks
-    would have to follow it), its seconds appended to `warmed`."""
+    `max_batch` sequences), the server's draft if it has one (`drafting`, a `drafting.ServerDraft`), then
+    `warm_up` with it where the engine is not split over ranks (the other ranks would have to follow
+    it), its seconds appended to `warmed`."""
 
     def loader():
         from .. import load
 
         engine = load(model, sequences=max_batch, **load_options)
+        draft, tokens = None, None
+        if drafting is not None:
+            drafting.load(engine)  # the worker's own call then finds it loaded
+            draft, tokens = drafting.draft, drafting.num_draft_tokens
         if engine.stage is None:
-            warmed.append(warm_up(engine))
+            warmed.append(warm_up(engine, draft, tokens))
         return engine
 
     return loader

@@ -26,6 +26,7 @@ from . import backend  # noqa: E402, F401 (first to import MLX: says which backe
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load  # noqa: E402 (after the path above)
 from .errors import ExpertReadError, UserError  # noqa: E402
 from .per_layer.governor import PrefetchSettings  # noqa: E402
+from .prompt_lookup import PromptLookup  # noqa: E402
 
 __all__ = [
     "load",
@@ -33,6 +34,7 @@ __all__ = [
     "stream_generate",
     "Engine",
     "PrefetchSettings",
+    "PromptLookup",
     "UserError",
     "ExpertReadError",
     "DEFAULT_MODEL",

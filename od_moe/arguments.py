@@ -86,7 +86,14 @@ def _draft_args(parser: argparse.ArgumentParser, serving: str = ""):
         "--num-draft-tokens",
         type=int,
         default=3,
-        help="tokens to draft a pass when using --draft-model",
+        help="tokens to draft a pass when using --draft-model or --prompt-lookup",
+    )
+    parser.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="draft from the text so far instead of a draft model: the token after the latest earlier "
+        "occurrence of the last 3 tokens (`od_moe/prompt_lookup.py`; pays where the answer repeats the "
+        "prompt, as code edits do; default: off)",
     )
 
 

@@ -279,6 +279,12 @@ def main(argv=None) -> int:
         _check_positive(command, "--max-tokens", args.max_tokens)
         if args.num_draft_tokens < 0:
             command.error(f"--num-draft-tokens must be 0 or more, got {args.num_draft_tokens}")
+        if args.prompt_lookup and args.draft_model is not None:
+            command.error("give --draft-model or --prompt-lookup, not both")
+        if args.prompt_lookup:
+            from .prompt_lookup import PromptLookup
+
+            args.draft_model = PromptLookup()
     if args.command in ("generate", "serve", "inspect"):
         _check_positive(command, "--context-tokens", args.context_tokens)
     if args.command == "serve":

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .errors import UserError
 from .model_files import open_model, resolve_model_path
+from .prompt_lookup import PromptLookup
 from .runtime import Runtime
 from .sampling import vocab_size_of
 
@@ -101,6 +102,10 @@ def _draft_of(engine, draft_model) -> Draft:
             raise UserError("drafting does not run across ranks yet: run the draft model in one process")
         name = str(draft_model.model_path)
         return Draft(draft_model.forward, draft_model.tokenizer, name, draft_model.runtime)
+    if isinstance(draft_model, PromptLookup):  # drafts the target's own tokens
+        if draft_model.vocab_size is None:
+            draft_model.vocab_size = vocab_size_of(engine.model)
+        return Draft(draft_model, engine.tokenizer, "prompt lookup")
     if isinstance(draft_model, nn.Module):
         return Draft(draft_model, None, type(draft_model).__name__)
     if isinstance(draft_model, (str, Path)):

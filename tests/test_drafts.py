@@ -316,3 +316,48 @@ def test_the_servers_warm_up_drafts_as_its_requests_will(monkeypatch):
     assert engine.stats()["drafts"]["verify_passes"] == 0
     drafting.load(engine)  # the worker's call: the draft is already there
     engine.close()
+
+
+CODE_EDIT = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "# the same functions, again\ndef add(a, b):\n"
+)
+
+
+def test_prompt_lookup_finds_the_latest_earlier_run_and_rewinds():
+    from od_moe.prompt_lookup import History
+
+    history = History()
+    history.tokens = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
+    assert history.next_token() == 4  # the longest run first: 1 2 3 was followed by 4
+    history.tokens = [7, 2, 3, 4, 9, 2, 3, 5, 8, 2, 3]
+    assert history.next_token() == 5  # no 8 2 3 before; of the 2 3 runs, the latest: 2 3 5
+    history.tokens = [1, 2, 3, 4, 1, 2]
+    assert history.next_token() == 3
+    history.tokens = [5, 6, 7]
+    assert history.next_token() == 7  # nothing seen before: the last token again
+    assert history.trim(2) == 2 and history.tokens == [5] and history.trim(5) == 1 and history.offset == 0
+
+
+@pytest.mark.parametrize("two_tier", [False, True], ids=["per-layer", "two-tier"])
+def test_prompt_lookup_equals_stock_fed_the_same_drafts(stock, two_tier):
+    """Prompt lookup (`PromptLookup`, no second model): od-moe's tokens and their `from_draft` flags equal
+    stock mlx-lm's drafting loop fed the same lookup, at 25% on both paths; on a prompt the answer repeats,
+    most tokens come from drafts."""
+    reference = _reference(stock, od_moe.PromptLookup(stock[0].args.vocab_size), CODE_EDIT, max_tokens=32)
+    engine = od_moe.load(capacity=0.25, two_tier=two_tier)
+    stream = engine.stream_generate(
+        CODE_EDIT, max_tokens=32, draft_model=od_moe.PromptLookup(), num_draft_tokens=K
+    )
+    assert [(r.token, r.from_draft) for r in stream] == reference
+    drafts = engine.stats()["drafts"]
+    assert drafts["accepted"] == sum(f for _, f in reference) > len(reference) // 2
+    assert drafts["verify_passes"] < len(reference) // 2
+
+
+def test_prompt_lookup_from_the_command_line(capsys):
+    assert main(["generate", "--prompt", CODE_EDIT, "--max-tokens", "16", "--prompt-lookup", "--stats"]) == 0
+    assert "acceptance rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--prompt-lookup", "--draft-model", str(od_moe.DEFAULT_MODEL)])
+    assert e.value.code == 2 and "give --draft-model or --prompt-lookup, not both" in capsys.readouterr().err

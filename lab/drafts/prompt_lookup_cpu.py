@@ -24,9 +24,9 @@ for two_tier in (False, True):
             row[drafted] = (tokens, stats["experts_per_token"], stats["drafts"])
             engine.close()
         same = row[False][0] == row[True][0]
-        d = row[True][2]
+        d, path = row[True][2], "two-tier" if two_tier else "per-layer"
         print(
-            f"{'two-tier' if two_tier else 'per-layer'} {capacity:.1%}: acceptance {d['acceptance_rate']:.3f} "
+            f"{path} {capacity:.1%}: acceptance {d['acceptance_rate']:.3f} "
             f"({d['accepted']}/{d['drafted']} in {d['verify_passes']} verify passes), experts a token "
             f"{row[False][1]:.2f} -> {row[True][1]:.2f} ({row[True][1] / row[False][1]:.2f}x), "
             f"same text as undrafted: {same}"

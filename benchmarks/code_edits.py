@@ -1,0 +1,149 @@
+"""Drafting on code edits (issue #57's goal rows), by hand: a committed set of code-editing prompts (a file,
+an instruction, the start of the rewrite), each generated greedy without drafting and with prompt lookup
+(`od_moe.PromptLookup`, k tokens a pass) at one capacity, both in one process and alternating, with stock
+mlx-lm fed the same lookup as the reference (every expert resident, where it fits). Per prompt and in all:
+whether the tokens equal the reference, the acceptance rate, experts read (two tiers: in place plus copied)
+per generated token drafted over undrafted, and tok/s drafted over undrafted (the median of `--rounds`).
+
+    python benchmarks/code_edits.py [--model PATH] [--capacity 0.25] [--two-tier auto|on|off|lru]
+        [--tokens 96] [--k 3] [--rounds 3] [--no-stock]
+
+On this CPU the model and its lookup share two cores: the experts a token are the figure, tok/s is noise.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import od_moe
+from od_moe.report import table
+
+FILE = '''import json
+import os
+
+
+def load_config(path):
+    """Read a JSON config file and return it as a dict."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_config(path, config):
+    """Write a config dict to a JSON file."""
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def config_path(name):
+    return os.path.join(os.path.expanduser("~"), ".config", name + ".json")
+'''
+
+# (instruction, the start of the rewrite): the answer repeats most of FILE, as code edits do
+EDITS = [
+    ("Save the config with indent=2.", "import json\nimport os\n\n\ndef load_config(path):\n"),
+    ("Rename load_config to read_config.", "import json\nimport os\n\n\ndef read_config(path):\n"),
+    (
+        "Add a default argument to load_config.",
+        "import json\nimport os\n\n\ndef load_config(path, default=None):\n",
+    ),
+    (
+        "Use pathlib in config_path.",
+        "import json\nimport os\nfrom pathlib import Path\n\n\ndef load_config(path):\n",
+    ),
+    ("Add type hints.", "import json\nimport os\n\n\ndef load_config(path: str) -> dict:\n"),
+    ("Sort the keys when saving.", "import json\nimport os\n\n\ndef load_config(path):\n"),
+]
+
+
+def prompts() -> list[str]:
+    return [f"{FILE}\n# {instruction}\n{start}" for instruction, start in EDITS]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model")
+    parser.add_argument("--capacity", default="0.25")
+    parser.add_argument("--two-tier", default="auto")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--no-stock", action="store_true", help="skip the reference (a model stock cannot hold)"
+    )
+    args = parser.parse_args(argv)
+    two_tier = {"on": True, "off": False}.get(args.two_tier, args.two_tier)
+    engine = od_moe.load(args.model, capacity=args.capacity, two_tier=two_tier)
+    reference = None
+    if not args.no_stock:
+        from mlx_lm import load, stream_generate
+
+        from od_moe import backend
+
+        model, tokenizer = load(str(engine.model_path))
+        if (dtype := backend.compute_dtype()) is not None:
+            model.set_dtype(dtype)
+        lookup = dict(draft_model=od_moe.PromptLookup(model.args.vocab_size), num_draft_tokens=args.k)
+        reference = [
+            [r.token for r in stream_generate(model, tokenizer, p, max_tokens=args.tokens, **lookup)]
+            for p in prompts()
+        ]
+        del model
+    rows, totals = [], {"accepted": 0, "drafted_tokens": 0}
+    for i, prompt in enumerate(prompts()):
+        speed = {"plain": [], "drafted": []}
+        for _ in range(args.rounds):
+            for kind in ("plain", "drafted"):
+                extra = (
+                    dict(draft_model=od_moe.PromptLookup(), num_draft_tokens=args.k)
+                    if kind == "drafted"
+                    else {}
+                )
+                engine.reset_stats()
+                start = time.perf_counter()
+                tokens = [r.token for r in engine.stream_generate(prompt, max_tokens=args.tokens, **extra)]
+                speed[kind].append(len(tokens) / (time.perf_counter() - start))
+                stats = engine.stats()
+                result = (tokens, stats["experts_per_token"], stats["drafts"])
+                if kind == "plain":
+                    plain = result
+                else:
+                    drafted = result
+        same = reference is None or drafted[0] == reference[i]
+        ratio = statistics.median(d / p for d, p in zip(speed["drafted"], speed["plain"]))
+        d = drafted[2]
+        rows.append(
+            [
+                i,
+                "yes" if same else "NO",
+                f"{d['acceptance_rate']:.3f}",
+                f"{plain[1]:.2f}",
+                f"{drafted[1]:.2f}",
+                f"{drafted[1] / plain[1]:.2f}",
+                f"{ratio:.2f}",
+            ]
+        )
+        totals["accepted"] += d["accepted"]
+        totals["drafted_tokens"] += d["drafted"]
+    print(
+        table(
+            [
+                "prompt",
+                "= stock drafting",
+                "acceptance",
+                "experts/tok plain",
+                "experts/tok drafted",
+                "x experts",
+                "x tok/s",
+            ],
+            rows,
+            title=f"{engine.model_path.name} at {args.capacity}, {engine.mode[0]}, {args.tokens} tokens, "
+            f"k = {args.k}, {args.rounds} rounds",
+        )
+    )
+    print(f"acceptance in all: {totals['accepted']}/{totals['drafted_tokens']}")
+    return 0 if all(r[1] == "yes" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

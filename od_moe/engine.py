@@ -403,7 +403,7 @@ def load(
     kv = kv_nbytes_per_token(mlx_model)  # a lazy run, before od-moe changes the model
     device = device_plan(device_memory, context_tokens, sequences, max_positions(path))
     asked = dict(two_tier=two_tier, capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy)
-    place = place_experts(mlx_model, blocks, device, prefetch=prefetch, predictor=predictor, **asked)
+    place = place_experts(mlx_model, blocks, device, kv, prefetch=prefetch, predictor=predictor, **asked)
     caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
     runtime = build_runtime(store, blocks, caches, place.mode, miss_policy, threads, across_ranks=bool(stage))

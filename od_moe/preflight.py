@@ -143,14 +143,14 @@ def inspect_model(
         kv_bytes_per_token=kv,
         dtype=str(target or "model").removeprefix("mlx.core."),
         memory_budget=bought,
-        device=_device_report(mlx_model, blocks, slot_nbytes, non_expert, tiers["auto"], path, **device),
+        device=_device_report(mlx_model, blocks, slot_nbytes, non_expert, kv, tiers["auto"], path, **device),
         budgets={f"{f:g}": budget(max(1, round(f * num_experts))) for f in FRACTIONS},
         predictor=_predictor_report(path, predictor, report["model_identity"], moe_layers, num_experts),
         packed=_packed_file(path, store, packed),
     )
     if ranks > 1:
         try:
-            report["ranks"] = _rank_rows(mlx_model, blocks, slot_nbytes, ranks)
+            report["ranks"] = _rank_rows(mlx_model, blocks, slot_nbytes, kv, ranks)
         except UserError as e:
             report["ranks"] = {"error": str(e)}
     if capacity is not None:
@@ -177,7 +177,7 @@ def _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expe
 
 
 def _device_report(
-    mlx_model, blocks, slot_nbytes, non_expert, tiered, path, device_memory=None, context_tokens=None
+    mlx_model, blocks, slot_nbytes, non_expert, kv, tiered, path, device_memory=None, context_tokens=None
 ) -> dict | None:
     """Where the device has memory of its own (CUDA): what the card has free, the device budget and the
     slots `load` would give with no capacity (`assembly.expert_slots`), or why none fit; None elsewhere."""
@@ -192,7 +192,7 @@ def _device_report(
     report = {"free_bytes": free, "total_bytes": total, "budget_bytes": budget, "budget_from": where}
     report["context"] = {"tokens": context.tokens, "sequences": context.sequences}
     try:
-        slots, choice = expert_slots(None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan)
+        slots, choice = expert_slots(None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan, kv)
         return {**report, "capacity": slots, "choice": choice}
     except UserError as e:
         return {**report, "capacity": None, "choice": str(e)}
@@ -230,7 +230,7 @@ def _slots_report(tiers: dict, slot_nbytes: int, fraction: float) -> dict:
     return {**tiers, "slots": slots, "reason": why}
 
 
-def _rank_rows(mlx_model, blocks, slot_nbytes: int, ranks: int) -> list[dict]:
+def _rank_rows(mlx_model, blocks, slot_nbytes: int, kv: int, ranks: int) -> list[dict]:
     """Per rank of a pipeline over `ranks` processes: its decoder layers, MoE layers, the bytes of its
     experts and of its other weights (its layers' and those every rank holds: embeddings, final norm, head),
     and the budget each listed capacity needs there (the arithmetic `load` does on that rank)."""
@@ -250,7 +250,7 @@ def _rank_rows(mlx_model, blocks, slot_nbytes: int, ranks: int) -> list[dict]:
         count = sum(start <= i < end for i in moe)
         experts = slot_nbytes * num_experts * count
         non_expert = shared + sum(per_layer.get(i, 0) for i in range(start, end)) - experts
-        working = working_nbytes(mlx_model, count, num_experts)
+        working = working_nbytes(mlx_model, count, num_experts, kv_per_token=kv)
         budgets = {
             f"{f:g}": budget_for(max(1, round(f * num_experts)), count, slot_nbytes, non_expert, working)
             for f in FRACTIONS

@@ -20,10 +20,13 @@ NGRAM = 3  # the longest run of recent tokens looked up
 
 
 class History:
-    """A `PromptLookup`'s cache: the tokens seen, rewound as mlx-lm rewinds a draft's KV cache."""
+    """A `PromptLookup`'s cache: the tokens seen, rewound as mlx-lm rewinds a draft's KV cache, and where
+    each token occurs (so that a lookup visits the earlier places of the last token, not every token)."""
 
-    def __init__(self):
+    def __init__(self, tokens=()):
         self.tokens: list[int] = []
+        self._at: dict[int, list[int]] = {}  # token -> its positions, ascending
+        self.extend(tokens)
 
     @property
     def offset(self) -> int:
@@ -36,21 +39,30 @@ class History:
     def is_trimmable(self) -> bool:
         return True
 
+    def extend(self, tokens):
+        for token in tokens:
+            self._at.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
+
     def trim(self, n: int) -> int:
         n = min(n, len(self.tokens))
-        del self.tokens[len(self.tokens) - n :]
+        for _ in range(n):
+            self._at[self.tokens.pop()].pop()
         return n
 
     def next_token(self, ngram: int = NGRAM) -> int:
         """The token after the latest earlier occurrence of the last `ngram` tokens (then fewer); the
         last token where none occurred before."""
         tokens = self.tokens
+        if not tokens:
+            return 0
+        earlier = self._at[tokens[-1]][:-1]  # where a run ending like this one ends, not the last place
         for n in range(min(ngram, len(tokens) - 1), 0, -1):
             tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == tail:
-                    return tokens[start + n]
-        return tokens[-1] if tokens else 0
+            for end in reversed(earlier):
+                if end >= n - 1 and tokens[end - n + 1 : end + 1] == tail:
+                    return tokens[end + 1]
+        return tokens[-1]
 
 
 class PromptLookup(nn.Module):
@@ -66,7 +78,7 @@ class PromptLookup(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         history = cache[0]
-        history.tokens.extend(inputs.reshape(-1).tolist())
+        history.extend(inputs.reshape(-1).tolist())
         token = history.next_token(self.ngram)
         logits = mx.full((1, 1, self.vocab_size), -float("inf"))
         logits[..., token] = 0.0

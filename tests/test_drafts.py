@@ -327,16 +327,41 @@ CODE_EDIT = (
 def test_prompt_lookup_finds_the_latest_earlier_run_and_rewinds():
     from od_moe.prompt_lookup import History
 
-    history = History()
-    history.tokens = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
+    history = History([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
     assert history.next_token() == 4  # the longest run first: 1 2 3 was followed by 4
-    history.tokens = [7, 2, 3, 4, 9, 2, 3, 5, 8, 2, 3]
+    history = History([7, 2, 3, 4, 9, 2, 3, 5, 8, 2, 3])
     assert history.next_token() == 5  # no 8 2 3 before; of the 2 3 runs, the latest: 2 3 5
-    history.tokens = [1, 2, 3, 4, 1, 2]
+    history = History([1, 2, 3, 4, 1, 2])
     assert history.next_token() == 3
-    history.tokens = [5, 6, 7]
+    history.extend([4, 1, 2])
+    assert history.trim(3) == 3 and history.tokens == [1, 2, 3, 4, 1, 2] and history.next_token() == 3
+    history = History([5, 6, 7])
     assert history.next_token() == 7  # nothing seen before: the last token again
     assert history.trim(2) == 2 and history.tokens == [5] and history.trim(5) == 1 and history.offset == 0
+
+
+def test_prompt_lookup_visits_earlier_places_as_a_scan_of_every_token_would():
+    """The index of where each token occurs gives what a scan of every earlier position gives, through
+    random extends and rewinds."""
+    import random
+
+    from od_moe.prompt_lookup import History
+
+    def scanned(tokens, ngram=3):
+        for n in range(min(ngram, len(tokens) - 1), 0, -1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tokens[-n:]:
+                    return tokens[start + n]
+        return tokens[-1]
+
+    rng, history = random.Random(0), History()
+    for _ in range(400):
+        if history.offset and rng.random() < 0.3:
+            history.trim(rng.randint(1, 4))
+        else:
+            history.extend(rng.randint(0, 5) for _ in range(rng.randint(1, 3)))
+        if history.offset:
+            assert history.next_token() == scanned(history.tokens)
 
 
 @pytest.mark.parametrize("two_tier", [False, True], ids=["per-layer", "two-tier"])

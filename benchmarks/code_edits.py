@@ -90,25 +90,20 @@ def main(argv=None):
         ]
         del model
     rows, totals = [], {"accepted": 0, "drafted_tokens": 0}
+    drafting = {"plain": {}, "drafted": {"num_draft_tokens": args.k}}
     for i, prompt in enumerate(prompts()):
-        speed = {"plain": [], "drafted": []}
+        speed, result = {"plain": [], "drafted": []}, {}
         for _ in range(args.rounds):
-            for kind in ("plain", "drafted"):
-                extra = (
-                    dict(draft_model=od_moe.PromptLookup(), num_draft_tokens=args.k)
-                    if kind == "drafted"
-                    else {}
-                )
+            for kind, extra in drafting.items():
+                if extra:
+                    extra = dict(extra, draft_model=od_moe.PromptLookup())  # a fresh one each generation
                 engine.reset_stats()
                 start = time.perf_counter()
                 tokens = [r.token for r in engine.stream_generate(prompt, max_tokens=args.tokens, **extra)]
                 speed[kind].append(len(tokens) / (time.perf_counter() - start))
                 stats = engine.stats()
-                result = (tokens, stats["experts_per_token"], stats["drafts"])
-                if kind == "plain":
-                    plain = result
-                else:
-                    drafted = result
+                result[kind] = (tokens, stats["experts_per_token"], stats["drafts"])
+        plain, drafted = result["plain"], result["drafted"]
         same = reference is None or drafted[0] == reference[i]
         ratio = statistics.median(d / p for d, p in zip(speed["drafted"], speed["plain"]))
         d = drafted[2]

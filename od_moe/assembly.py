@@ -76,20 +76,19 @@ def expert_slots(
     non_expert: int,
     device=None,
     kv_per_token: int | None = None,
-) -> tuple[int, str | None]:
-    """Slots per MoE layer (0 only in two-tier mode, where every expert can be read in place), and where
-    they were chosen by a device budget, the line saying so. `device` (`device_plan`): the slots come from
-    the device's budget; None: from `capacity` or `memory_budget` as one budget for the whole engine
-    (working memory counted, with two-tier mode's staged copy). `kv_per_token`: the caller's
+) -> tuple[int, str | None, int | None]:
+    """Slots per MoE layer (0 only in two-tier mode, where every expert can be read in place); where they
+    were chosen by a device budget, the line saying so and the bound on MLX's memory that follows
+    (`capacity.device_slots`; else None, None). `device` (`device_plan`): the slots come from the device's
+    budget; None: from `capacity` or `memory_budget` as one budget for the whole engine (working memory
+    counted, with two-tier mode's staged copy). `kv_per_token`: the caller's
     `capacity.kv_nbytes_per_token(model)`, where it has it (else measured here)."""
-    if no_slots(capacity, tiered):
-        return 0, None
     num_experts, staged = blocks[0].num_experts, slot_nbytes if tiered else 0
     if device is not None:
         budget, context = device
         working = working_nbytes(model, len(blocks), num_experts, staged, context, kv_per_token)
         return device_slots(
-            capacity,
+            0 if no_slots(capacity, tiered) else capacity,
             budget,
             num_experts,
             len(blocks),
@@ -98,11 +97,13 @@ def expert_slots(
             (working, context.describe()),
             none_allowed=bool(tiered),
         )
+    if no_slots(capacity, tiered):
+        return 0, None, None
     working = working_nbytes(model, len(blocks), num_experts, staged, kv_per_token=kv_per_token)
     slots = resolve_capacity(
         capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
     )
-    return slots, None
+    return slots, None, None
 
 
 @dataclass(frozen=True)
@@ -131,19 +132,19 @@ def place_experts(
     predictor,
 ) -> Placement:
     """`load`'s decision of where experts live (`two_tier_mode`, `expert_slots`, `auto_tiers`), from its
-    arguments, the `device_plan`, whose budget then bounds MLX's memory (`backend.limit_device_memory`),
+    arguments and the `device_plan`, whose slots then bound MLX's memory (`backend.limit_device_memory`),
     and the KV cache a token takes (`capacity.kv_nbytes_per_token`, measured before the model changes)."""
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(model, blocks)
     host = host_budget(memory_budget, device)
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
     mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
-    slots, choice = expert_slots(
+    slots, choice, limit = expert_slots(
         capacity, memory_budget, mode.tiered, model, blocks, slot_nbytes, non_expert, device, kv_per_token
     )
     mode, why = auto_tiers(two_tier, mode, why, slot_nbytes, slots / num_experts)
-    if device is not None:
-        backend.limit_device_memory(device[0][0])
+    if limit is not None:
+        backend.limit_device_memory(limit)
     return Placement(mode, why, slots, choice, non_expert)
 
 

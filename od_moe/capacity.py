@@ -10,10 +10,13 @@ page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows
 arrays kept in host memory, at most `MLX_ROW_BYTES`, which MLX counts as its own).
 
 On CUDA the device's memory is its own, and the slots live there: a device budget (`device_budget`: a
-given size, else `DEVICE_BUDGET_FRACTION` of what the card has free) holds the non-expert weights, the
-slots, the working memory of a stated context (`Context`: a KV cache of a 4k-token prompt and 256
-generated tokens for each sequence decoded together, a prefill chunk's activations) and the reserve; the
-memory budget is then the host's (every expert, in two-tier mode).
+given size, else `DEVICE_BUDGET_FRACTION` of what the card has free) holds the CUDA runtime's libraries
+(`DEVICE_LIBRARY_NBYTES`), the non-expert weights, the slots, the working memory of a stated context
+(`Context`: a KV cache of a 4k-token prompt and 256 generated tokens for each sequence decoded together, a
+prefill chunk's activations) and the reserve; the memory budget is then the host's (every expert, in
+two-tier mode). What the card then holds for the process (`card_nbytes`) is its CUDA context, the
+libraries and MLX's share, which bounds MLX's memory (`backend.limit_device_memory`): MLX keeps freed
+buffers up to that bound and no further.
 """
 
 import math
@@ -34,6 +37,10 @@ AUTO_BUDGET_FRACTION = 0.70  # of available memory, when neither capacity nor bu
 # Of the card's free memory at load, when no device budget is given: the rest is left to the driver and
 # to MLX's rounding of its allocations.
 DEVICE_BUDGET_FRACTION = 0.90
+# Device memory the CUDA runtime takes beside the process's context and MLX's arrays (cuBLAS workspaces,
+# MLX's CUDA graphs, loaded kernels), which no MLX counter sees: 0.66 GB measured for the Qwen3-30B-A3B
+# shape once MLX's cache was cleared, 0.44 GB for stock mlx-lm (docs/GPU.md, "A card smaller than the model").
+DEVICE_LIBRARY_NBYTES = 700_000_000
 DEFAULT_CONTEXT = 4096 + 256  # tokens a device budget keeps KV cache for: a 4k-token prompt, 256 generated
 PREFILL_CHUNK = 2048  # prompt tokens mlx-lm's generation prefills at once (its prefill_step_size)
 KV_PROBE = 256  # tokens of the lazy runs `kv_nbytes_per_token` measures caches with: one of mlx-lm's steps
@@ -286,6 +293,12 @@ def budget_for(
     return budget
 
 
+def card_nbytes(mlx_nbytes: int, context_nbytes: int) -> int:
+    """What the card holds for a process whose MLX memory is bounded at `mlx_nbytes` (`budget_for` with
+    the device's working memory): its CUDA context, the runtime's libraries, and MLX's share."""
+    return context_nbytes + DEVICE_LIBRARY_NBYTES + mlx_nbytes
+
+
 def device_slots(
     capacity,
     budget: tuple[int, str],
@@ -295,39 +308,50 @@ def device_slots(
     non_expert_nbytes: int,
     working: tuple[int, str],
     none_allowed: bool,
-) -> tuple[int, str]:
-    """Slots per MoE layer on a device with memory of its own, and one line saying what was chosen and
-    why: `capacity` where given (refused where the device `budget` (bytes, where it comes from) cannot
-    hold it), else the most the budget holds beside the non-expert weights, the `working` memory (bytes,
-    what it holds) and the reserve; 0 where `none_allowed` (two-tier mode reads every expert in place)
-    and not even one expert a layer fits. Nothing fitting is a UserError saying what would."""
+) -> tuple[int, str, int]:
+    """Slots per MoE layer on a device with memory of its own, one line saying what was chosen and why,
+    and the bound on MLX's memory that follows (`budget_for` those slots): `capacity` where given (refused
+    where the device `budget` (bytes, where it comes from) cannot hold it), else the most the budget holds
+    beside the runtime's libraries, the non-expert weights, the `working` memory (bytes, what it holds) and
+    the reserve; 0 where `none_allowed` (two-tier mode reads every expert in place) and not even one expert
+    a layer fits. Nothing fitting is a UserError saying what would."""
     nbytes, where = budget
-    fit = _slots_within(nbytes, non_expert_nbytes + working[0], slot_nbytes, moe_layers)
+    fixed = non_expert_nbytes + working[0]
+    fit = _slots_within(nbytes - DEVICE_LIBRARY_NBYTES, fixed, slot_nbytes, moe_layers)
     held = (
-        f"the device budget {where} holds the non-expert weights ({format_bytes(non_expert_nbytes)}), "
+        f"the device budget {where} holds the CUDA runtime's libraries "
+        f"({format_bytes(DEVICE_LIBRARY_NBYTES)}), the non-expert weights "
+        f"({format_bytes(non_expert_nbytes)}), "
         f"working memory for {working[1]} ({format_bytes(working[0])}) and a {BUDGET_RESERVE:.0%} reserve"
     )
-    if capacity is not None:
-        slots = resolve_capacity(capacity, None, num_experts, moe_layers, slot_nbytes, non_expert_nbytes)
+
+    def needs(slots: int) -> int:
+        return budget_for(slots, moe_layers, slot_nbytes, non_expert_nbytes, working[0])
+
+    if capacity is not None:  # 0: none (two-tier mode, `no_slots`)
+        slots = capacity and resolve_capacity(
+            capacity, None, num_experts, moe_layers, slot_nbytes, non_expert_nbytes
+        )
         if slots > max(fit, 0):
-            more = budget_for(slots, moe_layers, slot_nbytes, non_expert_nbytes, working[0])
             room = f"give --capacity {fit} or less" if fit >= 1 else "nothing fits beside them"
             raise UserError(
-                f"{slots} experts per layer need a device budget of {format_bytes(more)}, and {held}: "
-                f"{room}, or --device-memory to let od-moe use more of the card"
+                f"{slots} experts per layer need a device budget of "
+                f"{format_bytes(needs(slots) + DEVICE_LIBRARY_NBYTES)}, and {held}: {room}, or "
+                "--device-memory to let od-moe use more of the card"
             )
-        return slots, f"capacity {slots}/{num_experts} experts per layer on the device: {held}"
+        return slots, f"capacity {slots}/{num_experts} experts per layer on the device: {held}", needs(slots)
     if fit >= 1 or (none_allowed and fit >= 0):
         slots = min(max(fit, 0), num_experts)
         return (
             slots,
             f"capacity {slots}/{num_experts} experts per layer ({slots / num_experts:.1%}), the most " + held,
+            needs(slots),
         )
-    need = budget_for(0 if none_allowed else 1, moe_layers, slot_nbytes, non_expert_nbytes, working[0])
+    need = needs(0 if none_allowed else 1) + DEVICE_LIBRARY_NBYTES
     raise UserError(
         f"the device budget {where} is too small for this model: it needs at least {format_bytes(need)} for "
-        f"the non-expert weights ({format_bytes(non_expert_nbytes)}), working memory for {working[1]} "
-        f"({format_bytes(working[0])})"
+        f"the CUDA runtime's libraries ({format_bytes(DEVICE_LIBRARY_NBYTES)}), the non-expert weights "
+        f"({format_bytes(non_expert_nbytes)}), working memory for {working[1]} ({format_bytes(working[0])})"
         + ("" if none_allowed else f", one {format_bytes(slot_nbytes)} expert in each of {moe_layers} layers")
         + f" and a {BUDGET_RESERVE:.0%} reserve: free device memory, or a shorter context (context_tokens)"
     )

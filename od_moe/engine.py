@@ -1,11 +1,10 @@
 """The engine: load an MoE model with a bounded expert cache and generate with it.
 
-`load()` resolves and opens the model (`model_files.py`: embedded default, local folder or hub id; lazily),
-swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`assembly.py`), and
-materialises only the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on
-that model, so responses are mlx-lm `GenerationResponse`s and, in exact mode, the tokens are mlx-lm's. The
-engine also chooses the prefetch policy, reports the ledger (`stats`) and saves snapshots. Not here: the
-CLI, the server, the per-layer path (`per_layer/runtime.py`), reading bytes or cache policy.
+`load()` resolves and opens the model (`model_files.py`: embedded default, local folder or hub id), swaps
+every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`assembly.py`), and materialises only
+the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
+are mlx-lm `GenerationResponse`s and exact mode's tokens are mlx-lm's. It also picks the prefetch policy,
+reports the ledger (`stats`) and saves snapshots. Not here: the CLI, the server, the runtimes, reading bytes.
 """
 
 import contextlib
@@ -181,6 +180,7 @@ class Engine:
             raise
         finally:
             self.runtime.settle() if draft is None else drafts.stop_verifying(self, draft)
+            backend.release_cached_memory()
             if self.stage is not None:  # the pass computed ahead, on mlx-lm's stream, still talks to peers
                 mx.synchronize(generation_stream)
 

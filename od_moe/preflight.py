@@ -23,8 +23,10 @@ from . import backend
 from .assembly import auto_tiers
 from .capacity import (
     AUTO_BUDGET_FRACTION,
+    DEVICE_LIBRARY_NBYTES,
     RESERVED_CONTEXT,
     budget_for,
+    card_nbytes,
     kv_nbytes_per_token,
     no_slots,
     parse_capacity,
@@ -154,9 +156,7 @@ def inspect_model(
         except UserError as e:
             report["ranks"] = {"error": str(e)}
     if capacity is not None:
-        report["capacity"] = _capacity_report(
-            capacity, tiers["auto"], num_experts, moe_layers, slot_nbytes, budget
-        )
+        report["capacity"] = _capacity_report(capacity, tiers["auto"], report, budget)
     fraction = report["capacity"]["capacity"] / num_experts if "capacity" in report else bought["fraction"]
     report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction)
     return report
@@ -180,7 +180,8 @@ def _device_report(
     mlx_model, blocks, slot_nbytes, non_expert, kv, tiered, path, device_memory=None, context_tokens=None
 ) -> dict | None:
     """Where the device has memory of its own (CUDA): what the card has free, the device budget and the
-    slots `load` would give with no capacity (`assembly.expert_slots`), or why none fit; None elsewhere."""
+    slots `load` would give with no capacity (`assembly.expert_slots`), or why none fit, and what the card
+    holds for the process at each of `FRACTIONS` (`card_bytes`: `capacity.card_nbytes`); None elsewhere."""
     from .assembly import device_plan, expert_slots
     from .model_files import max_positions
 
@@ -189,25 +190,51 @@ def _device_report(
         return None
     (budget, where), context = plan
     free, total = backend.device_memory()
+    num_experts, moe_layers = blocks[0].num_experts, len(blocks)
+    staged = slot_nbytes if tiered else 0
+    working = working_nbytes(mlx_model, moe_layers, num_experts, staged, context, kv)
     report = {"free_bytes": free, "total_bytes": total, "budget_bytes": budget, "budget_from": where}
-    report["context"] = {"tokens": context.tokens, "sequences": context.sequences}
+    report["context"] = {"tokens": context.tokens, "sequences": context.sequences, "working_bytes": working}
+    report["context_bytes"], report["library_bytes"] = backend.context_bytes(), DEVICE_LIBRARY_NBYTES
+    report["card_bytes"] = {
+        f"{f:g}": _card_bytes(max(1, round(f * num_experts)), report, moe_layers, slot_nbytes, non_expert)
+        for f in FRACTIONS
+    }
     try:
-        slots, choice = expert_slots(None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan, kv)
+        slots, choice, _ = expert_slots(
+            None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan, kv
+        )
         return {**report, "capacity": slots, "choice": choice}
     except UserError as e:
         return {**report, "capacity": None, "choice": str(e)}
 
 
-def _capacity_report(
-    capacity, tiered: bool, num_experts: int, moe_layers: int, slot_nbytes: int, budget
-) -> dict:
-    """The slots `capacity` gives and the budget (`budget(count)`) they need; 0 allowed where two-tier mode
-    is on by default, as `load` takes it (every expert then read in place)."""
+def _card_bytes(slots: int, device: dict, moe_layers: int, slot_nbytes: int, non_expert: int) -> int:
+    """What the card holds for a process with `slots` experts per layer: its context, the libraries and
+    the bound on MLX's memory (`budget_for` with the device context's working memory)."""
+    mlx_bytes = budget_for(slots, moe_layers, slot_nbytes, non_expert, device["context"]["working_bytes"])
+    return card_nbytes(mlx_bytes, device["context_bytes"])
+
+
+def _capacity_report(capacity, tiered: bool, report: dict, budget) -> dict:
+    """The slots `capacity` gives and the budget (`budget(count)`) they need, with what the card holds for
+    them where the device has memory of its own; 0 allowed where two-tier mode is on by default, as `load`
+    takes it (every expert then read in place)."""
+    num_experts, moe_layers, slot_nbytes = (
+        report["experts_per_layer"],
+        report["moe_layers"],
+        report["expert_bytes"],
+    )
     if no_slots(capacity, tiered):
         count = 0
     else:
         count = resolve_capacity(parse_capacity(capacity), None, num_experts, moe_layers, slot_nbytes, 0)
-    return {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
+    found = {"given": capacity, "capacity": count, "budget_bytes": budget(count)}
+    if report["device"]:
+        found["card_bytes"] = _card_bytes(
+            count, report["device"], moe_layers, slot_nbytes, report["non_expert_bytes"]
+        )
+    return found
 
 
 def _two_tier_report(slot_nbytes: int, host_bytes: int, memory_budget) -> dict:
@@ -320,15 +347,27 @@ def format_inspection(report: dict) -> str:
         f"{_size(report['kv_bytes_per_token'])} a token, "
         f"routers{', a staged layer of two-tier mode' if report['two_tier']['auto'] else ''})",
         _budget_line(report),
-        "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items()),
     ]
+    if not report["device"]:  # on a device of its own the card line says what each capacity needs
+        lines.append(
+            "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items())
+        )
     if report["device"]:
         d = report["device"]
         lines.append(f"device     {_size(d['free_bytes'])} free of {_size(d['total_bytes'])}: {d['choice']}")
+        lines.append(
+            "card       "
+            + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in d["card_bytes"].items())
+            + f" (its CUDA context {_size(d['context_bytes'])}, the runtime's libraries "
+            f"{_size(d['library_bytes'])}, and MLX's bound: non-expert weights, slots, working memory for a "
+            f"KV cache of {d['context']['tokens']:,} tokens ({_size(d['context']['working_bytes'])}), "
+            "a 10% reserve)"
+        )
     if "capacity" in report:
         c = report["capacity"]
         lines.append(
             f"capacity   {c['capacity']} experts per layer needs a budget of {_size(c['budget_bytes'])}"
+            + (f"; the card holds {_size(c['card_bytes'])} for it" if "card_bytes" in c else "")
         )
     p = report["predictor"]
     state = "fits" if p["fits"] else "does not fit: " + str(p["reason"])

@@ -9,7 +9,13 @@ import pytest
 
 import od_moe
 from od_moe import backend
-from od_moe.capacity import DEVICE_BUDGET_FRACTION, Context, budget_for, working_nbytes
+from od_moe.capacity import (
+    DEVICE_BUDGET_FRACTION,
+    DEVICE_LIBRARY_NBYTES,
+    Context,
+    budget_for,
+    working_nbytes,
+)
 from od_moe.cli import main
 from od_moe.errors import UserError
 
@@ -37,7 +43,10 @@ def test_with_no_capacity_the_card_s_free_memory_picks_the_most_slots_that_fit(m
     s = shapes
     want = 24  # experts per layer: a card whose free memory holds exactly these beside the rest
     free = (
-        int(budget_for(want, s["layers"], s["slot"], s["non_expert"], s["working"]) / DEVICE_BUDGET_FRACTION)
+        int(
+            (budget_for(want, s["layers"], s["slot"], s["non_expert"], s["working"]) + DEVICE_LIBRARY_NBYTES)
+            / DEVICE_BUDGET_FRACTION
+        )
         + 1
     )
     card(monkeypatch, free)
@@ -62,7 +71,8 @@ def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch,
     eight = working_nbytes(
         engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, sequences=8), kv
     )
-    given = budget_for(40, s["layers"], s["slot"], s["non_expert"], eight)  # 40 slots beside 8 sequences' KV
+    # 40 slots beside 8 sequences' KV and the runtime's libraries
+    given = budget_for(40, s["layers"], s["slot"], s["non_expert"], eight) + DEVICE_LIBRARY_NBYTES
     many = od_moe.load(device_memory=given, sequences=8)
     one = od_moe.load(device_memory=given)
     assert many.capacity == 40 and one.capacity == s["experts"]  # one sequence leaves room for every expert
@@ -74,10 +84,38 @@ def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch,
     assert short < eight and Context.for_device(2048, 8, tokens=256).chunk == 256
 
 
+def test_mlx_is_bounded_at_what_the_slots_need_and_gives_its_cache_back_when_idle(monkeypatch, shapes):
+    """MLX's memory limit is the chosen slots' budget (not the whole device budget), so that what the card
+    holds is what `inspect` says: the context, the libraries and that bound; a finished request gives
+    MLX's cache back."""
+    s = shapes
+    card(monkeypatch, 10**12)
+    limits, released = [], []
+    monkeypatch.setattr(backend, "limit_device_memory", limits.append)
+    monkeypatch.setattr(backend, "release_cached_memory", lambda: released.append(1))
+    engine = od_moe.load(capacity=10, two_tier=False)
+    assert limits == [budget_for(10, s["layers"], s["slot"], s["non_expert"], s["working"])]
+    engine.generate("def add(a, b):", max_tokens=3)
+    assert released == [1]
+    from od_moe.preflight import format_inspection, inspect_model
+
+    report = inspect_model(capacity=10)
+    device = report["device"]
+    assert report["capacity"]["card_bytes"] == device["context_bytes"] + DEVICE_LIBRARY_NBYTES + budget_for(
+        10, s["layers"], s["slot"], s["non_expert"], device["context"]["working_bytes"]
+    )
+    assert device["card_bytes"]["0.125"] < device["card_bytes"]["1"]
+    text = format_inspection(report)
+    assert "card       12.5%: " in text and "the card holds" in text and "needs      " not in text
+
+
 def test_a_capacity_the_device_cannot_hold_is_refused_with_what_fits(monkeypatch, shapes, capsys):
     s = shapes
     free = (
-        int(budget_for(10, s["layers"], s["slot"], s["non_expert"], s["working"]) / DEVICE_BUDGET_FRACTION)
+        int(
+            (budget_for(10, s["layers"], s["slot"], s["non_expert"], s["working"]) + DEVICE_LIBRARY_NBYTES)
+            / DEVICE_BUDGET_FRACTION
+        )
         + 1
     )
     card(monkeypatch, free)

@@ -82,6 +82,12 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
         len(engine.caches),
     )
     out["choice"], out["mode"] = engine.capacity_choice, engine.mode
+    if os.environ.get("OLD_LIMIT"):  # the bound before 2026-11-27: the whole device budget
+        from od_moe import backend
+
+        mx.set_memory_limit(report["device"]["budget_bytes"] + sum(backend._held_in_host.values()))
+    out["mlx_limit"] = mx.get_memory_limit()
+    out["card_bytes_predicted"] = (report.get("capacity") or {}).get("card_bytes")
     out["nvml_after_load"] = _nvml_bytes()
     out["mlx_after_load"] = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory()}
     prompt = _prompt(engine.tokenizer, prompt_tokens)
@@ -111,6 +117,7 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
         "peak": mx.get_peak_memory(),
     }
     out["card_free_after"] = _card()[0]
+    out["card_after_with_context"] = card0[0] - out["card_free_after"] + out["nvml_context"]
     out["driver_peak_with_context"] = peaks.stop(card0[0], out["nvml_context"])
     out["stats_memory"] = engine.stats()["memory"]
     out["decode_hit"] = engine.stats()["total"]["decode"]["hit_rate"]

@@ -198,6 +198,7 @@ class RunningBatch:
             self._first_tokens()
         if not self.sequences:
             self.engine.runtime.settle()
+            backend.release_cached_memory()
 
     def _first_tokens(self):
         """Read the first token of the sequences whose first pass this step ran, and send its text (not an

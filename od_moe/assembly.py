@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from . import backend
 from .cache import EVICTION_POLICIES, LayerCache
 from .capacity import (
+    DEVICE_LIBRARY_NBYTES,
     Context,
     device_budget,
     device_slots,
@@ -76,13 +77,13 @@ def expert_slots(
     non_expert: int,
     device=None,
     kv_per_token: int | None = None,
-) -> tuple[int, str | None, int | None]:
-    """Slots per MoE layer (0 only in two-tier mode, where every expert can be read in place); where they
-    were chosen by a device budget, the line saying so and the bound on MLX's memory that follows
-    (`capacity.device_slots`; else None, None). `device` (`device_plan`): the slots come from the device's
-    budget; None: from `capacity` or `memory_budget` as one budget for the whole engine (working memory
-    counted, with two-tier mode's staged copy). `kv_per_token`: the caller's
-    `capacity.kv_nbytes_per_token(model)`, where it has it (else measured here)."""
+) -> tuple[int, str | None]:
+    """Slots per MoE layer (0 only in two-tier mode, where every expert can be read in place), and where
+    they were chosen by a device budget, the line saying so (`capacity.device_slots`). `device`
+    (`device_plan`): the slots come from the device's budget; None: from `capacity` or `memory_budget` as
+    one budget for the whole engine (working memory counted, with two-tier mode's staged copy).
+    `kv_per_token`: the caller's `capacity.kv_nbytes_per_token(model)`, where it has it (else measured
+    here)."""
     num_experts, staged = blocks[0].num_experts, slot_nbytes if tiered else 0
     if device is not None:
         budget, context = device
@@ -98,12 +99,12 @@ def expert_slots(
             none_allowed=bool(tiered),
         )
     if no_slots(capacity, tiered):
-        return 0, None, None
+        return 0, None
     working = working_nbytes(model, len(blocks), num_experts, staged, kv_per_token=kv_per_token)
     slots = resolve_capacity(
         capacity, memory_budget, num_experts, len(blocks), slot_nbytes, non_expert, working
     )
-    return slots, None, None
+    return slots, None
 
 
 @dataclass(frozen=True)
@@ -132,19 +133,23 @@ def place_experts(
     predictor,
 ) -> Placement:
     """`load`'s decision of where experts live (`two_tier_mode`, `expert_slots`, `auto_tiers`), from its
-    arguments and the `device_plan`, whose slots then bound MLX's memory (`backend.limit_device_memory`),
-    and the KV cache a token takes (`capacity.kv_nbytes_per_token`, measured before the model changes)."""
+    arguments, the `device_plan`, whose budget less the runtime's libraries then bounds MLX's memory
+    (`backend.limit_device_memory`), and the KV cache a token takes (`capacity.kv_nbytes_per_token`,
+    measured before the model changes). The bound is the budget's, not the slots': bounded at what the
+    slots need, MLX waited after every operation whenever anything else in the process (stock mlx-lm in the
+    bench, a resident draft model) or a prefill's run-ahead held more (docs/GPU.md, "A card smaller than
+    the model")."""
     num_experts = blocks[0].num_experts
     slot_nbytes, non_expert = weight_nbytes(model, blocks)
     host = host_budget(memory_budget, device)
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
     mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
-    slots, choice, limit = expert_slots(
+    slots, choice = expert_slots(
         capacity, memory_budget, mode.tiered, model, blocks, slot_nbytes, non_expert, device, kv_per_token
     )
     mode, why = auto_tiers(two_tier, mode, why, slot_nbytes, slots / num_experts)
-    if limit is not None:
-        backend.limit_device_memory(limit)
+    if device is not None:
+        backend.limit_device_memory(device[0][0] - DEVICE_LIBRARY_NBYTES)
     return Placement(mode, why, slots, choice, non_expert)
 
 

@@ -14,9 +14,9 @@ given size, else `DEVICE_BUDGET_FRACTION` of what the card has free) holds the C
 (`DEVICE_LIBRARY_NBYTES`), the non-expert weights, the slots, the working memory of a stated context
 (`Context`: a KV cache of a 4k-token prompt and 256 generated tokens for each sequence decoded together, a
 prefill chunk's activations) and the reserve; the memory budget is then the host's (every expert, in
-two-tier mode). What the card then holds for the process (`card_nbytes`) is its CUDA context, the
-libraries and MLX's share, which bounds MLX's memory (`backend.limit_device_memory`): MLX keeps freed
-buffers up to that bound and no further.
+two-tier mode). What the card holds for the process while it decodes (`card_nbytes`) is its CUDA context,
+the libraries and what the slots' budget buys; a prefill may take more, up to the device budget, and an
+idle engine gives it back (`backend.release_cached_memory`).
 """
 
 import math
@@ -294,8 +294,8 @@ def budget_for(
 
 
 def card_nbytes(mlx_nbytes: int, context_nbytes: int) -> int:
-    """What the card holds for a process whose MLX memory is bounded at `mlx_nbytes` (`budget_for` with
-    the device's working memory): its CUDA context, the runtime's libraries, and MLX's share."""
+    """What the card holds for a process decoding with `mlx_nbytes` of MLX memory (`budget_for` its slots
+    with the device context's working memory): its CUDA context, the runtime's libraries, and those."""
     return context_nbytes + DEVICE_LIBRARY_NBYTES + mlx_nbytes
 
 
@@ -308,13 +308,12 @@ def device_slots(
     non_expert_nbytes: int,
     working: tuple[int, str],
     none_allowed: bool,
-) -> tuple[int, str, int]:
-    """Slots per MoE layer on a device with memory of its own, one line saying what was chosen and why,
-    and the bound on MLX's memory that follows (`budget_for` those slots): `capacity` where given (refused
-    where the device `budget` (bytes, where it comes from) cannot hold it), else the most the budget holds
-    beside the runtime's libraries, the non-expert weights, the `working` memory (bytes, what it holds) and
-    the reserve; 0 where `none_allowed` (two-tier mode reads every expert in place) and not even one expert
-    a layer fits. Nothing fitting is a UserError saying what would."""
+) -> tuple[int, str]:
+    """Slots per MoE layer on a device with memory of its own, and one line saying what was chosen and why:
+    `capacity` where given (refused where the device `budget` (bytes, where it comes from) cannot hold it),
+    else the most the budget holds beside the runtime's libraries, the non-expert weights, the `working`
+    memory (bytes, what it holds) and the reserve; 0 where `none_allowed` (two-tier mode reads every expert
+    in place) and not even one expert a layer fits. Nothing fitting is a UserError saying what would."""
     nbytes, where = budget
     fixed = non_expert_nbytes + working[0]
     fit = _slots_within(nbytes - DEVICE_LIBRARY_NBYTES, fixed, slot_nbytes, moe_layers)
@@ -339,13 +338,12 @@ def device_slots(
                 f"{format_bytes(needs(slots) + DEVICE_LIBRARY_NBYTES)}, and {held}: {room}, or "
                 "--device-memory to let od-moe use more of the card"
             )
-        return slots, f"capacity {slots}/{num_experts} experts per layer on the device: {held}", needs(slots)
+        return slots, f"capacity {slots}/{num_experts} experts per layer on the device: {held}"
     if fit >= 1 or (none_allowed and fit >= 0):
         slots = min(max(fit, 0), num_experts)
         return (
             slots,
             f"capacity {slots}/{num_experts} experts per layer ({slots / num_experts:.1%}), the most " + held,
-            needs(slots),
         )
     need = needs(0 if none_allowed else 1) + DEVICE_LIBRARY_NBYTES
     raise UserError(

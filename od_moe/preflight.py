@@ -201,9 +201,7 @@ def _device_report(
         for f in FRACTIONS
     }
     try:
-        slots, choice, _ = expert_slots(
-            None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan, kv
-        )
+        slots, choice = expert_slots(None, None, tiered, mlx_model, blocks, slot_nbytes, non_expert, plan, kv)
         return {**report, "capacity": slots, "choice": choice}
     except UserError as e:
         return {**report, "capacity": None, "choice": str(e)}
@@ -358,10 +356,10 @@ def format_inspection(report: dict) -> str:
         lines.append(
             "card       "
             + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in d["card_bytes"].items())
-            + f" (its CUDA context {_size(d['context_bytes'])}, the runtime's libraries "
-            f"{_size(d['library_bytes'])}, and MLX's bound: non-expert weights, slots, working memory for a "
-            f"KV cache of {d['context']['tokens']:,} tokens ({_size(d['context']['working_bytes'])}), "
-            "a 10% reserve)"
+            + f" while decoding (its CUDA context {_size(d['context_bytes'])}, the runtime's libraries "
+            f"{_size(d['library_bytes'])}, non-expert weights, slots, working memory for a KV cache of "
+            f"{d['context']['tokens']:,} tokens ({_size(d['context']['working_bytes'])}), a 10% reserve); "
+            "a prefill may take more, up to the device budget, given back when the engine is idle"
         )
     if "capacity" in report:
         c = report["capacity"]

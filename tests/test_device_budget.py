@@ -84,17 +84,17 @@ def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch,
     assert short < eight and Context.for_device(2048, 8, tokens=256).chunk == 256
 
 
-def test_mlx_is_bounded_at_what_the_slots_need_and_gives_its_cache_back_when_idle(monkeypatch, shapes):
-    """MLX's memory limit is the chosen slots' budget (not the whole device budget), so that what the card
-    holds is what `inspect` says: the context, the libraries and that bound; a finished request gives
-    MLX's cache back."""
+def test_inspect_says_what_the_card_holds_and_an_idle_engine_gives_mlx_s_cache_back(monkeypatch, shapes):
+    """MLX's memory limit is the device budget less the runtime's libraries; `inspect` says what the card
+    holds at a capacity (the context, the libraries and what those slots' budget buys); a finished request
+    gives MLX's cache back."""
     s = shapes
     card(monkeypatch, 10**12)
     limits, released = [], []
     monkeypatch.setattr(backend, "limit_device_memory", limits.append)
     monkeypatch.setattr(backend, "release_cached_memory", lambda: released.append(1))
     engine = od_moe.load(capacity=10, two_tier=False)
-    assert limits == [budget_for(10, s["layers"], s["slot"], s["non_expert"], s["working"])]
+    assert limits == [int(10**12 * DEVICE_BUDGET_FRACTION) - DEVICE_LIBRARY_NBYTES]
     engine.generate("def add(a, b):", max_tokens=3)
     assert released == [1]
     from od_moe.preflight import format_inspection, inspect_model

@@ -91,9 +91,9 @@ def _draft_args(parser: argparse.ArgumentParser, serving: str = ""):
     parser.add_argument(
         "--prompt-lookup",
         action="store_true",
-        help="draft from the text so far instead of a draft model: the token after the latest earlier "
-        "occurrence of the last 3 tokens (`od_moe/prompt_lookup.py`; pays where the answer repeats the "
-        "prompt, as code edits do; default: off)",
+        help="draft from the text so far instead of a draft model: the tokens after the latest earlier "
+        "occurrence of the last 3 tokens, only where there is one (`od_moe/prompt_lookup.py`; pays where the "
+        "answer repeats the prompt, as code edits do; default: off)",
     )
 
 

@@ -15,8 +15,8 @@ not the target's, a target or draft whose KV cache cannot be rewound (Qwen3-Next
 as mlx-lm refuses them) and drafting across ranks. `Verifier` is the target as mlx-lm's loop calls it: the
 passes after the prompt's are verify passes, counted so (`stats.py`: drafted, accepted, verify passes) and
 booked as decode.
-Not here: the loop itself (mlx-lm's), prompt lookup (drafts from the text so far), a draft offloaded in the
-target's own budget.
+`responses` picks the loop: mlx-lm's for a draft model, prompt lookup's own (`prompt_lookup.py`) for
+drafts from the text so far. Not here: either loop, a draft offloaded in the target's own budget.
 """
 
 from dataclasses import dataclass
@@ -24,11 +24,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .errors import UserError
 from .model_files import open_model, resolve_model_path
-from .prompt_lookup import PromptLookup
+from .prompt_lookup import PromptLookup, stream_lookup
 from .runtime import Runtime
 from .sampling import vocab_size_of
 
@@ -171,9 +172,42 @@ class Verifier:
             if not ledger.verifying:
                 self._runtime.settle()  # the prompt's passes, booked as prefill first
                 ledger.verifying = True
-            if self._counts:
+            if self._counts and positions > 1:  # prompt lookup's passes with nothing found decode plainly
                 ledger.count_verify(positions - 1)
         return self._forward(inputs, cache=cache, **kwargs)
+
+
+def responses(engine, draft: Draft | None, prompt: list[int], max_tokens: int, sampler, kwargs: dict):
+    """mlx-lm's `GenerationResponse`s for `prompt` on `engine`: undrafted or drafted by a model (mlx-lm's
+    own loops, `mlx_lm.stream_generate`), or drafted by prompt lookup (its own loop, which drafts only
+    where a lookup finds something: `prompt_lookup.lookup_generate_step`)."""
+    if draft is None:
+        return mlx_lm.stream_generate(
+            engine.forward, engine.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
+        )
+    target, drafter = verifying(engine, draft, prompt)
+    if isinstance(draft.model, PromptLookup):
+        lookup = draft.model
+        return stream_lookup(
+            target,
+            engine.tokenizer,
+            prompt,
+            max_tokens,
+            lookup.counts,
+            sampler=sampler,
+            ngram=lookup.ngram,
+            shortest=lookup.shortest,
+            **kwargs,
+        )
+    return mlx_lm.stream_generate(
+        target,
+        engine.tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        draft_model=drafter,
+        **kwargs,
+    )
 
 
 def verifying(engine, draft: Draft, prompt: list[int]) -> tuple[Verifier, object]:

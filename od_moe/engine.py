@@ -12,7 +12,6 @@ from collections.abc import Generator
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
@@ -162,13 +161,9 @@ class Engine:
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler, held: list, kwargs: dict, draft=None):
         self.runtime.start_prompt(prompt)
-        ledger, counted, model = self.runtime.ledger, 0, self.forward
-        if draft is not None:  # the passes after the prompt's verify drafts (`drafts.Verifier`)
-            model, kwargs["draft_model"] = drafts.verifying(self, draft, prompt)
-        try:
-            for response in mlx_lm.stream_generate(
-                model, self.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, **kwargs
-            ):
+        ledger, counted = self.runtime.ledger, 0
+        try:  # drafted: the passes after the prompt's verify drafts (`drafts.Verifier`)
+            for response in drafts.responses(self, draft, prompt, max_tokens, sampler, kwargs):
                 # the last response repeats the count of the one before (it carries the finish reason)
                 ledger.count_generated(response.generation_tokens - counted, response.from_draft)
                 counted = response.generation_tokens

@@ -210,10 +210,10 @@ def test_the_verifier_counts_passes_after_the_prompt():
         (1, 4),
         (1, 1),
         (1, 3),
-    ]:  # the prompt's 6 tokens in two chunks, then verifies
+    ]:  # the prompt's 6 tokens in two chunks, then verifies (one with nothing drafted: plain decode)
         verifier(mx.zeros(shape))
     assert runtime.settled == 1 and runtime.ledger.verifying
-    assert (runtime.ledger.verify_passes, runtime.ledger.drafted) == (3, 3 + 0 + 2)
+    assert (runtime.ledger.verify_passes, runtime.ledger.drafted) == (2, 3 + 2)
 
 
 def test_stats_show_the_acceptance_rate_and_experts_per_token(capsys):
@@ -364,20 +364,96 @@ def test_prompt_lookup_visits_earlier_places_as_a_scan_of_every_token_would():
             assert history.next_token() == scanned(history.tokens)
 
 
+def _lookup_reference(stock, prompt: list[int], max_tokens: int, k: int = K, **kwargs):
+    """Stock mlx-lm's model (every expert resident) through prompt lookup's loop: the same passes."""
+    from od_moe.prompt_lookup import LookupCounts, stream_lookup
+
+    counts = LookupCounts()
+    stream = stream_lookup(stock[0], stock[1], prompt, max_tokens, counts, num_draft_tokens=k, **kwargs)
+    return [(r.token, r.from_draft) for r in stream], counts
+
+
 @pytest.mark.parametrize("two_tier", [False, True], ids=["per-layer", "two-tier"])
 def test_prompt_lookup_equals_stock_fed_the_same_drafts(stock, two_tier):
     """Prompt lookup (`PromptLookup`, no second model): od-moe's tokens and their `from_draft` flags equal
-    stock mlx-lm's drafting loop fed the same lookup, at 25% on both paths; on a prompt the answer repeats,
-    most tokens come from drafts."""
-    reference = _reference(stock, od_moe.PromptLookup(stock[0].args.vocab_size), CODE_EDIT, max_tokens=32)
-    engine = od_moe.load(capacity=0.25, two_tier=two_tier)
+    stock mlx-lm's model run through the same lookup loop, at every capacity on both paths; on a prompt the
+    answer repeats, most tokens come from drafts, and the ledger counts what the loop drafted."""
+    for capacity in CAPACITIES:
+        engine = od_moe.load(capacity=capacity, two_tier=two_tier)
+        prompt = engine.encode(CODE_EDIT)
+        reference, counts = _lookup_reference(stock, prompt, 32)
+        lookup = od_moe.PromptLookup()
+        stream = engine.stream_generate(CODE_EDIT, max_tokens=32, draft_model=lookup, num_draft_tokens=K)
+        assert [(r.token, r.from_draft) for r in stream] == reference, capacity
+        drafts = engine.stats()["drafts"]
+        assert drafts["accepted"] == sum(f for _, f in reference) > len(reference) // 2
+        assert drafts["drafted"] == sum(lookup.counts.drafted.values()) == sum(counts.drafted.values())
+        assert drafts["verify_passes"] == lookup.counts.drafting_passes < len(reference) // 2
+
+
+def test_the_lookup_loop_drafts_only_what_it_finds(stock):
+    """A pass drafts the tokens that followed the latest earlier run (at most k), none where nothing
+    matched, and knows whether it found them in the prompt or in the answer; with nothing to find, the loop
+    decodes one position a pass, as undrafted generation does, and gives its tokens."""
+    from od_moe.prompt_lookup import History
+
+    history = History([1, 2, 3, 4, 5, 9, 1, 2])
+    history.prompt_end = 6
+    assert history.continuation(2) == ([], False)  # by default only a run of 3 tokens drafts
+    assert history.continuation(2, shortest=2) == ([3, 4], True)
+    assert history.continuation(9, shortest=1) == ([3, 4, 5, 9, 1, 2], True)
+    history.extend([3, 7, 8, 1, 2, 3])
+    assert history.continuation(3) == ([7, 8, 1], False)  # the latest run of 1 2 3 is in the answer
+    assert History([5, 6, 7]).continuation(3, shortest=1) == ([], False) and history.continuation(0) == (
+        [],
+        False,
+    )
+    target, tokenizer = stock[0], stock[1]
+    prompt = [1, 2, 3]  # no token repeats: the first passes find nothing
+    plain = [r.token for r in mlx_lm_stream_generate(target, tokenizer, prompt, max_tokens=4)]
+    found, counts = _lookup_reference(stock, prompt, 4)
+    assert [t for t, _ in found] == plain
+    first = 0 if plain[0] in prompt else 1  # a pass drafts once its last token was seen before
+    assert counts.passes == 4 - sum(f for _, f in found) and counts.drafting_passes <= 4 - first
+
+
+def test_sampling_with_prompt_lookup_keeps_the_target_s_distribution(stock):
+    """At a drafted position a sampled token follows the target's distribution, not the draft: with a fixed
+    seed per sample, the draft's frequency over 400 samples is the target's probability of it (within four
+    standard deviations), which a loop that kept drafts it should have resampled would miss. An engine given
+    the same seed samples the same tokens as stock's model through the same loop."""
+    import numpy as np
+
+    from od_moe.prompt_lookup import History, LookupCounts, lookup_generate_step
+    from od_moe.sampling import make_sampler
+
+    target = stock[0]
+    engine = od_moe.load(capacity=0.25)
+    prompt = engine.encode(CODE_EDIT)
+    draft = History(prompt).continuation(1)[0][0]
+    logits = target(mx.array(prompt)[None])[0, -1].astype(mx.float32)
+    temperature = next(t for t in (1.0, 1.5, 2.0, 3.0, 5.0) if mx.softmax(logits / t)[draft].item() < 0.8)
+    p = mx.softmax(logits / temperature)[draft].item()
+    samples = 400
+    firsts = []
+    for seed in range(samples):
+        sampler = make_sampler(temperature, seed=seed)
+        steps = lookup_generate_step(
+            mx.array(prompt), target, max_tokens=2, num_draft_tokens=1, sampler=sampler, counts=LookupCounts()
+        )
+        firsts.append(next(steps)[0])
+    frequency, sigma = firsts.count(draft) / samples, np.sqrt(p * (1 - p) / samples)
+    assert 0.05 < p < 0.8 and abs(frequency - p) < 4 * sigma, (frequency, p)
+    reference, _ = _lookup_reference(stock, prompt, 16, sampler=make_sampler(temperature, seed=7))
     stream = engine.stream_generate(
-        CODE_EDIT, max_tokens=32, draft_model=od_moe.PromptLookup(), num_draft_tokens=K
+        CODE_EDIT,
+        max_tokens=16,
+        temperature=temperature,
+        seed=7,
+        draft_model=od_moe.PromptLookup(),
+        num_draft_tokens=K,
     )
     assert [(r.token, r.from_draft) for r in stream] == reference
-    drafts = engine.stats()["drafts"]
-    assert drafts["accepted"] == sum(f for _, f in reference) > len(reference) // 2
-    assert drafts["verify_passes"] < len(reference) // 2
 
 
 def test_prompt_lookup_from_the_command_line(capsys):

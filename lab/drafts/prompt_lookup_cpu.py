@@ -2,10 +2,14 @@
 rewrite), 64 greedy tokens at 12.5, 25 and 50% on both paths, undrafted and drafted by `PromptLookup` (k=3):
 acceptance, verify passes, and experts read (two tiers: in place plus copied) per generated token.
 
-  python3 lab/drafts/prompt_lookup_cpu.py
+  python3 lab/drafts/prompt_lookup_cpu.py [SHORTEST]   (the shortest run drafted from; default od-moe's)
 """
 
+import sys
+
 import od_moe
+
+LOOKUP = {"shortest": int(sys.argv[1])} if len(sys.argv) > 1 else {}
 
 FILE = (
     "import json\n\n\ndef load_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
@@ -18,7 +22,7 @@ for two_tier in (False, True):
         row = {}
         for drafted in (False, True):
             engine = od_moe.load(capacity=capacity, two_tier=two_tier)
-            extra = dict(draft_model=od_moe.PromptLookup(), num_draft_tokens=3) if drafted else {}
+            extra = dict(draft_model=od_moe.PromptLookup(**LOOKUP), num_draft_tokens=3) if drafted else {}
             tokens = [r.token for r in engine.stream_generate(PROMPT, max_tokens=64, **extra)]
             stats = engine.stats()
             row[drafted] = (tokens, stats["experts_per_token"], stats["drafts"])

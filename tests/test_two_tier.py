@@ -38,6 +38,26 @@ def test_two_tier_matches_mlx_lm(bundled_reference, fraction):
     slots_hold_their_experts(engine)
 
 
+def test_stacks_are_read_into_mlx_memory_or_copied_and_checked(bundled_reference, monkeypatch):
+    """The experts' bytes go straight into the stacks' own memory (a writable view of MLX's arrays, as
+    this CPU gives); where MLX gives no such view they are copied in once and checked, with the same
+    tokens."""
+    from od_moe.two_tier import mapped
+
+    found = mapped._host_stack(3, (2,), 2)
+    assert found[0] is not None and found[1].flags.writeable  # the view: no copy on this CPU
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    direct = [stack[("gate_proj", "weight")] for stack in engine.runtime.stacks]
+    monkeypatch.setattr(
+        mapped, "_host_stack", lambda rows, shape, size: (None, np.zeros((rows, *shape), f"u{size}"))
+    )
+    copied = od_moe.load(capacity=0.25, two_tier=True)
+    for a, b in zip(direct, (stack[("gate_proj", "weight")] for stack in copied.runtime.stacks)):
+        E = engine.num_experts
+        assert mx.array_equal(a[:E], b[:E])
+    assert od_moe_tokens(copied, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+
+
 @pytest.mark.parametrize("fraction", [0, 1.0])
 def test_every_expert_mapped_or_every_expert_in_slots(bundled_reference, fraction):
     """0%: every lane reads the mapped stack; 100%: every lane a slot."""

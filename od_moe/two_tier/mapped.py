@@ -4,8 +4,8 @@ reads in place.
 `read_stack` reads a layer's experts from the expert store once, with the same reads (and bytes) the
 per-layer path makes, converts them to the model's in-memory dtypes as `LayerCache` does (float32 scales on
 the CPU backend), adds C rows after the last expert (the layer's device slots: one array, so each lane is
-computed once, by one `gather_qmm`, whichever tier holds its expert), checks that each array holds exactly
-those bytes, and asks the backend to keep its experts in host memory for the device and its slot rows in
+computed once, by one `gather_qmm`, whichever tier holds its expert), writing them into the arrays' own
+host memory, and asks the backend to keep its experts in host memory for the device and its slot rows in
 device memory (`backend.map_for_device`). On the CPU and Metal that is plain memory and the same code runs.
 Not here: the forward math, filling the slots or admission (`runtime.py`).
 """
@@ -48,11 +48,12 @@ def read_stack(
 ) -> dict[tuple[str, str], mx.array]:
     """Per part (`(proj, name)`), an `(E + slots, ...)` array: every expert of `layout` in `targets`' dtype
     (rows 0..E-1, in host memory mapped for the device), then `slots` rows of zeros (the slots, in device
-    memory). `progress.update(bytes)` after each read round. Raises RuntimeError where an array does not
-    hold the bytes read (memory MLX did not fill as asked)."""
+    memory). The bytes read go straight into the arrays' memory (`_host_stack`); where MLX gives no
+    writable view of it, into numpy arrays copied into MLX once, then checked (a RuntimeError where an
+    array does not hold the bytes read). `progress.update(bytes)` after each read round."""
     E = layout.num_experts
-    host = {
-        (p.proj, p.name): np.zeros((E + slots, *p.shape), dtype=_uint(targets[(p.proj, p.name)].size))
+    rows = {
+        (p.proj, p.name): _host_stack(E + slots, p.shape, targets[(p.proj, p.name)].size)
         for p in layout.parts
     }
     batch = max(1, min(E, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
@@ -62,23 +63,40 @@ def read_stack(
         raw = store.read(layout, ids, staging)
         for p in layout.parts:
             key = (p.proj, p.name)
-            host[key][start : start + len(ids)] = _target_bytes(raw[key], p.dtype, targets[key])
+            rows[key][1][start : start + len(ids)] = _target_bytes(raw[key], p.dtype, targets[key])
         if progress is not None:
             progress.update(len(ids) * layout.expert_nbytes)
     stacks = {}
-    for key, rows in host.items():
-        array = mx.array(rows)
-        mx.eval(array)
-        seen = cuda.numpy_view(array)
-        if seen is None or not np.array_equal(seen, rows):
-            raise RuntimeError(
-                f"{layout.module_path}.{key[0]}.{key[1]}: the mapped stack differs from the store"
-            )
+    for key, (array, written) in rows.items():
+        if array is None:
+            array = _copied_into_mlx(written, f"{layout.module_path}.{key[0]}.{key[1]}")
         backend.map_for_device(array, array.nbytes // (E + slots) * slots)
         target = targets[key]
         stacks[key] = array if array.dtype == target else array.view(target)
     mx.eval(list(stacks.values()))
     return stacks
+
+
+def _host_stack(rows: int, shape: tuple, size: int) -> tuple[mx.array | None, np.ndarray]:
+    """An evaluated MLX array of zeros (`rows` x `shape` unsigned integers of `size` bytes) made on the CPU
+    stream, so in host memory on every backend (managed memory on CUDA), and a writable numpy view of it;
+    where MLX gives no such view, (None, a numpy array of zeros). Writing through the view saves the copy
+    `mx.array` makes of a numpy array: half of a two-tier load's time on the CPU (docs/GPU.md, "Time to
+    first token")."""
+    array = mx.zeros((rows, *shape), dtype=_mx_uint(size), stream=mx.cpu)
+    view = cuda.numpy_view(array)
+    if view is not None and view.flags.writeable and view.flags.c_contiguous and view.shape == array.shape:
+        return array, view
+    return None, np.zeros((rows, *shape), dtype=_uint(size))
+
+
+def _copied_into_mlx(rows: np.ndarray, name: str) -> mx.array:
+    array = mx.array(rows)
+    mx.eval(array)
+    seen = cuda.numpy_view(array)
+    if seen is None or not np.array_equal(seen, rows):
+        raise RuntimeError(f"{name}: the mapped stack differs from the store")
+    return array
 
 
 def release_stack(stack: dict[tuple[str, str], mx.array]):

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .errors import UserError
 from .model_files import open_model, resolve_model_path
-from .prompt_lookup import PromptLookup, stream_lookup
+from .prompt_lookup import LookupCounts, PromptLookup, stream_lookup
 from .runtime import Runtime
 from .sampling import vocab_size_of
 
@@ -187,18 +187,19 @@ def responses(engine, draft: Draft | None, prompt: list[int], max_tokens: int, s
         )
     target, drafter = verifying(engine, draft, prompt)
     if isinstance(draft.model, PromptLookup):
-        lookup = draft.model
-        return stream_lookup(
+        lookup, counts = draft.model, LookupCounts()
+        stream = stream_lookup(
             target,
             engine.tokenizer,
             prompt,
             max_tokens,
-            lookup.counts,
+            counts,
             sampler=sampler,
             ngram=lookup.ngram,
             shortest=lookup.shortest,
             **kwargs,
         )
+        return _found(stream, counts, lookup, engine.runtime.ledger)
     return mlx_lm.stream_generate(
         target,
         engine.tokenizer,
@@ -208,6 +209,16 @@ def responses(engine, draft: Draft | None, prompt: list[int], max_tokens: int, s
         draft_model=drafter,
         **kwargs,
     )
+
+
+def _found(stream, counts: LookupCounts, lookup: PromptLookup, ledger):
+    """`stream`, then (however it ends) what its lookups drafted and had accepted, by where they were found,
+    added to the lookup's counts and the engine's ledger."""
+    try:
+        yield from stream
+    finally:
+        lookup.counts.add(counts)
+        ledger.count_found(counts.drafted, counts.accepted)
 
 
 def verifying(engine, draft: Draft, prompt: list[int]) -> tuple[Verifier, object]:

@@ -128,6 +128,13 @@ class LookupCounts:
     passes: int = 0  # target passes after the prompt's
     drafting_passes: int = 0  # of those, the ones that verified at least one draft
 
+    def add(self, other: "LookupCounts"):
+        for source in self.drafted:
+            self.drafted[source] += other.drafted[source]
+            self.accepted[source] += other.accepted[source]
+        self.passes += other.passes
+        self.drafting_passes += other.drafting_passes
+
 
 def lookup_generate_step(
     prompt: mx.array,
@@ -174,11 +181,11 @@ def lookup_generate_step(
         counts.passes += 1
         counts.drafting_passes += bool(drafts)
         counts.drafted[source] += len(drafts)
-        counts.accepted[source] += accepted
         trim_prompt_cache(cache, len(drafts) - accepted)
         history.extend(drafts[:accepted])
         for i in range(accepted + 1):
             seen.append(chosen[i])
+            counts.accepted[source] += i < accepted  # as given: a caller that stops early took no more
             yield chosen[i], logprobs[i], i < accepted
         generated, last = generated + accepted + 1, chosen[accepted]
 

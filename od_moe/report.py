@@ -154,6 +154,12 @@ def decode_line(stats: dict) -> str:
             f"; drafts: {d['accepted']} of {d['drafted']} accepted (acceptance rate {rate}) in "
             f"{d['verify_passes']} verify passes, each a decode pass over its last token and its drafts"
         )
+        found = d.get("found_in") or {}
+        if any(f["drafted"] for f in found.values()):
+            line += "; found in " + ", in ".join(
+                f"the {'answer' if s == 'output' else s} {f['accepted']} of {f['drafted']}"
+                for s, f in found.items()
+            )
     return line
 
 

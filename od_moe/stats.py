@@ -30,7 +30,8 @@ reads are booked like any other's. The reader's own counters (`READER_FIELDS`): 
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
 other than installs (`busy_s`: predicting, queueing, choosing what to install, the policy's bookkeeping).
 Drafting (`drafts.py`): `verify_passes`, the passes that verified drafts; `drafted`, the draft tokens they
-verified; `accepted`, the generated tokens that came from a draft (mlx-lm's `from_draft`). While `verifying`
+verified; `accepted`, the generated tokens that came from a draft (mlx-lm's `from_draft`); `found`, prompt
+lookup's drafts and accepted tokens by where they were found (`FOUND_IN`). While `verifying`
 (set by the engine once a drafted generation's prompt is in), every count booked as prefill is booked as
 decode: a verify pass runs the last token and its k drafts, k + 1 positions as a prompt's pass does (and the
 runtimes run it so), but it decodes. So with drafting a decode pass gives 1 to k + 1 tokens, its positions
@@ -64,6 +65,7 @@ LAYER_FIELDS = (
     "staged_misses",
 )
 READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
+FOUND_IN = ("prompt", "output")  # where prompt lookup found a draft: in the prompt, or in the answer so far
 _FIELD = {name: i for i, name in enumerate(LAYER_FIELDS)}
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 _LOOKUPS, _HITS = _FIELD["lookups"], _FIELD["hits"]
@@ -85,6 +87,7 @@ class Ledger:
         self.forwards = 0
         self.generated = 0
         self.verify_passes = self.drafted = self.accepted = 0
+        self.found = {s: {"drafted": 0, "accepted": 0} for s in FOUND_IN}  # prompt lookup's, by source
         self.reader = dict.fromkeys(READER_FIELDS, 0)
 
     def add(self, phase: str, layer: int, **counts):
@@ -124,6 +127,12 @@ class Ledger:
         self.verify_passes += 1
         self.drafted += drafted
 
+    def count_found(self, drafted: dict, accepted: dict):
+        """Prompt lookup's drafts and accepted tokens by where they were found (`FOUND_IN`)."""
+        for source in FOUND_IN:
+            self.found[source]["drafted"] += drafted[source]
+            self.found[source]["accepted"] += accepted[source]
+
     def total(self, name: str, phase: str | None = None) -> float:
         """One layer field summed over layers, in one phase or (None) in both."""
         rows = self.layers if phase is None else self.layers[_PHASE[phase]]
@@ -138,6 +147,7 @@ class Ledger:
         copy.generated, copy.passes = self.generated, dict(self.passes)
         copy.verifying, copy.verify_passes = self.verifying, self.verify_passes
         copy.drafted, copy.accepted = self.drafted, self.accepted
+        copy.found = {s: dict(v) for s, v in self.found.items()}
         return copy
 
     def field(self, name: str) -> np.ndarray:
@@ -279,6 +289,7 @@ def draft_counts(led: Ledger) -> dict:
         "drafted": led.drafted,
         "accepted": led.accepted,
         "acceptance_rate": _rate(led.accepted, led.drafted),
+        "found_in": {s: dict(v) for s, v in led.found.items()},
     }
 
 

@@ -389,6 +389,13 @@ def test_prompt_lookup_equals_stock_fed_the_same_drafts(stock, two_tier):
         assert drafts["accepted"] == sum(f for _, f in reference) > len(reference) // 2
         assert drafts["drafted"] == sum(lookup.counts.drafted.values()) == sum(counts.drafted.values())
         assert drafts["verify_passes"] == lookup.counts.drafting_passes < len(reference) // 2
+        found = drafts["found_in"]  # by where the drafts were found: in the prompt, in the answer so far
+        assert found["prompt"]["drafted"] > 0 and found == {
+            source: {"drafted": lookup.counts.drafted[source], "accepted": lookup.counts.accepted[source]}
+            for source in ("prompt", "output")
+        }
+        assert sum(f["drafted"] for f in found.values()) == drafts["drafted"]
+        assert sum(f["accepted"] for f in found.values()) == drafts["accepted"]
 
 
 def test_the_lookup_loop_drafts_only_what_it_finds(stock):
@@ -458,7 +465,8 @@ def test_sampling_with_prompt_lookup_keeps_the_target_s_distribution(stock):
 
 def test_prompt_lookup_from_the_command_line(capsys):
     assert main(["generate", "--prompt", CODE_EDIT, "--max-tokens", "16", "--prompt-lookup", "--stats"]) == 0
-    assert "acceptance rate" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "acceptance rate" in err and "found in the prompt " in err and ", in the answer " in err
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "x", "--prompt-lookup", "--draft-model", str(od_moe.DEFAULT_MODEL)])
     assert e.value.code == 2 and "give --draft-model or --prompt-lookup, not both" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""Lab (issue #57, item 3): a recipe for a draft model that is not the target in disguise, not yet run to
+the end. A small dense Qwen3 (4 layers, hidden 128: 1.84M parameters, about a tenth of the bundled MoE's
+21.4M) trained with MLX on the data the bundled MoE was trained on, with its 8192-token tokenizer.
+
+The bundled MoE's corpus (`../shared/tools/train_tiny_moe.py`) was CPython 3.11.7's standard library, 5% of
+its files held out (chosen with `random.Random(0).shuffle`), plus Python sources of common site-packages.
+This takes the standard library's files as this Python ships them (9.0M training tokens, 0.42M held out),
+trains for a fixed time and saves float16 weights in mlx-lm's layout with the tokenizer.
+On this project's 2-core CPU it is too slow to be useful: 9 s a step of 4,096 tokens (MLX's CPU matmul ran
+1024^3 at 7.6 GFLOP/s). It needs MLX on a GPU (Metal or CUDA).
+
+    python lab/drafts/train_draft.py OUT [--seconds 1200]
+"""
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import qwen3
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+CONFIG = dict(
+    model_type="qwen3",
+    vocab_size=8192,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+SEQUENCE, BATCH, PEAK_LR, WARMUP = 256, 16, 3e-3, 100
+
+
+def corpus(tokenizer_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The standard library's .py files (site-packages left out) as token ids, split 95/5 by file."""
+    from tokenizers import Tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    random.Random(0).shuffle(files)
+    held = len(files) // 20
+    tokenizer = Tokenizer.from_file(str(tokenizer_path / "tokenizer.json"))
+
+    def encode(paths) -> np.ndarray:
+        texts = [p.read_text(errors="replace") for p in paths]
+        ids = [e.ids + [0] for e in tokenizer.encode_batch(texts)]  # 0 ends each file (eos)
+        return np.fromiter((t for doc in ids for t in doc), dtype=np.uint16)
+
+    return encode(files[held:]), encode(files[:held])
+
+
+def batches(data: np.ndarray, rng: np.random.Generator):
+    while True:
+        start = rng.integers(0, len(data) - SEQUENCE - 1, BATCH)
+        rows = np.stack([data[s : s + SEQUENCE + 1] for s in start]).astype(np.int32)
+        yield mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
+
+
+def loss_fn(model, inputs, targets):
+    return nn.losses.cross_entropy(model(inputs), targets, reduction="mean")
+
+
+def validation_loss(model, data: np.ndarray, count: int = 32) -> float:
+    rng = np.random.default_rng(1)
+    losses = [loss_fn(model, *next(batches(data, rng))).item() for _ in range(count)]
+    return float(np.mean(losses))
+
+
+def train(out: Path, seconds: float, tokenizer_path: Path):
+    mx.random.seed(0)
+    train_ids, val_ids = corpus(tokenizer_path)
+    print(f"corpus: {len(train_ids):,} training tokens, {len(val_ids):,} held out", flush=True)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(CONFIG))
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    optimizer = optim.AdamW(learning_rate=PEAK_LR, betas=[0.9, 0.95], weight_decay=0.1)
+    step_fn = nn.value_and_grad(model, loss_fn)
+
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(inputs, targets):
+        loss, grads = step_fn(model, inputs, targets)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        return loss
+
+    rng, start, n, tokens = np.random.default_rng(0), time.time(), 0, 0
+    for inputs, targets in batches(train_ids, rng):
+        elapsed = time.time() - start
+        if elapsed > seconds:
+            break
+        cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / seconds))
+        optimizer.learning_rate = PEAK_LR * min(1.0, (n + 1) / WARMUP) * cosine
+        loss = step(inputs, targets)
+        mx.eval(state, loss)
+        n, tokens = n + 1, tokens + inputs.size
+        if n % 100 == 0:
+            print(f"step {n} loss {loss.item():.3f} {tokens / (time.time() - start):,.0f} tok/s", flush=True)
+    val = validation_loss(model, val_ids)
+    print(f"{params:,} parameters, {n} steps, {tokens:,} tokens, held-out loss {val:.3f}", flush=True)
+    save(model, out, tokenizer_path, dict(steps=n, tokens=tokens, seconds=seconds, held_out_loss=val))
+
+
+def save(model, out: Path, tokenizer_path: Path, trained: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(tree_map(lambda v: v.astype(mx.float16), model.parameters())))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(dict(CONFIG, torch_dtype="float16"), indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_path / name, out / name)
+    (out / "training.json").write_text(json.dumps(trained, indent=2) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seconds", type=float, default=1200)
+    args = parser.parse_args(argv)
+    import od_moe
+
+    train(args.out, args.seconds, Path(od_moe.DEFAULT_MODEL))  # its tokenizer
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

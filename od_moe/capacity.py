@@ -3,11 +3,12 @@
 A slot holds one expert: weight + scales + biases of gate/up/down in their in-memory dtypes (the
 quantization metadata adds about 12.5% at group size 64 and is counted). A memory budget covers the whole
 engine's MLX memory: non-expert weights, C slots in every MoE layer, the working memory generation needs
-beyond weights (`working_nbytes`: the KV cache of `RESERVED_CONTEXT` tokens and the routers' float32
+beyond weights (`working_nbytes`: the KV cache of `RESERVED_CONTEXT` tokens, twice, and the routers' float32
 copies prefetch predicts with), and 10% for activations. Contexts longer than `RESERVED_CONTEXT` take
-`kv_nbytes_per_token` more per token. Not counted: host memory outside MLX (numpy staging buffers, the
-page cache), MLX's cache of freed buffers, and on CUDA the reader's staging rows (`per_layer/mlx_rows.py`: MLX
-arrays kept in host memory, at most `MLX_ROW_BYTES`, which MLX counts as its own).
+twice `kv_nbytes_per_token` more per token. Not counted: host memory outside MLX (numpy staging buffers,
+the page cache), MLX's cache of other freed buffers, and on CUDA the reader's staging rows
+(`per_layer/mlx_rows.py`: MLX arrays kept in host memory, at most `MLX_ROW_BYTES`, which MLX counts as its
+own).
 
 On CUDA the device's memory is its own, and the slots live there: a device budget (`device_budget`: a
 given size, else `DEVICE_BUDGET_FRACTION` of what the card has free) holds the CUDA runtime's libraries
@@ -195,15 +196,17 @@ def working_nbytes(
     kv_per_token: int | None = None,
 ) -> int:
     """MLX memory generation needs beyond the weights and slots, counted into every budget: the KV cache
-    of the `context` (by default `RESERVED_CONTEXT` tokens of one sequence), the activations of its
-    prefill chunk, and the dense float32 router copies the prefetch policies predict with. In two-tier
+    of the `context` (by default `RESERVED_CONTEXT` tokens of one sequence) twice, since mlx-lm grows a
+    cache by copying it into a larger buffer and the old one stays in MLX's cache of freed buffers until
+    mlx-lm next clears it (every 256 decoded tokens); the activations of its prefill chunk; and the dense
+    float32 router copies the prefetch policies predict with. In two-tier
     mode (`staged_expert_nbytes`: an expert's bytes) also a staged pass's device copy of the experts its
     layer routes to (`two_tier/staged_passes.py`): for a chunk that long, every expert of one layer in
     practice. `kv_per_token`: `kv_nbytes_per_token(model)` where the caller has it (a model od-moe has
     changed must not be run: pass it)."""
     hidden = getattr(getattr(model, "args", None), "hidden_size", 0)
     kv_per_token = kv_nbytes_per_token(model) if kv_per_token is None else kv_per_token
-    kv = kv_per_token * context.tokens * context.sequences
+    kv = 2 * kv_per_token * context.tokens * context.sequences  # the cache and its last, smaller copy
     activations = activation_nbytes_per_token(model, context.tokens) * context.chunk
     staged = min(num_experts, context.chunk * _top_k(model)) * staged_expert_nbytes
     return kv + activations + moe_layers * num_experts * hidden * 4 + staged

@@ -77,7 +77,9 @@ def test_a_context_and_sequences_are_counted_into_the_device_budget(monkeypatch,
     one = od_moe.load(device_memory=given)
     assert many.capacity == 40 and one.capacity == s["experts"]  # one sequence leaves room for every expert
     assert "a KV cache of 2,048 tokens for 8 sequences" in many.capacity_choice
-    assert f"{given / 1e6:.2f} MB (--device-memory)" in many.capacity_choice
+    from od_moe.units import format_bytes
+
+    assert f"{format_bytes(given)} (--device-memory)" in many.capacity_choice
     short = working_nbytes(
         engine.model, s["layers"], s["experts"], 0, Context.for_device(2048, 8, tokens=256), kv
     )
@@ -206,3 +208,33 @@ def test_the_kv_cache_a_token_takes_is_what_mlx_lms_caches_hold(family, tmp_path
     assert per_token > 0 and held(512) - held(256) == per_token * 256  # mlx-lm grows caches 256 at a time
     engine = od_moe.load(str(path), capacity=0.5, dtype="model")
     assert engine.kv_nbytes_per_token == per_token
+
+
+def test_working_memory_counts_the_kv_cache_twice_as_mlx_lm_grows_it(shapes):
+    """mlx-lm grows a KV cache by copying it into a larger buffer; the old one waits in MLX's cache of freed
+    buffers (until mlx-lm clears it, every 256 decoded tokens), so budgets count the context's KV twice."""
+    from mlx_lm.models.cache import KVCache
+
+    from od_moe.capacity import activation_nbytes_per_token
+
+    mx.clear_cache()
+    cache, k = KVCache(), mx.zeros((1, 4, 256, 64))
+    cache.update_and_fetch(k, k)
+    mx.eval(cache.keys, cache.values, k)
+    before = mx.get_cache_memory()
+    one = k[:, :, :1]
+    cache.update_and_fetch(one, one)
+    mx.eval(cache.keys, cache.values)
+    assert (
+        cache.keys.shape[2] == 512 and mx.get_cache_memory() - before >= 2 * k.nbytes
+    )  # old keys and values
+    engine = od_moe.load(capacity=1)
+    kv, s = engine.kv_nbytes_per_token, shapes
+
+    def working(tokens):
+        return working_nbytes(engine.model, s["layers"], s["experts"], 0, Context(tokens, 1, 1), kv)
+
+    activations = activation_nbytes_per_token(engine.model, 512) - activation_nbytes_per_token(
+        engine.model, 256
+    )
+    assert working(512) - working(256) == 2 * kv * 256 + activations

@@ -325,15 +325,7 @@ def row_writer(array: mx.array):
     """
     if not arrays_in_host_memory():
         return _copies.writer(array) if copies_into_arrays() else None
-    view = cuda.numpy_view(array)
-    return (
-        view
-        if view is not None
-        and view.flags.writeable
-        and view.flags.c_contiguous
-        and view.shape == tuple(array.shape)
-        else None
-    )
+    return cuda.writable_view(array)
 
 
 def rows_written(check: tuple[mx.array, int, np.ndarray] | None = None) -> bool:

@@ -59,6 +59,19 @@ def numpy_view(array: mx.array) -> np.ndarray | None:
         return None
 
 
+def writable_view(array: mx.array) -> np.ndarray | None:
+    """`numpy_view(array)` where writes through it land row by row in the array's own memory (writable,
+    C-contiguous, the array's shape), else None."""
+    view = numpy_view(array)
+    if (
+        view is None
+        or not (view.flags.writeable and view.flags.c_contiguous)
+        or view.shape != tuple(array.shape)
+    ):
+        return None
+    return view
+
+
 def address_of(array: mx.array) -> int:
     """Where an array's memory starts. MLX's CUDA arrays are managed memory, so this is the address the
     device uses too."""

@@ -350,7 +350,7 @@ def format_inspection(report: dict) -> str:
         lines.append(
             "needs      " + ", ".join(f"{float(f):.1%}: {_size(b)}" for f, b in report["budgets"].items())
         )
-    if report["device"]:
+    else:
         d = report["device"]
         lines.append(f"device     {_size(d['free_bytes'])} free of {_size(d['total_bytes'])}: {d['choice']}")
         lines.append(

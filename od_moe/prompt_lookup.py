@@ -26,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import UserError
+from .stats import FOUND_IN
 
 NGRAM = 3  # the longest run of recent tokens looked up
 # The shortest run od-moe's loop drafts from: on an offloaded MoE a rejected draft costs expert reads, and
@@ -123,8 +124,8 @@ class LookupCounts:
     """What a lookup loop drafted and what its target accepted, by where the draft was found: in the prompt
     or in the text generated since (`History.prompt_end`)."""
 
-    drafted: dict = field(default_factory=lambda: {"prompt": 0, "output": 0})
-    accepted: dict = field(default_factory=lambda: {"prompt": 0, "output": 0})
+    drafted: dict = field(default_factory=lambda: dict.fromkeys(FOUND_IN, 0))
+    accepted: dict = field(default_factory=lambda: dict.fromkeys(FOUND_IN, 0))
     passes: int = 0  # target passes after the prompt's
     drafting_passes: int = 0  # of those, the ones that verified at least one draft
 
@@ -177,7 +178,7 @@ def lookup_generate_step(
         accepted = 0
         while accepted < len(drafts) and chosen[accepted] == drafts[accepted]:
             accepted += 1
-        source = "prompt" if in_prompt else "output"
+        source = "prompt" if in_prompt else "output"  # `FOUND_IN`
         counts.passes += 1
         counts.drafting_passes += bool(drafts)
         counts.drafted[source] += len(drafts)

@@ -84,10 +84,8 @@ def _host_stack(rows: int, shape: tuple, size: int) -> tuple[mx.array | None, np
     `mx.array` makes of a numpy array: half of a two-tier load's time on the CPU (docs/GPU.md, "Time to
     first token")."""
     array = mx.zeros((rows, *shape), dtype=_mx_uint(size), stream=mx.cpu)
-    view = cuda.numpy_view(array)
-    if view is not None and view.flags.writeable and view.flags.c_contiguous and view.shape == array.shape:
-        return array, view
-    return None, np.zeros((rows, *shape), dtype=_uint(size))
+    view = cuda.writable_view(array)
+    return (array, view) if view is not None else (None, np.zeros((rows, *shape), dtype=_uint(size)))
 
 
 def _copied_into_mlx(rows: np.ndarray, name: str) -> mx.array:

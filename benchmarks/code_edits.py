@@ -6,9 +6,12 @@ expert resident, where it fits). Per prompt and in all: whether the tokens equal
 undrafted ones, the acceptance rate (in all, apart for drafts found in the prompt and in the answer so far),
 experts read (two tiers: in place plus copied) per generated token drafted over undrafted, and tok/s drafted
 over undrafted (the median of `--rounds`).
+With `--draft-model PATH` a draft model drafts instead (k tokens every pass, mlx-lm's loop), the reference
+is stock mlx-lm's `stream_generate` with the same draft, and stock's own gain from that draft (every expert
+resident, tok/s drafted over undrafted, alternating in the same rounds) is printed beside od-moe's.
 
     python benchmarks/code_edits.py [--model PATH] [--capacity 0.25] [--two-tier auto|on|off|lru]
-        [--tokens 96] [--k 3] [--rounds 3] [--no-stock]
+        [--tokens 96] [--k 3] [--rounds 3] [--no-stock] [--draft-model PATH]
 
 On this CPU the model and its lookup share two cores: the experts a token are the figure, tok/s is noise.
 """
@@ -74,43 +77,22 @@ def main(argv=None):
     parser.add_argument(
         "--no-stock", action="store_true", help="skip the reference (a model stock cannot hold)"
     )
+    parser.add_argument("--draft-model", help="a draft model's folder, drafting instead of prompt lookup")
     args = parser.parse_args(argv)
     two_tier = {"on": True, "off": False}.get(args.two_tier, args.two_tier)
     engine = od_moe.load(args.model, capacity=args.capacity, two_tier=two_tier)
     shortest = {} if args.shortest is None else {"shortest": args.shortest}
-    reference = None
+    reference, stock_gain = None, None
     if not args.no_stock:
-        from mlx_lm import load
-
-        from od_moe import backend
-        from od_moe.prompt_lookup import LookupCounts, stream_lookup
-
-        model, tokenizer = load(str(engine.model_path))
-        if (dtype := backend.compute_dtype()) is not None:
-            model.set_dtype(dtype)
-        reference = [
-            [
-                r.token
-                for r in stream_lookup(
-                    model,
-                    tokenizer,
-                    engine.encode(p),
-                    args.tokens,
-                    LookupCounts(),
-                    num_draft_tokens=args.k,
-                    **shortest,
-                )
-            ]
-            for p in prompts()
-        ]
-        del model
+        reference, stock_gain = stock_reference(engine, args, shortest)
     rows, by_source = [], {"prompt": [0, 0], "output": [0, 0]}  # source -> [accepted, drafted]
     for i, prompt in enumerate(prompts()):
         speed, result = {"plain": [], "drafted": []}, {}
         for _ in range(args.rounds):
             for kind in speed:
                 lookup = od_moe.PromptLookup(**shortest)  # a fresh one each generation
-                extra = dict(draft_model=lookup, num_draft_tokens=args.k) if kind == "drafted" else {}
+                drafter = args.draft_model or lookup
+                extra = dict(draft_model=drafter, num_draft_tokens=args.k) if kind == "drafted" else {}
                 engine.reset_stats()
                 start = time.perf_counter()
                 tokens = [r.token for r in engine.stream_generate(prompt, max_tokens=args.tokens, **extra)]
@@ -133,6 +115,7 @@ def main(argv=None):
                 f"{drafted[1]:.2f}",
                 f"{drafted[1] / plain[1]:.2f}",
                 f"{ratio:.2f}",
+                "-" if stock_gain is None else f"{stock_gain[i]:.2f}",
             ]
         )
     print(
@@ -146,16 +129,69 @@ def main(argv=None):
                 "experts/tok drafted",
                 "x experts",
                 "x tok/s",
+                "stock x tok/s",
             ],
             rows,
             title=f"{engine.model_path.name} at {args.capacity}, {engine.mode[0]}, {args.tokens} tokens, "
-            f"k = {args.k}, {args.rounds} rounds",
+            f"k = {args.k}, {args.rounds} rounds, drafts from "
+            f"{args.draft_model or 'prompt lookup'}",
         )
     )
-    accepted, drafted = (sum(c[j] for c in by_source.values()) for j in (0, 1))
-    found = ", ".join(f"found in the {s} {a}/{d}" for s, (a, d) in by_source.items())
-    print(f"acceptance in all: {accepted}/{drafted} ({found})")
+    if args.draft_model:
+        accepted, drafted = (sum(int(r[3].split("/")[j]) for r in rows) for j in (0, 1))
+        print(f"acceptance in all: {accepted}/{drafted}")
+    else:
+        accepted, drafted = (sum(c[j] for c in by_source.values()) for j in (0, 1))
+        found = ", ".join(f"found in the {s} {a}/{d}" for s, (a, d) in by_source.items())
+        print(f"acceptance in all: {accepted}/{drafted} ({found})")
     return 0 if all(r[1] == "yes" for r in rows) else 1
+
+
+def stock_reference(engine, args, shortest: dict) -> tuple[list[list[int]], list[float] | None]:
+    """Stock mlx-lm's tokens for each prompt, drafted as od-moe drafts them (prompt lookup's loop fed the
+    same lookups, or mlx-lm's own loop with the same draft model); with a draft model also stock's gain,
+    tok/s drafted over undrafted, the median of `--rounds` alternating."""
+    import mlx_lm
+
+    from od_moe import backend
+    from od_moe.prompt_lookup import LookupCounts, stream_lookup
+
+    model, tokenizer = mlx_lm.load(str(engine.model_path))
+    if (dtype := backend.compute_dtype()) is not None:
+        model.set_dtype(dtype)
+    if not args.draft_model:
+        reference = [
+            [
+                r.token
+                for r in stream_lookup(
+                    model,
+                    tokenizer,
+                    engine.encode(p),
+                    args.tokens,
+                    LookupCounts(),
+                    num_draft_tokens=args.k,
+                    **shortest,
+                )
+            ]
+            for p in prompts()
+        ]
+        return reference, None
+    draft, _ = mlx_lm.load(args.draft_model)
+    if dtype is not None:
+        draft.set_dtype(dtype)
+    reference, gain = [], []
+    for p in prompts():
+        ids, speed = engine.encode(p), {"plain": [], "drafted": []}
+        for _ in range(args.rounds):
+            for kind in speed:
+                extra = dict(draft_model=draft, num_draft_tokens=args.k) if kind == "drafted" else {}
+                start = time.perf_counter()
+                stream = mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=args.tokens, **extra)
+                tokens = [r.token for r in stream]
+                speed[kind].append(len(tokens) / (time.perf_counter() - start))
+        reference.append(tokens)
+        gain.append(statistics.median(d / p for d, p in zip(speed["drafted"], speed["plain"])))
+    return reference, gain
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ if not os.path.isdir(os.path.join(__path__[0], "predictor")) and os.path.isfile(
 from . import backend  # noqa: E402, F401 (first to import MLX: says which backend to install where none runs)
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load  # noqa: E402 (after the path above)
 from .errors import ExpertReadError, UserError  # noqa: E402
+from .model_files import DEFAULT_DRAFT  # noqa: E402
 from .per_layer.governor import PrefetchSettings  # noqa: E402
 from .prompt_lookup import PromptLookup  # noqa: E402
 
@@ -39,6 +40,7 @@ __all__ = [
     "ExpertReadError",
     "DEFAULT_MODEL",
     "DEFAULT_PREDICTOR",
+    "DEFAULT_DRAFT",
 ]
 __version__ = "0.1.0"
 

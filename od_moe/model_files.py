@@ -18,6 +18,8 @@ from .store import ExpertStore
 DEFAULT_MODEL = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit"
 # A shadow predictor for it, made by `od-moe train-predictor` (its report.json is beside it).
 DEFAULT_PREDICTOR = Path(__file__).parent / "models" / "tiny-qwen3-moe-4bit-predictor"
+# A draft model for it (`--draft-model`): a dense Qwen3 trained on the same data (its README says how).
+DEFAULT_DRAFT = Path(__file__).parent / "models" / "tiny-qwen3-draft-4bit"
 
 
 def resolve_model_path(model: str | None) -> Path:

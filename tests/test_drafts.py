@@ -2,9 +2,10 @@
 
 The reference is stock mlx-lm doing the same verify passes: `mlx_lm.stream_generate(model, tokenizer, prompt,
 draft_model=draft, num_draft_tokens=k)` on the same target (every expert resident) and the same draft. The
-drafts here only prove the mechanism: the bundled model's first 6 of its 8 layers (cheap, deterministic, its
-tokenizer, accepting part of what it drafts), and the bundled model itself (the target in disguise, accepting
-nearly all). Agreement with undrafted greedy output is reported by the docs, not required here.
+drafts: the bundled draft model (`od_moe.DEFAULT_DRAFT`, a dense model trained on the bundled model's data,
+accepting part of what it drafts), and the bundled model itself (the target in disguise, accepting nearly
+all, proving only the mechanism). Agreement with undrafted greedy output is reported by the docs, not
+required here.
 """
 
 import json
@@ -31,22 +32,20 @@ K, TOKENS = 3, 24
 CAPACITIES = (0.125, 0.25, 0.5, 1.0)
 
 
-def _stock(layers: int | None = None):
-    """Stock mlx-lm's bundled model in od-moe's compute dtype, cut to its first `layers` layers."""
-    model, tokenizer = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
+def _stock(path=od_moe.DEFAULT_MODEL):
+    """Stock mlx-lm's model at `path` in od-moe's compute dtype."""
+    model, tokenizer = mlx_lm_load(str(path))
     dtype = backend.compute_dtype()
     if dtype is not None:
         model.set_dtype(dtype)
-    if layers is not None:
-        model.model.layers = model.model.layers[:layers]
     return model, tokenizer
 
 
 @pytest.fixture(scope="module")
 def stock():
-    """(target, tokenizer, a draft of its first 6 layers, the whole model as a draft), all resident."""
+    """(target, tokenizer, the bundled draft model, the whole target as a draft), all resident."""
     target, tokenizer = _stock()
-    return target, tokenizer, _stock(6)[0], _stock()[0]
+    return target, tokenizer, _stock(od_moe.DEFAULT_DRAFT)[0], _stock()[0]
 
 
 def _reference(stock, draft, prompt, max_tokens=TOKENS, k=K):
@@ -85,6 +84,25 @@ def test_drafted_tokens_equal_stock_drafting_at_every_capacity(stock, two_tier):
         if capacity < 1:
             assert stats["experts_per_token"] > 0
         engine.close()
+
+
+def test_the_bundled_draft_is_a_smaller_model_of_its_own():
+    """The bundled draft shares the target's tokenizer, holds no experts, has under a fifth of the
+    target's parameters, and agrees with it on part of the code prompts, not all."""
+    from mlx.utils import tree_flatten
+
+    draft, draft_tokenizer = _stock(od_moe.DEFAULT_DRAFT)
+    target, tokenizer = _stock()
+    assert draft_tokenizer.vocab == tokenizer.vocab
+    assert not any("experts" in name for name, _ in tree_flatten(draft.parameters()))
+    sizes = [
+        json.loads((p / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+        for p in (od_moe.DEFAULT_DRAFT, od_moe.DEFAULT_MODEL)
+    ]
+    assert sizes[0] < sizes[1] / 5
+    from_draft = [f for p in PROMPTS for _, f in _reference((target, tokenizer), draft, p, k=3)]
+    print(f"{sum(from_draft)} of {len(from_draft)} tokens came from the draft")
+    assert 0.3 < sum(from_draft) / len(from_draft) < 0.95
 
 
 def test_a_draft_by_path_and_an_engine_as_draft(stock):
@@ -146,7 +164,7 @@ def test_drafts_that_cannot_draft_are_one_clear_error(other_tokenizer, tmp_path,
     for options, message in cases:
         with pytest.raises(od_moe.UserError, match=message):
             next(engine.stream_generate("def f(x):", max_tokens=4, **options))
-    small, _ = _stock(1)
+    small, _ = _stock(od_moe.DEFAULT_DRAFT)
     small.args.vocab_size = 1024  # as a model of another vocabulary says
     with pytest.raises(od_moe.UserError, match="1024 logits per token"):
         next(engine.stream_generate("def f(x):", max_tokens=4, draft_model=small))
@@ -235,7 +253,7 @@ def test_stats_show_the_acceptance_rate_and_experts_per_token(capsys):
 
 def test_the_prompt_cache_keeps_what_a_target_and_its_draft_both_hold():
     target, _ = _stock()
-    draft, _ = _stock(2)
+    draft, _ = _stock(od_moe.DEFAULT_DRAFT)
     caches = make_prompt_cache(target) + make_prompt_cache(draft)
     for i, c in enumerate(caches):
         n = 7 if i < len(target.layers) else 6

@@ -1,15 +1,20 @@
 """Lab (issue #57, item 3): a recipe for a draft model that is not the target in disguise, not yet run to
-the end. A small dense Qwen3 (4 layers, hidden 128: 1.84M parameters, about a tenth of the bundled MoE's
-21.4M) trained with MLX on the data the bundled MoE was trained on, with its 8192-token tokenizer.
+the end. A small dense Qwen3 (4 layers, hidden 192: 3.2M parameters; the bundled MoE has
+21.4M, 4.9M of them active a token) trained with MLX on the data the bundled MoE was trained on, with its
+8192-token tokenizer.
 
 The bundled MoE's corpus (`../shared/tools/train_tiny_moe.py`) was CPython 3.11.7's standard library, 5% of
-its files held out (chosen with `random.Random(0).shuffle`), plus Python sources of common site-packages.
-This takes the standard library's files as this Python ships them (9.0M training tokens, 0.42M held out),
-trains for a fixed time and saves float16 weights in mlx-lm's layout with the tokenizer.
+its files held out (chosen with `random.Random(0).shuffle`), plus Python sources of common site-packages,
+25M tokens in all. Its token files were not kept, so `--write-corpus` makes a corpus the same way: this
+Python's standard library (9.0M training tokens, 0.42M held out, on 3.11.7) plus the .py files of the
+site-packages beside it (shuffled with the same seed) up to 25M tokens, saved as uint16 ids in one .npz.
+Training reads that file (no tokenizer needed where it runs), trains for a fixed time and saves float16
+weights in mlx-lm's layout with the tokenizer.
 On this project's 2-core CPU it is too slow to be useful: 9 s a step of 4,096 tokens (MLX's CPU matmul ran
 1024^3 at 7.6 GFLOP/s). It needs MLX on a GPU (Metal or CUDA).
 
-    python lab/drafts/train_draft.py OUT [--seconds 1200]
+    python lab/drafts/train_draft.py --write-corpus corpus.npz
+    python lab/drafts/train_draft.py OUT --corpus corpus.npz [--seconds 1200]
 """
 
 import argparse
@@ -34,12 +39,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONFIG = dict(
     model_type="qwen3",
     vocab_size=8192,
-    hidden_size=128,
-    intermediate_size=384,
+    hidden_size=192,
+    intermediate_size=512,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=32,
+    head_dim=48,
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
@@ -47,30 +52,43 @@ CONFIG = dict(
     bos_token_id=0,
     eos_token_id=0,
 )
-SEQUENCE, BATCH, PEAK_LR, WARMUP = 256, 16, 3e-3, 100
+SEQUENCE, BATCH, PEAK_LR, WARMUP = 512, 64, 3e-3, 100
+CORPUS_TOKENS = 25_000_000
 
 
-def corpus(tokenizer_path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """The standard library's .py files (site-packages left out) as token ids, split 95/5 by file."""
+def write_corpus(path: Path, tokenizer_path: Path):
+    """The standard library's .py files split 95/5 by file, then site-packages' .py files added to the
+    training split up to `CORPUS_TOKENS`, as token ids (0 ends each file) in one .npz."""
     from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path / "tokenizer.json"))
+
+    def encode(paths) -> list[np.ndarray]:
+        texts = [p.read_text(errors="replace") for p in paths]
+        return [np.array(e.ids + [0], dtype=np.uint16) for e in tokenizer.encode_batch(texts)]
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
     random.Random(0).shuffle(files)
     held = len(files) // 20
-    tokenizer = Tokenizer.from_file(str(tokenizer_path / "tokenizer.json"))
+    train, val = encode(files[held:]), encode(files[:held])
+    site = sorted(Path(sysconfig.get_paths()["purelib"]).rglob("*.py"))
+    random.Random(0).shuffle(site)
+    total = sum(map(len, train))
+    for start in range(0, len(site), 500):
+        if total >= CORPUS_TOKENS:
+            break
+        for ids in encode(site[start : start + 500]):
+            if total < CORPUS_TOKENS:
+                train.append(ids)
+                total += len(ids)
+    np.savez_compressed(path, train=np.concatenate(train), val=np.concatenate(val))
+    print(f"{path}: {total:,} training tokens, {sum(map(len, val)):,} held out")
 
-    def encode(paths) -> np.ndarray:
-        texts = [p.read_text(errors="replace") for p in paths]
-        ids = [e.ids + [0] for e in tokenizer.encode_batch(texts)]  # 0 ends each file (eos)
-        return np.fromiter((t for doc in ids for t in doc), dtype=np.uint16)
 
-    return encode(files[held:]), encode(files[:held])
-
-
-def batches(data: np.ndarray, rng: np.random.Generator):
+def batches(data: np.ndarray, rng: np.random.Generator, batch: int = BATCH):
     while True:
-        start = rng.integers(0, len(data) - SEQUENCE - 1, BATCH)
+        start = rng.integers(0, len(data) - SEQUENCE - 1, batch)
         rows = np.stack([data[s : s + SEQUENCE + 1] for s in start]).astype(np.int32)
         yield mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
 
@@ -85,9 +103,10 @@ def validation_loss(model, data: np.ndarray, count: int = 32) -> float:
     return float(np.mean(losses))
 
 
-def train(out: Path, seconds: float, tokenizer_path: Path):
+def train(out: Path, seconds: float, corpus: Path, tokenizer_path: Path, batch: int = BATCH):
     mx.random.seed(0)
-    train_ids, val_ids = corpus(tokenizer_path)
+    with np.load(corpus) as data:
+        train_ids, val_ids = data["train"], data["val"]
     print(f"corpus: {len(train_ids):,} training tokens, {len(val_ids):,} held out", flush=True)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(CONFIG))
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -104,7 +123,7 @@ def train(out: Path, seconds: float, tokenizer_path: Path):
         return loss
 
     rng, start, n, tokens = np.random.default_rng(0), time.time(), 0, 0
-    for inputs, targets in batches(train_ids, rng):
+    for inputs, targets in batches(train_ids, rng, batch):
         elapsed = time.time() - start
         if elapsed > seconds:
             break
@@ -113,7 +132,7 @@ def train(out: Path, seconds: float, tokenizer_path: Path):
         loss = step(inputs, targets)
         mx.eval(state, loss)
         n, tokens = n + 1, tokens + inputs.size
-        if n % 100 == 0:
+        if n % 100 == 0 or n == 1:
             print(f"step {n} loss {loss.item():.3f} {tokens / (time.time() - start):,.0f} tok/s", flush=True)
     val = validation_loss(model, val_ids)
     print(f"{params:,} parameters, {n} steps, {tokens:,} tokens, held-out loss {val:.3f}", flush=True)
@@ -132,12 +151,21 @@ def save(model, out: Path, tokenizer_path: Path, trained: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, nargs="?")
+    parser.add_argument("--corpus", type=Path, help="the .npz --write-corpus made")
+    parser.add_argument("--write-corpus", type=Path, help="make the corpus here and stop")
     parser.add_argument("--seconds", type=float, default=1200)
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences of 512 tokens a step")
     args = parser.parse_args(argv)
     import od_moe
 
-    train(args.out, args.seconds, Path(od_moe.DEFAULT_MODEL))  # its tokenizer
+    tokenizer_path = Path(od_moe.DEFAULT_MODEL)  # the bundled model's tokenizer
+    if args.write_corpus:
+        write_corpus(args.write_corpus, tokenizer_path)
+    elif args.out and args.corpus:
+        train(args.out, args.seconds, args.corpus, tokenizer_path, args.batch)
+    else:
+        parser.error("give OUT and --corpus, or --write-corpus")
     return 0
 
 

@@ -1,34 +1,47 @@
-"""Lab: drafted against undrafted greedy decoding on the bundled model, on this CPU (not product code).
+"""Lab: drafted decoding against its reference on the bundled model, on this CPU (not product code).
 
-For two drafts (the bundled model's first 6 of 8 layers; the bundled model itself), both paths and 12.5, 25,
-50 and 100% of experts: tokens equal to stock mlx-lm drafting with the same pair (`mlx_lm.stream_generate(...,
-draft_model=, num_draft_tokens=3)`), agreement with undrafted greedy output, acceptance rate, decode experts
-moved per generated token undrafted and drafted, and tok/s (noisy: a shared CPU, the draft computed on it
-too). One markdown table row a line:
+16 prompts (the 6 of `benchmarks/code_edits.py`, then 10 starts of Python code), 64 greedy tokens, k = 3,
+for two kinds of draft: the bundled draft model (`od_moe.DEFAULT_DRAFT`; reference: stock mlx-lm's
+`stream_generate(..., draft_model=, num_draft_tokens=3)` on the same pair) and prompt lookup
+(`od_moe.PromptLookup`; reference: stock mlx-lm's model through the same lookup loop). For both paths and
+12.5, 25, 50 and 100% of experts: prompts equal to the reference, prompts equal to undrafted greedy output,
+acceptance, and experts read (two tiers: in place plus copied) per generated token undrafted and drafted.
+One markdown table row a line:
 
-  PYTHONPATH=. python3 lab/drafts/cpu_equality.py
+  PYTHONPATH=.:tests python3 lab/drafts/cpu_equality.py
 """
 
 import sys
-import time
 
 import mlx_lm
-from mlx_lm import stream_generate as stock_stream
 
 import od_moe
 from od_moe import backend
+from od_moe.prompt_lookup import LookupCounts, stream_lookup
 
-sys.path.insert(0, "tests")
-from conftest import PROMPTS  # noqa: E402
+sys.path.insert(0, "benchmarks")
+from code_edits import prompts as code_edit_prompts  # noqa: E402
 
 N, K = 64, 3
+STARTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    "def read_lines(path):\n",
+    "import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser(",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "def is_prime(n):\n    if n < 2:\n",
+    "from collections import defaultdict\n\n\ndef group_by(items, key):\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
+]
+PROMPTS = code_edit_prompts() + STARTS
 
 
-def stock(layers=None):
-    model, tokenizer = mlx_lm.load(str(od_moe.DEFAULT_MODEL))
-    model.set_dtype(backend.compute_dtype())
-    if layers:
-        model.model.layers = model.model.layers[:layers]
+def stock(path):
+    model, tokenizer = mlx_lm.load(str(path))
+    if (dtype := backend.compute_dtype()) is not None:
+        model.set_dtype(dtype)
     return model, tokenizer
 
 
@@ -36,36 +49,56 @@ def tokens(stream) -> list[int]:
     return [r.token for r in stream]
 
 
-def run(capacity, two_tier, options, want, plain) -> tuple:
+def run(capacity, two_tier, options) -> tuple[dict, dict]:
     engine = od_moe.load(capacity=capacity, two_tier=two_tier)
-    same = agree = generated = 0
-    start = time.perf_counter()
-    for p in PROMPTS:
-        got = tokens(engine.stream_generate(p, max_tokens=N, **options))
-        generated += len(got)
-        same, agree = same + (got == want[p]), agree + (got == plain[p])
-    seconds = time.perf_counter() - start
+    got = {p: tokens(engine.stream_generate(p, max_tokens=N, **options())) for p in PROMPTS}
     stats = engine.stats()
     engine.close()
-    return same, agree, stats["experts_per_token"], stats["drafts"]["acceptance_rate"], generated / seconds
+    return got, stats
 
 
 def main():
-    target, tok = stock()
-    plain = {p: tokens(stock_stream(target, tok, p, max_tokens=N)) for p in PROMPTS}
-    drafts = {"first 6 of 8 layers": stock(6)[0], "the bundled model": stock()[0]}
-    for name, draft in drafts.items():
-        options = dict(draft_model=draft, num_draft_tokens=K)
-        want = {p: tokens(stock_stream(target, tok, p, max_tokens=N, **options)) for p in PROMPTS}
-        for two_tier in (False, True):
-            for capacity in (0.125, 0.25, 0.5, 1.0):
-                u = run(capacity, two_tier, {}, plain, plain)
-                d = run(capacity, two_tier, options, want, plain)
-                ratio = f"{d[2] / u[2]:.2f}" if u[2] else "-"
-                path = "two-tier" if two_tier else "per-layer"
+    target, tok = stock(od_moe.DEFAULT_MODEL)
+    draft, _ = stock(od_moe.DEFAULT_DRAFT)
+    ids = {p: tok.encode(p) for p in PROMPTS}
+    plain = {p: tokens(mlx_lm.stream_generate(target, tok, ids[p], max_tokens=N)) for p in PROMPTS}
+    kinds = {
+        "draft model": (
+            lambda: dict(draft_model=draft, num_draft_tokens=K),
+            {
+                p: tokens(
+                    mlx_lm.stream_generate(
+                        target, tok, ids[p], max_tokens=N, draft_model=draft, num_draft_tokens=K
+                    )
+                )
+                for p in PROMPTS
+            },
+        ),
+        "prompt lookup": (
+            lambda: dict(draft_model=od_moe.PromptLookup(), num_draft_tokens=K),
+            {
+                p: tokens(stream_lookup(target, tok, ids[p], N, LookupCounts(), num_draft_tokens=K))
+                for p in PROMPTS
+            },
+        ),
+    }
+    print(
+        "| draft | path | capacity | = reference | = undrafted | accepted "
+        "| experts/token undrafted -> drafted |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for two_tier in (False, True):
+        for capacity in (0.125, 0.25, 0.5, 1.0):
+            undrafted, u = run(capacity, two_tier, dict)
+            for name, (options, want) in kinds.items():
+                got, d = run(capacity, two_tier, options)
+                same = sum(got[p] == want[p] for p in PROMPTS)
+                agree = sum(got[p] == plain[p] for p in PROMPTS)
+                a, path = d["drafts"], "two-tier" if two_tier else "per-layer"
                 print(
-                    f"| {name} | {path} | {capacity:.1%} | {d[0]}/3 | {d[1]}/3 | {d[3]:.3f} | {u[2]:.2f} | "
-                    f"{d[2]:.2f} | {ratio} | {u[4]:.0f} | {d[4]:.0f} |",
+                    f"| {name} | {path} | {capacity:.1%} | {same}/{len(PROMPTS)} | {agree}/{len(PROMPTS)} | "
+                    f"{a['accepted']}/{a['drafted']} | "
+                    f"{u['experts_per_token']:.2f} -> {d['experts_per_token']:.2f} |",
                     flush=True,
                 )
 

@@ -247,17 +247,37 @@ def test_max_batch_1_keeps_the_one_at_a_time_path_and_its_prompt_cache_reuse():
     assert warm["choices"][0]["text"] == alone
 
 
+class _BatchSizes:
+    """A model that notes the batch size of every pass it runs."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, set()
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.seen.add(inputs.shape[0])
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_the_warm_up_compiles_before_serving_and_keeps_no_figures(max_batch):
     """`serve` runs one short request on the engine before it serves (`warm_up.py`), so that the passes a
-    first request would compile are compiled then; after it the engine's statistics are empty and a
-    request gets the text it gets from an engine with no warm-up."""
+    first request would compile are compiled then: where it batches, batches of one sequence and of
+    `max_batch`, through mlx-lm's `BatchGenerator` as the server's batch runs them. After it the engine's
+    statistics are empty and a request gets the text it gets from an engine with no warm-up."""
     texts = []
     for warm in (True, False):
         engine = od_moe.load(capacity=0.25, two_tier=True)
         blocks = [layer.mlp for layer in engine.model.model.layers]
         if warm:
-            assert warm_up(engine) > 0 and all(b._compiled for b in blocks)  # decode passes compiled
+            model = engine.forward
+            engine.forward = recording = _BatchSizes(model)
+            assert warm_up(engine, max_batch=max_batch) > 0
+            assert all(b._compiled for b in blocks)  # decode passes compiled
+            assert recording.seen == {1, max_batch}
+            engine.forward = model
             assert engine.stats()["positions"] == {"prefill": 0, "decode": 0}
         else:
             assert not any(b._compiled for b in blocks)

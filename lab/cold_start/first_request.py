@@ -4,7 +4,9 @@ Each run is a fresh process: load (the bundled model unless MODEL is given), sta
 does (`warm_up.py` on or off), then one streamed greedy request; one JSON line: seconds from the
 process's start to ready, and from sending the request to its first text and to its end.
 
-  python3 lab/cold_start/first_request.py on|off [--two-tier on|off] [--max-batch N] [--model M]
+  python3 lab/cold_start/first_request.py on|off|single [--two-tier on|off] [--max-batch N] [--model M]
+
+`on` warms up as `serve` does; `single` as `serve` did before it warmed its batch path (one sequence).
 """
 
 import argparse
@@ -18,7 +20,7 @@ START = time.perf_counter()
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("warm_up", choices=["on", "off"])
+    parser.add_argument("warm_up", choices=["on", "off", "single"])
     parser.add_argument("--two-tier", default="auto")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--model")
@@ -38,8 +40,8 @@ def main():
 
     def loader():
         engine = od_moe.load(args.model, capacity=args.capacity, two_tier=two_tier, sequences=args.max_batch)
-        if args.warm_up == "on":
-            warmed.append(warm_up(engine))
+        if args.warm_up != "off":
+            warmed.append(warm_up(engine, max_batch=args.max_batch if args.warm_up == "on" else 1))
         return engine
 
     worker = GenerationWorker(loader=loader, max_batch=args.max_batch)

@@ -57,6 +57,11 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
+def prefill_batch_size(max_batch: int) -> int:
+    """How many joining sequences the batch prefills together."""
+    return min(max_batch, 8)
+
+
 def fitting_batch(engine, max_batch: int, available: int | None = None) -> tuple[int, str | None]:
     """`max_batch` bounded by memory: each running request may grow a KV cache over the model's whole
     context (prompt and completion), on top of the memory the engine was budgeted; as many fit as the
@@ -83,7 +88,7 @@ class RunningBatch:
         self.worker, self.engine = worker, worker.engine
         self.max_batch, self.prefill_step = max_batch, prefill_step
         self.schedule = schedule
-        self.prefill_batch = min(max_batch, 8)
+        self.prefill_batch = prefill_batch_size(max_batch)
         if schedule is not None:
             model, eos = str(self.engine.model_path), self.engine.tokenizer.eos_token_ids
             schedule.configure(max_batch, self.prefill_batch, prefill_step, model, eos)

@@ -6,23 +6,40 @@ short prompt and a few greedy tokens take those compiles before the port answers
 kept: the engine's statistics start from nothing after it. The worker never sees it, so its counters and
 prompt cache are untouched.
 `warmed_loader` is what `serve` loads with: on the generation thread, the engine and then its warm-up.
-With a draft model the warm-up drafts, as every request will.
+The warm-up takes the path requests will: with a draft model it drafts; where requests decode together
+(`--max-batch` over 1) it runs mlx-lm's `BatchGenerator` as the server's batch does, once with one
+sequence and once with `max_batch` (a pass of a batch size not seen yet compiles); otherwise one sequence
+as a request alone runs.
 Not here: `serve`.
 """
 
 import time
 
+from ..batch import batch_generate
+from .batching import prefill_batch_size
+
 PROMPT = "def add(a, b):\n    return"
 TOKENS = 4
 
 
-def warm_up(engine, draft=None, num_draft_tokens: int | None = None) -> float:
-    """Generate `TOKENS` greedy tokens of `PROMPT` on `engine` (drafted by `draft`, where the server has
-    one: its verify passes are what requests run), then forget them; the seconds it took."""
+def warm_up(engine, draft=None, num_draft_tokens: int | None = None, max_batch: int = 1) -> float:
+    """Generate `TOKENS` greedy tokens of `PROMPT` on `engine` as the server's requests will run (drafted
+    by `draft` where the server has one; in batches of 1 and `max_batch` where it batches), then forget
+    them; the seconds it took."""
     start = time.perf_counter()
-    drafting = {} if draft is None else dict(draft_model=draft, num_draft_tokens=num_draft_tokens)
-    for _ in engine.stream_generate(PROMPT, max_tokens=TOKENS, **drafting):
-        pass
+    if draft is None and max_batch > 1:
+        for size in sorted({1, max_batch}):
+            batch_generate(
+                engine,
+                [PROMPT] * size,
+                TOKENS,
+                completion_batch_size=max_batch,
+                prefill_batch_size=prefill_batch_size(max_batch),
+            )
+    else:
+        drafting = {} if draft is None else dict(draft_model=draft, num_draft_tokens=num_draft_tokens)
+        for _ in engine.stream_generate(PROMPT, max_tokens=TOKENS, **drafting):
+            pass
     engine.reset_stats()
     return time.perf_counter() - start
 
@@ -42,7 +59,7 @@ def warmed_loader(model, max_batch: int, load_options: dict, warmed: list, draft
             drafting.load(engine)  # the worker's own call then finds it loaded
             draft, tokens = drafting.draft, drafting.num_draft_tokens
         if engine.stage is None:
-            warmed.append(warm_up(engine, draft, tokens))
+            warmed.append(warm_up(engine, draft, tokens, max_batch))
         return engine
 
     return loader

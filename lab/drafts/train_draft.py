@@ -14,7 +14,11 @@ On this project's 2-core CPU it is too slow to be useful: 9 s a step of 4,096 to
 1024^3 at 7.6 GFLOP/s). It needs MLX on a GPU (Metal or CUDA).
 
     python lab/drafts/train_draft.py --write-corpus corpus.npz
-    python lab/drafts/train_draft.py OUT --corpus corpus.npz [--seconds 1200]
+    python lab/drafts/train_draft.py OUT --corpus corpus.npz [--seconds 1200] [--distill]
+
+`--distill` trains on the bundled model's own next-token probabilities instead of the text's next token,
+so that the draft learns to agree with the model it drafts for; both ways, the end reports how often the
+draft's most likely token is the bundled model's on held-out text.
 """
 
 import argparse
@@ -31,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import qwen3
@@ -94,17 +99,46 @@ def batches(data: np.ndarray, rng: np.random.Generator, batch: int = BATCH):
 
 
 def loss_fn(model, inputs, targets):
-    return nn.losses.cross_entropy(model(inputs), targets, reduction="mean")
+    """Cross entropy against the next token, or, where `targets` are the teacher's probabilities (one
+    row of the vocabulary per position: `--distill`), against those."""
+    logits = model(inputs)
+    if targets.ndim == inputs.ndim:
+        return nn.losses.cross_entropy(logits, targets, reduction="mean")
+    return -(targets * nn.log_softmax(logits.astype(mx.float32), axis=-1)).sum(axis=-1).mean()
 
 
-def validation_loss(model, data: np.ndarray, count: int = 32) -> float:
-    rng = np.random.default_rng(1)
-    losses = [loss_fn(model, *next(batches(data, rng))).item() for _ in range(count)]
+def teacher_probabilities(teacher, inputs: mx.array) -> mx.array:
+    return mx.softmax(teacher(inputs).astype(mx.float32), axis=-1)
+
+
+def agreement(model, teacher, data: np.ndarray, sequences: int) -> float:
+    """How often the draft's most likely next token is the teacher's, on held-out text: what greedy
+    drafting accepts a position at a time."""
+    rng, same, total = np.random.default_rng(2), 0, 0
+    for _ in range(max(1, sequences // 8)):
+        inputs, _ = next(batches(data, rng, min(sequences, 8)))
+        same += (model(inputs).argmax(-1) == teacher(inputs).argmax(-1)).sum().item()
+        total += inputs.size
+    return same / total
+
+
+def validation_loss(model, data: np.ndarray, sequences: int) -> float:
+    rng, size = np.random.default_rng(1), min(sequences, BATCH)
+    losses = [loss_fn(model, *next(batches(data, rng, size))).item() for _ in range(sequences // size)]
     return float(np.mean(losses))
 
 
-def train(out: Path, seconds: float, corpus: Path, tokenizer_path: Path, batch: int = BATCH):
+def train(
+    out: Path,
+    seconds: float,
+    corpus: Path,
+    tokenizer_path: Path,
+    batch: int = BATCH,
+    distill: bool = False,
+    held_out: int = 2048,
+):
     mx.random.seed(0)
+    teacher = mlx_lm.load(str(tokenizer_path))[0]  # the bundled MoE, the model drafted for
     with np.load(corpus) as data:
         train_ids, val_ids = data["train"], data["val"]
     print(f"corpus: {len(train_ids):,} training tokens, {len(val_ids):,} held out", flush=True)
@@ -129,14 +163,22 @@ def train(out: Path, seconds: float, corpus: Path, tokenizer_path: Path, batch: 
             break
         cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / seconds))
         optimizer.learning_rate = PEAK_LR * min(1.0, (n + 1) / WARMUP) * cosine
+        if distill:
+            targets = teacher_probabilities(teacher, inputs)
+            mx.eval(targets)
         loss = step(inputs, targets)
         mx.eval(state, loss)
         n, tokens = n + 1, tokens + inputs.size
         if n % 100 == 0 or n == 1:
             print(f"step {n} loss {loss.item():.3f} {tokens / (time.time() - start):,.0f} tok/s", flush=True)
-    val = validation_loss(model, val_ids)
-    print(f"{params:,} parameters, {n} steps, {tokens:,} tokens, held-out loss {val:.3f}", flush=True)
-    save(model, out, tokenizer_path, dict(steps=n, tokens=tokens, seconds=seconds, held_out_loss=val))
+    val, agree = validation_loss(model, val_ids, held_out), agreement(model, teacher, val_ids, held_out // 16)
+    print(
+        f"{params:,} parameters, {n} steps, {tokens:,} tokens, held-out loss {val:.3f}, "
+        f"top-1 agreement with the bundled model {agree:.3f}",
+        flush=True,
+    )
+    trained = dict(steps=n, tokens=tokens, seconds=seconds, held_out_loss=val, distilled=distill)
+    save(model, out, tokenizer_path, dict(trained, top1_agreement=agree))
 
 
 def save(model, out: Path, tokenizer_path: Path, trained: dict):
@@ -156,6 +198,10 @@ def main(argv=None):
     parser.add_argument("--write-corpus", type=Path, help="make the corpus here and stop")
     parser.add_argument("--seconds", type=float, default=1200)
     parser.add_argument("--batch", type=int, default=BATCH, help="sequences of 512 tokens a step")
+    parser.add_argument(
+        "--distill", action="store_true", help="learn the bundled model's next-token probabilities"
+    )
+    parser.add_argument("--held-out", type=int, default=2048, help="held-out sequences the loss is taken on")
     args = parser.parse_args(argv)
     import od_moe
 
@@ -163,7 +209,7 @@ def main(argv=None):
     if args.write_corpus:
         write_corpus(args.write_corpus, tokenizer_path)
     elif args.out and args.corpus:
-        train(args.out, args.seconds, args.corpus, tokenizer_path, args.batch)
+        train(args.out, args.seconds, args.corpus, tokenizer_path, args.batch, args.distill, args.held_out)
     else:
         parser.error("give OUT and --corpus, or --write-corpus")
     return 0

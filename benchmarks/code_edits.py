@@ -86,6 +86,7 @@ def main(argv=None):
     if not args.no_stock:
         reference, stock_gain = stock_reference(engine, args, shortest)
     rows, by_source = [], {"prompt": [0, 0], "output": [0, 0]}  # source -> [accepted, drafted]
+    totals = [0, 0]  # [accepted, drafted], from the engine's statistics
     for i, prompt in enumerate(prompts()):
         speed, result = {"plain": [], "drafted": []}, {}
         for _ in range(args.rounds):
@@ -105,6 +106,8 @@ def main(argv=None):
         for source, counts in by_source.items():
             counts[0] += drafted[3].accepted[source]
             counts[1] += drafted[3].drafted[source]
+        totals[0] += drafted[2]["accepted"]
+        totals[1] += drafted[2]["drafted"]
         rows.append(
             [
                 i,
@@ -138,8 +141,7 @@ def main(argv=None):
         )
     )
     if args.draft_model:
-        accepted, drafted = (sum(int(r[3].split("/")[j]) for r in rows) for j in (0, 1))
-        print(f"acceptance in all: {accepted}/{drafted}")
+        print(f"acceptance in all: {totals[0]}/{totals[1]}")
     else:
         accepted, drafted = (sum(c[j] for c in by_source.values()) for j in (0, 1))
         found = ", ".join(f"found in the {s} {a}/{d}" for s, (a, d) in by_source.items())

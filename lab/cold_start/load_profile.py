@@ -1,6 +1,7 @@
 """Lab: how long `od_moe.load` and its stacks' reads (`two_tier/mapped.read_stack`) take, under cProfile, for
-one two-tier model at 25%, and the calls that took longest (cumulative) where TOP is given. Run it in
-alternating processes with PYTHONPATH at two checkouts to compare.
+a model at 25% (two-tier where `load` picks it: on CUDA), then how long the first token of a short prompt takes after the load; with TOP,
+the calls that took longest in each (cumulative, then by own time). Run it in alternating processes with
+PYTHONPATH at two checkouts to compare.
 
   PYTHONPATH=CHECKOUT python3 lab/cold_start/load_profile.py LABEL MODEL [TOP]
 """
@@ -12,13 +13,28 @@ import time
 
 import od_moe
 
+
+def show(profile, top):
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(top)
+
+
+top = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 profile = cProfile.Profile()
 start = time.perf_counter()
 profile.enable()
-engine = od_moe.load(sys.argv[2], capacity=0.25, two_tier=True, prefetch="none")
+engine = od_moe.load(sys.argv[2], capacity=0.25)  # as `command_to_token.py` loads it
 profile.disable()
 load = time.perf_counter() - start
 reads = [v[3] for k, v in pstats.Stats(profile).stats.items() if k[2] == "read_stack"]
-print(f"{sys.argv[1]} load {load:.2f} s, read_stack {reads[0]:.2f} s", flush=True)
-if len(sys.argv) > 3:
-    pstats.Stats(profile).sort_stats("cumulative").print_stats(int(sys.argv[3]))
+print(f"{sys.argv[1]} load {load:.2f} s, read_stack {sum(reads):.2f} s", flush=True)
+if top:
+    show(profile, top)
+first = cProfile.Profile()
+start = time.perf_counter()
+first.enable()
+next(engine.stream_generate("def fibonacci(n):\n", max_tokens=1))
+first.disable()
+print(f"{sys.argv[1]} first token {time.perf_counter() - start:.2f} s after the load", flush=True)
+if top:
+    show(first, top)

@@ -281,13 +281,20 @@ class ExpertStore:
                 views = [memoryview(staging.flat[start:end].reshape(-1))]
                 self._read_run(layout, ids[start:end], file_index, views, base + int(ids[start]) * size)
         else:  # one request per run of experts per array
-            for part in layout.parts:
-                views = staging.row_views[(part.proj, part.name)]
-                files, offsets = part.files[ids].tolist(), part.offsets[ids].tolist()
-                for start, end in _runs(files, offsets, part.nbytes):
-                    self._read_run(layout, ids[start:end], files[start], views[start:end], offsets[start])
+            self.read_parts(layout, ids, staging.row_views)
         parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
         return ExpertBytes(parts, staging.flat[:n])
+
+    def read_parts(self, layout: BlockLayout, ids: Sequence[int], row_views: dict[tuple[str, str], list]):
+        """Read each part of the experts `ids` (not packed) into `row_views[(proj, name)][i]`, memory of that
+        part's bytes for expert ids[i], anywhere (a staging row, a row of an array): one request per run
+        of experts that lie back to back in a file. Raises `ExpertReadError` as `read` does."""
+        ids = np.asarray(ids, dtype=np.int64)
+        for part in layout.parts:
+            views = row_views[(part.proj, part.name)]
+            files, offsets = part.files[ids].tolist(), part.offsets[ids].tolist()
+            for start, end in _runs(files, offsets, part.nbytes):
+                self._read_run(layout, ids[start:end], files[start], views[start:end], offsets[start])
 
     def _read_run(self, layout: BlockLayout, ids: np.ndarray, file_index: int, views: list, offset: int):
         """One request: the bytes at `offset` into `views`, a failure named as `read_error` names it."""

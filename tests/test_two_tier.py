@@ -44,18 +44,38 @@ def test_stacks_are_read_into_mlx_memory_or_copied_and_checked(bundled_reference
     tokens."""
     from od_moe.two_tier import mapped
 
-    found = mapped._host_stack(3, (2,), 2)
+    found = mapped._writable(mx.zeros((3, 2), dtype=mx.uint16, stream=mx.cpu))
     assert found[0] is not None and found[1].flags.writeable  # the view: no copy on this CPU
     engine = od_moe.load(capacity=0.25, two_tier=True)
     direct = [stack[("gate_proj", "weight")] for stack in engine.runtime.stacks]
-    monkeypatch.setattr(
-        mapped, "_host_stack", lambda rows, shape, size: (None, np.zeros((rows, *shape), f"u{size}"))
-    )
+    monkeypatch.setattr(mapped, "_writable", lambda array: (None, np.zeros(array.shape, f"u{array.itemsize}")))
     copied = od_moe.load(capacity=0.25, two_tier=True)
     for a, b in zip(direct, (stack[("gate_proj", "weight")] for stack in copied.runtime.stacks)):
         E = engine.num_experts
         assert mx.array_equal(a[:E], b[:E])
     assert od_moe_tokens(copied, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+
+
+def test_stacks_read_in_place_hold_what_staging_reads(monkeypatch):
+    """Where the disk's bytes are the arrays' (the checkpoint's dtypes, as on CUDA and Metal), every layer's
+    experts are read by threads straight into its stack's rows, with no staging; the stacks hold the bits
+    a read through staging and a cast gives."""
+    from od_moe import cuda
+    from od_moe.two_tier import mapped
+
+    staged, read_staged = [], mapped._read_staged
+    monkeypatch.setattr(mapped, "_read_staged", lambda *args: (staged.append(args[1]), read_staged(*args)))
+    in_place = od_moe.load(capacity=0.25, two_tier=True, dtype="model")
+    assert staged == []
+    monkeypatch.setattr(mapped, "_in_place", lambda *args: False)
+    through = od_moe.load(capacity=0.25, two_tier=True, dtype="model")
+    assert len(staged) == len(through.runtime.stacks) > 0
+    E = in_place.num_experts
+    for a, b in zip(in_place.runtime.stacks, through.runtime.stacks):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype
+            assert np.array_equal(cuda.numpy_view(a[key])[:E], cuda.numpy_view(b[key])[:E]), key
 
 
 @pytest.mark.parametrize("fraction", [0, 1.0])

@@ -1,7 +1,7 @@
 """The mapped stack of two-tier mode: every expert of one MoE layer in host memory, as MLX arrays the GPU
 reads in place.
 
-`read_stack` reads a layer's experts from the expert store once, with the same reads (and bytes) the
+`read_stacks` reads each layer's experts from the expert store once, with the same reads (and bytes) the
 per-layer path makes, converts them to the model's in-memory dtypes as `LayerCache` does (float32 scales on
 the CPU backend), adds C rows after the last expert (the layer's device slots: one array, so each lane is
 computed once, by one `gather_qmm`, whichever tier holds its expert), writing them into the arrays' own
@@ -9,6 +9,10 @@ host memory, and asks the backend to keep its experts in host memory for the dev
 device memory (`backend.map_for_device`). On the CPU and Metal that is plain memory and the same code runs.
 Not here: the forward math, filling the slots or admission (`runtime.py`).
 """
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +22,8 @@ from ..layout import BlockLayout, ExpertRows
 from ..slot_arrays import SAME_BYTES, host_bits
 from ..store import ExpertStore
 
-READ_BATCH_BYTES = 64 * 2**20  # staging for one read round of a layer's experts
+READ_BATCH_BYTES = 64 * 2**20  # one read of a layer's experts (its staging, where it has one)
+LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))  # reads and CPU streams filling the stacks at once
 
 
 def _uint(size: int) -> np.dtype:
@@ -39,53 +44,123 @@ def _mx_uint(size: int) -> mx.Dtype:
     return {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[size]
 
 
-def read_stack(
-    store: ExpertStore,
-    layout: BlockLayout,
-    targets: dict[tuple[str, str], mx.Dtype],
-    slots: int,
-    progress=None,
-) -> dict[tuple[str, str], mx.array]:
-    """Per part (`(proj, name)`), an `(E + slots, ...)` array: every expert of `layout` in `targets`' dtype
-    (rows 0..E-1, in host memory mapped for the device), then `slots` rows of zeros (the slots, in device
-    memory). The bytes read go straight into the arrays' memory (`_host_stack`); where MLX gives no
-    writable view of it, into numpy arrays copied into MLX once, then checked (a RuntimeError where an
-    array does not hold the bytes read). `progress.update(bytes)` after each read round."""
-    E = layout.num_experts
-    rows = {
-        (p.proj, p.name): _host_stack(E + slots, p.shape, targets[(p.proj, p.name)].size)
+def read_stacks(
+    store: ExpertStore, layers: Sequence[tuple[BlockLayout, dict[tuple[str, str], mx.Dtype], int]], progress=None
+) -> list[dict[tuple[str, str], mx.array]]:
+    """Per (layout, targets, slots) in `layers`, per part (`(proj, name)`), an `(E + slots, ...)` array: every
+    expert of the layout in `targets`' dtype (rows 0..E-1, in host memory mapped for the device), then
+    `slots` rows of zeros (the slots, in device memory). `progress.update(bytes)` as reads finish.
+
+    Every array is made at once, its zeros written by several CPU streams in parallel (`_host_stacks`:
+    first-touching managed memory took 12.5 of a 31 s load on CUDA when one stream wrote it, docs/GPU.md,
+    "Time to first token"). Where the disk's bytes are the arrays' (no cast, experts not packed) they are read straight
+    into the arrays' rows by `LOAD_THREADS` threads; else a layer's experts go through staging and a cast
+    on this thread. Where MLX gives no writable view of an array, its bytes go into a numpy array copied
+    into MLX once, then checked (a RuntimeError where an array does not hold the bytes read)."""
+    hosts = _host_stacks(layers)
+    with ThreadPoolExecutor(LOAD_THREADS) as pool:
+        pending = []
+        for (layout, targets, _), rows in zip(layers, hosts):
+            if _in_place(layout, targets, rows):
+                for ids in _batches(layout):
+                    into = slice(ids[0], ids[-1] + 1)
+                    views = {key: [_bytes_of(row) for row in view[into]] for key, (_, view) in rows.items()}
+                    pending.append((pool.submit(store.read_parts, layout, ids, views), ids, layout))
+            else:
+                _read_staged(store, layout, targets, rows, progress)
+        for future, ids, layout in pending:
+            future.result()
+            if progress is not None:
+                progress.update(len(ids) * layout.expert_nbytes)
+    stacks = [_finish(layout, targets, slots, rows) for (layout, targets, slots), rows in zip(layers, hosts)]
+    mx.eval([list(stack.values()) for stack in stacks])
+    return stacks
+
+
+def _in_place(layout: BlockLayout, targets: dict, rows: dict) -> bool:
+    """Whether the layout's experts can be read straight into its arrays' rows: every array has a view,
+    every part's bytes on disk are its target's, and the experts are not packed (a packed row holds every
+    part of one expert)."""
+    return layout.packed is None and all(
+        rows[(p.proj, p.name)][0] is not None and SAME_BYTES.get(p.dtype) == targets[(p.proj, p.name)]
         for p in layout.parts
-    }
+    )
+
+
+def _batches(layout: BlockLayout) -> list[np.ndarray]:
+    """The layout's expert ids in batches of about `READ_BATCH_BYTES`."""
+    E = layout.num_experts
     batch = max(1, min(E, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
-    staging = ExpertRows(layout, batch)
-    for start in range(0, E, batch):
-        ids = np.arange(start, min(E, start + batch))
-        raw = store.read(layout, ids, staging)
+    return [np.arange(start, min(E, start + batch)) for start in range(0, E, batch)]
+
+
+def _bytes_of(row: np.ndarray) -> memoryview:
+    return memoryview(row.reshape(-1).view(np.uint8))
+
+
+def _read_staged(store: ExpertStore, layout: BlockLayout, targets: dict, rows: dict, progress):
+    """A layer's experts read into staging, then cast (`_target_bytes`) into its arrays' rows."""
+    ids = _batches(layout)
+    staging = ExpertRows(layout, len(ids[0]))
+    for batch in ids:
+        raw = store.read(layout, batch, staging)
         for p in layout.parts:
             key = (p.proj, p.name)
-            rows[key][1][start : start + len(ids)] = _target_bytes(raw[key], p.dtype, targets[key])
+            rows[key][1][batch[0] : batch[-1] + 1] = _target_bytes(raw[key], p.dtype, targets[key])
         if progress is not None:
-            progress.update(len(ids) * layout.expert_nbytes)
-    stacks = {}
+            progress.update(len(batch) * layout.expert_nbytes)
+
+
+def _finish(layout: BlockLayout, targets: dict, slots: int, rows: dict) -> dict[tuple[str, str], mx.array]:
+    """A layer's arrays, filled, as the stack: copied into MLX where they were numpy's, advised for the
+    device (`backend.map_for_device`), viewed as their targets' dtypes."""
+    E, stack = layout.num_experts, {}
     for key, (array, written) in rows.items():
         if array is None:
             array = _copied_into_mlx(written, f"{layout.module_path}.{key[0]}.{key[1]}")
         backend.map_for_device(array, array.nbytes // (E + slots) * slots)
         target = targets[key]
-        stacks[key] = array if array.dtype == target else array.view(target)
-    mx.eval(list(stacks.values()))
-    return stacks
+        stack[key] = array if array.dtype == target else array.view(target)
+    return stack
 
 
-def _host_stack(rows: int, shape: tuple, size: int) -> tuple[mx.array | None, np.ndarray]:
-    """An evaluated MLX array of zeros (`rows` x `shape` unsigned integers of `size` bytes) made on the CPU
-    stream, so in host memory on every backend (managed memory on CUDA), and a writable numpy view of it;
-    where MLX gives no such view, (None, a numpy array of zeros). Writing through the view saves the copy
-    `mx.array` makes of a numpy array: half of a two-tier load's time on the CPU (docs/GPU.md, "Time to
-    first token")."""
-    array = mx.zeros((rows, *shape), dtype=_mx_uint(size), stream=mx.cpu)
+def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array | None, np.ndarray]]]:
+    """Per layer, per part, an evaluated MLX array of zeros (E + slots rows of the part's shape, unsigned
+    integers of its target's size) made on a CPU stream, so in host memory on every backend (managed
+    memory on CUDA), and a writable numpy view of it (`_writable`). The arrays are spread over
+    `LOAD_THREADS` CPU streams by bytes, each stream its own thread, and evaluated together."""
+    streams = _fill_streams()
+    load = [0] * len(streams)
+    arrays = []
+    for layout, targets, slots in layers:
+        layer = {}
+        for p in layout.parts:
+            key, size = (p.proj, p.name), targets[(p.proj, p.name)].size
+            i = load.index(min(load))
+            layer[key] = mx.zeros((layout.num_experts + slots, *p.shape), dtype=_mx_uint(size), stream=streams[i])
+            load[i] += layer[key].nbytes
+        arrays.append(layer)
+    mx.eval([list(layer.values()) for layer in arrays])
+    return [{key: _writable(array) for key, array in layer.items()} for layer in arrays]
+
+
+_streams: list = []
+
+
+def _fill_streams() -> list:
+    if not _streams:
+        _streams.extend(mx.new_stream(mx.cpu) for _ in range(LOAD_THREADS))
+    return _streams
+
+
+def _writable(array: mx.array) -> tuple[mx.array | None, np.ndarray]:
+    """`(array, a writable numpy view of it)`; where MLX gives no such view, (None, a numpy array of zeros
+    of its shape). Writing through the view saves the copy `mx.array` makes of a numpy array: half of a
+    two-tier load's time on the CPU (docs/GPU.md, "Time to first token")."""
     view = cuda.writable_view(array)
-    return (array, view) if view is not None else (None, np.zeros((rows, *shape), dtype=_uint(size)))
+    if view is not None:
+        return array, view
+    return None, np.zeros(array.shape, dtype=_uint(array.dtype.size))
 
 
 def _copied_into_mlx(rows: np.ndarray, name: str) -> mx.array:
@@ -98,7 +173,7 @@ def _copied_into_mlx(rows: np.ndarray, name: str) -> mx.array:
 
 
 def release_stack(stack: dict[tuple[str, str], mx.array]):
-    """Take back the device advice of a stack `read_stack` made (before letting it go)."""
+    """Take back the device advice of a stack `read_stacks` made (before letting it go)."""
     for array in stack.values():
         backend.unmap(array)
 

@@ -54,7 +54,7 @@ from .layer_step import (
     as_routed,
     through_table,
 )
-from .mapped import follow_moves, read_stack, release_stacks, stack_addresses
+from .mapped import follow_moves, read_stacks, release_stacks, stack_addresses
 from .staged_passes import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .tally import DeviceTally, RoutingRecord, book_read
 
@@ -394,7 +394,7 @@ def build(
     caches stay empty, admission off), unless every expert fits in them."""
     device_lru = device_lru and caches[0].capacity < caches[0].num_experts
     rows = [max(1, cache.capacity + lookahead_rows) for cache in caches]  # one in device memory at least
-    stacks = [read_stack(store, c.layout, c.targets, n, progress) for c, n in zip(caches, rows)]
+    stacks = read_stacks(store, [(c.layout, c.targets, n) for c, n in zip(caches, rows)], progress)
     runtime = TwoTierRuntime(store, caches, stacks)
     runtime.by_block = all(block.owner is not None for block in blocks)
     held = rows[0] if device_lru else caches[0].capacity + lookahead_rows  # expert rows in device memory

@@ -246,3 +246,22 @@ def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request
     assert od_moe_tokens(engine, [PROMPTS[1]], TOKENS)[0] == bundled_reference[1][:TOKENS]
     slots_hold_their_experts(engine)
     invariants(engine.stats())
+
+
+def test_a_failed_read_fails_a_two_tier_load_read_in_place(monkeypatch):
+    """The stacks' reads run on threads straight into the arrays (`mapped.read_stacks`): a failed read fails
+    the load with the one-line read error naming the file, raised on the loading thread."""
+    threads, real = set(), ExpertStore._pread_exact
+
+    def pread(store, file_index, views, offset):
+        threads.add(threading.current_thread().name)
+        if len(threads) > 1 or offset > store.files[file_index].stat().st_size // 2:
+            raise OSError(5, "Input/output error")
+        return real(store, file_index, views, offset)
+
+    monkeypatch.setattr(ExpertStore, "_pread_exact", pread)
+    with pytest.raises(ExpertReadError) as failed:
+        od_moe.load(capacity="25%", two_tier=True, dtype="model")
+    message = str(failed.value)
+    assert "model.safetensors" in message and "Input/output error" in message and "\n" not in message
+    assert threading.current_thread().name not in threads  # read by the load's threads

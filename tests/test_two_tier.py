@@ -48,7 +48,9 @@ def test_stacks_are_read_into_mlx_memory_or_copied_and_checked(bundled_reference
     assert found[0] is not None and found[1].flags.writeable  # the view: no copy on this CPU
     engine = od_moe.load(capacity=0.25, two_tier=True)
     direct = [stack[("gate_proj", "weight")] for stack in engine.runtime.stacks]
-    monkeypatch.setattr(mapped, "_writable", lambda array: (None, np.zeros(array.shape, f"u{array.itemsize}")))
+    monkeypatch.setattr(
+        mapped, "_writable", lambda array: (None, np.zeros(array.shape, f"u{array.itemsize}"))
+    )
     copied = od_moe.load(capacity=0.25, two_tier=True)
     for a, b in zip(direct, (stack[("gate_proj", "weight")] for stack in copied.runtime.stacks)):
         E = engine.num_experts

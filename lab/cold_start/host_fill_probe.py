@@ -1,6 +1,8 @@
 """Lab (issue #56): what it costs to fill host-resident MLX arrays (managed memory on CUDA) with expert
 bytes, per way of doing it, in GB/s over GB total (not product code). Each way runs on fresh arrays of
 CHUNK bytes; the source is a file in the page cache, as a checkpoint is on a warm start.
+`runs/host-fill-probe-h200.txt` came before rows cleared MLX's cache: there, rows after the first
+`del kept` reused touched buffers.
 
   python3 lab/cold_start/host_fill_probe.py [GB] [THREADS]
 """
@@ -38,6 +40,7 @@ def zeros():
 
 
 def timed(name, make):
+    mx.clear_cache()  # each row on fresh memory, not on buffers an earlier row left in MLX's cache
     kept = []
     start = time.perf_counter()
     for i in range(N):
@@ -64,8 +67,12 @@ pool = ThreadPoolExecutor(THREADS)
 def threaded_pread(view, i):
     raw = view.view(np.uint8)
     step = CHUNK // THREADS
-    list(pool.map(lambda p: os.preadv(fd, [memoryview(raw[p * step : (p + 1) * step])], i * CHUNK + p * step),
-                  range(THREADS)))
+    list(
+        pool.map(
+            lambda p: os.preadv(fd, [memoryview(raw[p * step : (p + 1) * step])], i * CHUNK + p * step),
+            range(THREADS),
+        )
+    )
 
 
 streams = [mx.new_stream(mx.cpu) for _ in range(THREADS)]
@@ -79,7 +86,7 @@ def zeros_on_streams(i):
     return arrays
 
 
-print(f"{N} chunks of {CHUNK >> 20} MB, backend {backend.describe() if hasattr(backend, 'describe') else mx.default_device()}")
+print(f"{N} chunks of {CHUNK >> 20} MB, {mx.default_device()}")
 timed("numpy empty + pread (malloc'd host memory)", lambda i: pread_into(np.empty(CHUNK // 4, np.uint32), i))
 kept = timed("mx.zeros on the CPU stream, evaluated", lambda i: zeros())
 timed("  then pread into it (touched)", lambda i: pread_into(kept[i][1], i))
@@ -88,17 +95,23 @@ del kept
 timed("mx.zeros, then pread into it", lambda i: pread_into(zeros()[1], i))
 timed("mx.zeros, then pread from 4 parts", lambda i: pread_into(zeros()[1], i, 4))
 timed(f"mx.zeros, then pread in {THREADS} threads", lambda i: threaded_pread(zeros()[1], i))
-timed(f"numpy empty + pread in {THREADS} threads", lambda i: threaded_pread(np.empty(CHUNK // 4, np.uint32), i))
+timed(
+    f"numpy empty + pread in {THREADS} threads", lambda i: threaded_pread(np.empty(CHUNK // 4, np.uint32), i)
+)
 timed(f"mx.zeros on {THREADS} CPU streams at once", zeros_on_streams)
-timed("pread to staging, then mx.array(staging)", lambda i: (pread_into(staging, i), mx.eval(mx.array(staging))))
-kept = timed("mx.zeros, pread, map_for_device (tail 1/4)", lambda i: (
-    lambda a: (pread_into(a[1], i), backend.map_for_device(a[0], CHUNK // 4), a)[-1])(zeros()))
+timed(
+    "pread to staging, then mx.array(staging)", lambda i: (pread_into(staging, i), mx.eval(mx.array(staging)))
+)
+kept = timed(
+    "mx.zeros, pread, map_for_device (tail 1/4)",
+    lambda i: (lambda a: (pread_into(a[1], i), backend.map_for_device(a[0], CHUNK // 4), a)[-1])(zeros()),
+)
 a = kept[0][0]
 start = time.perf_counter()
-total = mx.sum(mx.stack([k[0][:: 1024].astype(mx.float32).sum() for k in kept]))
+total = mx.sum(mx.stack([k[0][::1024].astype(mx.float32).sum() for k in kept]))
 mx.eval(total)
 print(f"{'first GPU read of every 1024th word':<42} {time.perf_counter() - start:7.2f} s", flush=True)
 start = time.perf_counter()
-total = mx.sum(mx.stack([k[0][:: 1024].astype(mx.float32).sum() for k in kept]))
+total = mx.sum(mx.stack([k[0][::1024].astype(mx.float32).sum() for k in kept]))
 mx.eval(total)
 print(f"{'second GPU read of the same':<42} {time.perf_counter() - start:7.2f} s", flush=True)

@@ -1,7 +1,7 @@
-"""Lab: how long `od_moe.load` and its stacks' reads (`two_tier/mapped.read_stack`) take, under cProfile, for
-a model at 25% (two-tier where `load` picks it: on CUDA), then how long the first token of a short prompt takes after the load; with TOP,
-the calls that took longest in each (cumulative, then by own time). Run it in alternating processes with
-PYTHONPATH at two checkouts to compare.
+"""Lab: how long `od_moe.load` and its stacks' reads (`two_tier/mapped.read_stacks`, `read_stack` before
+0f94c3c) take, under cProfile, for a model at 25% (two-tier where `load` picks it: on CUDA), then how long
+the first token of a short prompt takes after the load; with TOP, the calls that took longest in each
+(cumulative, then by own time). Run it in alternating processes with PYTHONPATH at two checkouts to compare.
 
   PYTHONPATH=CHECKOUT python3 lab/cold_start/load_profile.py LABEL MODEL [TOP]
 """
@@ -26,7 +26,7 @@ profile.enable()
 engine = od_moe.load(sys.argv[2], capacity=0.25)  # as `command_to_token.py` loads it
 profile.disable()
 load = time.perf_counter() - start
-reads = [v[3] for k, v in pstats.Stats(profile).stats.items() if k[2] == "read_stack"]
+reads = [v[3] for k, v in pstats.Stats(profile).stats.items() if k[2] in ("read_stack", "read_stacks")]
 print(f"{sys.argv[1]} load {load:.2f} s, read_stack {sum(reads):.2f} s", flush=True)
 if top:
     show(profile, top)

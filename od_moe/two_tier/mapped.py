@@ -11,8 +11,8 @@ Not here: the forward math, filling the slots or admission (`runtime.py`).
 """
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -45,7 +45,9 @@ def _mx_uint(size: int) -> mx.Dtype:
 
 
 def read_stacks(
-    store: ExpertStore, layers: Sequence[tuple[BlockLayout, dict[tuple[str, str], mx.Dtype], int]], progress=None
+    store: ExpertStore,
+    layers: Sequence[tuple[BlockLayout, dict[tuple[str, str], mx.Dtype], int]],
+    progress=None,
 ) -> list[dict[tuple[str, str], mx.array]]:
     """Per (layout, targets, slots) in `layers`, per part (`(proj, name)`), an `(E + slots, ...)` array: every
     expert of the layout in `targets`' dtype (rows 0..E-1, in host memory mapped for the device), then
@@ -53,10 +55,11 @@ def read_stacks(
 
     Every array is made at once, its zeros written by several CPU streams in parallel (`_host_stacks`:
     first-touching managed memory took 12.5 of a 31 s load on CUDA when one stream wrote it, docs/GPU.md,
-    "Time to first token"). Where the disk's bytes are the arrays' (no cast, experts not packed) they are read straight
-    into the arrays' rows by `LOAD_THREADS` threads; else a layer's experts go through staging and a cast
-    on this thread. Where MLX gives no writable view of an array, its bytes go into a numpy array copied
-    into MLX once, then checked (a RuntimeError where an array does not hold the bytes read)."""
+    "Time to first token"). Where the disk's bytes are the arrays' (no cast, experts not packed) they are
+    read straight into the arrays' rows by `LOAD_THREADS` threads; else a layer's experts go through
+    staging and a cast on this thread. Where MLX gives no writable view of an array, its bytes go into a
+    numpy array copied into MLX once, then checked (a RuntimeError where an array does not hold the bytes
+    read)."""
     hosts = _host_stacks(layers)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending = []
@@ -137,7 +140,9 @@ def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array | None, np
         for p in layout.parts:
             key, size = (p.proj, p.name), targets[(p.proj, p.name)].size
             i = load.index(min(load))
-            layer[key] = mx.zeros((layout.num_experts + slots, *p.shape), dtype=_mx_uint(size), stream=streams[i])
+            layer[key] = mx.zeros(
+                (layout.num_experts + slots, *p.shape), dtype=_mx_uint(size), stream=streams[i]
+            )
             load[i] += layer[key].nbytes
         arrays.append(layer)
     mx.eval([list(layer.values()) for layer in arrays])

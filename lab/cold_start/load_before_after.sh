@@ -2,7 +2,8 @@
 # Lab (issue #56): `load_profile.py` (the load, then the first token) before and after a change, in
 # alternating fresh processes, then seconds from the command to the first token (`command_to_token.py`):
 # stock, before, after, alternating. BEFORE is a folder holding the older od_moe package, put ahead of
-# PYTHONPATH. The kernels MLX compiles stay cached between processes (MLX_PTX_CACHE_DIR), so only the first
+# PYTHONPATH: `git archive REV od_moe predictor training ':!od_moe/models' | tar -x -C BEFORE`, then move
+# BEFORE/predictor and BEFORE/training into BEFORE/od_moe (the install maps them there). The kernels MLX compiles stay cached between processes (MLX_PTX_CACHE_DIR), so only the first
 # process pays for them. Outputs in OUT.
 # Usage: PYTHONPATH=/tmp/site lab/cold_start/load_before_after.sh OUT MODEL BEFORE [ROUNDS] [load|cold|both]
 set -uo pipefail

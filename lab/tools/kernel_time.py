@@ -1,11 +1,15 @@
 """A decoded token's device time by kernel on CUDA, from NVIDIA Nsight Compute: stock mlx-lm against two-tier
-rows of the widened x128 copy, to tell a row bound by its device work from one bound by its host.
+rows of a model (the widened x128 copy by default), to tell a row bound by its device work from one bound by
+its host.
 
-    python3 lab/tools/kernel_time.py wall [WORKDIR]
+    python3 lab/tools/kernel_time.py wall [WORKDIR|MODEL] [MODE,MODE...]
     ncu --profile-from-start off --clock-control none --cache-control none \
         --metrics gpu__time_duration.sum --csv --graph-profiling node \
-        python3 lab/tools/kernel_time.py run MODE [WORKDIR] > MODE.csv
+        python3 lab/tools/kernel_time.py run MODE [WORKDIR|MODEL] > MODE.csv
     python3 lab/tools/kernel_time.py sum MODE.csv
+
+A MODEL is a folder with a config.json (a real shape, `od_moe/bench/real_shapes.py`); a WORKDIR is where
+the widened copy is made (/tmp/odb by default). TOKENS (environment, default 8): decoded tokens profiled.
 
 `wall`: ms a decoded token of stock and of every mode in one process (mlx-lm's loop, the bench's 3 prompts x
 48 tokens, median of 3 rounds), and whether the texts equal stock's. `run`: one mode's decoding, the
@@ -13,7 +17,8 @@ profiler on for `TOKENS` decoded tokens after a warm-up (Nsight Compute times ea
 graphs apart: durations, not the gaps between them). `sum`: the kernels a token, their busy ms a token, and
 the largest by name. MODE: `stock`; `mapped` (two-tier, no experts in slots: every decode pass copies its
 lanes from host memory, `two_tier/staged_passes.py`); `device` (the same engine with its stacks moved to
-device memory: the same operations with no bytes on the bus).
+device memory: the same operations with no bytes on the bus); `lru:F` and `tt:F` (device-kept rows and
+counted slots at a fraction F of experts on the device, as `benchmarks/two_tier.py` names its rows).
 
 Not a test or a bench row: a measurement for docs/GPU.md ("The 0% row's floor"). CUDA only.
 """
@@ -21,6 +26,7 @@ Not a test or a bench row: a measurement for docs/GPU.md ("The 0% row's floor").
 import collections
 import csv
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -34,7 +40,7 @@ from od_moe import backend
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.widen import widen_model
 
-TOKENS = 8
+TOKENS = int(os.environ.get("TOKENS", 8))
 MODES = ("stock", "mapped", "device")
 
 
@@ -43,6 +49,10 @@ def generator(mode: str, path: str):
     if mode == "stock":
         model, tokenizer = mlx_lm.load(path)
         return lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n)
+    if ":" in mode:  # lru:F or tt:F
+        kind, fraction = mode.split(":")
+        engine = od_moe.load(path, capacity=float(fraction), two_tier="lru" if kind == "lru" else True)
+        return lambda prompt, n: engine.stream_generate(prompt, max_tokens=n)
     engine = od_moe.load(path, capacity=0.0, two_tier=True)
     if mode == "device":
         stacks_to_device(engine)
@@ -72,9 +82,9 @@ def decode(generate, tokens: int = 48) -> tuple[list[str], float]:
     return texts, statistics.median(runs)
 
 
-def wall(path: str):
+def wall(path: str, modes=MODES):
     texts = {}
-    for mode in MODES:
+    for mode in modes:
         texts[mode], ms = decode(generator(mode, path))
         same = texts[mode] == texts["stock"]
         print(f"{mode}: {ms:.3f} ms a decoded token; texts equal stock's: {same}")
@@ -114,10 +124,13 @@ def main():
     if command == "sum":
         return summary(rest[0])
     mode, rest = (rest[0], rest[1:]) if command == "run" else (None, rest)
-    workdir = Path(rest[0] if rest else "/tmp/odb")
-    path = str(widen_model(od_moe.DEFAULT_MODEL, workdir / "widened-x128", 128))
+    where = Path(rest[0] if rest else "/tmp/odb")
+    if (where / "config.json").exists():
+        path = str(where)
+    else:
+        path = str(widen_model(od_moe.DEFAULT_MODEL, where / "widened-x128", 128))
     if command == "wall":
-        wall(path)
+        wall(path, tuple(rest[1].split(",")) if len(rest) > 1 else MODES)
     else:
         run(mode, path)
 

@@ -45,12 +45,10 @@ def test_stacks_are_read_into_mlx_memory_or_copied_and_checked(bundled_reference
     from od_moe.two_tier import mapped
 
     found = mapped._writable(mx.zeros((3, 2), dtype=mx.uint16, stream=mx.cpu))
-    assert found[0] is not None and found[1].flags.writeable  # the view: no copy on this CPU
+    assert found[1] is not None and found[1].flags.writeable  # the view: no copy on this CPU
     engine = od_moe.load(capacity=0.25, two_tier=True)
     direct = [stack[("gate_proj", "weight")] for stack in engine.runtime.stacks]
-    monkeypatch.setattr(
-        mapped, "_writable", lambda array: (None, np.zeros(array.shape, f"u{array.itemsize}"))
-    )
+    monkeypatch.setattr(mapped, "_writable", lambda array: (array, None))
     copied = od_moe.load(capacity=0.25, two_tier=True)
     for a, b in zip(direct, (stack[("gate_proj", "weight")] for stack in copied.runtime.stacks)):
         E = engine.num_experts

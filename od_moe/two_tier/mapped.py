@@ -57,13 +57,14 @@ def read_stacks(
     first-touching managed memory took 12.5 of a 31 s load on CUDA when one stream wrote it, docs/GPU.md,
     "Time to first token"). Where the disk's bytes are the arrays' (no cast, experts not packed) they are
     read straight into the arrays' rows by `LOAD_THREADS` threads; else a layer's experts go through
-    staging and a cast on this thread. Where MLX gives no writable view of an array, its bytes go into a
-    numpy array copied into MLX once, then checked (a RuntimeError where an array does not hold the bytes
-    read)."""
+    staging and a cast on this thread. Where MLX gives no writable view of an array, its layer's bytes go
+    into numpy arrays copied into MLX once, then checked (a RuntimeError where an array does not hold the
+    bytes read), one layer at a time."""
     hosts = _host_stacks(layers)
+    stacks = [None] * len(layers)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending = []
-        for (layout, targets, _), rows in zip(layers, hosts):
+        for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
             if _in_place(layout, targets, rows):
                 for ids in _batches(layout):
                     into = slice(ids[0], ids[-1] + 1)
@@ -71,11 +72,15 @@ def read_stacks(
                     pending.append((pool.submit(store.read_parts, layout, ids, views), ids, layout))
             else:
                 _read_staged(store, layout, targets, rows, progress)
+                stacks[i] = _finish(layout, targets, slots, rows)  # its numpy arrays, if any, go now
+                hosts[i] = None
         for future, ids, layout in pending:
             future.result()
             if progress is not None:
                 progress.update(len(ids) * layout.expert_nbytes)
-    stacks = [_finish(layout, targets, slots, rows) for (layout, targets, slots), rows in zip(layers, hosts)]
+    for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
+        if stacks[i] is None:
+            stacks[i] = _finish(layout, targets, slots, rows)
     mx.eval([list(stack.values()) for stack in stacks])
     return stacks
 
@@ -85,7 +90,7 @@ def _in_place(layout: BlockLayout, targets: dict, rows: dict) -> bool:
     every part's bytes on disk are its target's, and the experts are not packed (a packed row holds every
     part of one expert)."""
     return layout.packed is None and all(
-        rows[(p.proj, p.name)][0] is not None and SAME_BYTES.get(p.dtype) == targets[(p.proj, p.name)]
+        rows[(p.proj, p.name)][1] is not None and SAME_BYTES.get(p.dtype) == targets[(p.proj, p.name)]
         for p in layout.parts
     )
 
@@ -102,7 +107,11 @@ def _bytes_of(row: np.ndarray) -> memoryview:
 
 
 def _read_staged(store: ExpertStore, layout: BlockLayout, targets: dict, rows: dict, progress):
-    """A layer's experts read into staging, then cast (`_target_bytes`) into its arrays' rows."""
+    """A layer's experts read into staging, then cast (`_target_bytes`) into its arrays' rows (into numpy
+    arrays made here where an array has no view)."""
+    for key, (array, view) in rows.items():
+        if view is None:
+            rows[key] = (None, np.zeros(array.shape, dtype=_uint(array.dtype.size)))
     ids = _batches(layout)
     staging = ExpertRows(layout, len(ids[0]))
     for batch in ids:
@@ -127,11 +136,11 @@ def _finish(layout: BlockLayout, targets: dict, slots: int, rows: dict) -> dict[
     return stack
 
 
-def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array | None, np.ndarray]]]:
+def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array, np.ndarray | None]]]:
     """Per layer, per part, an evaluated MLX array of zeros (E + slots rows of the part's shape, unsigned
     integers of its target's size) made on a CPU stream, so in host memory on every backend (managed
-    memory on CUDA), and a writable numpy view of it (`_writable`). The arrays are spread over
-    `LOAD_THREADS` CPU streams by bytes, each stream its own thread, and evaluated together."""
+    memory on CUDA), and a writable numpy view of it where MLX gives one (`_writable`). The arrays are
+    spread over `LOAD_THREADS` CPU streams by bytes, each stream its own thread, and evaluated together."""
     streams = _fill_streams()
     load = [0] * len(streams)
     arrays = []
@@ -158,14 +167,11 @@ def _fill_streams() -> list:
     return _streams
 
 
-def _writable(array: mx.array) -> tuple[mx.array | None, np.ndarray]:
-    """`(array, a writable numpy view of it)`; where MLX gives no such view, (None, a numpy array of zeros
-    of its shape). Writing through the view saves the copy `mx.array` makes of a numpy array: half of a
-    two-tier load's time on the CPU (docs/GPU.md, "Time to first token")."""
-    view = cuda.writable_view(array)
-    if view is not None:
-        return array, view
-    return None, np.zeros(array.shape, dtype=_uint(array.dtype.size))
+def _writable(array: mx.array) -> tuple[mx.array, np.ndarray | None]:
+    """`(array, a writable numpy view of it)`, the view None where MLX gives none. Writing through the view
+    saves the copy `mx.array` makes of a numpy array: half of a two-tier load's time on the CPU
+    (docs/GPU.md, "Time to first token")."""
+    return array, cuda.writable_view(array)
 
 
 def _copied_into_mlx(rows: np.ndarray, name: str) -> mx.array:

@@ -1,7 +1,8 @@
 """Lab: how long `od_moe.load` and its stacks' reads (`two_tier/mapped.read_stacks`, `read_stack` before
 0f94c3c) take, under cProfile, for a model at 25% (two-tier where `load` picks it: on CUDA), then how long
-the first token of a short prompt takes after the load; with TOP, the calls that took longest in each
-(cumulative, then by own time). Run it in alternating processes with PYTHONPATH at two checkouts to compare.
+the first token of a short prompt takes after the load, and the first tokens of two more; with TOP, the
+calls that took longest in each (cumulative, then by own time). Run it in alternating processes with
+PYTHONPATH at two checkouts to compare.
 
   PYTHONPATH=CHECKOUT python3 lab/cold_start/load_profile.py LABEL MODEL [TOP]
 """
@@ -38,3 +39,12 @@ first.disable()
 print(f"{sys.argv[1]} first token {time.perf_counter() - start:.2f} s after the load", flush=True)
 if top:
     show(first, top)
+# what of the first token is once a process: the next prompts' first tokens, then a decoded token's time
+for prompt in ("class Stack:\n", "import os\n"):
+    start = time.perf_counter()
+    times = [time.perf_counter() for _ in engine.stream_generate(prompt, max_tokens=8)]
+    print(
+        f"{sys.argv[1]} next prompt: first token {times[0] - start:.3f} s, then "
+        f"{(times[-1] - times[0]) / (len(times) - 1) * 1e3:.1f} ms a token",
+        flush=True,
+    )

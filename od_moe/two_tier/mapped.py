@@ -64,20 +64,25 @@ def read_stacks(
     stacks = [None] * len(layers)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending = []
-        for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
-            if _in_place(layout, targets, rows):
-                for ids in _batches(layout):
-                    into = slice(ids[0], ids[-1] + 1)
-                    views = {key: [_bytes_of(row) for row in view[into]] for key, (_, view) in rows.items()}
-                    pending.append((pool.submit(store.read_parts, layout, ids, views), ids, layout))
-            else:
-                _read_staged(store, layout, targets, rows, progress)
-                stacks[i] = _finish(layout, targets, slots, rows)  # its numpy arrays, if any, go now
-                hosts[i] = None
-        for future, ids, layout in pending:
-            future.result()
-            if progress is not None:
-                progress.update(len(ids) * layout.expert_nbytes)
+        try:
+            for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
+                if _in_place(layout, targets, rows):
+                    for ids in _batches(layout):
+                        into = slice(ids[0], ids[-1] + 1)
+                        views = {key: [_bytes_of(r) for r in view[into]] for key, (_, view) in rows.items()}
+                        pending.append((pool.submit(store.read_parts, layout, ids, views), ids, layout))
+                else:
+                    _read_staged(store, layout, targets, rows, progress)
+                    stacks[i] = _finish(layout, targets, slots, rows)  # its numpy arrays, if any, go now
+                    hosts[i] = None
+            for future, ids, layout in pending:
+                future.result()
+                if progress is not None:
+                    progress.update(len(ids) * layout.expert_nbytes)
+        except BaseException:
+            for future, _, _ in pending:  # a failed read fails the load: the reads not started are dropped
+                future.cancel()
+            raise
     for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
         if stacks[i] is None:
             stacks[i] = _finish(layout, targets, slots, rows)

@@ -194,6 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="alone: requests on each path; ttft: rounds")
     parser.add_argument("--clients", type=int, default=16, help="soak: client threads")
     parser.add_argument("--requests", type=int, default=20, help="soak: requests per client")
+    parser.add_argument("--model", help="ttft: serve this model folder instead of the embedded one")
     parser.add_argument(
         "--widen",
         type=int,
@@ -216,7 +217,9 @@ def main(argv=None) -> int:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     if args.what == "ttft":
         capacities = (None, "25%") if args.capacity is None else (args.capacity,)
-        model = None
+        if args.model and args.widen:
+            parser.error("--model and --widen: give one (--widen widens the embedded model)")
+        model = args.model
         if args.widen:
             model = widen_model(DEFAULT_MODEL, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
         report = ttft(

@@ -34,6 +34,7 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
 Nothing else in od-moe asks which backend it is on.
 """
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -288,6 +289,19 @@ def _hold_in_host(address: int, nbytes: int):
         _held_in_host[address] = nbytes
     if change:
         mx.set_memory_limit(max(0, mx.get_memory_limit() + change))
+
+
+@contextlib.contextmanager
+def host_arrays_ahead(nbytes: int):
+    """MLX's limit raised by `nbytes` while host arrays are made that `map_for_device` counts only later:
+    made all at once they would put MLX past its limit, where it waits for its running work before it
+    starts more (`mlx/transforms.cpp`), one array at a time."""
+    raise_by = 0 if arrays_in_host_memory() else max(0, nbytes)
+    mx.set_memory_limit(mx.get_memory_limit() + raise_by)
+    try:
+        yield
+    finally:
+        mx.set_memory_limit(max(0, mx.get_memory_limit() - raise_by))
 
 
 def stage_for_device(array: mx.array) -> mx.array:

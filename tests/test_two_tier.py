@@ -56,6 +56,32 @@ def test_stacks_are_read_into_mlx_memory_or_copied_and_checked(bundled_reference
     assert od_moe_tokens(copied, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
 
 
+def test_the_stacks_are_made_under_a_memory_limit_raised_for_them(monkeypatch):
+    """Where the device has memory of its own, MLX counts the host stacks against its limit once each is
+    advised (`backend.map_for_device`); made all at once before that, they are covered by a limit raised
+    for their bytes while they are made and read, and after the load the limit is the budget plus what
+    the advice holds, as before."""
+    from od_moe import backend
+    from od_moe.two_tier import mapped
+
+    monkeypatch.setattr(backend, "arrays_in_host_memory", lambda: False)  # as CUDA's arrays
+    kept, seen, make = mx.get_memory_limit(), [], mapped._host_stacks
+    try:
+        mx.set_memory_limit(10**9)
+        held = sum(backend._held_in_host.values())
+        monkeypatch.setattr(
+            mapped, "_host_stacks", lambda layers: (seen.append(mx.get_memory_limit()), make(layers))[1]
+        )
+        engine = od_moe.load(capacity=0.25, two_tier=True, dtype="model")
+        E, C = engine.num_experts, engine.capacity
+        host = sum(a.nbytes // (E + C) * E for stack in engine.runtime.stacks for a in stack.values())
+        assert seen == [10**9 + held + host]
+        assert mx.get_memory_limit() == 10**9 + sum(backend._held_in_host.values())  # the raise taken back
+        engine.close()
+    finally:
+        mx.set_memory_limit(kept)
+
+
 def test_stacks_read_in_place_hold_what_staging_reads(monkeypatch):
     """Where the disk's bytes are the arrays' (the checkpoint's dtypes, as on CUDA and Metal), every layer's
     experts are read by threads straight into its stack's rows, with no staging; the stacks hold the bits

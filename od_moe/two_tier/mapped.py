@@ -10,6 +10,7 @@ device memory (`backend.map_for_device`). On the CPU and Metal that is plain mem
 Not here: the forward math, filling the slots or admission (`runtime.py`).
 """
 
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,16 @@ def read_stacks(
     staging and a cast on this thread. Where MLX gives no writable view of an array, its layer's bytes go
     into numpy arrays copied into MLX once, then checked (a RuntimeError where an array does not hold the
     bytes read), one layer at a time."""
+    host_nbytes = sum(
+        layout.num_experts * math.prod(p.shape) * targets[(p.proj, p.name)].size
+        for layout, targets, _ in layers
+        for p in layout.parts
+    )
+    with backend.host_arrays_ahead(host_nbytes):  # map_for_device counts them as each layer is finished
+        return _read_stacks(store, layers, progress)
+
+
+def _read_stacks(store: ExpertStore, layers, progress) -> list[dict[tuple[str, str], mx.array]]:
     hosts = _host_stacks(layers)
     stacks = [None] * len(layers)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:

@@ -295,13 +295,13 @@ def _hold_in_host(address: int, nbytes: int):
 def host_arrays_ahead(nbytes: int):
     """MLX's limit raised by `nbytes` while host arrays are made that `map_for_device` counts only later:
     made all at once they would put MLX past its limit, where it waits for its running work before it
-    starts more (`mlx/transforms.cpp`), one array at a time."""
-    raise_by = 0 if arrays_in_host_memory() else max(0, nbytes)
-    mx.set_memory_limit(mx.get_memory_limit() + raise_by)
+    starts more (`mlx/transforms.cpp`), one array at a time. Held as `_hold_in_host` holds a mapped array."""
+    key = -id(alive := object())  # no array's address (`alive` keeps it unique until the end)
+    _hold_in_host(key, 0 if arrays_in_host_memory() else max(0, nbytes))
     try:
-        yield
+        yield alive
     finally:
-        mx.set_memory_limit(max(0, mx.get_memory_limit() - raise_by))
+        _hold_in_host(key, 0)
 
 
 def stage_for_device(array: mx.array) -> mx.array:

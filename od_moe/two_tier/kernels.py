@@ -7,7 +7,7 @@ CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests ru
 - device-kept rows (`kept_rows_source`, launched by `kept_rows.KeptRows`): one call decides which candidate
   experts go into which of a layer's rows (least recently used, or by decayed counts), writes the layer's
   expert->row tables, each candidate lane's row and hit, and copies the chosen experts host row -> device
-  row, one (expert, array) per block row of the grid. Every thread repeats the decision in registers;
+  row, one (expert, array) per block row of the grid. Each block makes the decision in shared memory;
   block 0 writes the tables. `kept_rows.plan` is the same decision in numpy;
 - staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte loads
   (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its expert
@@ -68,101 +68,149 @@ def slot_fill_source(unit: int) -> str:
     return _SLOT_FILL.format(unit=_SLOT_FILL_UNITS[unit])
 
 
-# device-kept rows (`kept_rows.py`)
+# device-kept rows (`kept_rows.py`). The decision is shared memory in each block: its threads split the
+# candidates and rows between them, where every thread repeating it alone made a call cost tens of
+# microseconds before a byte moved. Least recently used needs no loop over candidates: the k-th candidate
+# not held takes the free row ranked k-th by age (oldest first, ties: the lower row). Ranking by decayed
+# counts (COUNTS) or top-P scores (SCORES), where each choice changes the next, stays serial, in thread 0.
 _KEPT_ROWS = """
     using U = {unit};
-    int want[P];  // the candidates in order, -1 where repeated or already in a slot
+    __shared__ int want[P];  // the candidates in order, -1 where repeated, unknown or in a slot
+    __shared__ bool miss[P];  // wanted and not held
+    __shared__ int missing_k[P];  // each miss's place among the misses
+    __shared__ int into_of[P];  // the row each candidate is copied to, else -1
+    __shared__ int now[S];
+    __shared__ int new_age[S];
+    __shared__ bool free_row[S];
+    __shared__ int row_by_age[S];  // the free rows, oldest first
+    __shared__ int copies;
+    const int tid = threadIdx.x, nt = blockDim.x;
     if (SCORES) {{  // the top P of E scores (ties: the lower id)
-        float last_v = INFINITY;
-        int last_i = -1;
-        for (int q = 0; q < P; ++q) {{
-            int best = -1;
-            float best_v = -INFINITY;
-            for (int e = 0; e < E; ++e) {{
-                float v = static_cast<float>(cand[e]);
-                bool below = v < last_v || (v == last_v && e > last_i);
-                if (below && (best < 0 || v > best_v)) {{
-                    best = e;
-                    best_v = v;
+        if (tid == 0) {{
+            float last_v = INFINITY;
+            int last_i = -1;
+            for (int q = 0; q < P; ++q) {{
+                int best = -1;
+                float best_v = -INFINITY;
+                for (int e = 0; e < E; ++e) {{
+                    float v = static_cast<float>(cand[e]);
+                    bool below = v < last_v || (v == last_v && e > last_i);
+                    if (below && (best < 0 || v > best_v)) {{
+                        best = e;
+                        best_v = v;
+                    }}
                 }}
+                last_v = best_v;
+                last_i = best;
+                want[q] = best;
             }}
-            last_v = best_v;
-            last_i = best;
-            want[q] = best;
         }}
     }} else {{  // P expert ids
-        for (int q = 0; q < P; ++q) {{
+        for (int q = tid; q < P; q += nt) {{
             int e = (int)static_cast<float>(cand[q]);
-            for (int r = 0; r < q; ++r) e = (want[r] == e) ? -1 : e;
+            for (int r = 0; r < q; ++r) e = ((int)static_cast<float>(cand[r]) == e) ? -1 : e;
             want[q] = e;
         }}
     }}
-    for (int q = 0; q < P; ++q) {{
+    __syncthreads();
+    for (int q = tid; q < P; q += nt) {{
         int e = want[q];
         want[q] = (e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
     }}
-    int now[S];
-    int new_age[S];
-    bool free_row[S];
-    for (int s = 0; s < S; ++s) {{
+    __syncthreads();
+    for (int s = tid; s < S; s += nt) {{
         now[s] = held[s];
         bool keep = false;
         for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
         free_row[s] = !keep && COPY;
         new_age[s] = keep ? 0 : (DEMAND ? min(age[s] + 1, {empty}) : age[s]);
     }}
+    for (int q = tid; q < P; q += nt) {{
+        bool held_q = false;
+        for (int s = 0; s < S; ++s) held_q = held_q || held[s] == want[q];
+        miss[q] = want[q] >= 0 && !held_q;
+        into_of[q] = -1;
+    }}
+    __syncthreads();
     auto scored = [&](int e) -> float {{  // decayed routing counts after this pass (COUNTS only)
         if (!COUNTS) return score[e];
         bool routed = false;
         for (int q = 0; q < P; ++q) routed = routed || want[q] == e;
         return __fadd_rn(__fmul_rn(score[e], decay[0]), routed ? 1.0f : 0.0f);
     }};
-    int into = -1;  // the row this block's expert is copied to
-    int copies = 0;
-    for (int q = 0; q < P; ++q) {{
-        if (want[q] < 0) continue;
-        bool there = false;
-        for (int s = 0; s < S; ++s) there = there || (!free_row[s] && now[s] == want[q]);
-        if (there) continue;
-        int v = -1;  // empty rows first; then the least recently used, or the lowest count (ties: lower row)
-        for (int s = 0; s < S; ++s) {{
-            if (!free_row[s]) continue;
-            if (!COUNTS && (v < 0 || age[s] > age[v])) v = s;
-            if (COUNTS && (v < 0 || (now[v] >= 0 && (now[s] < 0 || scored(now[s]) < scored(now[v]))))) v = s;
+    if (COUNTS) {{  // each miss takes the lowest-counted free row (empty first) where its count is higher
+        if (tid == 0) {{
+            copies = 0;
+            for (int q = 0; q < P; ++q) {{
+                if (!miss[q]) continue;
+                int v = -1;
+                for (int s = 0; s < S; ++s) {{
+                    if (!free_row[s]) continue;
+                    if (v < 0 || (now[v] >= 0 && (now[s] < 0 || scored(now[s]) < scored(now[v])))) v = s;
+                }}
+                if (v < 0) break;
+                if (now[v] >= 0 && !(scored(want[q]) > scored(now[v]))) continue;  // read in place
+                free_row[v] = false;
+                now[v] = want[q];
+                new_age[v] = 0;
+                into_of[q] = v;
+                copies += 1;
+            }}
         }}
-        if (v < 0) break;
-        if (COUNTS && now[v] >= 0 && !(scored(want[q]) > scored(now[v]))) continue;  // read in place
-        free_row[v] = false;
-        now[v] = want[q];
-        new_age[v] = 0;
-        copies += 1;
-        if (q == (int)blockIdx.y) into = v;
+    }} else {{
+        for (int s = tid; s < S; s += nt) {{  // each free row's place among the free rows, oldest first
+            if (!free_row[s]) continue;
+            int rank = 0;
+            for (int r = 0; r < S; ++r)
+                rank += free_row[r] && (age[r] > age[s] || (age[r] == age[s] && r < s)) ? 1 : 0;
+            row_by_age[rank] = s;
+        }}
+        for (int q = tid; q < P; q += nt) {{  // each miss: how many come before it
+            int k = 0;
+            for (int r = 0; r < q; ++r) k += miss[r] ? 1 : 0;
+            missing_k[q] = k;
+        }}
+        if (tid == 0) {{
+            int free_rows = 0, misses = 0;
+            for (int s = 0; s < S; ++s) free_rows += free_row[s] ? 1 : 0;
+            for (int q = 0; q < P; ++q) misses += miss[q] ? 1 : 0;
+            copies = min(free_rows, misses);
+        }}
+        __syncthreads();
+        for (int q = tid; q < P; q += nt) {{
+            int k = missing_k[q];
+            if (!miss[q] || k >= copies) continue;
+            int v = row_by_age[k];
+            into_of[q] = v;
+            now[v] = want[q];
+            new_age[v] = 0;
+        }}
     }}
+    __syncthreads();
     auto placed = [&](int e, const int* in) -> uint32_t {{  // e's row: a slot, else a device row `in` holds
         uint32_t row = base[e];
         for (int s = 0; s < S; ++s) row = (in[s] == e && row < (uint32_t)E) ? E + C + s : row;
         return row;
     }};
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {{
-        for (int i = threadIdx.x; i < E; i += blockDim.x) {{
+        for (int i = tid; i < E; i += nt) {{
             rows[i] = placed(i, now);
             found[i] = placed(i, held);
             score_out[i] = scored(i);
         }}
-        if (threadIdx.x == 0) {{
-            for (int s = 0; s < S; ++s) {{
-                held_out[s] = now[s];
-                age_out[s] = new_age[s];
-            }}
-            copied[0] = copies;
+        for (int s = tid; s < S; s += nt) {{
+            held_out[s] = now[s];
+            age_out[s] = new_age[s];
         }}
-        for (int q = threadIdx.x; q < P && DEMAND; q += blockDim.x) {{  // each candidate lane's row, hit
+        if (tid == 0) copied[0] = copies;
+        for (int q = tid; q < P && DEMAND; q += nt) {{  // each candidate lane's row, hit
             int e = (int)static_cast<float>(cand[q]);
             bool known = e >= 0 && e < E;
             lane_rows[q] = known ? placed(e, now) : (uint32_t)E;
             lane_hit[q] = known && placed(e, held) >= (uint32_t)E;
         }}
     }}
+    int into = into_of[blockIdx.y];
     if (into < 0) return;
     size_t from_row = (size_t)want[blockIdx.y];
     size_t to_row = (size_t)(E + C + into);

@@ -179,10 +179,10 @@ def activation_nbytes_per_token(model, context: int = RESERVED_CONTEXT) -> int:
     hidden = getattr(args, "hidden_size", 0)
     inter = getattr(args, "moe_intermediate_size", None) or getattr(args, "intermediate_size", hidden)
     heads = getattr(args, "num_attention_heads", 1)
-    return (_top_k(model) * (2 * hidden + 3 * inter) + heads * context) * _itemsize(model)
+    return (experts_per_token(model) * (2 * hidden + 3 * inter) + heads * context) * _itemsize(model)
 
 
-def _top_k(model) -> int:
+def experts_per_token(model) -> int:
     """Experts routed per token, from the config (8 where it does not say)."""
     return getattr(getattr(model, "args", None), "num_experts_per_tok", None) or 8
 
@@ -208,7 +208,7 @@ def working_nbytes(
     kv_per_token = kv_nbytes_per_token(model) if kv_per_token is None else kv_per_token
     kv = 2 * kv_per_token * context.tokens * context.sequences  # the cache and its last, smaller copy
     activations = activation_nbytes_per_token(model, context.tokens) * context.chunk
-    staged = min(num_experts, context.chunk * _top_k(model)) * staged_expert_nbytes
+    staged = min(num_experts, context.chunk * experts_per_token(model)) * staged_expert_nbytes
     return kv + activations + moe_layers * num_experts * hidden * 4 + staged
 
 

@@ -81,8 +81,9 @@ class Runtime(Protocol):
     def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
         """What `cache`'s slots hold, by `proj.part` name (snapshots)."""
 
-    def prepare_batches(self) -> None:
-        """Before batches of any size are served: make what their passes need (`server/batching.py`)."""
+    def prepare_batches(self, lanes: int) -> None:
+        """Before batches of any size are served: make what their passes need, up to `lanes` routed lanes a
+        layer (the largest batch times the experts each token routes to; `server/batching.py`)."""
 
     def close(self) -> None:
         """Stop what runs beside generation (prefetch, reader threads); the runtime can still generate."""

@@ -58,6 +58,17 @@ def test_a_two_tier_batch_gives_stock_mlx_lms_batch_tokens(capacity, mode, refer
     assert total["bytes_read"] == 0 and (total["hits"] > 0) == (capacity > 0)
 
 
+def test_a_batch_past_64_lanes_keeps_rows_on_the_device():
+    """Nine sequences route 72 lanes a layer through device-kept rows (a call of that many lanes copies:
+    test_kept_rows.py): the tokens are stock mlx-lm's batch's, and nothing is read from disk."""
+    prompts = PROMPTS * 3
+    engine = od_moe.load(capacity=0.25, two_tier="lru")
+    got = engine.batch_generate(prompts, max_tokens=8)
+    assert got.token_ids == stock_batch(od_moe.DEFAULT_MODEL, prompts, 8).token_ids
+    total = engine.stats()["total"]
+    assert total["experts_loaded"] > 0 and total["decode"]["hits"] > 0 and total["bytes_read"] == 0
+
+
 def test_streamed_batch_tokens_come_with_their_prompt_index(reference):
     engine = od_moe.load(capacity="25%")
     tokens, finished = [[] for _ in PROMPTS], [None] * len(PROMPTS)

@@ -58,10 +58,20 @@ def test_plan_by_decayed_counts_admits_a_miss_only_over_a_lower_count():
 
 
 def test_demand_calls_take_a_few_sizes_padded_with_an_id_no_call_copies():
-    """A batch's routed lanes are padded to 8 / 16 / 32 / 64 candidates (the kernel compiles per size),
-    with E, which the decision drops: the same copies and rows as the lanes alone."""
-    assert [kept_rows.padded_size(n) for n in (1, 8, 9, 16, 17, 40, 64)] == [8, 8, 16, 16, 32, 64, 64]
-    assert {kept_rows.padded_size(n) for n in range(1, kept_rows.MAX_DEMAND + 1)} == {8, 16, 32, 64}
+    """A batch's routed lanes are padded to a power of two from 8 candidates (the kernel compiles per
+    size), with E, which the decision drops: the same copies and rows as the lanes alone."""
+    assert [kept_rows.padded_size(n) for n in (1, 8, 9, 16, 17, 40, 64, 80)] == [
+        8,
+        8,
+        16,
+        16,
+        32,
+        64,
+        64,
+        128,
+    ]
+    assert kept_rows.demand_sizes(64) == [8, 16, 32, 64]
+    assert kept_rows.demand_sizes(80) == [8, 16, 32, 64, 128]  # a batch of 8 at top-10 (Qwen3-Next)
     ids = mx.array([5, 9, 9, 11, 2, 3, 4, 6, 8, 1], mx.uint32)
     cand = kept_rows.padded(ids, E)
     assert cand.dtype == mx.uint32 and cand.size == 16 and cand[10:].tolist() == [E] * 6
@@ -74,6 +84,21 @@ def test_demand_calls_take_a_few_sizes_padded_with_an_id_no_call_copies():
         and np.array_equal(alone[0], with_pad[0])
         and np.array_equal(alone[1], with_pad[1])
     )
+
+
+def test_a_demand_call_takes_a_batch_of_any_size():
+    """72 routed lanes (9 sequences at top-8, past the 64 a call once took): the layer's misses are copied
+    into its rows, as many as it has, and each lane reads its expert's row; the rest read in place."""
+    S = 4
+    stack = {("p", "w"): mx.array(np.arange((E + S) * 8, dtype=np.uint8).reshape(E + S, 8))}
+    rows = kept_rows.KeptRows([stack], E, [0], S, S)
+    ids = mx.array(np.resize([3, 5, 7, 9, 11], 72).astype(np.uint32).reshape(9, 8))
+    table, read, hit = rows.lanes(0, mx.arange(E, dtype=mx.uint32), ids)
+    copied, hits = rows.read()
+    assert hit is None and copied.tolist() == [4] and hits.tolist() == [0]  # all missed; 4 rows filled
+    want = {3: E, 5: E + 1, 7: E + 2, 9: E + 3, 11: 11}
+    assert read.tolist() == [[want[e] for e in row] for row in ids.tolist()]
+    assert kept_rows.wrong_rows(rows) == 0
 
 
 def test_top_ranks_as_the_kernel_does():

@@ -139,7 +139,7 @@ class OffloadRuntime:
         else:
             cache.restore(expert_in_slot, arrays)
 
-    def prepare_batches(self):
+    def prepare_batches(self, lanes: int):
         """Nothing to make ahead: a batch's pass reads what it misses as any pass does."""
 
     def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from mlx_lm.generate import BatchGenerator
 
 from .. import backend
+from ..capacity import experts_per_token
 from ..mlx_lm_private import pending_tokens
 from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
@@ -104,7 +105,8 @@ class RunningBatch:
         # the last requests completed, as /health shows
         self.finished: deque[dict] = deque(maxlen=FINISHED_KEPT)
         self.generator = self._new_generator()
-        self.engine.runtime.prepare_batches()  # before any request (device-kept rows: their kernels)
+        # before any request (device-kept rows: their kernels, for every size up to a full batch's lanes)
+        self.engine.runtime.prepare_batches(max_batch * experts_per_token(self.engine.model))
 
     def __len__(self) -> int:
         return len(self.sequences)

@@ -40,7 +40,6 @@ BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that 
 DEMAND_BLOCKS = 128
 
 AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first
-MAX_DEMAND = 64  # routed lanes a layer's own call takes (batch 8 at top-8); past it, misses are read in place
 
 
 def plan(
@@ -99,8 +98,14 @@ def plan(
 
 def padded_size(lanes: int) -> int:
     """Candidates a demand call takes for `lanes` routed lanes: the next power of two from 8, so that the
-    kernel, compiled for each size, has four sizes up to `MAX_DEMAND` (not one per batch size)."""
+    kernel, compiled for each size, has a few sizes (8 to 128 for a batch of 8 at top-10), not one per
+    batch size."""
     return max(8, 1 << (lanes - 1).bit_length())
+
+
+def demand_sizes(lanes: int) -> list[int]:
+    """Every size a demand call of 1 to `lanes` routed lanes takes (`padded_size`)."""
+    return sorted({padded_size(n) for n in range(1, lanes + 1)})
 
 
 def padded(ids: mx.array, E: int) -> mx.array:
@@ -180,19 +185,19 @@ class KeptRows:
         (no operation of their own in the pass) and None is returned for them. `copy` False (a prompt's
         pass): the rows as they are, nothing copied."""
         rows = self._copy_predicted(layer, base, copy)
-        if copy and self.demand and indices.size <= MAX_DEMAND:
+        if copy and self.demand:
             _, rows, read, hit = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
             if read.size > indices.size:  # padded candidates
                 read, hit = read[: indices.size], hit[: indices.size]
             self._hits.append((layer, hit))
             return rows, read.reshape(indices.shape), None
-        rows = self.current(layer, base) if rows is None else rows  # more lanes than a call takes
+        rows = self.current(layer, base) if rows is None else rows
         read = rows[indices]
         return rows, read, read >= self.E
 
     def fuses(self) -> bool:
         """Whether a decode pass's layer call and the products after it can be one compiled call (`plan`):
-        on the device, with `demand` on (one position's top-k lanes: at most `MAX_DEMAND`)."""
+        on the device, with `demand` on."""
         return self.on_device and self.demand
 
     def plan(self, layer: int, base: mx.array) -> Plan:
@@ -239,15 +244,16 @@ class KeptRows:
         table[at] = mx.where(table[at] < E, mx.arange(first, first + self.S).astype(base.dtype), table[at])
         return table[:E]
 
-    def compile(self):
-        """Build the kernel of each layer for every size a demand call takes (`padded`), evaluated on
-        candidates that copy nothing, its outputs dropped: on CUDA each new size compiles the kernel, which
-        would otherwise stall a pass mid-generation (seconds, when a batch first grows)."""
+    def compile(self, lanes: int):
+        """Build the kernel of each layer for every size a demand call of up to `lanes` routed lanes takes
+        (`demand_sizes`), evaluated on candidates that copy nothing, its outputs dropped: on CUDA each new
+        size compiles the kernel, which would otherwise stall a pass mid-generation (seconds, when a batch
+        first grows)."""
         if not self.on_device:
             return
         for layer in {self._kernel(layer)[0]: layer for layer in range(len(self.stacks))}.values():
             base = mx.arange(self.E, dtype=mx.uint32)
-            for size in sorted({padded_size(n) for n in range(1, MAX_DEMAND + 1)}):
+            for size in demand_sizes(lanes):
                 mx.eval(self._launch(layer, mx.full((size,), self.E, mx.uint32), base, ahead=False))
 
     def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, ...]:

@@ -180,10 +180,11 @@ class TwoTierRuntime:
         E, C = self.num_experts, cache.capacity
         return {f"{proj}.{name}": rows[E : E + C] for (proj, name), rows in self.stacks[cache.layer].items()}
 
-    def prepare_batches(self):
-        """Device-kept rows compile their kernel for every batch size (`KeptRows.compile`)."""
+    def prepare_batches(self, lanes: int):
+        """Device-kept rows compile their kernel for every size a pass of up to `lanes` routed lanes takes
+        (`KeptRows.compile`)."""
         if self.lookahead is not None:
-            self.lookahead.compile()
+            self.lookahead.compile(lanes)
 
     # -- a pass: one way in per layer --------------------------------------------------------------
     def layer_pass(self, layer: int, x: mx.array, compute: Callable[[LayerPass], mx.array]) -> mx.array:

@@ -147,9 +147,9 @@ class CompiledBlock(nn.Module):
     def _compute(self, step: LayerPass, x: mx.array, args, kwargs) -> mx.array:
         """The layer's pass `step` of `x`: its plan as one compiled call where that is exact, else `inner`
         op by op, its switch computing in `step`."""
-        # one position, and no forecast (it reads each layer's hidden state for later layers)
-        runtime = self.runtime
-        one = x.size == x.shape[-1] and runtime.forecast is None and not (args or kwargs) and self.traceable
+        # one position (a forecast reads the block's input before the call, and its copies are calls of
+        # their own: `KeptRows.plan`)
+        one = x.size == x.shape[-1] and not (args or kwargs) and self.traceable
         if one and self.verdict.exact is None:
             self.verdict.exact = self.compiles_exactly(x)  # None where this block cannot be traced
         plan = step.plan

@@ -4,15 +4,20 @@ the first token of a short prompt takes after the load, and the first tokens of 
 calls that took longest in each (cumulative, then by own time). Run it in alternating processes with
 PYTHONPATH at two checkouts to compare.
 
-  PYTHONPATH=CHECKOUT python3 lab/cold_start/load_profile.py LABEL MODEL [TOP]
+  PYTHONPATH=CHECKOUT [WARM=1] python3 lab/cold_start/load_profile.py LABEL MODEL [TOP]
+
+WARM=1: before the first token, compile the device-kept rows' kernel for one sequence's lanes
+(`prepare_batches`), timed apart: what of the first token is that compile.
 """
 
 import cProfile
+import os
 import pstats
 import sys
 import time
 
 import od_moe
+from od_moe.capacity import experts_per_token
 
 
 def show(profile, top):
@@ -31,6 +36,10 @@ reads = [v[3] for k, v in pstats.Stats(profile).stats.items() if k[2] in ("read_
 print(f"{sys.argv[1]} load {load:.2f} s, read_stack {sum(reads):.2f} s", flush=True)
 if top:
     show(profile, top)
+if os.environ.get("WARM"):  # the device-kept rows' kernel compiled first, for one sequence's lanes
+    start = time.perf_counter()
+    engine.runtime.prepare_batches(experts_per_token(engine.model))
+    print(f"{sys.argv[1]} prepare_batches {time.perf_counter() - start:.2f} s", flush=True)
 first = cProfile.Profile()
 start = time.perf_counter()
 first.enable()

@@ -3,9 +3,10 @@ recorded from the bundled model: least recently used and Belady's MIN (`od_moe.r
 counts with selective admission, per layer with C rows, every miss one expert's bytes (read in place or
 copied into a row: the same bytes).
 
-    python3 lab/tools/admission_sim.py [--capacities 16,24] [--decays 0.5,0.8,0.9,0.95,0.98]
+    python3 lab/tools/admission_sim.py [--capacities 16,24] [--decays 0.5,0.8,0.9,0.95,0.98] [--model M]
 
-Routing: the bench's warm-up prompt and its 3 prompts, 48 greedy tokens each, all experts resident.
+Routing: the bench's warm-up prompt and its 3 prompts, 48 greedy tokens each, all experts resident, of the
+bundled model or `--model` (a real shape's checkpoint: its routing is its random weights').
 `decay a`: each expert's score is multiplied by a every pass and raised by 1 where routed; a missed
 expert takes the row of the lowest-scored expert not routed in this pass only if its own score is higher
 (else it is read in place and the rows stay). Deterministic: counts, not timings.
@@ -23,7 +24,7 @@ from od_moe.replay import replay_recording
 
 
 class DecayedCounts:
-    def __init__(self, capacity: int, decay: float, experts: int = 512):
+    def __init__(self, capacity: int, decay: float, experts: int = 1024):
         self.capacity, self.decay, self.score, self.held = capacity, decay, np.zeros(experts), set()
 
     def step(self, ids: set[int]) -> int:
@@ -58,8 +59,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--capacities", default="16,24")
     parser.add_argument("--decays", default="0.5,0.8,0.9,0.95,0.98")
+    parser.add_argument("--model", default=None)
     args = parser.parse_args()
-    engine = od_moe.load(capacity=1.0, two_tier=False)
+    engine = od_moe.load(args.model, capacity=1.0, two_tier=False)
     recording = []
     for prompt in [WARM_PROMPT, *PROMPTS]:
         recording += engine.record_routing(prompt, 48)

@@ -6,7 +6,7 @@ its host.
     ncu --profile-from-start off --clock-control none --cache-control none \
         --metrics gpu__time_duration.sum --csv --graph-profiling node \
         python3 lab/tools/kernel_time.py run MODE [WORKDIR|MODEL] > MODE.csv
-    python3 lab/tools/kernel_time.py sum MODE.csv
+    python3 lab/tools/kernel_time.py sum MODE.csv TOKENS
 
 A MODEL is a folder with a config.json (a real shape, `od_moe/bench/real_shapes.py`); a WORKDIR is where
 the widened copy is made (/tmp/odb by default). TOKENS (environment, default 8): decoded tokens profiled.
@@ -101,7 +101,7 @@ def run(mode: str, path: str):
             (cudart.cudaProfilerStart if i == 1 else cudart.cudaProfilerStop)()
 
 
-def summary(csv_path: str, shown: int = 14):
+def summary(csv_path: str, tokens: int, shown: int = 14):
     rows = list(csv.reader(line for line in open(csv_path) if line.startswith('"')))
     head, rows = rows[0], rows[1:]
     name, value, unit = (head.index(k) for k in ("Kernel Name", "Metric Value", "Metric Unit"))
@@ -112,17 +112,17 @@ def summary(csv_path: str, shown: int = 14):
         busy[kernel] += float(row[value].replace(",", "")) * us[row[unit]]
         calls[kernel] += 1
     print(
-        f"{csv_path}: {len(rows) / TOKENS:.0f} kernels a token, {sum(busy.values()) / TOKENS / 1e3:.3f} ms"
+        f"{csv_path}: {len(rows) / tokens:.0f} kernels a token, {sum(busy.values()) / tokens / 1e3:.3f} ms"
         " busy a token"
     )
     for kernel, total in busy.most_common(shown):
-        print(f"  {total / TOKENS:8.1f} us a token  {calls[kernel] / TOKENS:5.1f} calls  {kernel}")
+        print(f"  {total / tokens:8.1f} us a token  {calls[kernel] / tokens:5.1f} calls  {kernel}")
 
 
 def main():
     command, *rest = sys.argv[1:]
-    if command == "sum":
-        return summary(rest[0])
+    if command == "sum":  # the tokens the run profiled: its TOKENS
+        return summary(rest[0], int(rest[1]))
     mode, rest = (rest[0], rest[1:]) if command == "run" else (None, rest)
     where = Path(rest[0] if rest else "/tmp/odb")
     if (where / "config.json").exists():

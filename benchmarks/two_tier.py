@@ -147,6 +147,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "load_s": load_s,
         "stack_moves": engine.runtime.stack_moves if isinstance(engine.runtime, TwoTierRuntime) else 0,
         "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
+        # MLX past its limit waits after every operation, stock's too (docs/GPU.md, "MLX's memory limit")
+        "mlx_active_gb": mx.get_active_memory() / 1e9,
+        "mlx_limit_gb": mx.get_memory_limit() / 1e9,
     }
     if two_tier:  # the roofline: max(stock's step, moved bytes / the faster measured way across the bus)
         moved = moved_per_token(engine) * engine.caches[0].layout.expert_nbytes

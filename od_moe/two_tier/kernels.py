@@ -68,8 +68,8 @@ def slot_fill_source(unit: int) -> str:
     return _SLOT_FILL.format(unit=_SLOT_FILL_UNITS[unit])
 
 
-# device-kept rows (`kept_rows.py`). The decision is shared memory in each block: its threads split the
-# candidates and rows between them, where every thread repeating it alone made a call cost tens of
+# device-kept rows (`kept_rows.py`). Each block makes the decision once, in shared memory, its threads
+# splitting the candidates and rows between them: every thread repeating it alone made a call cost tens of
 # microseconds before a byte moved. Least recently used needs no loop over candidates: the k-th candidate
 # not held takes the free row ranked k-th by age (oldest first, ties: the lower row). Ranking by decayed
 # counts (COUNTS) or top-P scores (SCORES), where each choice changes the next, stays serial, in thread 0.

@@ -101,6 +101,22 @@ def test_a_demand_call_takes_a_batch_of_any_size():
     assert kept_rows.wrong_rows(rows) == 0
 
 
+def test_rows_count_copies_and_hits_as_running_totals_read_at_any_time():
+    """Each layer's call adds to its running count of copies and hit lanes (`KeptRows.counted`): nothing
+    a pass makes waits for the host to read it, however long the generation, and reading every few
+    tokens or only at each request's end books the same totals."""
+    totals = []
+    for read_between in (True, False):
+        engine = od_moe.load(capacity=0.25, two_tier="lru")
+        for prompt in PROMPTS:
+            for i, _ in enumerate(engine.stream_generate(prompt, max_tokens=NEW_TOKENS)):
+                if read_between and i % 3 == 1:
+                    engine.stats()  # settles: reads the rows' counts mid-generation
+        total = engine.stats()["total"]
+        totals.append((total["experts_loaded"], total["decode"]["hits"], total["decode"]["misses"]))
+    assert totals[0] == totals[1] and totals[0][0] > 0 and totals[0][1] > 0
+
+
 def test_top_ranks_as_the_kernel_does():
     scores = np.array([0.5, 2.0, 2.0, -1.0, 3.0], np.float32)
     assert kept_rows.top(scores, 3) == [4, 1, 2]  # ties: the lower id first

@@ -7,7 +7,8 @@
 on the host (`kept_rows.plan` through numpy views, as the CPU runs it), given the same calls: demand calls
 of 1-64 routed lanes (repeats, padding, experts in slots), predictions (`expect`: top-P of scores), by
 recency and by decayed counts. After every call the tables, each lane's row and hit, the rows held, their
-ages, counts and copies must be equal, and at the end each row must hold the bytes of the expert it names.
+ages, counts, copies and hit lanes must be equal, and at the end each row must hold the bytes of the expert
+it names.
 `time`: the kernel's wall time a call at the Qwen3-30B-A3B shape's rows (three 786,432-byte weight arrays
 and six 49,152-byte scale and bias arrays an expert, 128 experts, 32 rows), over CALLS chained demand calls
 of 8 lanes built, then evaluated at once (the evaluation's wall time: their launches and kernels): every
@@ -76,10 +77,11 @@ def check(steps: int):
             for name, a, b in zip(("held", "age", "score"), state(device), state(host)):
                 if not np.array_equal(a, b):
                     bad.append(name)
-            copied, _ = device.read()
-            host_copied, _ = host.read()
+            (copied, hits), (host_copied, host_hits) = device.read(), host.read()
             if not np.array_equal(copied, host_copied):
                 bad.append(f"copies {copied[0]} != {host_copied[0]}")
+            if not np.array_equal(hits, host_hits):
+                bad.append(f"hit lanes {hits[0]} != {host_hits[0]}")
             if bad:
                 failures += 1
                 print(f"decay {decay} step {step} ({'ahead' if ahead else 'demand'}): differ in {bad}")

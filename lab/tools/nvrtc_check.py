@@ -27,9 +27,10 @@ typedef unsigned long long size_t_;
 """
 
 INPUTS = [("cand", "uint32_t"), ("base", "uint32_t"), ("held", "int32_t"), ("age", "int32_t")]
-INPUTS += [("score", "float"), ("decay", "float")]
+INPUTS += [("score", "float"), ("decay", "float"), ("counted", "int32_t")]
 OUTPUTS = [("rows", "uint32_t"), ("found", "uint32_t"), ("held_out", "int32_t"), ("age_out", "int32_t")]
-OUTPUTS += [("copied", "int32_t"), ("score_out", "float"), ("lane_rows", "uint32_t"), ("lane_hit", "bool")]
+OUTPUTS += [("counted_out", "int32_t"), ("score_out", "float"), ("lane_rows", "uint32_t")]
+OUTPUTS += [("lane_hit", "bool")]
 
 
 def wrapped(units: list[int], template: dict) -> str:

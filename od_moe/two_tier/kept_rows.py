@@ -146,14 +146,16 @@ class KeptRows:
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
-        mx.eval(self.held, self.age, self.score)
+        # each layer's copies and hit lanes (of its own calls) so far, a running count each call adds to:
+        # a pass keeps nothing of its own for the host to read later, however long the generation
+        self.counted = [mx.zeros((2,), mx.int32) for _ in stacks]
+        mx.eval(self.held, self.age, self.score, self.counted)
         self._held_host = [np.full(rows, -1, np.int64) for _ in stacks]  # host path
         self._age_host = [np.full(rows, AGE_EMPTY, np.int64) for _ in stacks]
         self._score_host = [np.zeros(num_experts, np.float32) for _ in stacks]
+        self._counted_host = np.zeros((len(stacks), 2), np.int64)
+        self._read = np.zeros((len(stacks), 2), np.int64)  # the counts as of the last `read`
         self._predicted: dict[int, mx.array] = {}
-        self.copies = np.zeros(len(stacks), np.int64)  # copies counted on the host path, not yet read
-        self._pending: list[tuple[int, mx.array]] = []  # copy counts of the kernel calls, booked at `read`
-        self._hits: list[tuple[int, mx.array]] = []  # lane hits of demand calls, booked at `read`
 
     @property
     def decay(self) -> float | None:
@@ -181,16 +183,13 @@ class KeptRows:
         after the routed ones are copied, where `demand` is on), each lane's row to read and whether its
         expert was in a slot or row before (a hit; what the layer copied for itself crossed PCIe when
         needed: a miss), both shaped as `indices`. The kernel writes the lanes' rows and hits itself: no
-        gathers of its tables. Where the layer's own call ran, its hits are kept here and counted by `read`
-        (no operation of their own in the pass) and None is returned for them. `copy` False (a prompt's
+        gathers of its tables. Where the layer's own call ran, it counts its hits itself (`read`) and None
+        is returned for them. `copy` False (a prompt's
         pass): the rows as they are, nothing copied."""
         rows = self._copy_predicted(layer, base, copy)
         if copy and self.demand:
-            _, rows, read, hit = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
-            if read.size > indices.size:  # padded candidates
-                read, hit = read[: indices.size], hit[: indices.size]
-            self._hits.append((layer, hit))
-            return rows, read.reshape(indices.shape), None
+            _, rows, read, _ = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
+            return rows, read[: indices.size].reshape(indices.shape), None
         rows = self.current(layer, base) if rows is None else rows
         read = rows[indices]
         return rows, read, read >= self.E
@@ -202,11 +201,18 @@ class KeptRows:
 
     def plan(self, layer: int, base: mx.array) -> Plan:
         """A decode pass of `layer` as one compiled call (`layer_step.Plan`): the layer's own kernel call
-        (`lanes`, copying), each lane reading the row it gives; its hits are kept here, as `lanes` keeps
-        them. What predictions for the layer copy is called first, on its own."""
+        (`lanes`, copying), each lane reading the row it gives; it counts its copies and hits, as `lanes`'
+        call does. What predictions for the layer copy is called first, on its own."""
         self._copy_predicted(layer, base)
         key = ("rows", layer, self.copy, self.decay is not None, self.demand_blocks)
-        state = (base, self.held[layer], self.age[layer], self.score[layer], self._decay_input)
+        state = (
+            base,
+            self.held[layer],
+            self.age[layer],
+            self.score[layer],
+            self._decay_input,
+            self.counted[layer],
+        )
         return Plan(key, self._demand_lanes(layer), (*state, *self.stacks[layer].values()), self._keep)
 
     def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
@@ -216,21 +222,18 @@ class KeptRows:
         return self._call(layer, scores, base, ahead=True)[1] if copy and scores is not None else None
 
     def _keep(self, layer: int, outputs: tuple):
-        held, age, score, copied, hit = outputs
-        self.held[layer], self.age[layer], self.score[layer] = held, age, score
-        self._pending.append((layer, copied))
-        self._hits.append((layer, hit))
+        self.held[layer], self.age[layer], self.score[layer], self.counted[layer] = outputs
 
     def _demand_lanes(self, layer: int):
         """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
         it gives."""
 
-        def lanes(indices, base, held, age, score, decay, *arrays):
+        def lanes(indices, base, held, age, score, decay, counted, *arrays):
             n = indices.size
             launch = self._kernel_call(layer, padded_size(n), ahead=False)
-            out = launch(*arrays, padded(indices.reshape(-1), self.E), base, held, age, score, decay)
-            held, age, copied, score, read, hit = out[2:]
-            return arrays, read[:n].reshape(indices.shape), (held, age, score, copied, hit[:n])
+            out = launch(*arrays, padded(indices.reshape(-1), self.E), base, held, age, score, decay, counted)
+            held, age, counted, score, read, _ = out[2:]
+            return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
 
         return lanes
 
@@ -261,9 +264,8 @@ class KeptRows:
         per candidate (of a demand call) its row after and whether it was held before."""
         if not self.on_device:
             return self._on_host(layer, cand, base, ahead)
-        rows, found, held, age, copied, score, lane_rows, lane_hit = self._launch(layer, cand, base, ahead)
-        self.held[layer], self.age[layer], self.score[layer] = held, age, score
-        self._pending.append((layer, copied))
+        rows, found, held, age, counted, score, lane_rows, lane_hit = self._launch(layer, cand, base, ahead)
+        self.held[layer], self.age[layer], self.score[layer], self.counted[layer] = held, age, score, counted
         return found, rows, lane_rows, lane_hit
 
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
@@ -273,7 +275,13 @@ class KeptRows:
         key = (layer, count, ahead, self.copy, self.decay is not None, self.blocks, self.demand_blocks)
         if key not in self._launches:
             self._launches[key] = mx.compile(self._kernel_call(layer, count, ahead))
-        inputs = (self.held[layer], self.age[layer], self.score[layer], self._decay_input)
+        inputs = (
+            self.held[layer],
+            self.age[layer],
+            self.score[layer],
+            self._decay_input,
+            self.counted[layer],
+        )
         return self._launches[key](*self.stacks[layer].values(), cand, base, *inputs)
 
     def _kernel_call(self, layer: int, count: int, ahead: bool):
@@ -294,7 +302,7 @@ class KeptRows:
             ],
             grid=(threads, count, len(self.stacks[layer])),
             threadgroup=(min(THREADS, threads), 1, 1),
-            output_shapes=[(E,), (E,), (S,), (S,), (1,), (E,), (count,), (count,)],
+            output_shapes=[(E,), (E,), (S,), (S,), (2,), (E,), (count,), (count,)],
             output_dtypes=[
                 mx.uint32,
                 mx.uint32,
@@ -314,10 +322,10 @@ class KeptRows:
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """(copies, hit lanes of the layers' own calls) per layer since the last read (waits for the passes
-        that made them). Each comes to the host as one array: on CUDA each conversion waits for the device,
-        so one a pass would hold up the request's end (docs/GPU.md, "Device-kept rows")."""
-        copies, self.copies = self._sum(self._pending) + self.copies, np.zeros(len(self.stacks), np.int64)
-        return copies, self._sum(self._hits)
+        that made them): the layers' running counts, brought to the host as one array."""
+        now = np.array(mx.stack(self.counted)).astype(np.int64) if self.on_device else self._counted_host
+        since, self._read = now - self._read, now.copy()
+        return since[:, 0], since[:, 1]
 
     def book(self, ledger):
         """Into `ledger` (`stats.Ledger`): what `read` gives, as decode's (only a decode pass copies)."""
@@ -326,16 +334,6 @@ class KeptRows:
             ledger.add("decode", int(layer), installed=int(copied[layer]), evictions=0, install_s=0.0)
         for layer in np.flatnonzero(hits):
             ledger.count_lookups("decode", int(layer), 0, int(hits[layer]))
-
-    def _sum(self, pending: list[tuple[int, mx.array]]) -> np.ndarray:
-        """Per layer, the sum of the arrays `pending` holds for it; empties `pending`."""
-        out = np.zeros(len(self.stacks), np.int64)
-        if pending:
-            layers = np.concatenate([np.full(a.size, layer) for layer, a in pending])
-            values = np.array(mx.concatenate([a.reshape(-1) for _, a in pending]))
-            np.add.at(out, layers, values.astype(np.int64))
-        pending.clear()
-        return out
 
     def _kernel(self, layer: int) -> tuple:
         """(the layer's kernel, the most copy units of a row among its arrays), made once per layer; layers
@@ -354,13 +352,14 @@ class KeptRows:
                         "age",
                         "score",
                         "decay",
+                        "counted",
                     ],
                     output_names=[
                         "rows",
                         "found",
                         "held_out",
                         "age_out",
-                        "copied",
+                        "counted_out",
                         "score_out",
                         "lane_rows",
                         "lane_hit",
@@ -386,11 +385,11 @@ class KeptRows:
             for expert, row in copies:
                 view[row] = view[expert]
         self._held_host[layer], self._age_host[layer], self._score_host[layer] = held, age, score
-        self.copies[layer] += len(copies)
         ids = values.astype(np.int64)  # as the kernel's lanes: an id past the experts reads row E
         valid = (ids >= 0) & (ids < E)
         at = np.where(valid, ids, 0)
         lane_rows, lane_hit = np.where(valid, rows[at], E), valid & (found[at] >= E)
+        self._counted_host[layer] += (len(copies), 0 if ahead else int(lane_hit.sum()))
         tables = (found, rows, lane_rows)
         return (*(mx.array(t.astype(np.uint32)) for t in tables), mx.array(lane_hit))
 

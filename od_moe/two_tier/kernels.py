@@ -6,9 +6,10 @@ CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests ru
   into slot rows of the same stack, between passes;
 - device-kept rows (`kept_rows_source`, launched by `kept_rows.KeptRows`): one call decides which candidate
   experts go into which of a layer's rows (least recently used, or by decayed counts), writes the layer's
-  expert->row tables, each candidate lane's row and hit, and copies the chosen experts host row -> device
-  row, one (expert, array) per block row of the grid. Each block makes the decision in shared memory;
-  block 0 writes the tables. `kept_rows.plan` is the same decision in numpy;
+  expert->row tables, each candidate lane's row and hit, its running count of copies and hit lanes, and
+  copies the chosen experts host row -> device row, one (expert, array) per block row of the grid. Each
+  block makes the decision in shared memory; block 0 writes the tables. `kept_rows.plan` is the same
+  decision in numpy;
 - staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte loads
   (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its expert
   copied, which lanes were hits and the pass's counts) where MLX operations took several.
@@ -84,7 +85,9 @@ _KEPT_ROWS = """
     __shared__ bool free_row[S];
     __shared__ int row_by_age[S];  // the free rows, oldest first
     __shared__ int copies;
+    __shared__ int lane_hits;
     const int tid = threadIdx.x, nt = blockDim.x;
+    if (tid == 0) lane_hits = 0;
     if (SCORES) {{  // the top P of E scores (ties: the lower id)
         if (tid == 0) {{
             float last_v = INFINITY;
@@ -202,12 +205,18 @@ _KEPT_ROWS = """
             held_out[s] = now[s];
             age_out[s] = new_age[s];
         }}
-        if (tid == 0) copied[0] = copies;
         for (int q = tid; q < P && DEMAND; q += nt) {{  // each candidate lane's row, hit
             int e = (int)static_cast<float>(cand[q]);
             bool known = e >= 0 && e < E;
+            bool hit = known && placed(e, held) >= (uint32_t)E;
             lane_rows[q] = known ? placed(e, now) : (uint32_t)E;
-            lane_hit[q] = known && placed(e, held) >= (uint32_t)E;
+            lane_hit[q] = hit;
+            if (hit) atomicAdd(&lane_hits, 1);
+        }}
+        __syncthreads();
+        if (tid == 0) {{  // the layer's copies and hit lanes so far
+            counted_out[0] = counted[0] + copies;
+            counted_out[1] = counted[1] + lane_hits;
         }}
     }}
     int into = into_of[blockIdx.y];

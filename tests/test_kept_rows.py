@@ -117,6 +117,19 @@ def test_rows_count_copies_and_hits_as_running_totals_read_at_any_time():
     assert totals[0] == totals[1] and totals[0][0] > 0 and totals[0][1] > 0
 
 
+def test_a_long_generation_books_the_rows_counts_as_it_goes():
+    """A server reads the ledger while it decodes (`stats(settle=False)`): every `ADMIT_EVERY` positions the
+    rows' counts of a pass a few passes back (done) are booked, with no wait, so a batch that never empties
+    shows its hits; the request's end books the rest."""
+    engine = od_moe.load(capacity=0.25, two_tier="lru")
+    seen = []
+    for _ in engine.stream_generate(PROMPTS[0], max_tokens=two_tier.ADMIT_EVERY + 16):
+        seen.append(engine.stats(settle=False)["total"]["decode"]["hits"])
+    assert seen[8] == 0 and seen[-1] > 0  # booked mid-generation, before the request ended
+    total = engine.stats()["total"]
+    assert total["decode"]["hits"] >= seen[-1] and total["experts_loaded"] == total["decode"]["misses"]
+
+
 def test_top_ranks_as_the_kernel_does():
     scores = np.array([0.5, 2.0, 2.0, -1.0, 3.0], np.float32)
     assert kept_rows.top(scores, 3) == [4, 1, 2]  # ties: the lower id first

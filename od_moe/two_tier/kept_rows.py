@@ -25,6 +25,8 @@ tables and rows are exercised by the tests. Not here: the kernel's CUDA source (
 and their admission (`runtime.py`), the forecasts (`forecast.py`).
 """
 
+from collections import deque
+
 import mlx.core as mx
 import numpy as np
 
@@ -32,6 +34,7 @@ from .. import cuda
 from . import slot_fill
 from .kernels import THREADS, kept_rows_source, row_units
 from .layer_step import Plan
+from .tally import LAG
 
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
 # Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
@@ -155,6 +158,7 @@ class KeptRows:
         self._score_host = [np.zeros(num_experts, np.float32) for _ in stacks]
         self._counted_host = np.zeros((len(stacks), 2), np.int64)
         self._read = np.zeros((len(stacks), 2), np.int64)  # the counts as of the last `read`
+        self._passes: deque = deque(maxlen=LAG + 1)  # the counts as of each of the last passes
         self._predicted: dict[int, mx.array] = {}
 
     @property
@@ -317,19 +321,29 @@ class KeptRows:
         return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
     def end_pass(self):
-        """Drop predictions no layer asked for."""
+        """Drop predictions no layer asked for; keep the counts as of this pass (`read(lagged=True)`)."""
         self._predicted = {}
+        self._passes.append(list(self.counted) if self.on_device else self._counted_host.copy())
 
-    def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """(copies, hit lanes of the layers' own calls) per layer since the last read (waits for the passes
-        that made them): the layers' running counts, brought to the host as one array."""
-        now = np.array(mx.stack(self.counted)).astype(np.int64) if self.on_device else self._counted_host
-        since, self._read = now - self._read, now.copy()
+    def read(self, lagged: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(copies, hit lanes of the layers' own calls) per layer since the last read: as of now, waiting for
+        the passes that made them (the layers' running counts, brought to the host as one array), or
+        `lagged`, as of `LAG` passes back, done in mlx-lm's pipelined loop: each layer's count read as it is,
+        no operation queued behind the passes in flight (none where fewer passes ran since the last)."""
+        if lagged:
+            if len(self._passes) <= LAG:
+                return np.zeros(len(self.stacks), np.int64), np.zeros(len(self.stacks), np.int64)
+            then = self._passes[0]
+            now = np.stack([np.array(c) for c in then]) if self.on_device else then
+        else:
+            now = np.array(mx.stack(self.counted)) if self.on_device else self._counted_host
+        self._passes.clear()  # older than what is read now
+        since, self._read = now.astype(np.int64) - self._read, now.astype(np.int64)
         return since[:, 0], since[:, 1]
 
-    def book(self, ledger):
+    def book(self, ledger, lagged: bool = False):
         """Into `ledger` (`stats.Ledger`): what `read` gives, as decode's (only a decode pass copies)."""
-        copied, hits = self.read()
+        copied, hits = self.read(lagged)
         for layer in np.flatnonzero(copied):
             ledger.add("decode", int(layer), installed=int(copied[layer]), evictions=0, install_s=0.0)
         for layer in np.flatnonzero(hits):

@@ -56,7 +56,7 @@ from .layer_step import (
 )
 from .mapped import follow_moves, read_stacks, release_stacks, stack_addresses
 from .staged_passes import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
-from .tally import DeviceTally, RoutingRecord, book_read
+from .tally import LAG, DeviceTally, RoutingRecord, book_read
 
 # positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
 # passes. Even with slots filled by kernels and tables written into host rings, a pass that fills costs
@@ -65,7 +65,6 @@ from .tally import DeviceTally, RoutingRecord, book_read
 # passes, a batch would admit too rarely and miss more; admitting every few passes decoded slower
 # (`docs/GPU.md`, "Slots and admission")
 ADMIT_EVERY, ADMIT_PASSES = 64, 8
-LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 
 
 class TwoTierRuntime:
@@ -291,6 +290,9 @@ class TwoTierRuntime:
             self._admit(self.tally.read(done_by=self.clock - LAG))
         elif self.admissions and self._prompt_done and self.phase == "decode":
             self._admit(self.tally.read())  # the prompt's routing: prefill was waited for anyway
+        elif due and self.lookahead is not None:  # device-kept rows' counts, for a server's live figures
+            self.lookahead.book(self.ledger, lagged=True)
+            self._since_admission, self._admitted_at = 0, self.clock
         self._prompt_done = False
         if self._dirty:
             self._refresh()

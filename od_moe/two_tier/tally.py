@@ -21,6 +21,8 @@ import numpy as np
 
 from ..stats import PHASES
 
+LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
+
 
 class DeviceTally:
     """Cumulative routing counts and hits of `layers` MoE layers of `experts` experts, on the device."""

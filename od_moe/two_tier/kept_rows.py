@@ -131,6 +131,41 @@ def top(scores: np.ndarray, count: int) -> list[int]:
     return [int(e) for e in np.argsort(-scores, kind="stable")[:count]]
 
 
+class RunningCounts:
+    """Each layer's copies and hit lanes (of its own calls) so far, as running counts each kernel call takes
+    and gives back (`on_device`, (2,) int32 a layer) or the host path adds to (`on_host`): a pass keeps
+    nothing of its own for the host to read later, however long the generation."""
+
+    def __init__(self, layers: int, device: bool):
+        self.device = device
+        self.on_device = [mx.zeros((2,), mx.int32) for _ in range(layers)]
+        mx.eval(self.on_device)
+        self.on_host = np.zeros((layers, 2), np.int64)
+        self._read = np.zeros((layers, 2), np.int64)  # the counts as of the last `read`
+        self._passes: deque = deque(maxlen=LAG + 1)  # the counts as of each of the last passes
+
+    def end_pass(self):
+        """Keep the counts as of this pass, for `read(lagged=True)`."""
+        self._passes.append(list(self.on_device) if self.device else self.on_host.copy())
+
+    def read(self, lagged: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(copies, hit lanes) per layer since the last read: as of now, waiting for the passes that made
+        them (the layers' counts brought to the host as one array), or `lagged`, as of `LAG` passes back,
+        done in mlx-lm's pipelined loop: each layer's count read as it is, no operation queued behind the
+        passes in flight (nothing where fewer passes ran since the last read)."""
+        layers = len(self.on_device)
+        if lagged:
+            if len(self._passes) <= LAG:
+                return np.zeros(layers, np.int64), np.zeros(layers, np.int64)
+            then = self._passes[0]
+            now = np.stack([np.array(c) for c in then]) if self.device else then
+        else:
+            now = np.array(mx.stack(self.on_device)) if self.device else self.on_host
+        self._passes.clear()  # older than what is read now
+        since, self._read = now.astype(np.int64) - self._read, now.astype(np.int64)
+        return since[:, 0], since[:, 1]
+
+
 class KeptRows:
     """S rows per layer after its C slots (`stacks` must have E + C + S rows), least recently used first,
     filled on the device: by predictions of the layer's experts made some layers before it (`expect`,
@@ -149,16 +184,11 @@ class KeptRows:
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
-        # each layer's copies and hit lanes (of its own calls) so far, a running count each call adds to:
-        # a pass keeps nothing of its own for the host to read later, however long the generation
-        self.counted = [mx.zeros((2,), mx.int32) for _ in stacks]
-        mx.eval(self.held, self.age, self.score, self.counted)
+        self.counts = RunningCounts(len(stacks), self.on_device)
+        mx.eval(self.held, self.age, self.score)
         self._held_host = [np.full(rows, -1, np.int64) for _ in stacks]  # host path
         self._age_host = [np.full(rows, AGE_EMPTY, np.int64) for _ in stacks]
         self._score_host = [np.zeros(num_experts, np.float32) for _ in stacks]
-        self._counted_host = np.zeros((len(stacks), 2), np.int64)
-        self._read = np.zeros((len(stacks), 2), np.int64)  # the counts as of the last `read`
-        self._passes: deque = deque(maxlen=LAG + 1)  # the counts as of each of the last passes
         self._predicted: dict[int, mx.array] = {}
 
     @property
@@ -215,7 +245,7 @@ class KeptRows:
             self.age[layer],
             self.score[layer],
             self._decay_input,
-            self.counted[layer],
+            self.counts.on_device[layer],
         )
         return Plan(key, self._demand_lanes(layer), (*state, *self.stacks[layer].values()), self._keep)
 
@@ -226,7 +256,7 @@ class KeptRows:
         return self._call(layer, scores, base, ahead=True)[1] if copy and scores is not None else None
 
     def _keep(self, layer: int, outputs: tuple):
-        self.held[layer], self.age[layer], self.score[layer], self.counted[layer] = outputs
+        self.held[layer], self.age[layer], self.score[layer], self.counts.on_device[layer] = outputs
 
     def _demand_lanes(self, layer: int):
         """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
@@ -269,7 +299,8 @@ class KeptRows:
         if not self.on_device:
             return self._on_host(layer, cand, base, ahead)
         rows, found, held, age, counted, score, lane_rows, lane_hit = self._launch(layer, cand, base, ahead)
-        self.held[layer], self.age[layer], self.score[layer], self.counted[layer] = held, age, score, counted
+        self.held[layer], self.age[layer], self.score[layer] = held, age, score
+        self.counts.on_device[layer] = counted
         return found, rows, lane_rows, lane_hit
 
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
@@ -284,7 +315,7 @@ class KeptRows:
             self.age[layer],
             self.score[layer],
             self._decay_input,
-            self.counted[layer],
+            self.counts.on_device[layer],
         )
         return self._launches[key](*self.stacks[layer].values(), cand, base, *inputs)
 
@@ -323,23 +354,11 @@ class KeptRows:
     def end_pass(self):
         """Drop predictions no layer asked for; keep the counts as of this pass (`read(lagged=True)`)."""
         self._predicted = {}
-        self._passes.append(list(self.counted) if self.on_device else self._counted_host.copy())
+        self.counts.end_pass()
 
     def read(self, lagged: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(copies, hit lanes of the layers' own calls) per layer since the last read: as of now, waiting for
-        the passes that made them (the layers' running counts, brought to the host as one array), or
-        `lagged`, as of `LAG` passes back, done in mlx-lm's pipelined loop: each layer's count read as it is,
-        no operation queued behind the passes in flight (none where fewer passes ran since the last)."""
-        if lagged:
-            if len(self._passes) <= LAG:
-                return np.zeros(len(self.stacks), np.int64), np.zeros(len(self.stacks), np.int64)
-            then = self._passes[0]
-            now = np.stack([np.array(c) for c in then]) if self.on_device else then
-        else:
-            now = np.array(mx.stack(self.counted)) if self.on_device else self._counted_host
-        self._passes.clear()  # older than what is read now
-        since, self._read = now.astype(np.int64) - self._read, now.astype(np.int64)
-        return since[:, 0], since[:, 1]
+        """(copies, hit lanes of the layers' own calls) per layer since the last read (`RunningCounts`)."""
+        return self.counts.read(lagged)
 
     def book(self, ledger, lagged: bool = False):
         """Into `ledger` (`stats.Ledger`): what `read` gives, as decode's (only a decode pass copies)."""
@@ -403,7 +422,7 @@ class KeptRows:
         valid = (ids >= 0) & (ids < E)
         at = np.where(valid, ids, 0)
         lane_rows, lane_hit = np.where(valid, rows[at], E), valid & (found[at] >= E)
-        self._counted_host[layer] += (len(copies), 0 if ahead else int(lane_hit.sum()))
+        self.counts.on_host[layer] += (len(copies), 0 if ahead else int(lane_hit.sum()))
         tables = (found, rows, lane_rows)
         return (*(mx.array(t.astype(np.uint32)) for t in tables), mx.array(lane_hit))
 

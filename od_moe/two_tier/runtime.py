@@ -74,15 +74,13 @@ class TwoTierRuntime:
     def __init__(
         self, store: ExpertStore, caches: list[LayerCache], stacks: list[dict], admit_every: int = ADMIT_EVERY
     ):
-        self.store, self.caches, self.stacks = store, caches, stacks
-        self.num_experts = caches[0].num_experts
+        self.store, self.caches, self.stacks, self.num_experts = store, caches, stacks, caches[0].num_experts
         self.ledger = Ledger(len(caches))
         self.admission = Admission(len(caches), self.num_experts)
         self.admit_every = admit_every
         self.admissions = True  # fill slots between passes; off, the slots stay as loaded or seeded
         self.policy = None  # whose prompt hooks run (`set_policy`)
-        self.host_syncs = 0
-        self.clock, self.phase = 0, "prefill"
+        self.host_syncs, self.clock, self.phase = 0, 0, "prefill"
         self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
         # per layer, (E,) uint32: the stack row of each expert, E + its slot where resident (a hit)
         self._tables: list[mx.array | None] = [None] * len(caches)

@@ -218,8 +218,7 @@ class KeptRows:
         expert was in a slot or row before (a hit; what the layer copied for itself crossed PCIe when
         needed: a miss), both shaped as `indices`. The kernel writes the lanes' rows and hits itself: no
         gathers of its tables. Where the layer's own call ran, it counts its hits itself (`read`) and None
-        is returned for them. `copy` False (a prompt's
-        pass): the rows as they are, nothing copied."""
+        is returned for them. `copy` False (a prompt's pass): the rows as they are, nothing copied."""
         rows = self._copy_predicted(layer, base, copy)
         if copy and self.demand:
             _, rows, read, _ = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)

@@ -128,9 +128,9 @@ def _read_staged(store: ExpertStore, layout: BlockLayout, targets: dict, rows: d
     for key, (array, view) in rows.items():
         if view is None:
             rows[key] = (None, np.zeros(array.shape, dtype=_uint(array.dtype.size)))
-    ids = _batches(layout)
-    staging = ExpertRows(layout, len(ids[0]))
-    for batch in ids:
+    batches = _batches(layout)
+    staging = ExpertRows(layout, len(batches[0]))
+    for batch in batches:
         raw = store.read(layout, batch, staging)
         for p in layout.parts:
             key = (p.proj, p.name)

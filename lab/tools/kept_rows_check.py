@@ -40,6 +40,7 @@ def twins(E: int, C: int, S: int, P: int, decay):
     device = kept_rows.KeptRows(stacks(E, C + S, [4096, 256], 0), E, [C], S, P)
     host = kept_rows.KeptRows(stacks(E, C + S, [4096, 256], 0), E, [C], S, P)
     host.on_device = False
+    host.counts = kept_rows.RunningCounts(len(host.stacks), device=False)  # made on the device by __init__
     for rows in (device, host):
         rows.decay = decay
     assert device.on_device, "needs MLX on CUDA"

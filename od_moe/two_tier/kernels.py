@@ -7,9 +7,9 @@ CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests ru
 - device-kept rows (`kept_rows_source`, launched by `kept_rows.KeptRows`): one call decides which candidate
   experts go into which of a layer's rows (least recently used, or by decayed counts), writes the layer's
   expert->row tables, each candidate lane's row and hit, its running count of copies and hit lanes, and
-  copies the chosen experts host row -> device row, one (expert, array) per block row of the grid. Each
-  block makes the decision in shared memory; block 0 writes the tables. `kept_rows.plan` is the same
-  decision in numpy;
+  copies the chosen experts host row -> device row, one (expert, array) per block row of the grid. A
+  block whose candidate is no miss leaves at once; the others make the decision in shared memory; block 0
+  writes the tables. `kept_rows.plan` is the same decision in numpy;
 - staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte loads
   (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its expert
   copied, which lanes were hits and the pass's counts) where MLX operations took several.
@@ -69,11 +69,14 @@ def slot_fill_source(unit: int) -> str:
     return _SLOT_FILL.format(unit=_SLOT_FILL_UNITS[unit])
 
 
-# device-kept rows (`kept_rows.py`). Each block makes the decision once, in shared memory, its threads
-# splitting the candidates and rows between them: every thread repeating it alone made a call cost tens of
-# microseconds before a byte moved. Least recently used needs no loop over candidates: the k-th candidate
-# not held takes the free row ranked k-th by age (oldest first, ties: the lower row). Ranking by decayed
-# counts (COUNTS) or top-P scores (SCORES), where each choice changes the next, stays serial, in thread 0.
+# device-kept rows (`kept_rows.py`). Of a demand call's blocks (16 per candidate and array at top-8), only
+# those of a candidate not held can copy: the rest leave after one look at the rows. Most calls copy nothing,
+# and with every block deciding such a call cost nearly what one that copies did (docs/GPU.md, "Real shapes'
+# tokens"). A block that stays makes the decision once, in shared memory, its threads splitting the candidates
+# and rows between them: every thread repeating it alone made a call cost tens of microseconds before a byte
+# moved. Least recently used needs no loop over candidates: the k-th candidate not held takes the free row
+# ranked k-th by age (oldest first, ties: the lower row). Ranking by decayed counts (COUNTS) or top-P scores
+# (SCORES), where each choice changes the next, stays serial, in thread 0.
 _KEPT_ROWS = """
     using U = {unit};
     __shared__ int want[P];  // the candidates in order, -1 where repeated, unknown or in a slot
@@ -87,6 +90,15 @@ _KEPT_ROWS = """
     __shared__ int copies;
     __shared__ int lane_hits;
     const int tid = threadIdx.x, nt = blockDim.x;
+    const bool first_block = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    if (!SCORES && !first_block) {{  // a block copies only its candidate, and only if it is a miss
+        int q = blockIdx.y;
+        int e = (int)static_cast<float>(cand[q]);
+        bool other = !COPY || e < 0 || e >= E || base[e] >= (uint32_t)E;  // none, unknown or in a slot
+        for (int r = tid; r < q && !other; r += nt) other = (int)static_cast<float>(cand[r]) == e;
+        for (int s = tid; s < S && !other; s += nt) other = held[s] == e;
+        if (__syncthreads_or(other)) return;  // the whole block: no copy (block 0 writes the tables)
+    }}
     if (tid == 0) lane_hits = 0;
     if (SCORES) {{  // the top P of E scores (ties: the lower id)
         if (tid == 0) {{
@@ -195,7 +207,7 @@ _KEPT_ROWS = """
         for (int s = 0; s < S; ++s) row = (in[s] == e && row < (uint32_t)E) ? E + C + s : row;
         return row;
     }};
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {{
+    if (first_block) {{
         for (int i = tid; i < E; i += nt) {{
             rows[i] = placed(i, now);
             found[i] = placed(i, held);

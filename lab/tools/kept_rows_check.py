@@ -23,7 +23,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from od_moe.two_tier import kept_rows
+from od_moe.two_tier import kept_rows, tally
 
 
 def stacks(E: int, rows: int, sizes: list[int], seed: int) -> list[dict]:
@@ -40,7 +40,7 @@ def twins(E: int, C: int, S: int, P: int, decay):
     device = kept_rows.KeptRows(stacks(E, C + S, [4096, 256], 0), E, [C], S, P)
     host = kept_rows.KeptRows(stacks(E, C + S, [4096, 256], 0), E, [C], S, P)
     host.on_device = False
-    host.counts = kept_rows.RunningCounts(len(host.stacks), device=False)  # made on the device by __init__
+    host.counts = tally.RunningCounts(len(host.stacks), device=False)  # made on the device by __init__
     for rows in (device, host):
         rows.decay = decay
     assert device.on_device, "needs MLX on CUDA"

@@ -25,8 +25,6 @@ tables and rows are exercised by the tests. Not here: the kernel's CUDA source (
 and their admission (`runtime.py`), the forecasts (`forecast.py`).
 """
 
-from collections import deque
-
 import mlx.core as mx
 import numpy as np
 
@@ -34,7 +32,7 @@ from .. import cuda
 from . import slot_fill
 from .kernels import THREADS, kept_rows_source, row_units
 from .layer_step import Plan
-from .tally import LAG
+from .tally import RunningCounts
 
 BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
 # Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
@@ -131,41 +129,6 @@ def top(scores: np.ndarray, count: int) -> list[int]:
     return [int(e) for e in np.argsort(-scores, kind="stable")[:count]]
 
 
-class RunningCounts:
-    """Each layer's copies and hit lanes (of its own calls) so far, as running counts each kernel call takes
-    and gives back (`on_device`, (2,) int32 a layer) or the host path adds to (`on_host`): a pass keeps
-    nothing of its own for the host to read later, however long the generation."""
-
-    def __init__(self, layers: int, device: bool):
-        self.device = device
-        self.on_device = [mx.zeros((2,), mx.int32) for _ in range(layers)]
-        mx.eval(self.on_device)
-        self.on_host = np.zeros((layers, 2), np.int64)
-        self._read = np.zeros((layers, 2), np.int64)  # the counts as of the last `read`
-        self._passes: deque = deque(maxlen=LAG + 1)  # the counts as of each of the last passes
-
-    def end_pass(self):
-        """Keep the counts as of this pass, for `read(lagged=True)`."""
-        self._passes.append(list(self.on_device) if self.device else self.on_host.copy())
-
-    def read(self, lagged: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(copies, hit lanes) per layer since the last read: as of now, waiting for the passes that made
-        them (the layers' counts brought to the host as one array), or `lagged`, as of `LAG` passes back,
-        done in mlx-lm's pipelined loop: each layer's count read as it is, no operation queued behind the
-        passes in flight (nothing where fewer passes ran since the last read)."""
-        layers = len(self.on_device)
-        if lagged:
-            if len(self._passes) <= LAG:
-                return np.zeros(layers, np.int64), np.zeros(layers, np.int64)
-            then = self._passes[0]
-            now = np.stack([np.array(c) for c in then]) if self.device else then
-        else:
-            now = np.array(mx.stack(self.on_device)) if self.device else self.on_host
-        self._passes.clear()  # older than what is read now
-        since, self._read = now.astype(np.int64) - self._read, now.astype(np.int64)
-        return since[:, 0], since[:, 1]
-
-
 class KeptRows:
     """S rows per layer after its C slots (`stacks` must have E + C + S rows), least recently used first,
     filled on the device: by predictions of the layer's experts made some layers before it (`expect`,
@@ -177,10 +140,12 @@ class KeptRows:
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
         self.demand_blocks = DEMAND_BLOCKS
         self.demand = True
+        self.narrow = False  # the kernel given one row of each array (`kernel_arrays`): a bench knob for now
         self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
         self._by_layer: dict[int, tuple] = {}  # layer -> (kernel, most units of a row)
         self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
+        self._narrow_views: dict[int, tuple] = {}
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
@@ -237,7 +202,7 @@ class KeptRows:
         (`lanes`, copying), each lane reading the row it gives; it counts its copies and hits, as `lanes`'
         call does. What predictions for the layer copy is called first, on its own."""
         self._copy_predicted(layer, base)
-        key = ("rows", layer, self.copy, self.decay is not None, self.demand_blocks)
+        key = ("rows", layer, *self._settings())
         state = (
             base,
             self.held[layer],
@@ -246,7 +211,8 @@ class KeptRows:
             self._decay_input,
             self.counts.on_device[layer],
         )
-        return Plan(key, self._demand_lanes(layer), (*state, *self.stacks[layer].values()), self._keep)
+        arrays = (*self.kernel_arrays(layer), *self.stacks[layer].values())
+        return Plan(key, self._demand_lanes(layer), (*state, *arrays), self._keep)
 
     def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
         """Copy what was predicted for `layer` (`expect`), before its own call, so that it is there when the
@@ -261,10 +227,12 @@ class KeptRows:
         """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
         it gives."""
 
-        def lanes(indices, base, held, age, score, decay, counted, *arrays):
-            n = indices.size
+        def lanes(indices, base, held, age, score, decay, counted, *both):
+            n, half = indices.size, len(both) // 2
+            kernel_arrays, arrays = both[:half], both[half:]
             launch = self._kernel_call(layer, padded_size(n), ahead=False)
-            out = launch(*arrays, padded(indices.reshape(-1), self.E), base, held, age, score, decay, counted)
+            cand = padded(indices.reshape(-1), self.E)
+            out = launch(*kernel_arrays, cand, base, held, age, score, decay, counted)
             held, age, counted, score, read, _ = out[2:]
             return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
 
@@ -306,7 +274,7 @@ class KeptRows:
         """The layer's kernel on `cand`, through a compiled function made once per layer and call shape:
         MLX builds a custom kernel's call (its whole source) at every call, a compiled function replays it."""
         count = self.P if ahead else cand.size
-        key = (layer, count, ahead, self.copy, self.decay is not None, self.blocks, self.demand_blocks)
+        key = (layer, count, ahead, *self._settings())
         if key not in self._launches:
             self._launches[key] = mx.compile(self._kernel_call(layer, count, ahead))
         inputs = (
@@ -316,7 +284,22 @@ class KeptRows:
             self._decay_input,
             self.counts.on_device[layer],
         )
-        return self._launches[key](*self.stacks[layer].values(), cand, base, *inputs)
+        return self._launches[key](*self.kernel_arrays(layer), cand, base, *inputs)
+
+    def _settings(self) -> tuple:
+        return self.copy, self.decay is not None, self.blocks, self.demand_blocks, self.narrow
+
+    def kernel_arrays(self, layer: int) -> tuple[mx.array, ...]:
+        """The arrays the layer's kernel copies rows of: the stack's, or with `narrow` each one's first row,
+        a view of the same memory, which the kernel indexes past. MLX's CUDA backend ends a graph once the
+        inputs of its operations add up to a set size, the whole of each input counted; the products already
+        count the stack, and the kernel's own count of it would end a graph at about every layer."""
+        if not self.narrow:
+            return tuple(self.stacks[layer].values())
+        if layer not in self._narrow_views:
+            self._narrow_views[layer] = tuple(a[:1] for a in self.stacks[layer].values())
+            mx.eval(self._narrow_views[layer])
+        return self._narrow_views[layer]
 
     def _kernel_call(self, layer: int, count: int, ahead: bool):
         kernel, units = self._kernel(layer)

@@ -10,7 +10,8 @@ hands the host the counts as of an earlier pass, one that is sure to be done whe
 (`runtime.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
 Lookups need no device data (a layer's lane count is its ids' shape) and are booked by the caller.
 `record_routing`'s routing is kept the same way (`RoutingRecord`): each pass's ids stacked on the device,
-read by the host when the ledger is settled.
+read by the host when the ledger is settled; and the device-kept rows' copies and hit lanes
+(`RunningCounts`), running sums each of their kernel calls carries on.
 Not here: what the counts decide (`admission.py`), the ledger itself (`stats.py`).
 """
 
@@ -169,3 +170,38 @@ class RoutingRecord:
                 for ids, k in lazy
             ]
         return bool(lazy)
+
+
+class RunningCounts:
+    """Each layer's copies and hit lanes (of its own calls) so far, as running counts each kernel call takes
+    and gives back (`on_device`, (2,) int32 a layer) or the host path adds to (`on_host`): a pass keeps
+    nothing of its own for the host to read later, however long the generation."""
+
+    def __init__(self, layers: int, device: bool):
+        self.device = device
+        self.on_device = [mx.zeros((2,), mx.int32) for _ in range(layers)]
+        mx.eval(self.on_device)
+        self.on_host = np.zeros((layers, 2), np.int64)
+        self._read = np.zeros((layers, 2), np.int64)  # the counts as of the last `read`
+        self._passes: deque = deque(maxlen=LAG + 1)  # the counts as of each of the last passes
+
+    def end_pass(self):
+        """Keep the counts as of this pass, for `read(lagged=True)`."""
+        self._passes.append(list(self.on_device) if self.device else self.on_host.copy())
+
+    def read(self, lagged: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(copies, hit lanes) per layer since the last read: as of now, waiting for the passes that made
+        them (the layers' counts brought to the host as one array), or `lagged`, as of `LAG` passes back,
+        done in mlx-lm's pipelined loop: each layer's count read as it is, no operation queued behind the
+        passes in flight (nothing where fewer passes ran since the last read)."""
+        layers = len(self.on_device)
+        if lagged:
+            if len(self._passes) <= LAG:
+                return np.zeros(layers, np.int64), np.zeros(layers, np.int64)
+            then = self._passes[0]
+            now = np.stack([np.array(c) for c in then]) if self.device else then
+        else:
+            now = np.array(mx.stack(self.on_device)) if self.device else self.on_host
+        self._passes.clear()  # older than what is read now
+        since, self._read = now.astype(np.int64) - self._read, now.astype(np.int64)
+        return since[:, 0], since[:, 1]

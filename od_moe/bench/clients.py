@@ -16,13 +16,16 @@ from .. import load
 from ..server import create_app
 from ..server.app import SWITCH_INTERVAL_S
 from ..server.schedule import ScheduleLog
+from ..server.warm_up import warm_up
 from .client_process import completion_request
 
 
 def start_server(capacity, max_batch: int, model=None):
     """(base URL, schedule log, werkzeug server, app) of a server over `model` (the embedded one by
-    default)."""
-    engine = load(model, capacity=capacity)
+    default), loaded and warmed up as `serve` does before it says it is ready: a request the benches time
+    then pays for no compile that `serve`'s would not."""
+    engine = load(model, capacity=capacity, sequences=max_batch)
+    warm_up(engine, max_batch=max_batch)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `serve` does
     log = ScheduleLog()
     app = create_app(engine, max_batch=max_batch, schedule=log)

@@ -293,7 +293,7 @@ class KeptRows:
         """The arrays the layer's kernel copies rows of: the stack's, or with `narrow` each one's first row,
         a view of the same memory, which the kernel indexes past. MLX's CUDA backend ends a graph once the
         inputs of its operations add up to a set size, the whole of each input counted; the products already
-        count the stack, and the kernel's own count of it would end a graph at about every layer."""
+        count the stack, and the kernel's own count of it can end a graph at each layer: unmeasured."""
         if not self.narrow:
             return tuple(self.stacks[layer].values())
         if layer not in self._narrow_views:

@@ -101,6 +101,35 @@ def test_a_demand_call_takes_a_batch_of_any_size():
     assert kept_rows.wrong_rows(rows) == 0
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+def test_a_fused_pass_gives_the_kernel_its_arrays_and_the_products_the_stack(monkeypatch, narrow):
+    """The device's one-call plan (CUDA only, so its kernel is stood in for here): the kernel gets each
+    stack array whole, or with `narrow` a one-row view of the same bytes; the products always the stack."""
+    S = 4
+    stack = {("p", "w"): mx.array(np.arange((E + S) * 8, dtype=np.uint8).reshape(E + S, 8))}
+    rows = kept_rows.KeptRows([stack], E, [0], S, S)
+    rows.narrow = narrow
+    given = []
+
+    def stand_in(layer, count, ahead):
+        def launch(*inputs):
+            given.append(inputs[0])
+            lane_rows = mx.arange(count, dtype=mx.uint32)
+            state = [rows.held[0], rows.age[0], rows.counts.on_device[0], rows.score[0]]
+            return [None, None, *state, lane_rows, lane_rows > 0]  # tables, state, lanes' rows and hits
+
+        return launch
+
+    monkeypatch.setattr(rows, "_kernel_call", stand_in)
+    plan = rows.plan(0, mx.arange(E, dtype=mx.uint32))
+    ids = mx.array([[3, 5]], mx.uint32)
+    arrays, read, outputs = plan.lanes(ids, *plan.state)
+    assert arrays == (stack["p", "w"],) and read.tolist() == [[0, 1]] and len(outputs) == 4
+    (kernel_array,) = given
+    assert kernel_array.shape == ((1, 8) if narrow else (E + S, 8))
+    assert np.array_equal(np.array(kernel_array), np.array(stack["p", "w"])[: kernel_array.shape[0]])
+
+
 def test_rows_count_copies_and_hits_as_running_totals_read_at_any_time():
     """Each layer's call adds to its running count of copies and hit lanes (`KeptRows.counted`): nothing
     a pass makes waits for the host to read it, however long the generation, and reading every few

@@ -211,7 +211,7 @@ class KeptRows:
             self._decay_input,
             self.counts.on_device[layer],
         )
-        arrays = (*self.kernel_arrays(layer), *self.stacks[layer].values())
+        arrays = (*self.stacks[layer].values(), *(self.kernel_arrays(layer) if self.narrow else ()))
         return Plan(key, self._demand_lanes(layer), (*state, *arrays), self._keep)
 
     def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
@@ -227,9 +227,9 @@ class KeptRows:
         """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
         it gives."""
 
-        def lanes(indices, base, held, age, score, decay, counted, *both):
-            n, half = indices.size, len(both) // 2
-            kernel_arrays, arrays = both[:half], both[half:]
+        def lanes(indices, base, held, age, score, decay, counted, *arrays):
+            n, k = indices.size, len(self.stacks[layer])
+            arrays, kernel_arrays = arrays[:k], arrays[k:] or arrays[:k]  # the stack's, then `narrow` views
             launch = self._kernel_call(layer, padded_size(n), ahead=False)
             cand = padded(indices.reshape(-1), self.E)
             out = launch(*kernel_arrays, cand, base, held, age, score, decay, counted)

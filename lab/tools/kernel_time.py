@@ -20,6 +20,10 @@ lanes from host memory, `two_tier/staged_passes.py`); `device` (the same engine 
 device memory: the same operations with no bytes on the bus); `lru:F` and `tt:F` (device-kept rows and
 counted slots at a fraction F of experts on the device, as `benchmarks/two_tier.py` names its rows).
 
+With `--graph-profiling graph` instead, Nsight Compute times each of MLX's CUDA graphs as one workload, so
+`sum`'s "kernels a token" counts the graphs MLX ended a token (`needs_commit` in
+`mlx/backend/cuda/device.cpp`: past 100 operations, or past 1,000 MB of inputs on an H100).
+
 Not a test or a bench row: a measurement for docs/GPU.md ("The 0% row's floor"). CUDA only.
 """
 

@@ -87,6 +87,8 @@ _KEPT_ROWS = """
     __shared__ int new_age[S];
     __shared__ bool free_row[S];
     __shared__ int row_by_age[S];  // the free rows, oldest first
+    __shared__ int now_row[E];  // block 0: each expert's device row after the call (S: none)
+    __shared__ int held_row[E];  // and before it
     __shared__ int copies;
     __shared__ int lane_hits;
     const int tid = threadIdx.x, nt = blockDim.x;
@@ -202,15 +204,24 @@ _KEPT_ROWS = """
         }}
     }}
     __syncthreads();
-    auto placed = [&](int e, const int* in) -> uint32_t {{  // e's row: a slot, else a device row `in` holds
-        uint32_t row = base[e];
-        for (int s = 0; s < S; ++s) row = (in[s] == e && row < (uint32_t)E) ? E + C + s : row;
-        return row;
-    }};
     if (first_block) {{
         for (int i = tid; i < E; i += nt) {{
-            rows[i] = placed(i, now);
-            found[i] = placed(i, held);
+            now_row[i] = S;
+            held_row[i] = S;
+        }}
+        __syncthreads();
+        for (int s = tid; s < S; s += nt) {{  // the lower row, were an expert in two
+            if (now[s] >= 0 && now[s] < E) atomicMin(&now_row[now[s]], s);
+            if (held[s] >= 0 && held[s] < E) atomicMin(&held_row[held[s]], s);
+        }}
+        __syncthreads();
+        auto placed = [&](int e, const int* row_of) -> uint32_t {{  // e's row: a slot, else a device row
+            uint32_t row = base[e];
+            return row < (uint32_t)E && row_of[e] < S ? E + C + row_of[e] : row;
+        }};
+        for (int i = tid; i < E; i += nt) {{
+            rows[i] = placed(i, now_row);
+            found[i] = placed(i, held_row);
             score_out[i] = scored(i);
         }}
         for (int s = tid; s < S; s += nt) {{
@@ -220,8 +231,8 @@ _KEPT_ROWS = """
         for (int q = tid; q < P && DEMAND; q += nt) {{  // each candidate lane's row, hit
             int e = (int)static_cast<float>(cand[q]);
             bool known = e >= 0 && e < E;
-            bool hit = known && placed(e, held) >= (uint32_t)E;
-            lane_rows[q] = known ? placed(e, now) : (uint32_t)E;
+            bool hit = known && placed(e, held_row) >= (uint32_t)E;
+            lane_rows[q] = known ? placed(e, now_row) : (uint32_t)E;
             lane_hit[q] = hit;
             if (hit) atomicAdd(&lane_hits, 1);
         }}

@@ -53,6 +53,8 @@ def generator(mode: str, path: str):
     """`generate(prompt, tokens)` yielding mlx-lm responses, for `mode`."""
     if mode == "stock":
         model, tokenizer = mlx_lm.load(path)
+        if backend.compute_dtype() is not None:  # the cast od-moe makes (float32 on the CPU)
+            model.set_dtype(backend.compute_dtype())
         return lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n)
     if ":" in mode:  # lru:F or tt:F, or lru:F:narrow=1
         kind, fraction, *knobs = mode.split(":")

@@ -84,6 +84,7 @@ _KEPT_ROWS = """
     __shared__ int missing_k[P];  // each miss's place among the misses
     __shared__ int into_of[P];  // the row each candidate is copied to, else -1
     __shared__ int now[S];
+    __shared__ int was_age[S];  // the rows' ages before the call, read S times a row when ranked
     __shared__ int new_age[S];
     __shared__ bool free_row[S];
     __shared__ int row_by_age[S];  // the free rows, oldest first
@@ -137,6 +138,7 @@ _KEPT_ROWS = """
     __syncthreads();
     for (int s = tid; s < S; s += nt) {{
         now[s] = held[s];
+        was_age[s] = age[s];
         bool keep = false;
         for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
         free_row[s] = !keep && COPY;
@@ -177,9 +179,9 @@ _KEPT_ROWS = """
     }} else {{
         for (int s = tid; s < S; s += nt) {{  // each free row's place among the free rows, oldest first
             if (!free_row[s]) continue;
-            int rank = 0;
+            int rank = 0, a = was_age[s];
             for (int r = 0; r < S; ++r)
-                rank += free_row[r] && (age[r] > age[s] || (age[r] == age[s] && r < s)) ? 1 : 0;
+                rank += free_row[r] && (was_age[r] > a || (was_age[r] == a && r < s)) ? 1 : 0;
             row_by_age[rank] = s;
         }}
         for (int q = tid; q < P; q += nt) {{  // each miss: how many come before it

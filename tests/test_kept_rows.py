@@ -2,6 +2,9 @@
 by the layer's misses and by predictions; exact tokens, rows holding what they say, and the decisions the
 CUDA kernel makes (its numpy twin `plan`, which the CPU runs)."""
 
+import shutil
+
+import cuda_emulation
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -256,3 +259,24 @@ def _with_rows(rows: int):
         return two_tier.build(store, blocks, caches, progress, lookahead_rows=rows)
 
     return build
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None,
+    reason="the CUDA kernel's emulation compiles with g++ (Debian: apt-get install g++); .ci/run installs it",
+)
+@pytest.mark.parametrize(
+    "E, C, S, P, sizes, decay",
+    [
+        (128, 4, 32, 4, [12, 4], None),  # 4-byte loads, 3 threads a block
+        (128, 4, 32, 4, [12, 4], 0.9),
+        (64, 0, 8, 8, [12, 4], None),  # few rows: evictions at most calls
+        (64, 0, 8, 8, [1024, 12], 0.9),  # 256 threads a block
+    ],
+)
+def test_the_cuda_kernel_emulated_decides_and_copies_as_plan(E, C, S, P, sizes, decay):
+    """The device-kept rows' CUDA source, compiled for the CPU (`cuda_emulation.py`), against `plan` over the
+    same calls: every table, lane, row, age, score and count equal after each call, and the same bytes in the
+    rows at the end. It fails on a kernel whose blocks all leave before copying, or that breaks an age tie
+    the other way."""
+    assert cuda_emulation.differences(60, E, C, S, P, sizes, seed=E + S, decay=decay) == []

@@ -7,7 +7,8 @@ here would fail at its first call on the device, where a machine's minutes are c
     NVRTC=/tmp/nvw/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 python3 lab/tools/nvrtc_check.py
 
 Not a test (CI has no NVRTC) and not a check of what the kernel computes: `lab/tools/kept_rows_check.py`
-compares that with `kept_rows.plan` on a device.
+compares that with `kept_rows.plan` on a device, and the suite on the CPU through g++
+(`tests/cuda_emulation.py`).
 """
 
 import ctypes

@@ -9,7 +9,8 @@ CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests ru
   expert->row tables, each candidate lane's row and hit, its running count of copies and hit lanes, and
   copies the chosen experts host row -> device row, one (expert, array) per block row of the grid. A
   block whose candidate is no miss leaves at once; the others make the decision in shared memory; block 0
-  writes the tables. `kept_rows.plan` is the same decision in numpy;
+  writes the tables. `kept_rows.plan` is the same decision in numpy, which the tests hold this source to,
+  compiled for the CPU (`tests/cuda_emulation.py`);
 - staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte loads
   (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its expert
   copied, which lanes were hits and the pass's counts) where MLX operations took several.

@@ -1,25 +1,17 @@
-"""The device-kept rows' CUDA kernel run on this CPU against its numpy twin: no GPU needed.
+"""The device-kept rows' CUDA kernel (`two_tier/kernels.kept_rows_source`) run on the CPU, for the tests: its
+source compiled as C++ with g++, CUDA's few names emulated. Each block's threads are real threads (one per
+thread of the block), `__shared__` memory a static they share, `__syncthreads` a barrier,
+`__syncthreads_or` a barrier and a flag, `atomicAdd` and `atomicMin` atomics; blocks run one after
+another over the grid MLX would launch (threads, candidates, arrays). `EmulatedRows` is a `KeptRows` that
+decides in it, as on a device, its stacks' bytes in numpy copies (`memory`).
 
-    python3 lab/tools/kept_rows_emulate.py [STEPS]
-
-The kernel's source (`two_tier/kernels.kept_rows_source`) is compiled as C++ with g++, CUDA's few names
-emulated: each block's threads are real threads (one per thread of the block), `__shared__` memory a
-static shared by them, `__syncthreads` a barrier, `__syncthreads_or` a barrier and a flag, `atomicAdd` and
-`atomicMin` atomics; blocks run one after another, as the grid MLX launches (threads, candidates, arrays)
-would. Then `kept_rows_check.py check`'s comparison on this CPU: two `KeptRows` over copies of the same
-random stacks given the same calls (demand calls of 1-64 lanes, predictions, by recency and by decayed
-counts), one deciding in the emulated kernel, one in `kept_rows.plan`; after every call the tables, each
-lane's row and hit, the rows held, their ages, scores, copies and hit lanes must be equal, and at the end
-both stacks must hold the same bytes.
-
-What it shows: the kernel's logic (its decisions, its early exits, its synchronisation: a block whose
-threads leave at different barriers hangs here as on a GPU) and its copies. What it does not: NVRTC's
-compile (`nvrtc_check.py`), CUDA's memory model, timing. Not a test: CI has no compiler for it guaranteed.
+What it shows: the kernel's decisions, early exits, synchronisation (a block whose threads leave at
+different barriers hangs here as on a GPU) and copies. What it does not: NVRTC's compile
+(`lab/tools/nvrtc_check.py`), CUDA's memory model, timing (`lab/tools/kept_rows_check.py`, on a device).
 """
 
 import ctypes
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -81,6 +73,8 @@ ARGS += "lane_rows, lane_hit"
 
 
 def source(unit: str, units: list[int], template: dict, cand: str) -> str:
+    """C++ for the kernel with `template`'s constants, its candidates of C type `cand`, and `launch`, which
+    runs its grid (blocks of the grid's x, candidates, arrays; `tx` threads a block)."""
     arrays = ", ".join(f"const uint8_t* a{i}" for i in range(len(units)))
     names = ", ".join(f"a{i}" for i in range(len(units)))
     constants = "".join(f"    constexpr int {k} = {v};\n" for k, v in template.items())
@@ -112,16 +106,19 @@ extern "C" void launch({arrays}, {PARAMS}, unsigned gx, unsigned gy, unsigned gz
 
 
 _built: dict = {}
+_folder = tempfile.TemporaryDirectory(prefix="od-moe-kernel-")
 
 
 def built(unit: str, units: list[int], template: dict, cand: str):
+    """The kernel for these settings compiled with g++ (once a process) and loaded."""
     key = (unit, tuple(units), tuple(template.items()), cand)
     if key not in _built:
-        folder = Path(tempfile.mkdtemp())
-        (folder / "k.cpp").write_text(source(unit, units, template, cand))
-        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "k.cpp", "-o", "k.so"]
-        subprocess.run(command, cwd=folder, check=True)
-        _built[key] = ctypes.CDLL(str(folder / "k.so"))
+        name = Path(_folder.name) / f"k{len(_built)}"
+        command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w"]
+        cpp, so = name.with_suffix(".cpp"), name.with_suffix(".so")
+        cpp.write_text(source(unit, units, template, cand))
+        subprocess.run([*command, str(cpp), "-o", str(so)], check=True)
+        _built[key] = ctypes.CDLL(str(so))
     return _built[key]
 
 
@@ -181,6 +178,7 @@ class EmulatedRows(kept_rows.KeptRows):
 
 
 def stacks(E: int, rows: int, sizes: list[int], seed: int) -> list[dict]:
+    """One layer's stack: random bytes, rows of `sizes` bytes per array, E experts and `rows` more."""
     rng = np.random.default_rng(seed)
     return [
         {
@@ -190,68 +188,50 @@ def stacks(E: int, rows: int, sizes: list[int], seed: int) -> list[dict]:
     ]
 
 
-def state(rows) -> tuple:
+def _state(rows) -> tuple:
     if rows.on_device:
         return tuple(np.array(a[0]) for a in (rows.held, rows.age, rows.score))
     return rows._held_host[0], rows._age_host[0], rows._score_host[0]
 
 
-def check(steps: int, E: int, C: int, S: int, P: int, sizes: list[int], seed: int) -> int:
+def differences(steps: int, E: int, C: int, S: int, P: int, sizes: list[int], seed: int, decay) -> list[str]:
+    """Two `KeptRows` over copies of the same random stacks given the same `steps` calls (demand calls of
+    1-64 routed lanes with repeats, padding and experts in slots; one in five a prediction, top-P of scores),
+    one deciding in the emulated kernel, one in `kept_rows.plan`: what differed after each call (tables, each
+    lane's row and hit, the rows held, their ages and scores, copies, hit lanes), and at the end in the
+    stacks' bytes."""
     rng = np.random.default_rng(seed)
-    failures = 0
-    for decay in (None, 0.9):
-        device = EmulatedRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
-        host = kept_rows.KeptRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
-        host.on_device = False
-        for rows in (device, host):
-            rows.decay = decay
-        base = np.arange(E)
-        base[rng.choice(E, C, replace=False)] = E + np.arange(C)  # C experts in slots
-        base_mx = mx.array(base.astype(np.uint32))
-        popular = rng.permutation(E)[: max(8, E // 3)]
-        for step in range(steps):
-            ahead = rng.random() < 0.2
-            if ahead:
-                cand = mx.array(rng.standard_normal(E).astype(np.float32))
-            else:
-                n = int(rng.choice([1, 2, 8, 8, 8, 16, 40, 64]))
-                ids = np.where(rng.random(n) < 0.8, rng.choice(popular, n), rng.integers(0, E, n))
-                cand = kept_rows.padded(mx.array(ids.astype(np.uint32)), E)
-            outs = [rows._call(0, cand, base_mx, ahead) for rows in (device, host)]
-            names = ("found", "rows", "lane_rows", "lane_hit")[: 2 if ahead else 4]
-            bad = [k for k, a, b in zip(names, *outs) if not np.array_equal(np.array(a), np.array(b))]
-            bad += [
-                k
-                for k, a, b in zip(("held", "age", "score"), state(device), state(host))
-                if not np.array_equal(a, b)
-            ]
-            (copied, hits), (host_copied, host_hits) = device.read(), host.read()
-            if not np.array_equal(copied, host_copied):
-                bad.append(f"copies {copied[0]} != {host_copied[0]}")
-            if not np.array_equal(hits, host_hits):
-                bad.append(f"hit lanes {hits[0]} != {host_hits[0]}")
-            if bad:
-                failures += 1
-                print(f"decay {decay} step {step} ({'ahead' if ahead else 'demand'}): differ in {bad}")
-        same_bytes = all(
-            np.array_equal(mine, np.array(theirs))
-            for mine, theirs in zip(device.memory[0], host.stacks[0].values())
-        )
-        failures += not same_bytes
-        print(f"E {E} S {S} decay {decay}: {steps} calls, stacks' bytes equal: {same_bytes}")
-    return failures
-
-
-def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 200
-    failures = 0
-    # row bytes 12 and 4: 4-byte loads, 3 threads a block; 1024 and 12: 256 threads a block
-    failures += check(steps, 128, 4, 32, 4, [12, 4], 1)
-    failures += check(steps, 64, 0, 8, 8, [12, 4], 2)
-    failures += check(max(20, steps // 10), 128, 4, 32, 4, [1024, 12], 3)
-    print("kernel equals plan" if not failures else f"{failures} calls differ")
-    raise SystemExit(1 if failures else 0)
-
-
-if __name__ == "__main__":
-    main()
+    device = EmulatedRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
+    host = kept_rows.KeptRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
+    host.on_device = False
+    device.decay = host.decay = decay
+    base = np.arange(E)
+    base[rng.choice(E, C, replace=False)] = E + np.arange(C)  # C experts in slots
+    base_mx = mx.array(base.astype(np.uint32))
+    popular = rng.permutation(E)[: max(8, E // 3)]  # routing leans on a few experts: rows hit and evicted
+    found = []
+    for step in range(steps):
+        ahead = rng.random() < 0.2
+        if ahead:
+            cand = mx.array(rng.standard_normal(E).astype(np.float32))
+        else:
+            n = int(rng.choice([1, 2, 8, 8, 8, 16, 40, 64]))
+            ids = np.where(rng.random(n) < 0.8, rng.choice(popular, n), rng.integers(0, E, n))
+            cand = kept_rows.padded(mx.array(ids.astype(np.uint32)), E)
+        outs = [rows._call(0, cand, base_mx, ahead) for rows in (device, host)]
+        names = ("found", "rows", "lane_rows", "lane_hit")[: 2 if ahead else 4]
+        bad = [k for k, a, b in zip(names, *outs) if not np.array_equal(np.array(a), np.array(b))]
+        bad += [
+            k
+            for k, a, b in zip(("held", "age", "score"), _state(device), _state(host))
+            if not np.array_equal(a, b)
+        ]
+        counts, host_counts = device.read(), host.read()
+        bad += [
+            k for k, a, b in zip(("copies", "hit lanes"), counts, host_counts) if not np.array_equal(a, b)
+        ]
+        found += [f"step {step} ({'ahead' if ahead else 'demand'}): {k}" for k in bad]
+    for i, (mine, theirs) in enumerate(zip(device.memory[0], host.stacks[0].values())):
+        if not np.array_equal(mine, np.array(theirs)):
+            found.append(f"array {i}'s bytes")
+    return found

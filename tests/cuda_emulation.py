@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from od_moe.two_tier import kept_rows, tally
-from od_moe.two_tier.kernels import THREADS, kept_rows_source, row_units
+from od_moe.two_tier.kernels import kept_rows_source, row_units
 
 PRELUDE = r"""
 #include <atomic>
@@ -133,24 +133,11 @@ class EmulatedRows(kept_rows.KeptRows):
 
     def _launch(self, layer, cand, base, ahead):
         count = self.P if ahead else cand.size
+        settings = self.launch_settings(layer, count, ahead)
         unit, units = row_units(self.stacks[layer].values())
-        blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
-        threads = min(max(units), THREADS * blocks)
-        tx = min(THREADS, threads)
-        template = dict(
-            E=self.E,
-            C=self.C[layer],
-            S=self.S,
-            P=count,
-            SCORES=int(ahead),
-            DEMAND=int(not ahead),
-            COPY=int(self.copy),
-            COUNTS=int(self.decay is not None and not ahead),
-        )
         cand_np = np.ascontiguousarray(np.array(cand))
         ctype = {np.dtype(np.uint32): "uint32_t", np.dtype(np.float32): "float"}[cand_np.dtype]
-        lib = built(unit, list(units), template, ctype)
-        E, S = self.E, self.S
+        lib = built(unit, list(units), dict(settings["template"]), ctype)
         inputs = [
             cand_np,
             np.array(base).astype(np.uint32),
@@ -160,19 +147,12 @@ class EmulatedRows(kept_rows.KeptRows):
             np.array(self._decay_input).astype(np.float32),
             np.array(self.counts.on_device[layer]).astype(np.int32),
         ]
-        outputs = [
-            np.zeros(E, np.uint32),
-            np.zeros(E, np.uint32),
-            np.zeros(S, np.int32),
-            np.zeros(S, np.int32),
-            np.zeros(2, np.int32),
-            np.zeros(E, np.float32),
-            np.zeros(count, np.uint32),
-            np.zeros(count, np.bool_),
-        ]
+        dtypes = {mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32, mx.bool_: np.bool_}
+        shapes, types = settings["output_shapes"], settings["output_dtypes"]
+        outputs = [np.zeros(shape, dtypes[t]) for shape, t in zip(shapes, types)]
         pointers = [a.ctypes.data_as(ctypes.c_void_p) for a in (*self.memory[layer], *inputs, *outputs)]
-        grid = [(threads + tx - 1) // tx, count, len(units)]
-        lib.launch(*pointers, *(ctypes.c_uint(g) for g in (*grid, tx)))
+        (threads, gy, gz), (tx, _, _) = settings["grid"], settings["threadgroup"]
+        lib.launch(*pointers, *(ctypes.c_uint(g) for g in ((threads + tx - 1) // tx, gy, gz, tx)))
         rows, found, held, age, counted, score, lane_rows, lane_hit = (mx.array(a) for a in outputs)
         return [rows, found, held, age, counted, score, lane_rows, lane_hit]
 

@@ -143,7 +143,7 @@ class KeptRows:
         self.narrow = False  # the kernel given one row of each array (`kernel_arrays`): a bench knob for now
         self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
-        self._by_layer: dict[int, tuple] = {}  # layer -> (kernel, most units of a row)
+        self._by_layer: dict[int, object] = {}  # layer -> its kernel
         self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
         self._narrow_views: dict[int, tuple] = {}
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
@@ -255,7 +255,7 @@ class KeptRows:
         first grows)."""
         if not self.on_device:
             return
-        for layer in {self._kernel(layer)[0]: layer for layer in range(len(self.stacks))}.values():
+        for layer in {self._kernel(layer): layer for layer in range(len(self.stacks))}.values():
             base = mx.arange(self.E, dtype=mx.uint32)
             for size in demand_sizes(lanes):
                 mx.eval(self._launch(layer, mx.full((size,), self.E, mx.uint32), base, ahead=False))
@@ -302,11 +302,18 @@ class KeptRows:
         return self._narrow_views[layer]
 
     def _kernel_call(self, layer: int, count: int, ahead: bool):
-        kernel, units = self._kernel(layer)
+        kernel = self._kernel(layer)
+        settings = self.launch_settings(layer, count, ahead)
+        return lambda *inputs: kernel(inputs=list(inputs), **settings)
+
+    def launch_settings(self, layer: int, count: int, ahead: bool) -> dict:
+        """The layer's kernel call for `count` candidates (`mx.fast.cuda_kernel`'s keywords but its inputs):
+        its template constants, grid (in threads), block and outputs."""
+        units = max(row_units(self.stacks[layer].values())[1])
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)
         E, S = self.E, self.S
-        settings = dict(
+        return dict(
             template=[
                 ("E", E),
                 ("C", self.C[layer]),
@@ -331,7 +338,6 @@ class KeptRows:
                 mx.bool_,
             ],
         )
-        return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
     def end_pass(self):
         """Drop predictions no layer asked for; keep the counts as of this pass (`read(lagged=True)`)."""
@@ -350,9 +356,8 @@ class KeptRows:
         for layer in np.flatnonzero(hits):
             ledger.count_lookups("decode", int(layer), 0, int(hits[layer]))
 
-    def _kernel(self, layer: int) -> tuple:
-        """(the layer's kernel, the most copy units of a row among its arrays), made once per layer; layers
-        whose rows are alike share one kernel."""
+    def _kernel(self, layer: int):
+        """The layer's kernel, made once per layer; layers whose rows are alike share one kernel."""
         if layer not in self._by_layer:
             unit, units = row_units(self.stacks[layer].values())
             key = (unit, units)
@@ -381,7 +386,7 @@ class KeptRows:
                     ],
                     source=kept_rows_source(unit, units, AGE_EMPTY),
                 )
-            self._by_layer[layer] = (self._kernels[key], max(units))
+            self._by_layer[layer] = self._kernels[key]
         return self._by_layer[layer]
 
     def _on_host(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, ...]:

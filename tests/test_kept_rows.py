@@ -272,6 +272,7 @@ def _with_rows(rows: int):
         (128, 4, 32, 4, [12, 4], 0.9),
         (64, 0, 8, 8, [12, 4], None),  # few rows: evictions at most calls
         (64, 0, 8, 8, [1024, 12], 0.9),  # 256 threads a block
+        (512, 0, 128, 10, [12, 4], None),  # Qwen3-Next's experts and rows at 25%
     ],
 )
 def test_the_cuda_kernel_emulated_decides_and_copies_as_plan(E, C, S, P, sizes, decay):

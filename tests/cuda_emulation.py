@@ -3,7 +3,8 @@ source compiled as C++ with g++, CUDA's few names emulated. Each block's threads
 thread of the block), `__shared__` memory a static they share, `__syncthreads` a barrier,
 `__syncthreads_or` a barrier and a flag, `atomicAdd` and `atomicMin` atomics; blocks run one after
 another over the grid MLX would launch (threads, candidates, arrays). `EmulatedRows` is a `KeptRows` that
-decides in it, as on a device, its stacks' bytes in numpy copies (`memory`).
+decides in it, as on a device, its stacks' bytes in numpy copies (`memory`). `differences` holds a
+`KeptRows` deciding elsewhere (here, or on a device: `lab/tools/kept_rows_check.py`) to `kept_rows.plan`.
 
 What it shows: the kernel's decisions, early exits, synchronisation (a block whose threads leave at
 different barriers hangs here as on a GPU) and copies. What it does not: NVRTC's compile
@@ -138,15 +139,7 @@ class EmulatedRows(kept_rows.KeptRows):
         cand_np = np.ascontiguousarray(np.array(cand))
         ctype = {np.dtype(np.uint32): "uint32_t", np.dtype(np.float32): "float"}[cand_np.dtype]
         lib = built(unit, list(units), dict(settings["template"]), ctype)
-        inputs = [
-            cand_np,
-            np.array(base).astype(np.uint32),
-            np.array(self.held[layer]).astype(np.int32),
-            np.array(self.age[layer]).astype(np.int32),
-            np.array(self.score[layer]).astype(np.float32),
-            np.array(self._decay_input).astype(np.float32),
-            np.array(self.counts.on_device[layer]).astype(np.int32),
-        ]
+        inputs = [cand_np, np.array(base).astype(np.uint32), *(np.array(a) for a in self._rows_state(layer))]
         dtypes = {mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32, mx.bool_: np.bool_}
         shapes, types = settings["output_shapes"], settings["output_dtypes"]
         outputs = [np.zeros(shape, dtypes[t]) for shape, t in zip(shapes, types)]
@@ -174,16 +167,26 @@ def _state(rows) -> tuple:
     return rows._held_host[0], rows._age_host[0], rows._score_host[0]
 
 
-def differences(steps: int, E: int, C: int, S: int, P: int, sizes: list[int], seed: int, decay) -> list[str]:
+def _bytes(rows) -> list[np.ndarray]:
+    """Layer 0's stack arrays as `rows` holds them: the emulation's copies, else the arrays themselves."""
+    if isinstance(rows, EmulatedRows):
+        return rows.memory[0]
+    return [np.array(a) for a in rows.stacks[0].values()]
+
+
+def differences(
+    steps: int, E: int, C: int, S: int, P: int, sizes: list[int], seed: int, decay, deciding=None
+) -> list[str]:
     """Two `KeptRows` over copies of the same random stacks given the same `steps` calls (demand calls of
     1-64 routed lanes with repeats, padding and experts in slots; one in five a prediction, top-P of scores),
-    one deciding in the emulated kernel, one in `kept_rows.plan`: what differed after each call (tables, each
-    lane's row and hit, the rows held, their ages and scores, copies, hit lanes), and at the end in the
-    stacks' bytes."""
+    one deciding in the kernel (`deciding`: `EmulatedRows` by default; `KeptRows` on a device runs the CUDA
+    kernel), one in `kept_rows.plan`: what differed after each call (tables, each lane's row and hit, the rows
+    held, their ages and scores, copies, hit lanes), and at the end in the stacks' bytes."""
     rng = np.random.default_rng(seed)
-    device = EmulatedRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
+    device = (deciding or EmulatedRows)(stacks(E, C + S, sizes, seed), E, [C], S, P)
     host = kept_rows.KeptRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
     host.on_device = False
+    host.counts = tally.RunningCounts(len(host.stacks), device=False)  # on a device, made there by __init__
     device.decay = host.decay = decay
     base = np.arange(E)
     base[rng.choice(E, C, replace=False)] = E + np.arange(C)  # C experts in slots
@@ -211,7 +214,7 @@ def differences(steps: int, E: int, C: int, S: int, P: int, sizes: list[int], se
             k for k, a, b in zip(("copies", "hit lanes"), counts, host_counts) if not np.array_equal(a, b)
         ]
         found += [f"step {step} ({'ahead' if ahead else 'demand'}): {k}" for k in bad]
-    for i, (mine, theirs) in enumerate(zip(device.memory[0], host.stacks[0].values())):
-        if not np.array_equal(mine, np.array(theirs)):
+    for i, (mine, theirs) in enumerate(zip(_bytes(device), _bytes(host))):
+        if not np.array_equal(mine, theirs):
             found.append(f"array {i}'s bytes")
     return found

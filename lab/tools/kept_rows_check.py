@@ -7,8 +7,8 @@
 on the host (`kept_rows.plan` through numpy views, as the CPU runs it), given the same calls: demand calls
 of 1-64 routed lanes (repeats, padding, experts in slots), predictions (`expect`: top-P of scores), by
 recency and by decayed counts. After every call the tables, each lane's row and hit, the rows held, their
-ages, counts, copies and hit lanes must be equal, and at the end each row must hold the bytes of the expert
-it names.
+ages, counts, copies and hit lanes must be equal, and at the end both stacks' bytes: the suite's comparison
+(`differences` in `tests/cuda_emulation.py`, where the kernel is emulated on the CPU), here on the device.
 `time`: the kernel's wall time a call at the Qwen3-30B-A3B shape's rows (three 786,432-byte weight arrays
 and six 49,152-byte scale and bias arrays an expert, 128 experts, 32 rows), over CALLS chained demand calls
 of 8 lanes built, then evaluated at once (the evaluation's wall time: their launches and kernels): every
@@ -19,78 +19,33 @@ Not a test (CI has no GPU); what it printed for a commit goes into docs/GPU.md (
 
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
-from od_moe.two_tier import kept_rows, tally
+from od_moe.two_tier import kept_rows
 
-
-def stacks(E: int, rows: int, sizes: list[int], seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            ("p", f"a{i}"): mx.array(rng.integers(0, 255, (E + rows, n), dtype=np.uint8))
-            for i, n in enumerate(sizes)
-        }
-    ]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from cuda_emulation import differences, stacks  # noqa: E402  (the suite's twin comparison)
 
 
-def twins(E: int, C: int, S: int, P: int, decay):
-    device = kept_rows.KeptRows(stacks(E, C + S, [4096, 256], 0), E, [C], S, P)
-    host = kept_rows.KeptRows(stacks(E, C + S, [4096, 256], 0), E, [C], S, P)
-    host.on_device = False
-    host.counts = tally.RunningCounts(len(host.stacks), device=False)  # made on the device by __init__
-    for rows in (device, host):
-        rows.decay = decay
-    assert device.on_device, "needs MLX on CUDA"
-    return device, host
-
-
-def state(rows: kept_rows.KeptRows) -> tuple[np.ndarray, ...]:
-    """Layer 0's rows held, their ages and the counts, wherever `rows` keeps them."""
-    if rows.on_device:
-        return tuple(np.array(a[0]) for a in (rows.held, rows.age, rows.score))
-    return rows._held_host[0], rows._age_host[0], rows._score_host[0]
-
-
-def check(steps: int):
-    rng = np.random.default_rng(1)
+def check(steps: int) -> int:
+    """`cuda_emulation.differences` with the CUDA kernel deciding, by recency and by decayed counts."""
     failures = 0
     for decay in (None, 0.9):
-        E, C, S, P = 128, 4, 32, 4
-        device, host = twins(E, C, S, P, decay)
-        base = np.arange(E)
-        base[rng.choice(E, C, replace=False)] = E + np.arange(C)  # C experts in slots
-        base_mx = mx.array(base.astype(np.uint32))
-        popular = rng.permutation(E)[:48]  # routing leans on a few experts, so rows are hit and evicted
-        for step in range(steps):
-            ahead = rng.random() < 0.2
-            if ahead:
-                cand = mx.array(rng.standard_normal(E).astype(np.float32))
-            else:
-                n = int(rng.choice([1, 2, 8, 8, 8, 16, 40, 64]))
-                ids = np.where(rng.random(n) < 0.8, rng.choice(popular, n), rng.integers(0, E, n))
-                cand = kept_rows.padded(mx.array(ids.astype(np.uint32)), E)
-            outs = [rows._call(0, cand, base_mx, ahead) for rows in (device, host)]
-            names = ("found", "rows", "lane_rows", "lane_hit")[: 2 if ahead else 4]
-            bad = [k for k, a, b in zip(names, *outs) if not np.array_equal(np.array(a), np.array(b))]
-            for name, a, b in zip(("held", "age", "score"), state(device), state(host)):
-                if not np.array_equal(a, b):
-                    bad.append(name)
-            (copied, hits), (host_copied, host_hits) = device.read(), host.read()
-            if not np.array_equal(copied, host_copied):
-                bad.append(f"copies {copied[0]} != {host_copied[0]}")
-            if not np.array_equal(hits, host_hits):
-                bad.append(f"hit lanes {hits[0]} != {host_hits[0]}")
-            if bad:
-                failures += 1
-                print(f"decay {decay} step {step} ({'ahead' if ahead else 'demand'}): differ in {bad}")
-        wrong = kept_rows.wrong_rows(device)
-        failures += bool(wrong)
-        print(f"decay {decay}: {steps} calls, rows holding other bytes than they name: {wrong}")
-    print("kernel equals plan" if not failures else f"{failures} calls differ")
+        found = differences(steps, 128, 4, 32, 4, [4096, 256], seed=1, decay=decay, deciding=on_device)
+        failures += len(found)
+        for line in found:
+            print(line)
+        print(f"decay {decay}: {steps} calls, {len(found)} differences")
+    print("kernel equals plan" if not failures else f"{failures} differences")
     return failures
+
+
+def on_device(*args) -> kept_rows.KeptRows:
+    rows = kept_rows.KeptRows(*args)
+    assert rows.on_device, "needs MLX on CUDA"
+    return rows
 
 
 def time_calls(calls: int):

@@ -203,16 +203,8 @@ class KeptRows:
         call does. What predictions for the layer copy is called first, on its own."""
         self._copy_predicted(layer, base)
         key = ("rows", layer, *self._settings())
-        state = (
-            base,
-            self.held[layer],
-            self.age[layer],
-            self.score[layer],
-            self._decay_input,
-            self.counts.on_device[layer],
-        )
         arrays = (*self.stacks[layer].values(), *(self.kernel_arrays(layer) if self.narrow else ()))
-        return Plan(key, self._demand_lanes(layer), (*state, *arrays), self._keep)
+        return Plan(key, self._demand_lanes(layer), (base, *self._rows_state(layer), *arrays), self._keep)
 
     def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
         """Copy what was predicted for `layer` (`expect`), before its own call, so that it is there when the
@@ -277,14 +269,13 @@ class KeptRows:
         key = (layer, count, ahead, *self._settings())
         if key not in self._launches:
             self._launches[key] = mx.compile(self._kernel_call(layer, count, ahead))
-        inputs = (
-            self.held[layer],
-            self.age[layer],
-            self.score[layer],
-            self._decay_input,
-            self.counts.on_device[layer],
-        )
-        return self._launches[key](*self.kernel_arrays(layer), cand, base, *inputs)
+        return self._launches[key](*self.kernel_arrays(layer), cand, base, *self._rows_state(layer))
+
+    def _rows_state(self, layer: int) -> tuple[mx.array, ...]:
+        """The kernel's inputs after the candidates and the table, in its order: the rows held, their ages,
+        the scores, the decay and the running counts."""
+        counted = self.counts.on_device[layer]
+        return self.held[layer], self.age[layer], self.score[layer], self._decay_input, counted
 
     def _settings(self) -> tuple:
         return self.copy, self.decay is not None, self.blocks, self.demand_blocks, self.narrow

@@ -19,8 +19,7 @@ alternating, median of `--rounds` ratios (`stage=P` sets the positions from whic
 `two_tier/staged_passes.py`; `stage=0` stages nothing).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
-`lru:F:decay=D`: by decayed routing counts, not recency; `lru:F:narrow=1`: its kernel given one row of each
-array);
+`lru:F:decay=D`: by decayed routing counts, not recency);
 `static:F` the same as `tt` with admission frozen after the warm-up;
 `exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
 `tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
@@ -111,9 +110,6 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             continue
         if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
             engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
-            continue
-        if name == "narrow":  # the kept rows' kernel given one row of each array (`KeptRows.kernel_arrays`)
-            engine.runtime.lookahead.narrow = value == "1"
             continue
         if name == "decay":  # device rows by decayed routing counts (`two_tier/kept_rows.py`), `lru` rows
             engine.runtime.lookahead.decay = float(value)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lab (issue #56): how many CUDA graphs MLX ends a decoded token, per mode of `lab/tools/kernel_time.py`
-# (stock, lru:F, lru:F:narrow=1, ...), each in its own process under Nsight Compute's graph profiling: one
+# (stock, lru:F, tt:F, ...), each in its own process under Nsight Compute's graph profiling: one
 # result row per graph launch over TOKENS decoded tokens. The csv files go to OUT (colons in a mode's name
 # become dashes); prints graphs a token and their busy ms a token per mode.
 # Usage: PYTHONPATH=/tmp/site lab/tools/graphs_a_token.sh OUT MODEL MODE[,MODE...] [TOKENS]

@@ -18,8 +18,7 @@ graphs apart: durations, not the gaps between them). `sum`: the kernels a token,
 the largest by name. MODE: `stock`; `mapped` (two-tier, no experts in slots: every decode pass copies its
 lanes from host memory, `two_tier/staged_passes.py`); `device` (the same engine with its stacks moved to
 device memory: the same operations with no bytes on the bus); `lru:F` and `tt:F` (device-kept rows and
-counted slots at a fraction F of experts on the device, as `benchmarks/two_tier.py` names its rows;
-`lru:F:narrow=1`, the kept rows' kernel given one row of each array).
+counted slots at a fraction F of experts on the device, as `benchmarks/two_tier.py` names its rows).
 
 With `--graph-profiling graph` instead, Nsight Compute times each of MLX's CUDA graphs as one workload, so
 `sum`'s "kernels a token" counts the graphs MLX ended a token (`needs_commit` in
@@ -56,11 +55,9 @@ def generator(mode: str, path: str):
         if backend.compute_dtype() is not None:  # the cast od-moe makes (float32 on the CPU)
             model.set_dtype(backend.compute_dtype())
         return lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n)
-    if ":" in mode:  # lru:F or tt:F, or lru:F:narrow=1
-        kind, fraction, *knobs = mode.split(":")
+    if ":" in mode:  # lru:F or tt:F
+        kind, fraction = mode.split(":")
         engine = od_moe.load(path, capacity=float(fraction), two_tier="lru" if kind == "lru" else True)
-        if "narrow=1" in knobs:
-            engine.runtime.lookahead.narrow = True
         return lambda prompt, n: engine.stream_generate(prompt, max_tokens=n)
     engine = od_moe.load(path, capacity=0.0, two_tier=True)
     if mode == "device":

@@ -140,12 +140,10 @@ class KeptRows:
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
         self.demand_blocks = DEMAND_BLOCKS
         self.demand = True
-        self.narrow = False  # the kernel given one row of each array (`kernel_arrays`): a bench knob for now
         self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
         self._by_layer: dict[int, object] = {}  # layer -> its kernel
         self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
-        self._narrow_views: dict[int, tuple] = {}
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
@@ -203,7 +201,7 @@ class KeptRows:
         call does. What predictions for the layer copy is called first, on its own."""
         self._copy_predicted(layer, base)
         key = ("rows", layer, *self._settings())
-        arrays = (*self.stacks[layer].values(), *(self.kernel_arrays(layer) if self.narrow else ()))
+        arrays = tuple(self.stacks[layer].values())
         return Plan(key, self._demand_lanes(layer), (base, *self._rows_state(layer), *arrays), self._keep)
 
     def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
@@ -220,11 +218,10 @@ class KeptRows:
         it gives."""
 
         def lanes(indices, base, held, age, score, decay, counted, *arrays):
-            n, k = indices.size, len(self.stacks[layer])
-            arrays, kernel_arrays = arrays[:k], arrays[k:] or arrays[:k]  # the stack's, then `narrow` views
+            n = indices.size
             launch = self._kernel_call(layer, padded_size(n), ahead=False)
             cand = padded(indices.reshape(-1), self.E)
-            out = launch(*kernel_arrays, cand, base, held, age, score, decay, counted)
+            out = launch(*arrays, cand, base, held, age, score, decay, counted)
             held, age, counted, score, read, _ = out[2:]
             return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
 
@@ -269,7 +266,7 @@ class KeptRows:
         key = (layer, count, ahead, *self._settings())
         if key not in self._launches:
             self._launches[key] = mx.compile(self._kernel_call(layer, count, ahead))
-        return self._launches[key](*self.kernel_arrays(layer), cand, base, *self._rows_state(layer))
+        return self._launches[key](*self.stacks[layer].values(), cand, base, *self._rows_state(layer))
 
     def _rows_state(self, layer: int) -> tuple[mx.array, ...]:
         """The kernel's inputs after the candidates and the table, in its order: the rows held, their ages,
@@ -278,19 +275,7 @@ class KeptRows:
         return self.held[layer], self.age[layer], self.score[layer], self._decay_input, counted
 
     def _settings(self) -> tuple:
-        return self.copy, self.decay is not None, self.blocks, self.demand_blocks, self.narrow
-
-    def kernel_arrays(self, layer: int) -> tuple[mx.array, ...]:
-        """The arrays the layer's kernel copies rows of: the stack's, or with `narrow` each one's first row,
-        a view of the same memory, which the kernel indexes past. MLX's CUDA backend ends a graph once the
-        inputs of its operations add up to a set size, the whole of each input counted; the products already
-        count the stack, and the kernel's own count of it can end a graph at each layer: unmeasured."""
-        if not self.narrow:
-            return tuple(self.stacks[layer].values())
-        if layer not in self._narrow_views:
-            self._narrow_views[layer] = tuple(a[:1] for a in self.stacks[layer].values())
-            mx.eval(self._narrow_views[layer])
-        return self._narrow_views[layer]
+        return self.copy, self.decay is not None, self.blocks, self.demand_blocks
 
     def _kernel_call(self, layer: int, count: int, ahead: bool):
         kernel = self._kernel(layer)

@@ -12,13 +12,14 @@ A MODEL is a folder with a config.json (a real shape, `od_moe/bench/real_shapes.
 the widened copy is made (/tmp/odb by default). TOKENS (environment, default 8): decoded tokens profiled.
 
 `wall`: ms a decoded token of stock and of every mode in one process (mlx-lm's loop, the bench's 3 prompts x
-48 tokens, median of 3 rounds), and whether the texts equal stock's. `run`: one mode's decoding, the
-profiler on for `TOKENS` decoded tokens after a warm-up (Nsight Compute times each kernel of MLX's CUDA
-graphs apart: durations, not the gaps between them). `sum`: the kernels a token, their busy ms a token, and
-the largest by name. MODE: `stock`; `mapped` (two-tier, no experts in slots: every decode pass copies its
-lanes from host memory, `two_tier/staged_passes.py`); `device` (the same engine with its stacks moved to
-device memory: the same operations with no bytes on the bus); `lru:F` and `tt:F` (device-kept rows and
-counted slots at a fraction F of experts on the device, as `benchmarks/two_tier.py` names its rows).
+48 tokens, median of 3 rounds), and whether the texts equal stock's. `run`: one mode's decoding, the profiler
+on for `TOKENS` decoded tokens after a warm-up (Nsight Compute times each kernel of MLX's CUDA graphs apart:
+durations, not the gaps between them). `sum`: the kernels a token, their busy ms a token, and the largest by
+name, with a call's median and p10-p90 (the kept rows' calls that copy apart from those that do not). MODE:
+`stock`; `mapped` (two-tier, no experts in slots: every decode pass copies its lanes from host memory,
+`two_tier/staged_passes.py`); `device` (the same engine with its stacks moved to device memory: the same
+operations with no bytes on the bus); `lru:F` and `tt:F` (device-kept rows and counted slots at a fraction F
+of experts on the device, as `benchmarks/two_tier.py` names its rows).
 
 With `--graph-profiling graph` instead, Nsight Compute times each of MLX's CUDA graphs as one workload, so
 `sum`'s "kernels a token" counts the graphs MLX ended a token (`needs_commit` in
@@ -112,17 +113,21 @@ def summary(csv_path: str, tokens: int, shown: int = 14):
     head, rows = rows[0], rows[1:]
     name, value, unit = (head.index(k) for k in ("Kernel Name", "Metric Value", "Metric Unit"))
     us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-    busy, calls = collections.Counter(), collections.Counter()
+    busy, calls, each = collections.Counter(), collections.Counter(), collections.defaultdict(list)
     for row in rows:
         kernel = row[name].split("(")[0].split("<")[0]
-        busy[kernel] += float(row[value].replace(",", "")) * us[row[unit]]
+        took = float(row[value].replace(",", "")) * us[row[unit]]
+        busy[kernel] += took
         calls[kernel] += 1
+        each[kernel].append(took)
     print(
         f"{csv_path}: {len(rows) / tokens:.0f} kernels a token, {sum(busy.values()) / tokens / 1e3:.3f} ms"
         " busy a token"
     )
     for kernel, total in busy.most_common(shown):
-        print(f"  {total / tokens:8.1f} us a token  {calls[kernel] / tokens:5.1f} calls  {kernel}")
+        q = statistics.quantiles(each[kernel], n=10) if len(each[kernel]) > 1 else each[kernel] * 9
+        spread = f"median {statistics.median(each[kernel]):.1f}, p10-p90 {q[0]:.1f}-{q[-1]:.1f} us"
+        print(f"  {total / tokens:8.1f} us a token  {calls[kernel] / tokens:5.1f} calls  {spread}  {kernel}")
 
 
 def main():

@@ -134,20 +134,31 @@ class EmulatedRows(kept_rows.KeptRows):
 
     def _launch(self, layer, cand, base, ahead):
         count = self.P if ahead else cand.size
-        settings = self.launch_settings(layer, count, ahead)
+        return self._kernel_call(layer, count, ahead)(None, cand, base, *self._rows_state(layer))
+
+    def _kernel_call(self, layer, count, ahead, tables=True):
+        """The kernel's call as `KeptRows` makes it, run here at once: inputs (arrays, cand, base, the rows'
+        state), the arrays ignored (the kernel copies within `memory`)."""
+        settings = self.launch_settings(layer, count, ahead, tables)
         unit, units = row_units(self.stacks[layer].values())
-        cand_np = np.ascontiguousarray(np.array(cand))
-        ctype = {np.dtype(np.uint32): "uint32_t", np.dtype(np.float32): "float"}[cand_np.dtype]
-        lib = built(unit, list(units), dict(settings["template"]), ctype)
-        inputs = [cand_np, np.array(base).astype(np.uint32), *(np.array(a) for a in self._rows_state(layer))]
-        dtypes = {mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32, mx.bool_: np.bool_}
-        shapes, types = settings["output_shapes"], settings["output_dtypes"]
-        outputs = [np.zeros(shape, dtypes[t]) for shape, t in zip(shapes, types)]
-        pointers = [a.ctypes.data_as(ctypes.c_void_p) for a in (*self.memory[layer], *inputs, *outputs)]
-        (threads, gy, gz), (tx, _, _) = settings["grid"], settings["threadgroup"]
-        lib.launch(*pointers, *(ctypes.c_uint(g) for g in ((threads + tx - 1) // tx, gy, gz, tx)))
-        rows, found, held, age, counted, score, lane_rows, lane_hit = (mx.array(a) for a in outputs)
-        return [rows, found, held, age, counted, score, lane_rows, lane_hit]
+        k = len(units)
+
+        def call(*inputs):
+            cand_np = np.ascontiguousarray(np.array(inputs[-7]))
+            ctype = {np.dtype(np.uint32): "uint32_t", np.dtype(np.float32): "float"}[cand_np.dtype]
+            lib = built(unit, list(units), dict(settings["template"]), ctype)
+            base, *state = (np.array(a) for a in inputs[-6:])
+            given = [cand_np, base.astype(np.uint32), *state]
+            dtypes = {mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32, mx.bool_: np.bool_}
+            shapes, types = settings["output_shapes"], settings["output_dtypes"]
+            outputs = [np.zeros(shape, dtypes[t]) for shape, t in zip(shapes, types)]
+            arrays = self.memory[layer][:k]
+            pointers = [a.ctypes.data_as(ctypes.c_void_p) for a in (*arrays, *given, *outputs)]
+            (threads, gy, gz), (tx, _, _) = settings["grid"], settings["threadgroup"]
+            lib.launch(*pointers, *(ctypes.c_uint(g) for g in ((threads + tx - 1) // tx, gy, gz, tx)))
+            return [mx.array(a) for a in outputs]
+
+        return call
 
 
 def stacks(E: int, rows: int, sizes: list[int], seed: int) -> list[dict]:
@@ -178,7 +189,8 @@ def differences(
     steps: int, E: int, C: int, S: int, P: int, sizes: list[int], seed: int, decay, deciding=None
 ) -> list[str]:
     """Two `KeptRows` over copies of the same random stacks given the same `steps` calls (demand calls of
-    1-64 routed lanes with repeats, padding and experts in slots; one in five a prediction, top-P of scores),
+    1-64 routed lanes with repeats, padding and experts in slots, half of them as a fused pass makes them:
+    lanes' rows, no tables; one in five a prediction, top-P of scores),
     one deciding in the kernel (`deciding`: `EmulatedRows` by default; `KeptRows` on a device runs the CUDA
     kernel), one in `kept_rows.plan`: what differed after each call (tables, each lane's row and hit, the rows
     held, their ages and scores, copies, hit lanes), and at the end in the stacks' bytes."""
@@ -201,9 +213,18 @@ def differences(
             n = int(rng.choice([1, 2, 8, 8, 8, 16, 40, 64]))
             ids = np.where(rng.random(n) < 0.8, rng.choice(popular, n), rng.integers(0, E, n))
             cand = kept_rows.padded(mx.array(ids.astype(np.uint32)), E)
-        outs = [rows._call(0, cand, base_mx, ahead) for rows in (device, host)]
-        names = ("found", "rows", "lane_rows", "lane_hit")[: 2 if ahead else 4]
-        bad = [k for k, a, b in zip(names, *outs) if not np.array_equal(np.array(a), np.array(b))]
+        fused = not ahead and rng.random() < 0.5  # as a decode pass calls it (`plan`): no tables
+        if fused:
+            ids_mx = mx.array(ids.astype(np.uint32))
+            inputs = (*device._rows_state(0), *device.stacks[0].values())
+            _, read, state = device._demand_lanes(0)(ids_mx, base_mx, *inputs)
+            device._keep(0, state)
+            lanes = host._call(0, cand, base_mx, ahead)[2][:n]
+            bad = [] if np.array_equal(np.array(read), np.array(lanes)) else ["lane_rows"]
+        else:
+            outs = [rows._call(0, cand, base_mx, ahead) for rows in (device, host)]
+            names = ("found", "rows", "lane_rows", "lane_hit")[: 2 if ahead else 4]
+            bad = [k for k, a, b in zip(names, *outs) if not np.array_equal(np.array(a), np.array(b))]
         bad += [
             k
             for k, a, b in zip(("held", "age", "score"), _state(device), _state(host))
@@ -213,7 +234,8 @@ def differences(
         bad += [
             k for k, a, b in zip(("copies", "hit lanes"), counts, host_counts) if not np.array_equal(a, b)
         ]
-        found += [f"step {step} ({'ahead' if ahead else 'demand'}): {k}" for k in bad]
+        kind = "ahead" if ahead else "fused" if fused else "demand"
+        found += [f"step {step} ({kind}): {k}" for k in bad]
     for i, (mine, theirs) in enumerate(zip(_bytes(device), _bytes(host))):
         if not np.array_equal(mine, theirs):
             found.append(f"array {i}'s bytes")

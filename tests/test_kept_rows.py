@@ -106,15 +106,16 @@ def test_a_demand_call_takes_a_batch_of_any_size():
 
 def test_a_fused_pass_gives_the_kernel_and_the_products_the_stack_once(monkeypatch):
     """The device's one-call plan (CUDA only, so its kernel is stood in for here): the stack goes into the
-    compiled call once, and both the kernel and the products get each of its arrays whole."""
+    compiled call once, both the kernel and the products get each of its arrays whole, and the kernel is
+    asked for no tables."""
     S = 4
     stack = {("p", "w"): mx.array(np.arange((E + S) * 8, dtype=np.uint8).reshape(E + S, 8))}
     rows = kept_rows.KeptRows([stack], E, [0], S, S)
     given = []
 
-    def stand_in(layer, count, ahead):
+    def stand_in(layer, count, ahead, tables=True):
         def launch(*inputs):
-            given.append(inputs[0])
+            given.append((inputs[0], tables))
             lane_rows = mx.arange(count, dtype=mx.uint32)
             state = [rows.held[0], rows.age[0], rows.counts.on_device[0], rows.score[0]]
             return [None, None, *state, lane_rows, lane_rows > 0]  # tables, state, lanes' rows and hits
@@ -127,8 +128,8 @@ def test_a_fused_pass_gives_the_kernel_and_the_products_the_stack_once(monkeypat
     arrays, read, outputs = plan.lanes(ids, *plan.state)
     assert arrays == (stack["p", "w"],) and read.tolist() == [[0, 1]] and len(outputs) == 4
     assert len(plan.state) == 1 + 5 + 1  # the table, the rows' state, the stack's one array
-    (kernel_array,) = given
-    assert kernel_array is stack["p", "w"]
+    ((kernel_array, tables),) = given
+    assert kernel_array is stack["p", "w"] and not tables  # the products read only the lanes' rows
 
 
 def test_rows_count_copies_and_hits_as_running_totals_read_at_any_time():

@@ -12,7 +12,8 @@ ages, counts, copies and hit lanes must be equal, and at the end both stacks' by
 `time`: the kernel's wall time a call at the Qwen3-30B-A3B shape's rows (three 786,432-byte weight arrays
 and six 49,152-byte scale and bias arrays an expert, 128 experts, 32 rows), over CALLS chained demand calls
 of 8 lanes built, then evaluated at once (the evaluation's wall time: their launches and kernels): every
-lane held (nothing copied), then one expert not held a call.
+lane held (nothing copied), then one expert not held a call; each as the eager path calls it (with tables)
+and as a fused decode pass does (`KeptRows.plan`: no tables).
 
 Not a test (CI has no GPU); what it printed for a commit goes into docs/GPU.md ("Device-kept rows").
 """
@@ -56,23 +57,29 @@ def time_calls(calls: int):
     held = mx.arange(8, dtype=mx.uint32)
     rows._call(0, held, base, False)  # rows 0-7 hold experts 0-7; compiles
     mx.eval(rows.held)
+    lanes = rows._demand_lanes(0)
+
+    def fused(c):  # as a decode pass calls it (`KeptRows.plan`): lanes' rows, no tables
+        rows._keep(0, lanes(c, base, *rows._rows_state(0), *rows.stacks[0].values())[2])
+
     for label, cand in (
         ("every lane held", lambda i: held),
         ("one expert not held", lambda i: mx.concatenate([held[:7], mx.array([8 + i % 100], mx.uint32)])),
     ):
         inputs = [cand(i) for i in range(calls)]
         mx.eval(inputs)
-        for _ in range(2):  # the second is the figure: the first may compile
-            mx.synchronize()
-            t0 = time.perf_counter()
-            for c in inputs:
-                rows._call(0, c, base, False)
-            t1 = time.perf_counter()
-            mx.eval(rows.held, rows.age)
-            t2 = time.perf_counter()
-        rows.read()
-        built, ran = (t1 - t0) / calls * 1e6, (t2 - t1) / calls * 1e6
-        print(f"{label}: {ran:.1f} us a call evaluated, {built:.1f} us a call built, over {calls} calls")
+        for how, call in (("tables", lambda c: rows._call(0, c, base, False)), ("fused", fused)):
+            for _ in range(2):  # the second is the figure: the first may compile
+                mx.synchronize()
+                t0 = time.perf_counter()
+                for c in inputs:
+                    call(c)
+                t1 = time.perf_counter()
+                mx.eval(rows.held, rows.age)
+                t2 = time.perf_counter()
+            rows.read()
+            built, ran = (t1 - t0) / calls * 1e6, (t2 - t1) / calls * 1e6
+            print(f"{label}, {how}: {ran:.1f} us a call evaluated, {built:.1f} us built, over {calls} calls")
     print(f"rows holding other bytes than they name: {kept_rows.wrong_rows(rows)}")
 
 

@@ -64,10 +64,11 @@ def main():
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
     units = [49152, 3072, 3072]
     failed = 0
-    for scores, counts, copy, (E, S, P) in itertools.product(
-        (0, 1), (0, 1), (0, 1), [(128, 32, 8), (512, 128, 64), (64, 300, 8)]
+    for scores, counts, copy, tables, (E, S, P) in itertools.product(
+        (0, 1), (0, 1), (0, 1), (0, 1), [(128, 32, 8), (512, 128, 64), (64, 300, 8)]
     ):
         template = dict(E=E, C=0, S=S, P=P, SCORES=scores, DEMAND=1 - scores, COPY=copy, COUNTS=counts)
+        template["TABLES"] = tables
         log = compile_source(nvrtc, wrapped(units, template))
         failed += bool(log)
         print(template, "ok" if not log else f"FAILED\n{log}")

@@ -219,10 +219,11 @@ class KeptRows:
 
         def lanes(indices, base, held, age, score, decay, counted, *arrays):
             n = indices.size
-            launch = self._kernel_call(layer, padded_size(n), ahead=False)
+            launch = self._kernel_call(layer, padded_size(n), ahead=False, tables=False)
             cand = padded(indices.reshape(-1), self.E)
             out = launch(*arrays, cand, base, held, age, score, decay, counted)
-            held, age, counted, score, read, _ = out[2:]
+            held, age, counted, scores, read, _ = out[2:]
+            score = score if self.decay is None else scores  # by recency the scores stay as they were
             return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
 
         return lanes
@@ -277,18 +278,23 @@ class KeptRows:
     def _settings(self) -> tuple:
         return self.copy, self.decay is not None, self.blocks, self.demand_blocks
 
-    def _kernel_call(self, layer: int, count: int, ahead: bool):
+    def _kernel_call(self, layer: int, count: int, ahead: bool, tables: bool = True):
         kernel = self._kernel(layer)
-        settings = self.launch_settings(layer, count, ahead)
+        settings = self.launch_settings(layer, count, ahead, tables)
         return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
-    def launch_settings(self, layer: int, count: int, ahead: bool) -> dict:
+    def launch_settings(self, layer: int, count: int, ahead: bool, tables: bool = True) -> dict:
         """The layer's kernel call for `count` candidates (`mx.fast.cuda_kernel`'s keywords but its inputs):
-        its template constants, grid (in threads), block and outputs."""
+        its template constants, grid (in threads), block and outputs. `tables` False (a fused pass, `plan`,
+        which reads only its lanes' rows): no expert->row tables, lane hits or unchanged scores are written,
+        and those outputs are one element long."""
         units = max(row_units(self.stacks[layer].values())[1])
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)
         E, S = self.E, self.S
+        counts = int(self.decay is not None and not ahead)
+        table, hits = ((E,), (count,)) if tables else ((1,), (1,))
+        scores = (E,) if tables or counts else (1,)
         return dict(
             template=[
                 ("E", E),
@@ -298,11 +304,12 @@ class KeptRows:
                 ("SCORES", int(ahead)),
                 ("DEMAND", int(not ahead)),
                 ("COPY", int(self.copy)),
-                ("COUNTS", int(self.decay is not None and not ahead)),
+                ("COUNTS", counts),
+                ("TABLES", int(tables)),
             ],
             grid=(threads, count, len(self.stacks[layer])),
             threadgroup=(min(THREADS, threads), 1, 1),
-            output_shapes=[(E,), (E,), (S,), (S,), (2,), (E,), (count,), (count,)],
+            output_shapes=[table, table, (S,), (S,), (2,), scores, (count,), hits],
             output_dtypes=[
                 mx.uint32,
                 mx.uint32,

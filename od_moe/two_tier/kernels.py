@@ -6,11 +6,12 @@ CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests ru
   into slot rows of the same stack, between passes;
 - device-kept rows (`kept_rows_source`, launched by `kept_rows.KeptRows`): one call decides which candidate
   experts go into which of a layer's rows (least recently used, or by decayed counts), writes the layer's
-  expert->row tables, each candidate lane's row and hit, its running count of copies and hit lanes, and
-  copies the chosen experts host row -> device row, one (expert, array) per block row of the grid. A
-  block whose candidate is no miss leaves at once; the others make the decision in shared memory; block 0
-  writes the tables. `kept_rows.plan` is the same decision in numpy, which the tests hold this source to,
-  compiled for the CPU (`tests/cuda_emulation.py`);
+  expert->row tables (`TABLES`: not for a fused decode pass, which reads only its lanes' rows), each
+  candidate lane's row and hit, its running count of copies and hit lanes, and copies the chosen experts
+  host row -> device row, one (expert, array) per block row of the grid. A block whose candidate is no
+  miss leaves at once; the others make the decision in shared memory; block 0 writes the outputs.
+  `kept_rows.plan` is the same decision in numpy, which the tests hold this source to, compiled for the
+  CPU (`tests/cuda_emulation.py`);
 - staged passes (`staged_passes.py`): rows of the stacks copied to the device by 16-byte loads
   (`copy_rows`), and a decode pass's lanes in one launch (`staged_lanes`: each lane's row found, its expert
   copied, which lanes were hits and the pass's counts) where MLX operations took several.
@@ -85,11 +86,12 @@ _KEPT_ROWS = """
     __shared__ int missing_k[P];  // each miss's place among the misses
     __shared__ int into_of[P];  // the row each candidate is copied to, else -1
     __shared__ int now[S];
+    __shared__ int was[S];  // the rows' experts before the call
     __shared__ int was_age[S];  // the rows' ages before the call, read S times a row when ranked
     __shared__ int new_age[S];
     __shared__ bool free_row[S];
     __shared__ int row_by_age[S];  // the free rows, oldest first
-    __shared__ int now_row[E];  // block 0: each expert's device row after the call (S: none)
+    __shared__ int now_row[E];  // block 0, TABLES: each expert's device row after the call (S: none)
     __shared__ int held_row[E];  // and before it
     __shared__ int copies;
     __shared__ int lane_hits;
@@ -101,7 +103,7 @@ _KEPT_ROWS = """
         bool other = !COPY || e < 0 || e >= E || base[e] >= (uint32_t)E;  // none, unknown or in a slot
         for (int r = tid; r < q && !other; r += nt) other = (int)static_cast<float>(cand[r]) == e;
         for (int s = tid; s < S && !other; s += nt) other = held[s] == e;
-        if (__syncthreads_or(other)) return;  // the whole block: no copy (block 0 writes the tables)
+        if (__syncthreads_or(other)) return;  // the whole block: no copy (block 0 writes the outputs)
     }}
     if (tid == 0) lane_hits = 0;
     if (SCORES) {{  // the top P of E scores (ties: the lower id)
@@ -139,6 +141,7 @@ _KEPT_ROWS = """
     __syncthreads();
     for (int s = tid; s < S; s += nt) {{
         now[s] = held[s];
+        was[s] = held[s];
         was_age[s] = age[s];
         bool keep = false;
         for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
@@ -208,25 +211,32 @@ _KEPT_ROWS = """
     }}
     __syncthreads();
     if (first_block) {{
-        for (int i = tid; i < E; i += nt) {{
-            now_row[i] = S;
-            held_row[i] = S;
-        }}
-        __syncthreads();
-        for (int s = tid; s < S; s += nt) {{  // the lower row, were an expert in two
-            if (now[s] >= 0 && now[s] < E) atomicMin(&now_row[now[s]], s);
-            if (held[s] >= 0 && held[s] < E) atomicMin(&held_row[held[s]], s);
-        }}
-        __syncthreads();
         auto placed = [&](int e, const int* row_of) -> uint32_t {{  // e's row: a slot, else a device row
             uint32_t row = base[e];
             return row < (uint32_t)E && row_of[e] < S ? E + C + row_of[e] : row;
         }};
-        for (int i = tid; i < E; i += nt) {{
-            rows[i] = placed(i, now_row);
-            found[i] = placed(i, held_row);
-            score_out[i] = scored(i);
+        auto scanned = [&](int e, const int* expert_of) -> uint32_t {{  // the same, from the S rows
+            uint32_t row = base[e];
+            for (int s = 0; s < S && row < (uint32_t)E; ++s) row = expert_of[s] == e ? E + C + s : row;
+            return row;
+        }};
+        if (TABLES) {{  // each expert's row, before and after the call
+            for (int i = tid; i < E; i += nt) {{
+                now_row[i] = S;
+                held_row[i] = S;
+            }}
+            __syncthreads();
+            for (int s = tid; s < S; s += nt) {{  // the lower row, were an expert in two
+                if (now[s] >= 0 && now[s] < E) atomicMin(&now_row[now[s]], s);
+                if (held[s] >= 0 && held[s] < E) atomicMin(&held_row[held[s]], s);
+            }}
+            __syncthreads();
+            for (int i = tid; i < E; i += nt) {{
+                rows[i] = placed(i, now_row);
+                found[i] = placed(i, held_row);
+            }}
         }}
+        for (int i = tid; i < E && (TABLES || COUNTS); i += nt) score_out[i] = scored(i);
         for (int s = tid; s < S; s += nt) {{
             held_out[s] = now[s];
             age_out[s] = new_age[s];
@@ -234,9 +244,9 @@ _KEPT_ROWS = """
         for (int q = tid; q < P && DEMAND; q += nt) {{  // each candidate lane's row, hit
             int e = (int)static_cast<float>(cand[q]);
             bool known = e >= 0 && e < E;
-            bool hit = known && placed(e, held_row) >= (uint32_t)E;
-            lane_rows[q] = known ? placed(e, now_row) : (uint32_t)E;
-            lane_hit[q] = hit;
+            bool hit = known && (TABLES ? placed(e, held_row) : scanned(e, was)) >= (uint32_t)E;
+            lane_rows[q] = known ? (TABLES ? placed(e, now_row) : scanned(e, now)) : (uint32_t)E;
+            if (TABLES) lane_hit[q] = hit;
             if (hit) atomicAdd(&lane_hits, 1);
         }}
         __syncthreads();

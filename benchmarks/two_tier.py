@@ -3,13 +3,14 @@ read in place from host memory, at 0 / 25 / 50 / 100% of experts in device slots
 per-layer path (`od_moe.load` with two_tier=False) give at 25% (the before row)?
 
 Every row loads an engine, warms it on a prompt of its own (kernels, admission), then alternates prompt by
-prompt with stock mlx-lm for `--rounds` rounds of the 3 prompts x `--tokens` greedy tokens: the row's
-x-stock is the median of the rounds' ratios (machines drift: the ratio within a round is the figure).
-Tokens must equal stock's. Also per row: decode hit rate, mapped lanes (misses) and slot copies per
-decoded token, the bytes that crossed the bus per token and the row's speed over its roofline (max of
-stock's step and those bytes at the faster of the two bus bandwidths measured on the process's first
-two-tier engine, as in `od-moe bench --two-tier`). `static` rows stop admission after the warm-up (its
-slots are that prompt's profile), to compare with learned admission on the same slots count.
+prompt with stock mlx-lm for `--rounds` rounds of the 3 prompts x `--tokens` greedy tokens: the row's x-stock
+is the median of the rounds' ratios (machines drift: the ratio within a round is the figure). Tokens must
+equal stock's. The median decoded token's ms, stock's over the row's, shows a typical token apart from slow
+ones (an admission, a compile, a stall). Also per row: decode hit rate, mapped lanes (misses) and slot copies
+per decoded token, the bytes that crossed the bus per token and the row's speed over its roofline (max of
+stock's step and those bytes at the faster of the two bus bandwidths measured on the process's first two-tier
+engine, as in `od-moe bench --two-tier`). `static` rows stop admission after the warm-up (its slots are that
+prompt's profile), to compare with learned admission on the same slots count.
 
     python benchmarks/two_tier.py [--model PATH | --widen 128] [--rows tt:0,tt:0.25,...] [--rounds 4]
         [--tokens 48] [--prefill 512] [--json out.json]
@@ -127,7 +128,8 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     if kind == "static":
         engine.runtime.admissions = False
     engine.reset_stats()
-    ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds)
+    gaps: dict = {}
+    ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds, gaps)
     stats = engine.stats()
     prefill = prefill_ratios(engine, stock, tokenizer, args.prefill, args.rounds) if args.prefill else None
     decode = stats["total"]["decode"]
@@ -140,6 +142,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "tok_s": statistics.median(t for _, t in speeds),
         "x_stock": statistics.median(ratios),
         "x_stock_rounds": [round(r, 3) for r in ratios],
+        # each decoded token's ms, as the loop saw them: a typical token apart from the slow ones
+        "ms_token_median": [statistics.median(gaps[k]) * 1e3 for k in ("stock", "row")],
+        "ms_token_p90": [statistics.quantiles(gaps[k], n=10)[-1] * 1e3 for k in ("stock", "row")],
         "decode_hit_rate": decode["hit_rate"],
         "mapped_per_token": decode["misses"] / tokens / stats["moe_layers"],
         "copies_per_token": stats["total"]["experts_loaded"] / tokens,
@@ -151,6 +156,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "mlx_active_gb": mx.get_active_memory() / 1e9,
         "mlx_limit_gb": mx.get_memory_limit() / 1e9,
     }
+    row["x_stock_median_token"] = row["ms_token_median"][0] / row["ms_token_median"][1]
     if two_tier:  # the roofline: max(stock's step, moved bytes / the faster measured way across the bus)
         moved = moved_per_token(engine) * engine.caches[0].layout.expert_nbytes
         floor_ms = roofline_ms(1e3 / row["stock_tok_s"], moved, BUS["best"], 0, 1)[0]
@@ -207,6 +213,7 @@ def main():
         "stock tok/s",
         "tok/s",
         "x stock",
+        "x stock, median token",
         "decode hit",
         "mapped/layer/tok",
         "copies/tok",
@@ -220,6 +227,7 @@ def main():
             r["stock_tok_s"],
             r["tok_s"],
             r["x_stock"],
+            r["x_stock_median_token"],
             r["decode_hit_rate"],
             r["mapped_per_token"],
             r["copies_per_token"],
@@ -233,7 +241,7 @@ def main():
     title = (
         f"{path.name} on {mx.default_device()} (MLX {mx.__version__}), {len(PROMPTS)} prompts x "
         f"{args.tokens} tokens, {args.rounds} rounds alternating with stock; x stock: median of the "
-        "rounds' ratios"
+        "rounds' ratios; median token: stock's median ms a decoded token over the row's"
     )
     if BUS:
         title += (

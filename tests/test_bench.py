@@ -166,3 +166,18 @@ def test_device_kept_rows_move_each_miss_once_alone_and_in_a_batch():
     routed = led.total("experts", "decode")  # distinct experts of each staged pass, summed
     assert 0 < copies < experts_across_bus(batch, "decode") < routed
     assert experts_across_bus(batch, "decode") == copies + routed - led.total("expert_hits", "decode")
+
+
+def test_each_decoded_tokens_time_is_the_gap_between_two_responses(monkeypatch):
+    """`decoded` keeps a generation's tokens and, per decoded token, the seconds since the response before
+    it (the first response, the prompt's, opens the count): what the benches' median token is made of."""
+    from types import SimpleNamespace
+
+    from od_moe.bench import foundation
+
+    clock = iter([10.0, 10.5, 10.75, 12.0])
+    monkeypatch.setattr(foundation.time, "perf_counter", lambda: next(clock))
+    gaps = [0.125]  # added to, not replaced
+    tokens, last = foundation.decoded((SimpleNamespace(token=t) for t in (7, 8, 9, 3)), gaps)
+    assert tokens == [7, 8, 9, 3] and last.token == 3
+    assert gaps == [0.125, 0.5, 0.25, 1.25]

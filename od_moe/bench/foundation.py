@@ -27,16 +27,22 @@ from .widen import widen_model
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):"]
 
 
-def _decode(generator):
-    tokens, last = [], None
+def decoded(generator, gaps: list | None = None):
+    """The tokens of a generation and its last response; into `gaps` (if given) the seconds between one
+    response and the next, from the first token on (each decoded token's time as the caller sees it)."""
+    tokens, last, times = [], None, []
     for last in generator:
+        times.append(time.perf_counter())
         tokens.append(last.token)
+    if gaps is not None:
+        gaps.extend(b - a for a, b in zip(times, times[1:]))
     return tokens, last
 
 
-def stock_decode(model, tokenizer, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
-    """Decode tok/s of one greedy stock mlx-lm generation, and its tokens."""
-    tokens, last = _decode(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+def stock_decode(model, tokenizer, prompt: str, max_tokens: int, gaps=None) -> tuple[float, list[int]]:
+    """Decode tok/s of one greedy stock mlx-lm generation, and its tokens; each decoded token's seconds
+    into `gaps` where given (`decoded`)."""
+    tokens, last = decoded(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens), gaps)
     return last.generation_tps, tokens
 
 
@@ -57,7 +63,7 @@ def run_stock(path, prompts, max_tokens):
     model, tokenizer = stock_model(path)
     tokens, tps = [], []
     for p in prompts:
-        t, last = _decode(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens))
+        t, last = decoded(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens))
         tokens.append(t)
         tps.append(last.generation_tps)
     peak = backend.peak_memory_bytes()
@@ -91,7 +97,7 @@ def run_od_moe(path, prompts, max_tokens, cold=False, **load_kwargs):
     for p in prompts:
         if cold:
             store.drop_page_cache()
-        t, last = _decode(engine.stream_generate(p, max_tokens=max_tokens))
+        t, last = decoded(engine.stream_generate(p, max_tokens=max_tokens))
         tokens.append(t)
         tps.append(last.generation_tps)
     stats = engine.stats()

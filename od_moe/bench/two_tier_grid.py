@@ -39,7 +39,7 @@ from ..stats import experts_moved
 from ..two_tier import slot_fill, staged_passes
 from ..two_tier.layer_step import TwoTierSwitch
 from ..units import MB
-from .foundation import PROMPTS, stock_decode, stock_model
+from .foundation import PROMPTS, decoded, stock_decode, stock_model
 from .roofline import roofline_ms
 
 WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n    "
@@ -116,17 +116,19 @@ def load_stock(path: Path, tokens: int):
     return stock, tokenizer, [stock_decode(stock, tokenizer, p, tokens)[1] for p in PROMPTS]
 
 
-def alternate(engine, stock, tokenizer, reference, tokens: int, rounds: int):
+def alternate(engine, stock, tokenizer, reference, tokens: int, rounds: int, gaps: dict | None = None):
     """Rounds of `PROMPTS`, stock and `engine` alternating prompt by prompt: (each round's tok/s over
-    stock's, (stock tok/s, tok/s) per round, prompts that gave stock's tokens)."""
+    stock's, (stock tok/s, tok/s) per round, prompts that gave stock's tokens). `gaps`: where given, each
+    decoded token's seconds as the loop saw them go into its lists "stock" and "row"."""
     ratios, speeds, same = [], [], 0
+    gaps = {"stock": [], "row": []} if gaps is None else gaps
     for _ in range(rounds):
         pairs = []
         for i, prompt in enumerate(PROMPTS):
-            stock_tps = stock_decode(stock, tokenizer, prompt, tokens)[0]
-            responses = list(engine.stream_generate(prompt, max_tokens=tokens))
-            same += [r.token for r in responses] == reference[i]
-            pairs.append((stock_tps, responses[-1].generation_tps))
+            stock_tps = stock_decode(stock, tokenizer, prompt, tokens, gaps.setdefault("stock", []))[0]
+            got, last = decoded(engine.stream_generate(prompt, max_tokens=tokens), gaps.setdefault("row", []))
+            same += got == reference[i]
+            pairs.append((stock_tps, last.generation_tps))
         speeds.append(tuple(statistics.mean(p[k] for p in pairs) for k in (0, 1)))
         ratios.append(speeds[-1][1] / speeds[-1][0])
     return ratios, speeds, same

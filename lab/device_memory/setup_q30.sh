@@ -22,6 +22,9 @@ if [ -n "$before_kernels" ]; then
   esac
 fi
 echo "nsys: $(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)"
+# the NVTX range sums of lab/tools/host_ranges.py: built here where a compiler is, else the one carried
+gcc -O2 -shared -fPIC -o /tmp/libnvtx_sum.so lab/tools/nvtx_sum.c -lpthread 2>/dev/null ||
+  cp .whl/b/libnvtx_sum.so /tmp/ 2>/dev/null; ls -la /tmp/libnvtx_sum.so
 timeout 240 python3 -u benchmarks/two_tier.py --model /tmp/rs/qwen3-30b-a3b --rows lru:0.25 --rounds 1 \
   --tokens 4 > $out/warm-up.txt 2>&1
 echo "warm-up rc $?"; grep "^| lru" $out/warm-up.txt

@@ -215,7 +215,7 @@ class KeptRows:
 
     def _demand_lanes(self, layer: int):
         """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
-        it gives."""
+        it gives; the kernel writes no tables (`launch_settings`): a pass of one position never reads them."""
 
         def lanes(indices, base, held, age, score, decay, counted, *arrays):
             n = indices.size

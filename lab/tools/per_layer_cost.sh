@@ -5,7 +5,7 @@
 # (colons in a mode's name become dashes); prints each summary.
 # Usage: PYTHONPATH=/tmp/site lab/tools/per_layer_cost.sh OUT MODEL MODE[,MODE...] [TOKENS]
 set -uo pipefail
-out=$1; model=$2; modes=$3; tokens=${4:-8}
+out=$1; model=$2; modes=$3; tokens=${4:-4}
 mkdir -p $out
 for mode in stock ${modes//,/ }; do
   csv=$out/kernels-${mode//:/-}.csv

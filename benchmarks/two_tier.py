@@ -20,7 +20,8 @@ alternating, median of `--rounds` ratios (`stage=P` sets the positions from whic
 `two_tier/staged_passes.py`; `stage=0` stages nothing).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
-`lru:F:decay=D`: by decayed routing counts, not recency);
+`lru:F:decay=D`: by decayed routing counts, not recency); `null=1` (CUDA): one more kernel on each layer's
+path, copying the lanes' rows (`with_null_kernel`);
 `static:F` the same as `tt` with admission frozen after the warm-up;
 `exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
 `tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
@@ -51,6 +52,7 @@ from od_moe.bench.roofline import roofline_ms
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
 from od_moe.report import table
 from od_moe.two_tier import forecast, kept_rows
+from od_moe.two_tier.layer_step import Plan
 from od_moe.two_tier.runtime import TwoTierRuntime
 
 BUS: dict = {}  # the bus bandwidths (`bus_bandwidth`), measured once a process
@@ -62,6 +64,41 @@ def model_path(args) -> Path:
     from od_moe.bench.widen import widen_model
 
     return widen_model(args.model, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
+
+
+def with_null_kernel(runtime):
+    """Each one-position pass of `runtime` reads its lanes' rows through a CUDA kernel that only copies them
+    (`null=1`): what one more kernel on every layer's path costs, with no bytes and no decisions, against
+    the same row without it (and `lru` rows at nearly every expert, where the kept rows' kernel runs but
+    seldom copies). Tokens are unchanged: the rows are the same."""
+    kernel = mx.fast.cuda_kernel(
+        name="od_moe_null",
+        input_names=["ids"],
+        output_names=["out"],
+        source="out[threadIdx.x] = ids[threadIdx.x];",
+    )
+    planned = runtime.one_position
+
+    def one_position(layer):
+        plan = planned(layer)
+        if plan is None:
+            return None
+
+        def lanes(indices, *state):
+            arrays, read, outputs = plan.lanes(indices, *state)
+            n = read.size
+            (copied,) = kernel(
+                inputs=[read.reshape(-1)],
+                grid=(n, 1, 1),
+                threadgroup=(n, 1, 1),
+                output_shapes=[(n,)],
+                output_dtypes=[read.dtype],
+            )
+            return arrays, copied.reshape(read.shape), outputs
+
+        return Plan((*plan.key, "null"), lanes, plan.state, plan.finish)
+
+    runtime.one_position = one_position
 
 
 def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
@@ -114,6 +151,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             continue
         if name == "decay":  # device rows by decayed routing counts (`two_tier/kept_rows.py`), `lru` rows
             engine.runtime.lookahead.decay = float(value)
+            continue
+        if name == "null":  # a kernel that copies the lanes' rows, on each layer's path (CUDA)
+            with_null_kernel(engine.runtime)
             continue
         if name == "admit_every":
             engine.runtime.admit_every = int(value)

@@ -121,12 +121,13 @@ def alternate(engine, stock, tokenizer, reference, tokens: int, rounds: int, gap
     stock's, (stock tok/s, tok/s) per round, prompts that gave stock's tokens). `gaps`: where given, each
     decoded token's seconds as the loop saw them go into its lists "stock" and "row"."""
     ratios, speeds, same = [], [], 0
-    gaps = {"stock": [], "row": []} if gaps is None else gaps
+    gaps = {} if gaps is None else gaps
+    stock_gaps, row_gaps = gaps.setdefault("stock", []), gaps.setdefault("row", [])
     for _ in range(rounds):
         pairs = []
         for i, prompt in enumerate(PROMPTS):
-            stock_tps = stock_decode(stock, tokenizer, prompt, tokens, gaps.setdefault("stock", []))[0]
-            got, last = decoded(engine.stream_generate(prompt, max_tokens=tokens), gaps.setdefault("row", []))
+            stock_tps = stock_decode(stock, tokenizer, prompt, tokens, stock_gaps)[0]
+            got, last = decoded(engine.stream_generate(prompt, max_tokens=tokens), row_gaps)
             same += got == reference[i]
             pairs.append((stock_tps, last.generation_tps))
         speeds.append(tuple(statistics.mean(p[k] for p in pairs) for k in (0, 1)))

@@ -215,10 +215,9 @@ def differences(
             cand = kept_rows.padded(mx.array(ids.astype(np.uint32)), E)
         fused = not ahead and rng.random() < 0.5  # as a decode pass calls it (`plan`): no tables
         if fused:
-            ids_mx = mx.array(ids.astype(np.uint32))
-            inputs = (*device._rows_state(0), *device.stacks[0].values())
-            _, read, state = device._demand_lanes(0)(ids_mx, base_mx, *inputs)
-            device._keep(0, state)
+            plan = device.plan(0, base_mx)
+            _, read, state = plan.lanes(mx.array(ids.astype(np.uint32)), *plan.state)
+            plan.finish(0, state)
             lanes = host._call(0, cand, base_mx, ahead)[2][:n]
             bad = [] if np.array_equal(np.array(read), np.array(lanes)) else ["lane_rows"]
         else:

@@ -57,10 +57,10 @@ def time_calls(calls: int):
     held = mx.arange(8, dtype=mx.uint32)
     rows._call(0, held, base, False)  # rows 0-7 hold experts 0-7; compiles
     mx.eval(rows.held)
-    lanes = rows._demand_lanes(0)
 
     def fused(c):  # as a decode pass calls it (`KeptRows.plan`): lanes' rows, no tables
-        rows._keep(0, lanes(c, base, *rows._rows_state(0), *rows.stacks[0].values())[2])
+        plan = rows.plan(0, base)
+        plan.finish(0, plan.lanes(c, *plan.state)[2])
 
     for label, cand in (
         ("every lane held", lambda i: held),

@@ -228,7 +228,7 @@ _KEPT_ROWS = """
             __syncthreads();
             for (int s = tid; s < S; s += nt) {{  // the lower row, were an expert in two
                 if (now[s] >= 0 && now[s] < E) atomicMin(&now_row[now[s]], s);
-                if (held[s] >= 0 && held[s] < E) atomicMin(&held_row[held[s]], s);
+                if (was[s] >= 0 && was[s] < E) atomicMin(&held_row[was[s]], s);
             }}
             __syncthreads();
             for (int i = tid; i < E; i += nt) {{

@@ -79,9 +79,16 @@ def slot_fill_source(unit: int) -> str:
 # moved. Least recently used needs no loop over candidates: the k-th candidate not held takes the free row
 # ranked k-th by age (oldest first, ties: the lower row). Ranking by decayed counts (COUNTS) or top-P scores
 # (SCORES), where each choice changes the next, stays serial, in thread 0.
+# Block 0 decides on the call's path: the layer's products wait for it even when nothing is copied. So its
+# global reads come first, all at once; no thread loops over the S rows where a pass over the rows can
+# record what each candidate needs (its row, in `held_at`); rows are ranked only when a miss has a free row
+# to take; and a fused pass's lane rows come from `held_at` and `into_of`, not from scanning the rows again.
 _KEPT_ROWS = """
     using U = {unit};
+    __shared__ int ids[P];  // the candidates' ids (DEMAND), else the top P of the scores
+    __shared__ int first_of[P];  // the first candidate with the same id
     __shared__ int want[P];  // the candidates in order, -1 where repeated, unknown or in a slot
+    __shared__ int held_at[P];  // the lowest row holding each wanted candidate before the call (S: none)
     __shared__ bool miss[P];  // wanted and not held
     __shared__ int missing_k[P];  // each miss's place among the misses
     __shared__ int into_of[P];  // the row each candidate is copied to, else -1
@@ -90,11 +97,11 @@ _KEPT_ROWS = """
     __shared__ int was_age[S];  // the rows' ages before the call, read S times a row when ranked
     __shared__ int new_age[S];
     __shared__ bool free_row[S];
-    __shared__ int row_by_age[S];  // the free rows, oldest first
-    __shared__ int now_row[E];  // block 0, TABLES: each expert's device row after the call (S: none)
-    __shared__ int held_row[E];  // and before it
+    __shared__ int row_by_age[S];  // the free rows a miss takes, oldest first
+    __shared__ int now_row[TABLES ? E : 1];  // block 0, TABLES: each expert's device row after the call
+    __shared__ int held_row[TABLES ? E : 1];  // and before it (S: none)
     __shared__ int copies;
-    __shared__ int lane_hits;
+    __shared__ int lane_hits, misses, free_rows;
     const int tid = threadIdx.x, nt = blockDim.x;
     const bool first_block = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     if (!SCORES && !first_block) {{  // a block copies only its candidate, and only if it is a miss
@@ -105,7 +112,22 @@ _KEPT_ROWS = """
         for (int s = tid; s < S && !other; s += nt) other = held[s] == e;
         if (__syncthreads_or(other)) return;  // the whole block: no copy (block 0 writes the outputs)
     }}
-    if (tid == 0) lane_hits = 0;
+    // every global read the decision needs is made here at once, and the rest works in shared memory
+    if (tid == 0) {{
+        lane_hits = 0;
+        misses = 0;
+        free_rows = 0;
+    }}
+    for (int q = tid; q < P; q += nt) {{
+        if (!SCORES) ids[q] = (int)static_cast<float>(cand[q]);
+        held_at[q] = S;
+        into_of[q] = -1;
+    }}
+    for (int s = tid; s < S; s += nt) {{
+        was[s] = held[s];
+        was_age[s] = age[s];
+    }}
+    __syncthreads();
     if (SCORES) {{  // the top P of E scores (ties: the lower id)
         if (tid == 0) {{
             float last_v = INFINITY;
@@ -123,36 +145,35 @@ _KEPT_ROWS = """
                 }}
                 last_v = best_v;
                 last_i = best;
-                want[q] = best;
+                ids[q] = best;
             }}
         }}
-    }} else {{  // P expert ids
-        for (int q = tid; q < P; q += nt) {{
-            int e = (int)static_cast<float>(cand[q]);
-            for (int r = 0; r < q; ++r) e = ((int)static_cast<float>(cand[r]) == e) ? -1 : e;
-            want[q] = e;
-        }}
+        __syncthreads();
     }}
-    __syncthreads();
     for (int q = tid; q < P; q += nt) {{
-        int e = want[q];
-        want[q] = (e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
+        int e = ids[q], f = q;
+        for (int r = q - 1; r >= 0; --r) f = ids[r] == e ? r : f;
+        first_of[q] = f;
+        want[q] = (f == q && e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
     }}
     __syncthreads();
-    for (int s = tid; s < S; s += nt) {{
-        now[s] = held[s];
-        was[s] = held[s];
-        was_age[s] = age[s];
+    for (int s = tid; s < S; s += nt) {{  // which rows hold a wanted expert: kept, the others free
+        int held_s = was[s];
         bool keep = false;
-        for (int q = 0; q < P; ++q) keep = keep || (want[q] >= 0 && want[q] == held[s]);
+        for (int q = 0; q < P; ++q) {{
+            if (want[q] < 0 || want[q] != held_s) continue;
+            keep = true;
+            atomicMin(&held_at[q], s);
+        }}
+        now[s] = held_s;
         free_row[s] = !keep && COPY;
-        new_age[s] = keep ? 0 : (DEMAND ? min(age[s] + 1, {empty}) : age[s]);
+        new_age[s] = keep ? 0 : (DEMAND ? min(was_age[s] + 1, {empty}) : was_age[s]);
+        if (!keep && COPY) atomicAdd(&free_rows, 1);
     }}
+    __syncthreads();
     for (int q = tid; q < P; q += nt) {{
-        bool held_q = false;
-        for (int s = 0; s < S; ++s) held_q = held_q || held[s] == want[q];
-        miss[q] = want[q] >= 0 && !held_q;
-        into_of[q] = -1;
+        miss[q] = want[q] >= 0 && held_at[q] == S;
+        if (miss[q]) atomicAdd(&misses, 1);
     }}
     __syncthreads();
     auto scored = [&](int e) -> float {{  // decayed routing counts after this pass (COUNTS only)
@@ -161,10 +182,11 @@ _KEPT_ROWS = """
         for (int q = 0; q < P; ++q) routed = routed || want[q] == e;
         return __fadd_rn(__fmul_rn(score[e], decay[0]), routed ? 1.0f : 0.0f);
     }};
+    const int lru_copies = min(free_rows, misses);  // the same in every thread
     if (COUNTS) {{  // each miss takes the lowest-counted free row (empty first) where its count is higher
         if (tid == 0) {{
             copies = 0;
-            for (int q = 0; q < P; ++q) {{
+            for (int q = 0; q < P && misses > 0; ++q) {{
                 if (!miss[q]) continue;
                 int v = -1;
                 for (int s = 0; s < S; ++s) {{
@@ -180,45 +202,36 @@ _KEPT_ROWS = """
                 copies += 1;
             }}
         }}
-    }} else {{
+        __syncthreads();
+    }} else if (lru_copies > 0) {{  // most calls miss nothing and skip this
         for (int s = tid; s < S; s += nt) {{  // each free row's place among the free rows, oldest first
             if (!free_row[s]) continue;
             int rank = 0, a = was_age[s];
             for (int r = 0; r < S; ++r)
                 rank += free_row[r] && (was_age[r] > a || (was_age[r] == a && r < s)) ? 1 : 0;
-            row_by_age[rank] = s;
+            if (rank < lru_copies) row_by_age[rank] = s;
         }}
         for (int q = tid; q < P; q += nt) {{  // each miss: how many come before it
             int k = 0;
             for (int r = 0; r < q; ++r) k += miss[r] ? 1 : 0;
             missing_k[q] = k;
         }}
-        if (tid == 0) {{
-            int free_rows = 0, misses = 0;
-            for (int s = 0; s < S; ++s) free_rows += free_row[s] ? 1 : 0;
-            for (int q = 0; q < P; ++q) misses += miss[q] ? 1 : 0;
-            copies = min(free_rows, misses);
-        }}
         __syncthreads();
         for (int q = tid; q < P; q += nt) {{
             int k = missing_k[q];
-            if (!miss[q] || k >= copies) continue;
+            if (!miss[q] || k >= lru_copies) continue;
             int v = row_by_age[k];
             into_of[q] = v;
             now[v] = want[q];
             new_age[v] = 0;
         }}
+        __syncthreads();
     }}
-    __syncthreads();
     if (first_block) {{
+        if (tid == 0 && !COUNTS) copies = lru_copies;
         auto placed = [&](int e, const int* row_of) -> uint32_t {{  // e's row: a slot, else a device row
             uint32_t row = base[e];
             return row < (uint32_t)E && row_of[e] < S ? E + C + row_of[e] : row;
-        }};
-        auto scanned = [&](int e, const int* expert_of) -> uint32_t {{  // the same, from the S rows
-            uint32_t row = base[e];
-            for (int s = 0; s < S && row < (uint32_t)E; ++s) row = expert_of[s] == e ? E + C + s : row;
-            return row;
         }};
         if (TABLES) {{  // each expert's row, before and after the call
             for (int i = tid; i < E; i += nt) {{
@@ -242,10 +255,20 @@ _KEPT_ROWS = """
             age_out[s] = new_age[s];
         }}
         for (int q = tid; q < P && DEMAND; q += nt) {{  // each candidate lane's row, hit
-            int e = (int)static_cast<float>(cand[q]);
+            int e = ids[q];
             bool known = e >= 0 && e < E;
-            bool hit = known && (TABLES ? placed(e, held_row) : scanned(e, was)) >= (uint32_t)E;
-            lane_rows[q] = known ? (TABLES ? placed(e, now_row) : scanned(e, now)) : (uint32_t)E;
+            uint32_t before = E, after = E;
+            if (known && TABLES) {{
+                before = placed(e, held_row);
+                after = placed(e, now_row);
+            }} else if (known) {{  // from its first candidate's: a kept row stays, a miss may be copied
+                int f = first_of[q];
+                uint32_t own = base[e];
+                before = own < (uint32_t)E && held_at[f] < S ? E + C + held_at[f] : own;
+                after = before >= (uint32_t)E || into_of[f] < 0 ? before : E + C + into_of[f];
+            }}
+            bool hit = known && before >= (uint32_t)E;
+            lane_rows[q] = after;
             if (TABLES) lane_hit[q] = hit;
             if (hit) atomicAdd(&lane_hits, 1);
         }}

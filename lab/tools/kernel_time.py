@@ -47,6 +47,7 @@ from od_moe.bench.widen import widen_model
 
 TOKENS = int(os.environ.get("TOKENS", 8))
 MODES = ("stock", "mapped", "device")
+COPYING_US = 30  # a kept rows' call longer than this copied (one 2.65 MB expert: about 50 us)
 
 
 def generator(mode: str, path: str):
@@ -128,6 +129,16 @@ def summary(csv_path: str, tokens: int, shown: int = 14):
         q = statistics.quantiles(each[kernel], n=10) if len(each[kernel]) > 1 else each[kernel] * 9
         spread = f"median {statistics.median(each[kernel]):.1f}, p10-p90 {q[0]:.1f}-{q[-1]:.1f} us"
         print(f"  {total / tokens:8.1f} us a token  {calls[kernel] / tokens:5.1f} calls  {spread}  {kernel}")
+    for kernel in (k for k in busy if "od_moe_lookahead" in k):  # the kept rows' calls, copying or not
+        for label, part in (
+            ("no copy", [t for t in each[kernel] if t <= COPYING_US]),
+            ("copying", [t for t in each[kernel] if t > COPYING_US]),
+        ):
+            if part:
+                print(
+                    f"  {label}: {len(part) / tokens:.1f} calls a token,"
+                    f" median {statistics.median(part):.1f} us, {sum(part) / tokens:.1f} us a token  {kernel}"
+                )
 
 
 def main():

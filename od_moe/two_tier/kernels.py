@@ -87,6 +87,7 @@ _KEPT_ROWS = """
     using U = {unit};
     __shared__ int ids[P];  // the candidates' ids (DEMAND), else the top P of the scores
     __shared__ int first_of[P];  // the first candidate with the same id
+    __shared__ uint32_t own_row[P];  // each candidate's row in the table given (base): a slot, else its own
     __shared__ int want[P];  // the candidates in order, -1 where repeated, unknown or in a slot
     __shared__ int held_at[P];  // the lowest row holding each wanted candidate before the call (S: none)
     __shared__ bool miss[P];  // wanted and not held
@@ -112,20 +113,29 @@ _KEPT_ROWS = """
         for (int s = tid; s < S && !other; s += nt) other = held[s] == e;
         if (__syncthreads_or(other)) return;  // the whole block: no copy (block 0 writes the outputs)
     }}
-    // every global read the decision needs is made here at once, and the rest works in shared memory
+    // every global read the decision needs is made here at once (a thread a candidate or a row), and the
+    // rest works in shared memory
+    int counted_before[2] = {{0, 0}};
     if (tid == 0) {{
         lane_hits = 0;
         misses = 0;
         free_rows = 0;
+        if (first_block) {{
+            counted_before[0] = counted[0];
+            counted_before[1] = counted[1];
+        }}
     }}
-    for (int q = tid; q < P; q += nt) {{
-        if (!SCORES) ids[q] = (int)static_cast<float>(cand[q]);
-        held_at[q] = S;
-        into_of[q] = -1;
-    }}
-    for (int s = tid; s < S; s += nt) {{
-        was[s] = held[s];
-        was_age[s] = age[s];
+    for (int j = tid; j < P + S; j += nt) {{
+        if (j < P) {{
+            int e = SCORES ? -1 : (int)static_cast<float>(cand[j]);
+            ids[j] = e;
+            own_row[j] = e >= 0 && e < E ? base[e] : (uint32_t)E;
+            held_at[j] = S;
+            into_of[j] = -1;
+        }} else {{
+            was[j - P] = held[j - P];
+            was_age[j - P] = age[j - P];
+        }}
     }}
     __syncthreads();
     if (SCORES) {{  // the top P of E scores (ties: the lower id)
@@ -154,7 +164,8 @@ _KEPT_ROWS = """
         int e = ids[q], f = q;
         for (int r = q - 1; r >= 0; --r) f = ids[r] == e ? r : f;
         first_of[q] = f;
-        want[q] = (f == q && e >= 0 && e < E && base[e] < (uint32_t)E) ? e : -1;
+        if (SCORES) own_row[q] = e >= 0 && e < E ? base[e] : (uint32_t)E;
+        want[q] = (f == q && e >= 0 && e < E && own_row[q] < (uint32_t)E) ? e : -1;
     }}
     __syncthreads();
     for (int s = tid; s < S; s += nt) {{  // which rows hold a wanted expert: kept, the others free
@@ -263,7 +274,7 @@ _KEPT_ROWS = """
                 after = placed(e, now_row);
             }} else if (known) {{  // from its first candidate's: a kept row stays, a miss may be copied
                 int f = first_of[q];
-                uint32_t own = base[e];
+                uint32_t own = own_row[q];
                 before = own < (uint32_t)E && held_at[f] < S ? E + C + held_at[f] : own;
                 after = before >= (uint32_t)E || into_of[f] < 0 ? before : E + C + into_of[f];
             }}
@@ -274,8 +285,8 @@ _KEPT_ROWS = """
         }}
         __syncthreads();
         if (tid == 0) {{  // the layer's copies and hit lanes so far
-            counted_out[0] = counted[0] + copies;
-            counted_out[1] = counted[1] + lane_hits;
+            counted_out[0] = counted_before[0] + copies;
+            counted_out[1] = counted_before[1] + lane_hits;
         }}
     }}
     int into = into_of[blockIdx.y];

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from od_moe.two_tier import kept_rows, tally
-from od_moe.two_tier.kernels import kept_rows_source, row_units
+from od_moe.two_tier.kernels import FUSED_OUTPUTS, KEPT_ROWS_OUTPUTS, kept_rows_source, row_units
 
 PRELUDE = r"""
 #include <atomic>
@@ -62,15 +62,18 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 #define __shared__ static
 """
 
-PARAMS = (
-    "const CAND* cand, const uint32_t* base, const int32_t* held, const int32_t* age, const float* score, "
-    "const float* decay, const int32_t* counted, uint32_t* rows, uint32_t* found, int32_t* held_out, "
-    "int32_t* age_out, int32_t* counted_out, float* score_out, uint32_t* lane_rows, bool* lane_hit"
-)
-ARGS = (
-    "cand, base, held, age, score, decay, counted, rows, found, held_out, age_out, counted_out, score_out, "
-)
-ARGS += "lane_rows, lane_hit"
+INPUT_TYPES = dict(cand="CAND", base="uint32_t", held="int32_t", age="int32_t", score="float", decay="float")
+INPUT_TYPES.update(counted="int32_t")
+OUTPUT_TYPES = dict(rows="uint32_t", found="uint32_t", held_out="int32_t", age_out="int32_t", lane_hit="bool")
+OUTPUT_TYPES.update(counted_out="int32_t", score_out="float", lane_rows="uint32_t")
+
+
+def _signature(tables: bool) -> tuple[str, str]:
+    """The kernel's parameters after the stack's arrays, as MLX would declare them, and their names."""
+    outputs = KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS
+    params = [f"const {INPUT_TYPES[n]}* {n}" for n in kept_rows.KERNEL_INPUTS]
+    params += [f"{OUTPUT_TYPES[n]}* {n}" for n in outputs]
+    return ", ".join(params), ", ".join((*kept_rows.KERNEL_INPUTS, *outputs))
 
 
 def source(unit: str, units: list[int], template: dict, cand: str) -> str:
@@ -79,12 +82,14 @@ def source(unit: str, units: list[int], template: dict, cand: str) -> str:
     arrays = ", ".join(f"const uint8_t* a{i}" for i in range(len(units)))
     names = ", ".join(f"a{i}" for i in range(len(units)))
     constants = "".join(f"    constexpr int {k} = {v};\n" for k, v in template.items())
+    tables = bool(template["TABLES"])
+    params, args = _signature(tables)
     return f"""{PRELUDE}
 typedef {cand} CAND;
-static void kernel({arrays}, {PARAMS}) {{
-{constants}{kept_rows_source(unit, units, kept_rows.AGE_EMPTY)}
+static void kernel({arrays}, {params}) {{
+{constants}{kept_rows_source(unit, units, kept_rows.AGE_EMPTY, tables)}
 }}
-extern "C" void launch({arrays}, {PARAMS}, unsigned gx, unsigned gy, unsigned gz, unsigned tx) {{
+extern "C" void launch({arrays}, {params}, unsigned gx, unsigned gy, unsigned gz, unsigned tx) {{
     blockDim = uint3{{tx, 1, 1}};
     gridDim = uint3{{gx, gy, gz}};
     std::barrier<> bar(tx);
@@ -97,7 +102,7 @@ extern "C" void launch({arrays}, {PARAMS}, unsigned gx, unsigned gy, unsigned gz
                 for (unsigned y = 0; y < gy; ++y)
                     for (unsigned x = 0; x < gx; ++x) {{
                         blockIdx = uint3{{x, y, z}};
-                        kernel({names}, {ARGS});
+                        kernel({names}, {args});
                         bar.arrive_and_wait();
                     }}
         }});

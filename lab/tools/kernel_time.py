@@ -129,7 +129,8 @@ def summary(csv_path: str, tokens: int, shown: int = 14):
         q = statistics.quantiles(each[kernel], n=10) if len(each[kernel]) > 1 else each[kernel] * 9
         spread = f"median {statistics.median(each[kernel]):.1f}, p10-p90 {q[0]:.1f}-{q[-1]:.1f} us"
         print(f"  {total / tokens:8.1f} us a token  {calls[kernel] / tokens:5.1f} calls  {spread}  {kernel}")
-    for kernel in (k for k in busy if "od_moe_lookahead" in k):  # the kept rows' calls, copying or not
+    kept = [k for k in busy if "od_moe_lookahead" in k or "od_moe_fused" in k]
+    for kernel in kept:  # the kept rows' calls, copying or not
         for label, part in (
             ("no copy", [t for t in each[kernel] if t <= COPYING_US]),
             ("copying", [t for t in each[kernel] if t > COPYING_US]),

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import cuda
 from . import slot_fill
-from .kernels import THREADS, kept_rows_source, row_units
+from .kernels import FUSED_OUTPUTS, KEPT_ROWS_OUTPUTS, THREADS, kept_rows_source, row_units
 from .layer_step import Plan
 from .tally import RunningCounts
 
@@ -97,6 +97,10 @@ def plan(
     return _overlay(base, now, E, C), now, new_age, copies, score
 
 
+# the kernel's inputs after the stack's arrays (a0, a1, ...), in order
+KERNEL_INPUTS = ("cand", "base", "held", "age", "score", "decay", "counted")
+
+
 def padded_size(lanes: int) -> int:
     """Candidates a demand call takes for `lanes` routed lanes: the next power of two from 8, so that the
     kernel, compiled for each size, has a few sizes (8 to 128 for a batch of 8 at top-10), not one per
@@ -141,8 +145,8 @@ class KeptRows:
         self.demand_blocks = DEMAND_BLOCKS
         self.demand = True
         self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
-        self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row)
-        self._by_layer: dict[int, object] = {}  # layer -> its kernel
+        self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row, tables)
+        self._by_layer: dict[tuple, object] = {}  # (layer, tables) -> its kernel
         self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
@@ -221,8 +225,7 @@ class KeptRows:
             n = indices.size
             launch = self._kernel_call(layer, padded_size(n), ahead=False, tables=False)
             cand = padded(indices.reshape(-1), self.E)
-            out = launch(*arrays, cand, base, held, age, score, decay, counted)
-            held, age, counted, scores, read, _ = out[2:]
+            held, age, counted, scores, read = launch(*arrays, cand, base, held, age, score, decay, counted)
             score = score if self.decay is None else scores  # by recency the scores stay as they were
             return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
 
@@ -279,22 +282,28 @@ class KeptRows:
         return self.copy, self.decay is not None, self.blocks, self.demand_blocks
 
     def _kernel_call(self, layer: int, count: int, ahead: bool, tables: bool = True):
-        kernel = self._kernel(layer)
+        kernel = self._kernel(layer, tables)
         settings = self.launch_settings(layer, count, ahead, tables)
         return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
     def launch_settings(self, layer: int, count: int, ahead: bool, tables: bool = True) -> dict:
         """The layer's kernel call for `count` candidates (`mx.fast.cuda_kernel`'s keywords but its inputs):
         its template constants, grid (in threads), block and outputs. `tables` False (a fused pass, `plan`,
-        which reads only its lanes' rows): no expert->row tables, lane hits or unchanged scores are written,
-        and those outputs are one element long."""
+        which reads only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane
+        hits), whose scores are one element long where they do not change."""
         units = max(row_units(self.stacks[layer].values())[1])
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)
         E, S = self.E, self.S
         counts = int(self.decay is not None and not ahead)
-        table, hits = ((E,), (count,)) if tables else ((1,), (1,))
         scores = (E,) if tables or counts else (1,)
+        shapes = dict(rows=(E,), found=(E,), held_out=(S,), age_out=(S,), counted_out=(2,), score_out=scores)
+        shapes.update(lane_rows=(count,), lane_hit=(count,))
+        types = dict(
+            rows=mx.uint32, found=mx.uint32, held_out=mx.int32, age_out=mx.int32, counted_out=mx.int32
+        )
+        types.update(score_out=mx.float32, lane_rows=mx.uint32, lane_hit=mx.bool_)
+        outputs = KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS
         return dict(
             template=[
                 ("E", E),
@@ -309,17 +318,8 @@ class KeptRows:
             ],
             grid=(threads, count, len(self.stacks[layer])),
             threadgroup=(min(THREADS, threads), 1, 1),
-            output_shapes=[table, table, (S,), (S,), (2,), scores, (count,), hits],
-            output_dtypes=[
-                mx.uint32,
-                mx.uint32,
-                mx.int32,
-                mx.int32,
-                mx.int32,
-                mx.float32,
-                mx.uint32,
-                mx.bool_,
-            ],
+            output_shapes=[shapes[name] for name in outputs],
+            output_dtypes=[types[name] for name in outputs],
         )
 
     def end_pass(self):
@@ -339,38 +339,22 @@ class KeptRows:
         for layer in np.flatnonzero(hits):
             ledger.count_lookups("decode", int(layer), 0, int(hits[layer]))
 
-    def _kernel(self, layer: int):
-        """The layer's kernel, made once per layer; layers whose rows are alike share one kernel."""
-        if layer not in self._by_layer:
+    def _kernel(self, layer: int, tables: bool = True):
+        """The layer's kernel (with tables, else a fused pass's), made once per layer; layers whose rows are
+        alike share one kernel."""
+        if (layer, tables) not in self._by_layer:
             unit, units = row_units(self.stacks[layer].values())
-            key = (unit, units)
+            key = (unit, units, tables)
             if key not in self._kernels:
+                kind = "lookahead" if tables else "fused"
                 self._kernels[key] = mx.fast.cuda_kernel(
-                    name=f"od_moe_lookahead_{len(self._kernels)}",
-                    input_names=[
-                        *(f"a{i}" for i in range(len(units))),
-                        "cand",
-                        "base",
-                        "held",
-                        "age",
-                        "score",
-                        "decay",
-                        "counted",
-                    ],
-                    output_names=[
-                        "rows",
-                        "found",
-                        "held_out",
-                        "age_out",
-                        "counted_out",
-                        "score_out",
-                        "lane_rows",
-                        "lane_hit",
-                    ],
-                    source=kept_rows_source(unit, units, AGE_EMPTY),
+                    name=f"od_moe_{kind}_{len(self._kernels)}",
+                    input_names=[*(f"a{i}" for i in range(len(units))), *KERNEL_INPUTS],
+                    output_names=list(KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS),
+                    source=kept_rows_source(unit, units, AGE_EMPTY, tables),
                 )
-            self._by_layer[layer] = self._kernels[key]
-        return self._by_layer[layer]
+            self._by_layer[layer, tables] = self._kernels[key]
+        return self._by_layer[layer, tables]
 
     def _on_host(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, ...]:
         """`_call` where the stacks are host memory: wait for the candidates (which wait for every earlier

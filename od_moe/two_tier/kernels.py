@@ -308,11 +308,35 @@ _KEPT_ROWS_CASE = """        case {i}: {{
         }}"""
 
 
-def kept_rows_source(unit: str, units: list[int], empty: int) -> str:
+# the kept rows' kernel's outputs, in order: with tables, and for a fused pass (`TABLES` off), which has none
+# of the tables' outputs (MLX's host pays for each output of every call)
+KEPT_ROWS_OUTPUTS = (
+    "rows",
+    "found",
+    "held_out",
+    "age_out",
+    "counted_out",
+    "score_out",
+    "lane_rows",
+    "lane_hit",
+)
+_NO_TABLES = ("rows", "found", "lane_hit")
+FUSED_OUTPUTS = tuple(name for name in KEPT_ROWS_OUTPUTS if name not in _NO_TABLES)
+
+
+def kept_rows_source(unit: str, units: list[int], empty: int, tables: bool = True) -> str:
     """The body of the device-kept rows' kernel for stacks whose rows are `units[i]` elements of type `unit`
-    (array i), `empty` the age of an empty row."""
+    (array i), `empty` the age of an empty row; `tables` False: the fused pass's kernel (`FUSED_OUTPUTS`),
+    compiled with `TABLES` off."""
     cases = "\n".join(_KEPT_ROWS_CASE.format(i=i, units=n) for i, n in enumerate(units))
-    return _KEPT_ROWS.format(unit=unit, cases=cases, empty=empty)
+    body = _KEPT_ROWS.format(unit=unit, cases=cases, empty=empty)
+    if tables:
+        return body
+    # the names only the tables' branches use, which never run with TABLES off
+    return (
+        "    uint32_t* rows = nullptr;\n    uint32_t* found = nullptr;\n    bool* lane_hit = nullptr;\n"
+        + body
+    )
 
 
 # staged passes (`staged_passes.py`)

@@ -5,6 +5,7 @@ goes away. The browser test is skipped only where no Chromium binary is installe
 import json
 import os
 import socket
+import statistics
 import threading
 import time
 import urllib.request
@@ -331,10 +332,11 @@ def test_the_page_reads_the_decode_rate_from_a_requests_first_second(server_one_
     while generation.is_alive():
         readings.append((time.monotonic(), get(base, "/dashboard/data")["recent"]["tok_s"]))
         time.sleep(0.1)
-    true = (len(times) - 1) / (times[-1] - times[0])
+    # the pace tokens came at: one late wake-up on a busy machine (then a burst to catch up) moves the
+    # mean rate of the whole run, and the page's window in the second it falls in, but not this
+    true = 1 / statistics.median(b - a for a, b in zip(times, times[1:]))
     # samples are a quarter second apart: a reading may show the window as it was that long before
     during = [r for t, r in readings if times[0] + 0.8 < t < times[-1]]
-    assert len(during) >= 5 and all(r is not None and 0.8 * true < r < 1.2 * true for r in during), (
-        true,
-        during,
-    )
+    close = [r is not None and 0.8 * true < r < 1.2 * true for r in during]
+    assert len(during) >= 5 and sum(close) >= 0.8 * len(close), (true, during)
+    assert 0.9 * true < statistics.median(r or 0.0 for r in during) < 1.1 * true, (true, during)

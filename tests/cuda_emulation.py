@@ -20,7 +20,14 @@ import mlx.core as mx
 import numpy as np
 
 from od_moe.two_tier import kept_rows, tally
-from od_moe.two_tier.kernels import FUSED_OUTPUTS, KEPT_ROWS_OUTPUTS, kept_rows_source, row_units
+from od_moe.two_tier.kernels import (
+    C_TYPES,
+    FUSED_OUTPUTS,
+    KEPT_ROWS_INPUTS,
+    KEPT_ROWS_OUTPUTS,
+    kept_rows_source,
+    row_units,
+)
 
 PRELUDE = r"""
 #include <atomic>
@@ -62,18 +69,15 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 #define __shared__ static
 """
 
-INPUT_TYPES = dict(cand="CAND", base="uint32_t", held="int32_t", age="int32_t", score="float", decay="float")
-INPUT_TYPES.update(counted="int32_t")
-OUTPUT_TYPES = dict(rows="uint32_t", found="uint32_t", held_out="int32_t", age_out="int32_t", lane_hit="bool")
-OUTPUT_TYPES.update(counted_out="int32_t", score_out="float", lane_rows="uint32_t")
-
 
 def _signature(tables: bool) -> tuple[str, str]:
     """The kernel's parameters after the stack's arrays, as MLX would declare them, and their names."""
     outputs = KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS
-    params = [f"const {INPUT_TYPES[n]}* {n}" for n in kept_rows.KERNEL_INPUTS]
-    params += [f"{OUTPUT_TYPES[n]}* {n}" for n in outputs]
-    return ", ".join(params), ", ".join((*kept_rows.KERNEL_INPUTS, *outputs))
+    inputs = [(n, "CAND" if n == "cand" else C_TYPES[t]) for n, t in KEPT_ROWS_INPUTS.items()]
+    params = [f"const {c}* {n}" for n, c in inputs] + [
+        f"{C_TYPES[KEPT_ROWS_OUTPUTS[n]]}* {n}" for n in outputs
+    ]
+    return ", ".join(params), ", ".join((*KEPT_ROWS_INPUTS, *outputs))
 
 
 def source(unit: str, units: list[int], template: dict, cand: str) -> str:

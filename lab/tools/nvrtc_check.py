@@ -16,7 +16,13 @@ import itertools
 import os
 
 from od_moe.two_tier.kept_rows import AGE_EMPTY
-from od_moe.two_tier.kernels import FUSED_OUTPUTS, KEPT_ROWS_OUTPUTS, kept_rows_source
+from od_moe.two_tier.kernels import (
+    C_TYPES,
+    FUSED_OUTPUTS,
+    KEPT_ROWS_INPUTS,
+    KEPT_ROWS_OUTPUTS,
+    kept_rows_source,
+)
 
 PRELUDE = """
 typedef unsigned int uint32_t;
@@ -27,18 +33,14 @@ typedef unsigned long long size_t_;
 #define INFINITY __int_as_float(0x7f800000)
 """
 
-INPUTS = [("cand", "uint32_t"), ("base", "uint32_t"), ("held", "int32_t"), ("age", "int32_t")]
-INPUTS += [("score", "float"), ("decay", "float"), ("counted", "int32_t")]
-OUTPUTS = dict(
-    rows="uint32_t", found="uint32_t", held_out="int32_t", age_out="int32_t", counted_out="int32_t"
-)
-OUTPUTS.update(score_out="float", lane_rows="uint32_t", lane_hit="bool")
-
 
 def wrapped(units: list[int], template: dict) -> str:
-    arrays = [(f"a{i}", "uint4") for i in range(len(units))]
+    inputs = [(f"a{i}", "uint4") for i in range(len(units))]
+    inputs += [(n, C_TYPES[t]) for n, t in KEPT_ROWS_INPUTS.items()]
     outputs = KEPT_ROWS_OUTPUTS if template["TABLES"] else FUSED_OUTPUTS
-    params = [f"const {t}* {n}" for n, t in arrays + INPUTS] + [f"{OUTPUTS[n]}* {n}" for n in outputs]
+    params = [f"const {c}* {n}" for n, c in inputs] + [
+        f"{C_TYPES[KEPT_ROWS_OUTPUTS[n]]}* {n}" for n in outputs
+    ]
     constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
     body = kept_rows_source("uint4", units, AGE_EMPTY, bool(template["TABLES"]))
     return f"{PRELUDE}\n__global__ void kept_rows({', '.join(params)}) {{\n{constants}{body}\n}}\n"

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import cuda
 from . import slot_fill
-from .kernels import FUSED_OUTPUTS, KEPT_ROWS_OUTPUTS, THREADS, kept_rows_source, row_units
+from .kernels import FUSED_OUTPUTS, KEPT_ROWS_INPUTS, KEPT_ROWS_OUTPUTS, THREADS, kept_rows_source, row_units
 from .layer_step import Plan
 from .tally import RunningCounts
 
@@ -95,10 +95,6 @@ def plan(
         free[v], now[v], new_age[v] = False, e, 0
         copies.append((e, E + C + v))
     return _overlay(base, now, E, C), now, new_age, copies, score
-
-
-# the kernel's inputs after the stack's arrays (a0, a1, ...), in order
-KERNEL_INPUTS = ("cand", "base", "held", "age", "score", "decay", "counted")
 
 
 def padded_size(lanes: int) -> int:
@@ -299,10 +295,6 @@ class KeptRows:
         scores = (E,) if tables or counts else (1,)
         shapes = dict(rows=(E,), found=(E,), held_out=(S,), age_out=(S,), counted_out=(2,), score_out=scores)
         shapes.update(lane_rows=(count,), lane_hit=(count,))
-        types = dict(
-            rows=mx.uint32, found=mx.uint32, held_out=mx.int32, age_out=mx.int32, counted_out=mx.int32
-        )
-        types.update(score_out=mx.float32, lane_rows=mx.uint32, lane_hit=mx.bool_)
         outputs = KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS
         return dict(
             template=[
@@ -319,7 +311,7 @@ class KeptRows:
             grid=(threads, count, len(self.stacks[layer])),
             threadgroup=(min(THREADS, threads), 1, 1),
             output_shapes=[shapes[name] for name in outputs],
-            output_dtypes=[types[name] for name in outputs],
+            output_dtypes=[KEPT_ROWS_OUTPUTS[name] for name in outputs],
         )
 
     def end_pass(self):
@@ -349,7 +341,7 @@ class KeptRows:
                 kind = "lookahead" if tables else "fused"
                 self._kernels[key] = mx.fast.cuda_kernel(
                     name=f"od_moe_{kind}_{len(self._kernels)}",
-                    input_names=[*(f"a{i}" for i in range(len(units))), *KERNEL_INPUTS],
+                    input_names=[*(f"a{i}" for i in range(len(units))), *KEPT_ROWS_INPUTS],
                     output_names=list(KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS),
                     source=kept_rows_source(unit, units, AGE_EMPTY, tables),
                 )

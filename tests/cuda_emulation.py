@@ -21,10 +21,10 @@ import numpy as np
 
 from od_moe.two_tier import kept_rows, tally
 from od_moe.two_tier.kernels import (
-    C_TYPES,
     FUSED_OUTPUTS,
     KEPT_ROWS_INPUTS,
     KEPT_ROWS_OUTPUTS,
+    kept_rows_parameters,
     kept_rows_source,
     row_units,
 )
@@ -73,11 +73,7 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 def _signature(tables: bool) -> tuple[str, str]:
     """The kernel's parameters after the stack's arrays, as MLX would declare them, and their names."""
     outputs = KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS
-    inputs = [(n, "CAND" if n == "cand" else C_TYPES[t]) for n, t in KEPT_ROWS_INPUTS.items()]
-    params = [f"const {c}* {n}" for n, c in inputs] + [
-        f"{C_TYPES[KEPT_ROWS_OUTPUTS[n]]}* {n}" for n in outputs
-    ]
-    return ", ".join(params), ", ".join((*KEPT_ROWS_INPUTS, *outputs))
+    return ", ".join(kept_rows_parameters(tables, cand="CAND")), ", ".join((*KEPT_ROWS_INPUTS, *outputs))
 
 
 def source(unit: str, units: list[int], template: dict, cand: str) -> str:

@@ -16,13 +16,7 @@ import itertools
 import os
 
 from od_moe.two_tier.kept_rows import AGE_EMPTY
-from od_moe.two_tier.kernels import (
-    C_TYPES,
-    FUSED_OUTPUTS,
-    KEPT_ROWS_INPUTS,
-    KEPT_ROWS_OUTPUTS,
-    kept_rows_source,
-)
+from od_moe.two_tier.kernels import kept_rows_parameters, kept_rows_source
 
 PRELUDE = """
 typedef unsigned int uint32_t;
@@ -35,14 +29,10 @@ typedef unsigned long long size_t_;
 
 
 def wrapped(units: list[int], template: dict) -> str:
-    inputs = [(f"a{i}", "uint4") for i in range(len(units))]
-    inputs += [(n, C_TYPES[t]) for n, t in KEPT_ROWS_INPUTS.items()]
-    outputs = KEPT_ROWS_OUTPUTS if template["TABLES"] else FUSED_OUTPUTS
-    params = [f"const {c}* {n}" for n, c in inputs] + [
-        f"{C_TYPES[KEPT_ROWS_OUTPUTS[n]]}* {n}" for n in outputs
-    ]
+    tables = bool(template["TABLES"])
+    params = [f"const uint4* a{i}" for i in range(len(units))] + kept_rows_parameters(tables)
     constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
-    body = kept_rows_source("uint4", units, AGE_EMPTY, bool(template["TABLES"]))
+    body = kept_rows_source("uint4", units, AGE_EMPTY, tables)
     return f"{PRELUDE}\n__global__ void kept_rows({', '.join(params)}) {{\n{constants}{body}\n}}\n"
 
 

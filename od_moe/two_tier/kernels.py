@@ -311,7 +311,7 @@ _KEPT_ROWS_CASE = """        case {i}: {{
 # the kept rows' kernel's inputs after the stack's arrays (a0, a1, ...) and its outputs, in order, with their
 # dtypes (a prediction's candidates are scores, float32); a fused pass's kernel (`TABLES` off) has none of the
 # tables' outputs (MLX's host pays for each output of every call). `C_TYPES`: the C type MLX declares each
-# dtype as, for the kernel's twins in the tests and the lab.
+# dtype as (`kept_rows_parameters`).
 KEPT_ROWS_INPUTS = dict(
     cand=mx.uint32, base=mx.uint32, held=mx.int32, age=mx.int32, score=mx.float32, decay=mx.float32
 )
@@ -320,6 +320,14 @@ KEPT_ROWS_OUTPUTS = dict(rows=mx.uint32, found=mx.uint32, held_out=mx.int32, age
 KEPT_ROWS_OUTPUTS.update(counted_out=mx.int32, score_out=mx.float32, lane_rows=mx.uint32, lane_hit=mx.bool_)
 FUSED_OUTPUTS = tuple(name for name in KEPT_ROWS_OUTPUTS if name not in ("rows", "found", "lane_hit"))
 C_TYPES = {mx.uint32: "uint32_t", mx.int32: "int32_t", mx.float32: "float", mx.bool_: "bool"}
+
+
+def kept_rows_parameters(tables: bool, cand: str = C_TYPES[mx.uint32]) -> list[str]:
+    """The kernel's parameters after the stack's arrays, as MLX declares them, for its twins in the tests and
+    the lab that compile the same source; `cand` the candidates' C type."""
+    outputs = KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS
+    inputs = [f"const {cand if n == 'cand' else C_TYPES[t]}* {n}" for n, t in KEPT_ROWS_INPUTS.items()]
+    return inputs + [f"{C_TYPES[KEPT_ROWS_OUTPUTS[n]]}* {n}" for n in outputs]
 
 
 def kept_rows_source(unit: str, units: list[int], empty: int, tables: bool = True) -> str:

@@ -1,12 +1,15 @@
 """mlx-lm's switch over other arrays (`switch_on`), for both paths: the per-layer path's overflow stack
-(`per_layer/switch.py`) and two tiers' mapped stacks (`two_tier/`).
+(`per_layer/switch.py`) and two tiers' mapped stacks (`two_tier/`); and its products traced with their
+batch indices given (`batch_indices_given`), for the compiled passes of `two_tier/layer_step.py`.
 Not here: the modules that replace `switch_mlp` (`per_layer/switch.py`, `two_tier/layer_step.py`).
 """
 
+import contextlib
 import copy
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 def switch_on(switch: nn.Module, stacks: dict[tuple[str, str], mx.array]) -> nn.Module:
@@ -20,3 +23,41 @@ def switch_on(switch: nn.Module, stacks: dict[tuple[str, str], mx.array]) -> nn.
             if p == proj:
                 module[name] = array
     return clone
+
+
+_batch_rows: dict[tuple, mx.array] = {}
+
+
+def batch_rows(shape: tuple) -> mx.array:
+    """What `gather_qmm` and `gather_mm` use for lhs indices when given none (each batch entry its own
+    row: `arange` over the batch, in `shape`), made once per shape from host bytes."""
+    if shape not in _batch_rows:
+        rows = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint32).reshape(shape)
+        _batch_rows[shape] = mx.array(rows)
+    return _batch_rows[shape]
+
+
+@contextlib.contextmanager
+def batch_indices_given():
+    """While open, mlx-lm's switch products (`mx.gather_qmm`, `mx.gather_mm`) called with no lhs indices
+    and unsorted get `batch_rows`, the same values MLX would make. In a trace for `mx.compile` those are
+    constants of the compiled call, where MLX's own are an `arange` operation (a kernel on the GPU) per
+    product at every pass; the products, and their bits, are the same. Sorted calls are left as they are
+    (MLX then picks kernels by which indices were given). Meant for traces only: op by op it saves
+    nothing, and a new shape's indices are made from host bytes mid-pass."""
+    gather_qmm, gather_mm = mx.gather_qmm, mx.gather_mm
+
+    def given(product, positional: int):  # (how many arguments after x come before lhs_indices)
+        def call(x, *args, **kwargs):
+            unset = len(args) <= positional and kwargs.get("lhs_indices") is None
+            if unset and not kwargs.get("sorted_indices"):
+                kwargs["lhs_indices"] = batch_rows(tuple(x.shape[:-2]))
+            return product(x, *args, **kwargs)
+
+        return call
+
+    mx.gather_qmm, mx.gather_mm = given(gather_qmm, 3), given(gather_mm, 1)
+    try:
+        yield
+    finally:
+        mx.gather_qmm, mx.gather_mm = gather_qmm, gather_mm

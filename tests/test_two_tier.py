@@ -2,6 +2,7 @@
 selects run as on CUDA. Exact tokens at every capacity and in other families, admission that moves experts
 between passes, the ledger, and no host sync inside a pass."""
 
+import io
 import types
 
 import mlx.core as mx
@@ -12,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
-from od_moe import stats
+from od_moe import stats, switch
 from od_moe.errors import UserError
 from od_moe.runtime import TwoTierMode
 from od_moe.two_tier import runtime as two_tier
@@ -280,6 +281,57 @@ def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference,
     assert od_moe_tokens(eager, PROMPTS, NEW_TOKENS) == bundled_reference
     assert not any(layer.mlp.traceable for layer in eager.model.model.layers)
     assert eager.stats()["total"]["decode"]["hits"] == hits > 0
+
+
+def _operations(*outputs) -> str:
+    """The primitives of the graph that computes `outputs`, as MLX writes it (`export_to_dot`)."""
+    text = io.StringIO()
+    mx.export_to_dot(text, *outputs)
+    return text.getvalue()
+
+
+def test_a_compiled_pass_makes_no_batch_indices_of_its_own(bundled_reference):
+    """Traced, the switch's products get their batch indices as constants of the compiled call
+    (`switch.batch_indices_given`), where MLX's default is an `arange` operation per product at every pass
+    (a kernel each on the GPU); the tokens stay stock's."""
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    block, runtime = engine.model.model.layers[1].mlp, engine.runtime
+    x = engine.model.model.embed_tokens(mx.array([[1]]))  # a decode pass's input, in the model's dtype
+    runtime.phase = "decode"
+    plan = runtime.one_position(1)
+    graph = _operations(block._compiled[plan.key](x, plan.state)[0])
+    assert "GatherQMM" in graph and "Arange" not in graph
+
+
+def test_batch_indices_given_gives_what_mlx_makes():
+    """The products with `batch_rows` for indices equal MLX's own, compiled or not; indices given, or a
+    sorted call, are left alone; the functions are mlx's again once the block is left."""
+    w = mx.random.normal((4, 64, 128), key=mx.random.key(0))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((2, 1, 1, 1, 128), key=mx.random.key(1))
+    ids = mx.array([[[3, 1]], [[0, 2]]], mx.uint32)
+    products = {
+        "qmm": lambda x: mx.gather_qmm(x, wq, scales, biases, rhs_indices=ids, transpose=True),
+        "mm": lambda x: mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=ids),
+    }
+    own = {name: product(x) for name, product in products.items()}
+    assert all("Arange" in _operations(mx.compile(product)(x + 1)) for product in products.values())
+    qmm, mm = mx.gather_qmm, mx.gather_mm
+    with switch.batch_indices_given():
+        for name, product in products.items():
+            assert mx.array_equal(product(x), own[name]) and mx.array_equal(mx.compile(product)(x), own[name])
+            assert "Arange" not in _operations(mx.compile(product)(x + 1))
+        given = mx.array([[[1]], [[0]]], mx.uint32)
+        assert mx.array_equal(
+            mx.gather_mm(x, w.swapaxes(-1, -2), given, ids), mm(x, w.swapaxes(-1, -2), given, ids)
+        )
+        rows = mx.array([1, 3], mx.uint32)  # as mlx-lm sorts a large batch's lanes
+        sorted_call = mx.gather_qmm(
+            x.reshape(2, 1, 128), wq, scales, biases, rhs_indices=rows, sorted_indices=True
+        )
+        assert "Arange" in _operations(sorted_call)
+    assert (mx.gather_qmm, mx.gather_mm) == (qmm, mm)
 
 
 def test_blocks_that_compile_otherwise_run_op_by_op(bundled_reference, monkeypatch):

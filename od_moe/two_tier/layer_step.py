@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..switch import switch_on
+from ..switch import batch_indices_given, switch_on
 
 
 @dataclass
@@ -59,10 +59,12 @@ class LayerSteps:
                 self.switch[proj][name] = None
 
     def run(self, lanes, x: mx.array, inputs: tuple):
-        """(the switch's output, the lanes' other outputs) for `x`, not compiled (inside a compiled block's
-        trace): `lanes(*inputs)` as `step` takes them."""
+        """(the switch's output, the lanes' other outputs) for `x`, as traced for `mx.compile` (by `step`,
+        or inside a compiled block's trace): `lanes(*inputs)` as `step` takes them; the products' batch
+        indices constants of the trace (`batch_indices_given`)."""
         arrays, read, outputs = lanes(*inputs)
-        return self.compute(arrays, x, read), outputs
+        with batch_indices_given():
+            return self.compute(arrays, x, read), outputs
 
     def step(self, key, make):
         """The compiled call (x, inputs) -> (the switch's output, the lanes' other outputs) for `key`, which

@@ -28,30 +28,35 @@ def switch_on(switch: nn.Module, stacks: dict[tuple[str, str], mx.array]) -> nn.
 _batch_rows: dict[tuple, mx.array] = {}
 
 
-def batch_rows(shape: tuple) -> mx.array:
-    """What `gather_qmm` and `gather_mm` use for lhs indices when given none (each batch entry its own
-    row: `arange` over the batch, in `shape`), made once per shape from host bytes."""
-    if shape not in _batch_rows:
-        rows = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint32).reshape(shape)
-        _batch_rows[shape] = mx.array(rows)
-    return _batch_rows[shape]
+def batch_rows(batch: tuple, lanes: tuple) -> mx.array:
+    """The lhs indices `gather_qmm` and `gather_mm` use when given none, for inputs of batch shape `batch`
+    and rhs indices of shape `lanes`: each batch entry its own row (MLX's `arange` over the batch), laid out
+    in the shape both broadcast to, so that the products read them with no copy (CUDA's copies indices
+    that are not row-contiguous, a broadcast's among them); made once per shapes from host bytes."""
+    key = (batch, lanes)
+    if key not in _batch_rows:
+        rows = np.arange(int(np.prod(batch, dtype=np.int64)), dtype=np.uint32).reshape(batch)
+        _batch_rows[key] = mx.array(np.broadcast_to(rows, np.broadcast_shapes(batch, lanes)).copy())
+    return _batch_rows[key]
 
 
 @contextlib.contextmanager
 def batch_indices_given():
-    """While open, mlx-lm's switch products (`mx.gather_qmm`, `mx.gather_mm`) called with no lhs indices
-    and unsorted get `batch_rows`, the same values MLX would make. In a trace for `mx.compile` those are
-    constants of the compiled call, where MLX's own are an `arange` operation (a kernel on the GPU) per
-    product at every pass; the products, and their bits, are the same. Sorted calls are left as they are
-    (MLX then picks kernels by which indices were given). Meant for traces only: op by op it saves
-    nothing, and a new shape's indices are made from host bytes mid-pass."""
+    """While open, mlx-lm's switch products (`mx.gather_qmm`, `mx.gather_mm`) called with rhs indices, no
+    lhs indices and unsorted get `batch_rows`, the values MLX would make. In a trace for `mx.compile` those
+    are constants of the compiled call, where MLX's own are an `arange` operation (a kernel on the GPU) per
+    product at every pass, and a copy where they broadcast; the products, and their bits, are the same.
+    Sorted calls are left as they are (MLX picks kernels by which indices were given). Meant for traces
+    only: op by op it saves nothing, and a new shape's indices are made from host bytes mid-pass."""
     gather_qmm, gather_mm = mx.gather_qmm, mx.gather_mm
 
     def given(product, positional: int):  # (how many arguments after x come before lhs_indices)
         def call(x, *args, **kwargs):
             unset = len(args) <= positional and kwargs.get("lhs_indices") is None
-            if unset and not kwargs.get("sorted_indices"):
-                kwargs["lhs_indices"] = batch_rows(tuple(x.shape[:-2]))
+            lanes = kwargs.get("rhs_indices")
+            if unset and lanes is not None and not kwargs.get("sorted_indices"):
+                with contextlib.suppress(ValueError):  # shapes that do not broadcast: MLX says so
+                    kwargs["lhs_indices"] = batch_rows(tuple(x.shape[:-2]), tuple(lanes.shape))
             return product(x, *args, **kwargs)
 
         return call

@@ -305,23 +305,29 @@ def test_a_compiled_pass_makes_no_batch_indices_of_its_own(bundled_reference):
 
 
 def test_batch_indices_given_gives_what_mlx_makes():
-    """The products with `batch_rows` for indices equal MLX's own, compiled or not; indices given, or a
-    sorted call, are left alone; the functions are mlx's again once the block is left."""
+    """The products with `batch_rows` for indices equal MLX's own, compiled or not, with no operation to
+    make the indices (`arange`) nor to broadcast them to the lanes' shape (which CUDA copies); indices
+    given, or a sorted call, are left alone; the functions are mlx's again once the block is left."""
     w = mx.random.normal((4, 64, 128), key=mx.random.key(0))
     wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
     x = mx.random.normal((2, 1, 1, 1, 128), key=mx.random.key(1))
     ids = mx.array([[[3, 1]], [[0, 2]]], mx.uint32)
+    mx.eval(w, wq, scales, biases, x)  # the graphs below hold the products alone
     products = {
         "qmm": lambda x: mx.gather_qmm(x, wq, scales, biases, rhs_indices=ids, transpose=True),
         "mm": lambda x: mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=ids),
     }
     own = {name: product(x) for name, product in products.items()}
-    assert all("Arange" in _operations(mx.compile(product)(x + 1)) for product in products.values())
+    for product in products.values():
+        graph = _operations(mx.compile(product)(x + x))
+        assert "Arange" in graph and "Broadcast" in graph
+    assert switch.batch_rows((2, 1, 1), (2, 1, 2)).tolist() == [[[0, 0]], [[1, 1]]]
     qmm, mm = mx.gather_qmm, mx.gather_mm
     with switch.batch_indices_given():
         for name, product in products.items():
             assert mx.array_equal(product(x), own[name]) and mx.array_equal(mx.compile(product)(x), own[name])
-            assert "Arange" not in _operations(mx.compile(product)(x + 1))
+            graph = _operations(mx.compile(product)(x + x))
+            assert "Arange" not in graph and "Broadcast" not in graph
         given = mx.array([[[1]], [[0]]], mx.uint32)
         assert mx.array_equal(
             mx.gather_mm(x, w.swapaxes(-1, -2), given, ids), mm(x, w.swapaxes(-1, -2), given, ids)

@@ -103,10 +103,13 @@ def main():
             ours = [r.token for r in engine.stream_generate(prompt, max_tokens=tokens)]
             theirs = [r.token for r in mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=tokens)]
             same += ours == theirs
-            runs["stock"].append(per_token(stock, mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=tokens)))
+            runs["stock"].append(
+                per_token(stock, mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=tokens))
+            )
             runs["row"].append(per_token(engine.forward, engine.stream_generate(prompt, max_tokens=tokens)))
     layers = len(engine.runtime.caches)
-    print(f"{path}: {layers} MoE layers, {tokens} tokens, {ROUNDS} rounds; tokens equal stock's: {same}/{ROUNDS * len(PROMPTS)}")
+    runs_made = ROUNDS * len(PROMPTS)
+    print(f"{path}: {layers} MoE layers, {tokens} tokens, {ROUNDS} rounds; same tokens: {same}/{runs_made}")
     print("run | wall ms/token | forward ms/token | forward us/layer over stock")
     base = statistics.median(r[1] for r in runs["stock"])
     for run, rows in runs.items():

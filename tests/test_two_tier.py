@@ -135,6 +135,16 @@ def test_other_families_match_mlx_lm(tmp_path, name):
         assert 0 < engine.stats()["total"]["hit_rate"] < 1
 
 
+def test_experts_not_quantized_match_mlx_lm(tmp_path):
+    """Experts kept in floating point take mlx-lm's `gather_mm` (not `gather_qmm`), traced with their batch
+    indices given as the quantized ones are (`switch.batch_indices_given`): stock tokens at 25%."""
+    path = write_mlx_model(tmp_path / "float", FAMILIES["qwen3_moe"], quantize=False)
+    prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
+    engine = od_moe.load(str(path), capacity=0.25, two_tier=True)
+    assert od_moe_tokens(engine, prompts, 12) == reference_tokens(path, prompts, 12)
+    assert any(layer.mlp._compiled for layer in engine.model.model.layers)
+
+
 def test_hugging_face_per_expert_checkpoint(tmp_path):
     """The stack is read through the store: per-expert tensors in several shards work as stacked ones."""
     path = write_hf_per_expert(tmp_path / "olmoe", FAMILIES["olmoe"], shards=2)

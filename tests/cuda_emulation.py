@@ -141,10 +141,10 @@ class EmulatedRows(kept_rows.KeptRows):
         count = self.P if ahead else cand.size
         return self._kernel_call(layer, count, ahead)(None, cand, base, *self._rows_state(layer))
 
-    def _kernel_call(self, layer, count, ahead, tables=True):
+    def _kernel_call(self, layer, count, ahead, tables=True, lanes=None):
         """The kernel's call as `KeptRows` makes it, run here at once: inputs (arrays, cand, base, the rows'
         state), the arrays ignored (the kernel copies within `memory`)."""
-        settings = self.launch_settings(layer, count, ahead, tables)
+        settings = self.launch_settings(layer, count, ahead, tables, lanes)
         unit, units = row_units(self.stacks[layer].values())
         k = len(units)
 

@@ -107,15 +107,15 @@ def test_a_demand_call_takes_a_batch_of_any_size():
 def test_a_fused_pass_gives_the_kernel_and_the_products_the_stack_once(monkeypatch):
     """The device's one-call plan (CUDA only, so its kernel is stood in for here): the stack goes into the
     compiled call once, both the kernel and the products get each of its arrays whole, and the kernel is
-    asked for no tables."""
+    asked for no tables and given the routed ids as they are (compiled for their padded count)."""
     S = 4
     stack = {("p", "w"): mx.array(np.arange((E + S) * 8, dtype=np.uint8).reshape(E + S, 8))}
     rows = kept_rows.KeptRows([stack], E, [0], S, S)
     given = []
 
-    def stand_in(layer, count, ahead, tables=True):
+    def stand_in(layer, count, ahead, tables=True, lanes=None):
         def launch(*inputs):
-            given.append((inputs[0], tables))
+            given.append((inputs[0], tables, inputs[1].tolist(), count, lanes))
             lane_rows = mx.arange(count, dtype=mx.uint32)
             state = [rows.held[0], rows.age[0], rows.counts.on_device[0], rows.score[0]]
             return [*state, lane_rows]  # a fused pass's kernel: the rows' state, the lanes' rows
@@ -128,8 +128,9 @@ def test_a_fused_pass_gives_the_kernel_and_the_products_the_stack_once(monkeypat
     arrays, read, outputs = plan.lanes(ids, *plan.state)
     assert arrays == (stack["p", "w"],) and read.tolist() == [[0, 1]] and len(outputs) == 4
     assert len(plan.state) == 1 + 5 + 1  # the table, the rows' state, the stack's one array
-    ((kernel_array, tables),) = given
+    ((kernel_array, tables, cand, count, lanes),) = given
     assert kernel_array is stack["p", "w"] and not tables  # the products read only the lanes' rows
+    assert cand == [3, 5] and (count, lanes) == (kept_rows.padded_size(2), 2)
 
 
 def test_rows_count_copies_and_hits_as_running_totals_read_at_any_time():

@@ -61,7 +61,8 @@ def main():
     for scores, counts, copy, tables, (E, S, P) in itertools.product(
         (0, 1), (0, 1), (0, 1), (0, 1), [(128, 32, 8), (512, 128, 64), (64, 300, 8)]
     ):
-        template = dict(E=E, C=0, S=S, P=P, SCORES=scores, DEMAND=1 - scores, COPY=copy, COUNTS=counts)
+        N = P if scores or tables else P - 3  # a fused pass's call may be given fewer than P candidates
+        template = dict(E=E, C=0, S=S, P=P, N=N, SCORES=scores, DEMAND=1 - scores, COPY=copy, COUNTS=counts)
         template["TABLES"] = tables
         log = compile_source(nvrtc, wrapped(units, template))
         failed += bool(log)

@@ -218,9 +218,9 @@ class KeptRows:
         it gives; the kernel writes no tables (`launch_settings`): a pass of one position never reads them."""
 
         def lanes(indices, base, held, age, score, decay, counted, *arrays):
-            n = indices.size
-            launch = self._kernel_call(layer, padded_size(n), ahead=False, tables=False)
-            cand = padded(indices.reshape(-1), self.E)
+            n = indices.size  # the kernel reads n candidates, compiled for their padded size: no padding op
+            launch = self._kernel_call(layer, padded_size(n), ahead=False, tables=False, lanes=n)
+            cand = indices.reshape(-1)
             held, age, counted, scores, read = launch(*arrays, cand, base, held, age, score, decay, counted)
             score = score if self.decay is None else scores  # by recency the scores stay as they were
             return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
@@ -277,14 +277,19 @@ class KeptRows:
     def _settings(self) -> tuple:
         return self.copy, self.decay is not None, self.blocks, self.demand_blocks
 
-    def _kernel_call(self, layer: int, count: int, ahead: bool, tables: bool = True):
+    def _kernel_call(
+        self, layer: int, count: int, ahead: bool, tables: bool = True, lanes: int | None = None
+    ):
         kernel = self._kernel(layer, tables)
-        settings = self.launch_settings(layer, count, ahead, tables)
+        settings = self.launch_settings(layer, count, ahead, tables, lanes)
         return lambda *inputs: kernel(inputs=list(inputs), **settings)
 
-    def launch_settings(self, layer: int, count: int, ahead: bool, tables: bool = True) -> dict:
+    def launch_settings(
+        self, layer: int, count: int, ahead: bool, tables: bool = True, lanes: int | None = None
+    ) -> dict:
         """The layer's kernel call for `count` candidates (`mx.fast.cuda_kernel`'s keywords but its inputs):
-        its template constants, grid (in threads), block and outputs. `tables` False (a fused pass, `plan`,
+        its template constants, grid (in threads), block and outputs. `lanes`: how many of them the call is
+        given (the rest are none; default all `count`). `tables` False (a fused pass, `plan`,
         which reads only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane
         hits), whose scores are one element long where they do not change."""
         units = max(row_units(self.stacks[layer].values())[1])
@@ -302,6 +307,7 @@ class KeptRows:
                 ("C", self.C[layer]),
                 ("S", S),
                 ("P", count),
+                ("N", count if lanes is None else lanes),
                 ("SCORES", int(ahead)),
                 ("DEMAND", int(not ahead)),
                 ("COPY", int(self.copy)),

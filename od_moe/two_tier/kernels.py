@@ -83,6 +83,8 @@ def slot_fill_source(unit: int) -> str:
 # global reads come first, all at once; no thread loops over the S rows where a pass over the rows can
 # record what each candidate needs (its row, in `held_at`); rows are ranked only when a miss has a free row
 # to take; and a fused pass's lane rows come from `held_at` and `into_of`, not from scanning the rows again.
+# A demand call is given N candidates and compiled for P (N rounded up, `kept_rows.padded_size`): the ones
+# past N are no expert (E), so a pass hands its routed ids over as they are, with no padding made for them.
 _KEPT_ROWS = """
     using U = {unit};
     __shared__ int ids[P];  // the candidates' ids (DEMAND), else the top P of the scores
@@ -107,7 +109,7 @@ _KEPT_ROWS = """
     const bool first_block = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     if (!SCORES && !first_block) {{  // a block copies only its candidate, and only if it is a miss
         int q = blockIdx.y;
-        int e = (int)static_cast<float>(cand[q]);
+        int e = q < N ? (int)static_cast<float>(cand[q]) : E;
         bool other = !COPY || e < 0 || e >= E || base[e] >= (uint32_t)E;  // none, unknown or in a slot
         for (int r = tid; r < q && !other; r += nt) other = (int)static_cast<float>(cand[r]) == e;
         for (int s = tid; s < S && !other; s += nt) other = held[s] == e;
@@ -127,7 +129,7 @@ _KEPT_ROWS = """
     }}
     for (int j = tid; j < P + S; j += nt) {{
         if (j < P) {{
-            int e = SCORES ? -1 : (int)static_cast<float>(cand[j]);
+            int e = SCORES ? -1 : j < N ? (int)static_cast<float>(cand[j]) : E;
             ids[j] = e;
             own_row[j] = e >= 0 && e < E ? base[e] : (uint32_t)E;
             held_at[j] = S;

@@ -37,6 +37,9 @@ def stand_in(tables: bool):
     def call(inputs, output_shapes, output_dtypes, **_):
         state = dict(zip(KEPT_ROWS_INPUTS, inputs[-len(KEPT_ROWS_INPUTS) :]))
         cand, base = state["cand"], state["base"]
+        lanes = output_shapes[names.index("lane_rows")][0]  # the padded count; past the ids given: row E
+        if cand.size < lanes:
+            cand = mx.concatenate([cand, mx.full((lanes - cand.size,), base.size, cand.dtype)])
         made = dict(rows=base, found=base, held_out=state["held"], age_out=state["age"])
         made.update(counted_out=state["counted"], score_out=state["score"], lane_rows=cand)
         made.update(lane_hit=cand < 0)

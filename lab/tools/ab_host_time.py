@@ -46,13 +46,6 @@ def engine_for(path: str, spec: str, tokens: int, constant: bool):
     return engine
 
 
-def collected(responses, tokens: list):
-    """`responses`, each one's token appended to `tokens` as it passes."""
-    for response in responses:
-        tokens.append(response.token)
-        yield response
-
-
 def main():
     path, spec = sys.argv[1], sys.argv[2]
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 48
@@ -74,7 +67,7 @@ def main():
             for side, engine in engines.items():
                 made = []
                 with indices(side == "after"):
-                    stream = collected(engine.stream_generate(prompt, max_tokens=tokens), made)
+                    stream = host_time.collected(engine.stream_generate(prompt, max_tokens=tokens), made)
                     runs[side].append(host_time.per_token(stream))
                 same += made == reference
     print(

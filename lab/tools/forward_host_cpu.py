@@ -15,8 +15,8 @@ import cProfile
 import pstats
 import statistics
 import sys
-import time
 
+import host_time
 import mlx.core as mx
 import mlx_lm
 
@@ -59,57 +59,27 @@ def on_device_path(engine):
     rows._kernel = lambda layer, tables=True: stand_in(tables)
 
 
-class Timed:
-    """A model whose calls' seconds are summed in `spent`."""
-
-    def __init__(self, model):
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "spent", 0.0)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            object.__setattr__(self, "spent", self.spent + time.perf_counter() - t0)
-
-
-def per_token(timed: Timed, responses) -> tuple[float, float]:
-    """ms per decoded token (after the first): wall, forward."""
-    times = []
-    for _ in responses:
-        times.append(time.perf_counter())
-        if len(times) == 1:
-            object.__setattr__(timed, "spent", 0.0)
-    n = max(1, len(times) - 1)
-    return (times[-1] - times[0]) / n * 1e3, timed.spent / n * 1e3
-
-
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     path = args[0] if args else od_moe.DEFAULT_MODEL
     tokens = int(args[1]) if len(args) > 1 else 32
     stock, tokenizer = mlx_lm.load(str(path))
-    stock = Timed(stock)
+    stock = host_time._TimedModel(stock)
     engine = od_moe.load(str(path), capacity=0.25, two_tier="lru", dtype="model")  # stock's dtype: its tokens
     on_device_path(engine)
-    engine.forward = Timed(engine.forward)
+    engine.forward = host_time._TimedModel(engine.forward)
     for _ in range(2):
         list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
     runs = {"stock": [], "row": []}
     same = 0
     for _ in range(ROUNDS):
         for prompt in PROMPTS:
-            ours = [r.token for r in engine.stream_generate(prompt, max_tokens=tokens)]
-            theirs = [r.token for r in mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=tokens)]
+            theirs, ours = [], []
+            stream = mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=tokens)
+            runs["stock"].append(host_time.per_token(host_time.collected(stream, theirs)))
+            stream = engine.stream_generate(prompt, max_tokens=tokens)
+            runs["row"].append(host_time.per_token(host_time.collected(stream, ours)))
             same += ours == theirs
-            runs["stock"].append(
-                per_token(stock, mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=tokens))
-            )
-            runs["row"].append(per_token(engine.forward, engine.stream_generate(prompt, max_tokens=tokens)))
     layers = len(engine.runtime.caches)
     runs_made = ROUNDS * len(PROMPTS)
     print(f"{path}: {layers} MoE layers, {tokens} tokens, {ROUNDS} rounds; same tokens: {same}/{runs_made}")

@@ -68,6 +68,13 @@ class _TimedModel:
         return _timed("forward", self.model, *args, **kwargs)
 
 
+def collected(responses, tokens: list):
+    """`responses`, each one's token appended to `tokens` as it passes (tokens checked while timed)."""
+    for response in responses:
+        tokens.append(response.token)
+        yield response
+
+
 def per_token(responses) -> tuple[float, float, float]:
     """ms per decoded token (after the first): wall, forward, async_eval."""
     times = []

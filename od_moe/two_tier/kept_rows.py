@@ -214,11 +214,12 @@ class KeptRows:
         self.held[layer], self.age[layer], self.score[layer], self.counts.on_device[layer] = outputs
 
     def _demand_lanes(self, layer: int):
-        """The lanes of `plan`: the layer's kernel on its routed experts (padded), each lane reading the row
-        it gives; the kernel writes no tables (`launch_settings`): a pass of one position never reads them."""
+        """The lanes of `plan`: the layer's kernel on its routed experts (as they are, the kernel compiled for
+        their padded count), each lane reading the row it gives; the kernel writes no tables
+        (`launch_settings`): a pass of one position never reads them."""
 
         def lanes(indices, base, held, age, score, decay, counted, *arrays):
-            n = indices.size  # the kernel reads n candidates, compiled for their padded size: no padding op
+            n = indices.size
             launch = self._kernel_call(layer, padded_size(n), ahead=False, tables=False, lanes=n)
             cand = indices.reshape(-1)
             held, age, counted, scores, read = launch(*arrays, cand, base, held, age, score, decay, counted)
@@ -289,9 +290,9 @@ class KeptRows:
     ) -> dict:
         """The layer's kernel call for `count` candidates (`mx.fast.cuda_kernel`'s keywords but its inputs):
         its template constants, grid (in threads), block and outputs. `lanes`: how many of them the call is
-        given (the rest are none; default all `count`). `tables` False (a fused pass, `plan`,
-        which reads only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane
-        hits), whose scores are one element long where they do not change."""
+        given (the rest are none; default all `count`). `tables` False (a fused pass, `plan`, which reads
+        only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane hits), whose
+        scores are one element long where they do not change."""
         units = max(row_units(self.stacks[layer].values())[1])
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)

@@ -32,7 +32,7 @@ CODES = np.array([ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED])
 class History:
     """Samples (time, generated tokens, decode lookups, decode hits, decoding seconds) of the last
     `keep_s` seconds, at most one every `every_s`, taken when the document is asked for (nobody watching:
-    nothing to keep). The tokens and seconds are the worker's `DecodeClock`, for tok/s."""
+    nothing to keep). The times, tokens and seconds are the worker's `DecodeClock`'s, for tok/s."""
 
     def __init__(self, keep_s: float = 300.0, every_s: float = 0.25):
         self.keep_s, self.every_s = keep_s, every_s
@@ -106,9 +106,11 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         requests = dict(worker.counters, active=worker.active, queued=worker.queued())
         requests["completion_tokens"] = worker.completion_tokens
     requests["in_flight"] = requests["active"] + requests["queued"]
-    now = time.time()
-    decoded, decode_s = worker.decode_clock.read()
-    recent = rates(history.add(now, decoded, decode["lookups"], decode["hits"], decode_s))
+    now, clock = time.time(), worker.decode_clock
+    # samples on the decode clock's own time: a window's span and the decoding seconds in it on one clock
+    at = clock.now()
+    decoded, decode_s = clock.read()
+    recent = rates(history.add(at, decoded, decode["lookups"], decode["hits"], decode_s))
     return {
         "time": now,
         "uptime_s": now - started,

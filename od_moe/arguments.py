@@ -80,7 +80,8 @@ def _draft_args(parser: argparse.ArgumentParser, serving: str = ""):
         "--draft-model",
         metavar="MODEL",
         help="a model folder or hub id that drafts tokens for the model to verify (speculative decoding, as "
-        f"mlx-lm's; loaded whole, resident; its tokenizer must be the model's{serving}; default: none)",
+        f"mlx-lm's; loaded whole, resident; its tokenizer must be the model's{serving}; 'bundled': the "
+        "embedded model's draft; default: none)",
     )
     parser.add_argument(
         "--num-draft-tokens",
@@ -357,7 +358,8 @@ def _add_pack(sub):
     pk.add_argument(
         "--out",
         help="the packed file to write (default: MODEL/od-moe-packed/experts.safetensors, which every "
-        "command finds; elsewhere, pass it as --packed FILE, or load(packed=FILE) in Python)",
+        "command finds; elsewhere, pass it as --packed FILE, or load(packed=FILE) in Python; required "
+        "without MODEL: the embedded model is not written into)",
     )
 
 

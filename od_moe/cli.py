@@ -53,6 +53,19 @@ def _predictor_arg(value):
     return value
 
 
+def _check_utf8(text: str, where: str):
+    """Refuse text that came from bytes which are not UTF-8: Python hands them over as lone surrogates,
+    which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF
+        raise UserError(
+            f"the text from {where} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start}): "
+            "give UTF-8 text, e.g. convert it with iconv"
+        )
+
+
 def _read_prompt(args) -> str:
     """The prompt text: '-' reads standard input; escapes as mlx-lm's generate reads them."""
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -60,6 +73,9 @@ def _read_prompt(args) -> str:
         prompt = sys.stdin.read()
     if not prompt:
         raise UserError("prompt is empty: give some text to continue")
+    _check_utf8(prompt, "standard input" if args.prompt == "-" else "--prompt")
+    if args.system_prompt is not None:
+        _check_utf8(args.system_prompt, "--system-prompt")
     return prompt
 
 
@@ -134,6 +150,12 @@ def cmd_generate(args):
     )
     if engine.capacity_choice and not sys.stderr.isatty():  # `load` said it where a terminal watches
         print(f"od-moe: {engine.capacity_choice}", file=sys.stderr)
+    if str(args.capacity).strip() == "1":  # a count, where a reader of 1.0 or 100% may have meant all
+        print(
+            f"od-moe: --capacity 1 keeps 1 of {engine.num_experts} experts a layer resident (a count; 1.0 or "
+            "100% keeps them all)",
+            file=sys.stderr,
+        )
     prompt = _chat_prompt(engine.tokenizer, prompt, args, template)
     if oracle:  # the routing of this very generation, recorded by a scratch engine with the same settings
         engine.configure_prefetch("oracle", load(args.model, **options).record_routing(prompt, **sampling))
@@ -262,6 +284,11 @@ def cmd_pack(args):
     from .progress import byte_progress
     from .units import format_bytes
 
+    if args.model is None and args.out is None:  # the embedded model's folder is inside the installed package
+        raise UserError(
+            "the embedded model lives inside the installed package, which pack does not write into: give "
+            "--out FILE, then pass --packed FILE to generate, serve or bench"
+        )
     store, layouts = model_layouts(args.model)
     total = sum(layout.num_experts * layout.expert_nbytes for layout in layouts)
     with byte_progress("packing experts", total) as bar:
@@ -281,6 +308,10 @@ def main(argv=None) -> int:
             command.error(f"--num-draft-tokens must be 0 or more, got {args.num_draft_tokens}")
         if args.prompt_lookup and args.draft_model is not None:
             command.error("give --draft-model or --prompt-lookup, not both")
+        if args.draft_model == "bundled":
+            from .model_files import DEFAULT_DRAFT
+
+            args.draft_model = str(DEFAULT_DRAFT)
         if args.prompt_lookup:
             from .prompt_lookup import PromptLookup
 

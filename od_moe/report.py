@@ -67,6 +67,8 @@ def format_stats(stats: dict, response=None) -> str:
     if (pause := pause_line(stats["prefetch"])) is not None:
         out.append(pause)
     out.append(memory_line(stats["memory"]))
+    if stats.get("packed_experts"):
+        out.append(f"experts read from the packed copy {stats['packed_experts']}")
     if response is not None:
         out.append(
             f"prompt {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s, "

@@ -73,6 +73,13 @@ def test_console_script_runs_on_the_embedded_default():
         (["generate", "--prompt", "x", "--frobnicate"], "unrecognized arguments"),
         (["generate"], "--prompt"),
         (["generate", "--prompt", ""], "prompt is empty"),
+        # bytes that are not UTF-8 in argv reach Python as lone surrogates (os.fsdecode)
+        (
+            ["generate", "--prompt", "def f(x):\udcff"],
+            "--prompt is not valid UTF-8 (byte 0xff at character 9)",
+        ),
+        (["generate", "--prompt", "x", "--system-prompt", "\udcfe"], "--system-prompt is not valid UTF-8"),
+        (["pack"], "the embedded model lives inside the installed package"),
         (["serve", "--port", "70000"], "--port must be 0 to 65535"),
         (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
         (["serve", "--model", "/no/such/dir"], "does not exist"),
@@ -162,6 +169,36 @@ def test_prompt_dash_reads_standard_input(capsys, monkeypatch):
     typed = _generated(capsys, ["--prompt", "import os\n", "--ignore-chat-template"])
     piped = _generated(capsys, ["--prompt", "-", "--ignore-chat-template"], "import os\n", monkeypatch)
     assert piped == typed and piped.strip()
+
+
+def test_prompt_from_standard_input_that_is_not_utf8_is_one_line(capsys, monkeypatch):
+    """What `printf 'def f(x):\\xff' | od-moe generate --prompt -` hands Python: stdin decoded with
+    surrogateescape, as the C and POSIX locales do."""
+    stdin = io.TextIOWrapper(io.BytesIO(b"def f(x):\xff\n"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["generate", "--prompt", "-", "--max-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "od-moe: error: the text from standard input is not valid UTF-8 (byte 0xff at character 9): "
+        "give UTF-8 text, e.g. convert it with iconv"
+    ], err
+
+
+def test_capacity_1_is_said_to_be_one_expert(capsys):
+    assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--capacity", "1"]) == 0
+    assert "--capacity 1 keeps 1 of 64 experts a layer resident" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--capacity", "1.0"]) == 0
+    assert "--capacity 1 keeps" not in capsys.readouterr().err
+
+
+def test_the_bundled_draft_has_a_name_on_the_command_line(capsys):
+    """`--draft-model bundled` is the shipped draft, as `--predictor bundled` is the shipped predictor:
+    greedy text equal to undrafted greedy text."""
+    plain = _generated(capsys, ["--prompt", "def add(a, b):", "--ignore-chat-template"])
+    drafted = _generated(
+        capsys, ["--prompt", "def add(a, b):", "--ignore-chat-template", "--draft-model", "bundled"]
+    )
+    assert drafted == plain and plain.strip()
 
 
 def _templated_copy(tmp_path) -> Path:

@@ -109,6 +109,7 @@ def test_commands_read_a_packed_file_made_elsewhere(tmp_path, capsys):
     assert main([*argv, "--packed", str(out), "--stats"]) == 0
     packed = capsys.readouterr()
     assert packed.out == plain
+    assert f"experts read from the packed copy {out}" in packed.err  # never silently another copy
     assert main(["inspect", "--packed", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["packed"] == str(out)
     for bad in (tmp_path / "missing.safetensors", od_moe.DEFAULT_MODEL / "model.safetensors"):

@@ -187,25 +187,12 @@ class GenerationWorker:
     # -- the worker thread --------------------------------------------------------------------------
     def _run(self):
         try:
-            if self.engine is None:
-                self.engine = self._loader()
-            self.drafting.load(self.engine)
-        except BaseException as e:  # reported by serve(), which then exits
+            self._start()
+        except BaseException as e:  # raised by create_app, and so by serve(), which then exits
             self.load_error = e
-            self.ready.set()
             return
-        if self.max_batch > 1 and self.drafting.draft is not None:  # as in mlx-lm's server
-            self.max_batch, self.batch_cut = 1, self.drafting.batch_cut(self.max_batch)
-        if self.max_batch > 1 and self.engine.stage is not None:
-            self.batch_cut = (
-                f"batching is off across ranks: one request at a time (--max-batch {self.max_batch})"
-            )
-            self.max_batch = 1
-        if self.max_batch > 1:
-            self.max_batch, self.batch_cut = fitting_batch(self.engine, self.max_batch)
-        if self.max_batch > 1:
-            self.batch = RunningBatch(self, self.max_batch, self.prefill_step, self.schedule)
-        self.ready.set()
+        finally:
+            self.ready.set()
         if self.batch is not None:
             return self._serve_batches()
         while (job := self.jobs.get()) is not None:
@@ -235,6 +222,24 @@ class GenerationWorker:
                 self.decode_clock.stop()
                 with self.lock:
                     self.active, self.current = 0, None
+
+    def _start(self):
+        """Everything before the first request: the engine (loaded and warmed up here where a `loader` was
+        given), the draft, and the batch (its kernels compiled)."""
+        if self.engine is None:
+            self.engine = self._loader()
+        self.drafting.load(self.engine)
+        if self.max_batch > 1 and self.drafting.draft is not None:  # as in mlx-lm's server
+            self.max_batch, self.batch_cut = 1, self.drafting.batch_cut(self.max_batch)
+        if self.max_batch > 1 and self.engine.stage is not None:
+            self.batch_cut = (
+                f"batching is off across ranks: one request at a time (--max-batch {self.max_batch})"
+            )
+            self.max_batch = 1
+        if self.max_batch > 1:
+            self.max_batch, self.batch_cut = fitting_batch(self.engine, self.max_batch)
+        if self.max_batch > 1:
+            self.batch = RunningBatch(self, self.max_batch, self.prefill_step, self.schedule)
 
     def _serve_batches(self):
         """Up to `max_batch` jobs decode together: waiting jobs join between steps while there is room,

@@ -273,7 +273,8 @@ def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference,
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     decode_passes = engine.stats()["positions"]["decode"]
     in_decode = [traced for phase, traced in calls if phase == "decode"]
-    assert all(in_decode) and 0 < len(in_decode) <= 2 * len(layers) < decode_passes * len(layers) // 4
+    # a layer's switch is called by its exactness check (traced, then op by op) and by each plan's trace
+    assert all(in_decode) and 0 < len(in_decode) <= 4 * len(layers) < decode_passes * len(layers) // 4
     hits = engine.stats()["total"]["decode"]["hits"]
 
     class Waits(nn.Module):  # a block whose code reads an array on the host
@@ -352,8 +353,8 @@ def test_batch_indices_given_gives_what_mlx_makes():
 
 def test_blocks_that_compile_otherwise_run_op_by_op(bundled_reference, monkeypatch):
     """A block is compiled whole only where that gives the bits it gives op by op (on this CPU it does;
-    Qwen3-Next's did not on CUDA): asked once for the model. Where it does not, every block runs op by op,
-    its switch compiled, with stock's tokens and the hits of the compiled blocks."""
+    Qwen3-Next's did not on CUDA): asked of each block until one says no. Where one does not, every block
+    runs op by op, its switch compiled, with stock's tokens and the hits of the compiled blocks."""
     engine = od_moe.load(capacity=0.25, two_tier=True)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     blocks = [layer.mlp for layer in engine.model.model.layers]
@@ -368,6 +369,41 @@ def test_blocks_that_compile_otherwise_run_op_by_op(bundled_reference, monkeypat
     assert asked == [0] and not any(layer.mlp._compiled for layer in otherwise.model.model.layers)
     assert all(otherwise.runtime.steps[i]._compiled for i in range(len(blocks)))  # the switches are
     assert otherwise.stats()["total"]["decode"]["hits"] == hits > 0
+
+
+class _TracedOtherwise(nn.Module):
+    """A MoE block whose compiled trace adds 1 to its output and whose op-by-op run does not: a block that
+    compiles inexactly, as Qwen3-Next's did on CUDA."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x):
+        y = self.inner(x)
+        try:
+            mx.eval(x)
+        except ValueError:  # MLX refuses to evaluate while it traces
+            return y + 1
+        return y
+
+
+def test_each_block_is_asked_and_one_that_compiles_otherwise_never_runs_compiled(
+    bundled_reference, monkeypatch
+):
+    """Every block answers `compiles_exactly` on its own first pass of one position, not the first for all:
+    a last layer whose compiled trace differs from its op-by-op run is asked, never runs compiled, and the
+    tokens stay stock's (asked of the first block alone, its verdict compiled the last one, adding 1)."""
+    asked, check = [], CompiledBlock.compiles_exactly
+    monkeypatch.setattr(
+        CompiledBlock, "compiles_exactly", lambda self, x: asked.append(self.layer) or check(self, x)
+    )
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    blocks = [layer.mlp for layer in engine.model.model.layers]
+    last = blocks[-1]
+    last.inner = _TracedOtherwise(last.inner)
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    assert asked == list(range(len(blocks))) and last.verdict.exact is False and not last._compiled
 
 
 def test_compiles_exactly_compares_the_bits():

@@ -18,7 +18,7 @@ Not here: what the lanes read and what is kept of their outputs (`runtime.py`, `
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -122,16 +122,29 @@ class LayerPass:
 @dataclass
 class CompileVerdict:
     """Whether a model's MoE blocks compile to the bits they give op by op (`CompiledBlock.compiles_exactly`):
-    None until asked."""
+    None until a block answers, False from the first that does not, else True; `asked`: the layers that
+    answered."""
 
     exact: bool | None = None
+    asked: set = field(default_factory=set)
+
+    def check(self, block: "CompiledBlock", x: mx.array):
+        """`block`'s answer on `x` (its first pass of one position) booked, once a layer, while no block
+        has said no."""
+        if block.layer in self.asked or self.exact is False:
+            return
+        self.asked.add(block.layer)
+        exact = block.compiles_exactly(x)  # None where this block cannot be traced: it runs op by op
+        if exact is not None:
+            self.exact = exact
 
 
 class CompiledBlock(nn.Module):
     """mlx-lm's MoE block (`inner`) in two-tier mode, each call the layer's pass (the runtime's
     `layer_pass`): a pass of one position computed as one compiled call per plan (`one_position`) where
-    that is exact (`verdict`, shared by the model's blocks), any other as `inner` itself, its switch
-    computing in the pass. `stack`: the layer's stack arrays, experts first in expert order."""
+    that is exact (`verdict`, shared by the model's blocks: one that is not sends all op by op), any
+    other as `inner` itself, its switch computing in the pass. `stack`: the layer's stack arrays, experts
+    first in expert order."""
 
     def __init__(self, inner: nn.Module, runtime, layer: int, stack: tuple, verdict: CompileVerdict):
         super().__init__()
@@ -152,8 +165,8 @@ class CompiledBlock(nn.Module):
         # one position (a forecast reads the block's input before the call, and its copies are calls of
         # their own: `KeptRows.plan`)
         one = x.size == x.shape[-1] and not (args or kwargs) and self.traceable
-        if one and self.verdict.exact is None:
-            self.verdict.exact = self.compiles_exactly(x)  # None where this block cannot be traced
+        if one:
+            self.verdict.check(self, x)
         plan = step.plan
         if plan is not None and one and self.traceable and self.verdict.exact:
             if plan.key not in self._compiled:
@@ -180,8 +193,11 @@ class CompiledBlock(nn.Module):
         each routed expert read where it is mapped. Compiling fuses the block's elementwise operations
         into one kernel, which on CUDA can round otherwise: Qwen3-Next's shared-expert gate (a sigmoid,
         a product and a sum) did (docs/GPU.md, "Exact on every shape"). Where it does, blocks run op by op
-        and only their switch is compiled (`LayerSteps`), which rounds as stock does. Asked once, at the
-        first pass of one position; None where the block cannot be traced (it waits for an array)."""
+        and only their switch is compiled (`LayerSteps`), which rounds as stock does. Asked of every block
+        at its own first pass of one position (`CompileVerdict.check`), before it runs compiled: whether a
+        fused kernel rounds otherwise depends on the values it rounds, each layer's weights and inputs its
+        own, so one layer's answer does not stand for another's. None where the block cannot be traced (it
+        waits for an array)."""
         call = self._traced(as_routed)
         try:
             compiled = mx.compile(call)(x, self.stack)[0]

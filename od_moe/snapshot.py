@@ -141,7 +141,8 @@ def load_snapshot(engine, path):
     meta_file = path / META
     if not meta_file.is_file():
         raise UserError(
-            f"{path} is not an od-moe snapshot (no snapshot.json): save one with Engine.save_snapshot"
+            f"{path} is not an od-moe snapshot (no snapshot.json): save one with `od-moe generate "
+            "--save-snapshot DIR` (Engine.save_snapshot in Python)"
         )
     try:
         body = json.loads(meta_file.read_text())

@@ -206,7 +206,7 @@ def load_predictor(path, model_identity: str | None = None) -> ShadowPredictor:
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise UserError(
             f"{folder} is not a predictor folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}): "
-            f"train one with `od-moe train-predictor --out {folder}`"
+            "give a folder that `od-moe train-predictor --out` wrote, or 'bundled' for the embedded model's"
         )
     try:
         config = PredictorConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))

@@ -80,6 +80,16 @@ def test_console_script_runs_on_the_embedded_default():
         ),
         (["generate", "--prompt", "x", "--system-prompt", "\udcfe"], "--system-prompt is not valid UTF-8"),
         (["pack"], "the embedded model lives inside the installed package"),
+        # the command line's own words, not only the Python API's
+        (["generate", "--prompt", "x", "--prefetch", "predictor"], "give --predictor DIR ('bundled'"),
+        (
+            ["generate", "--prompt", "x", "--snapshot", "/"],
+            "save one with `od-moe generate --save-snapshot DIR`",
+        ),
+        (
+            ["generate", "--prompt", "x", "--predictor", "/"],
+            "that `od-moe train-predictor --out` wrote, or 'bundled'",
+        ),
         (["serve", "--port", "70000"], "--port must be 0 to 65535"),
         (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
         (["serve", "--model", "/no/such/dir"], "does not exist"),

@@ -332,6 +332,9 @@ def _fake_predictor(tmp_path, identity):
         ("missing-data", "does not exist"),
         ("empty-data", "no text found"),
         ("one-document", "single document"),
+        ("not-utf8-text", "bad.py is not UTF-8 text (byte 0xff at offset 9)"),
+        ("not-utf8-json", "bad.jsonl is not UTF-8 text (byte 0xff at offset 11)"),
+        ("not-utf8-json-gz", "its text is not UTF-8"),
         ("lookahead-8", "must be 1 to 7"),
         ("lookahead-0", "must be 1 to 7"),
         ("wrong-field", "no column"),
@@ -343,6 +346,9 @@ def test_bad_predictor_input_is_one_line_and_exit_2(tmp_path, capsys, case, mess
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "one.txt").write_text("x = 1\n" * 50)
     (tmp_path / "rows.jsonl").write_text(json.dumps({"body": "x = 1"}) + "\n")
+    (tmp_path / "bad.py").write_bytes(b"def f(x):\xff\n    return 1\n")
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "a\xff"}\n{"text": "b"}\n')
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress((tmp_path / "bad.jsonl").read_bytes()))
     out = str(tmp_path / "out")
     argv = {
         "missing-data": ["train-predictor", "--data", str(tmp_path / "nope.txt"), "--out", out],
@@ -350,6 +356,9 @@ def test_bad_predictor_input_is_one_line_and_exit_2(tmp_path, capsys, case, mess
         "one-document": ["train-predictor", "--data", str(tmp_path / "one.txt"), "--out", out],
         "lookahead-8": ["train-predictor", "--lookahead", "8", "--out", out],
         "lookahead-0": ["train-predictor", "--lookahead", "0", "--out", out],
+        "not-utf8-text": ["train-predictor", "--data", str(tmp_path / "bad.py"), "--out", out],
+        "not-utf8-json": ["train-predictor", "--data", str(tmp_path / "bad.jsonl"), "--out", out],
+        "not-utf8-json-gz": ["train-predictor", "--data", str(tmp_path / "bad.jsonl.gz"), "--out", out],
         "wrong-field": ["train-predictor", "--data", str(tmp_path / "rows.jsonl"), "--out", out],
         "other-model": [
             "eval-predictor",

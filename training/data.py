@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import UserError
 from .bundled import BUNDLED_TEXT
 
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 _STRUCTURED = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -42,7 +43,7 @@ class Documents:
 
 def _builder_for(path: Path) -> str:
     suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in (".gz", ".bz2", ".xz", ".zst"):
+    if suffixes and suffixes[-1] in _COMPRESSED:
         suffixes = suffixes[:-1]
     return _STRUCTURED.get(suffixes[-1] if suffixes else "", "text")
 
@@ -57,11 +58,33 @@ def _is_text(path: Path) -> bool:
     return b"\0" not in head
 
 
+def _check_utf8(path: Path):
+    """A UserError naming the first byte of `path` that is not UTF-8, as `datasets` would not."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): convert it (e.g. "
+            "with iconv) or leave it out"
+        )
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The error under `datasets`' wrappers (its DatasetGenerationError says only that one happened)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def _load_files(files: list[Path], builder: str, text_field: str) -> list[str]:
     import datasets
 
     datasets.disable_progress_bars()
     names = [str(f) for f in files]
+    for f in files:
+        if builder != "parquet" and f.suffix.lower() not in _COMPRESSED:
+            _check_utf8(f)
     try:
         if builder == "text":
             ds = datasets.load_dataset("text", data_files=names, sample_by="document", split="train")
@@ -70,15 +93,22 @@ def _load_files(files: list[Path], builder: str, text_field: str) -> list[str]:
             ds = datasets.load_dataset(builder, data_files=names, split="train")
             column = text_field
     except Exception as e:  # datasets raises many types for unreadable files
+        cause = _innermost(e)
         raise UserError(
-            f"cannot read {', '.join(names[:3])} as {builder}: {type(e).__name__}: {str(e)[:200]}"
+            f"cannot read {', '.join(names[:3])} as {builder}: {type(cause).__name__}: {str(cause)[:200]}"
         )
     if column not in ds.column_names:
         raise UserError(
             f"{names[0]} has no column {column!r} (columns: {', '.join(ds.column_names)}): "
             f"pass --text-field with the column that holds the text"
         )
-    return [t for t in ds[column] if isinstance(t, str) and t.strip()]
+    try:  # arrow decodes the column's strings only now
+        column_texts = list(ds[column])
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"cannot read {', '.join(names[:3])} as {builder}: its text is not UTF-8 ({e.reason})"
+        )
+    return [t for t in column_texts if isinstance(t, str) and t.strip()]
 
 
 def load_documents(data: str | None = None, text_field: str = "text") -> Documents:

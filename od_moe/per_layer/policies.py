@@ -398,8 +398,8 @@ def make_policy(name: str, engine, oracle_trace: Sequence | None = None, per_lay
     if name == "predictor":
         if engine.predictor is None:
             raise UserError(
-                "prefetch policy 'predictor' needs a shadow predictor: load(predictor=DIR) "
-                "(train one with `od-moe train-predictor`)"
+                "prefetch policy 'predictor' needs a shadow predictor: give --predictor DIR ('bundled' for "
+                "the embedded model's; load(predictor=DIR) in Python), trained with `od-moe train-predictor`"
             )
         # the lens reads the next token's first MoE layer off the last one: a pipeline rank holds one of them
         lens = (

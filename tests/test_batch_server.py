@@ -311,6 +311,8 @@ def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves
     with pytest.raises(urllib.error.HTTPError) as failed:
         call(base, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
     assert failed.value.code >= 500
+    told = json.loads(failed.value.read())["error"]["message"]  # the step's error, and the settling's
+    assert "the device went away" in told and "settling the expert cache failed too (ZeroDivision" in told
     monkeypatch.setattr(engine.runtime, "settle", settle)
     answer = call(base, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
     assert answer["choices"][0]["text"] and worker.thread.is_alive()
@@ -318,6 +320,31 @@ def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves
     (failed_uid, served), steps = [j.uid for j in log.joins], log.resets
     assert failed_uid != served and log.tokens[served] and len(steps) == 1
     assert replay(stock[0], log, stock[1].eos_token_ids)[served] == log.tokens[served]
+
+
+def test_a_ledger_that_cannot_settle_after_the_last_request_is_logged_and_shown(monkeypatch, caplog):
+    """The batch settles the runtime once its last request has ended; where that fails, no request is left
+    to be told: the server's log says it and /health shows it (it was swallowed)."""
+    engine = od_moe.load(capacity="50%")
+    base, _, srv, worker = start(engine, max_batch=2)
+
+    between_passes = engine.runtime.settle
+
+    def settle():  # fails once the batch is empty: after its last request has ended
+        if len(worker.batch):
+            return between_passes()
+        raise RuntimeError("the ledger is gone")
+
+    monkeypatch.setattr(engine.runtime, "settle", settle)
+    answer = call(base, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert answer["choices"][0]["text"]  # its text was made before the settling, and is right
+    srv.shutdown()
+    worker.stop()
+    worker.thread.join(60)  # the worker has done all it will: settled (and failed) after the request
+    assert not worker.thread.is_alive()
+    assert "the ledger is gone" in worker.last_error and worker.failures_in_a_row
+    logged = [r for r in caplog.records if r.name == "od_moe.server" and r.exc_info]
+    assert logged and "the ledger is gone" in str(logged[0].exc_info[1]), caplog.records
 
 
 def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(monkeypatch):

@@ -21,6 +21,7 @@ Requests join from the worker's queue (`join_queued`). Not here: the thread, the
 requests still being read (`worker.py`, `arrivals.py`), HTTP (`app.py`).
 """
 
+import logging
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ from ..sampling import make_sampler, vocab_size_of
 from .schedule import Join, ScheduleLog
 
 FINISHED_KEPT = 16  # completed requests whose figures /health keeps
+log = logging.getLogger("od_moe.server")  # the Flask app's logger: the server's log
 
 
 @dataclass
@@ -168,19 +170,28 @@ class RunningBatch:
 
     def fail(self, error: Exception):
         """A step failed: every sequence ends with `error`, and the batch starts over with a new generator
-        (the failed one's caches are in an unknown state)."""
-        for seq in list(self.sequences.values()):
+        (the failed one's caches are in an unknown state). The runtime is settled first; where that fails
+        too, it is logged and the requests are told both. An error no request is left to be told of (the
+        settling after the last one ended) is logged and shown on /health."""
+        try:
+            self.engine.runtime.settle()
+        except Exception as e:  # the worker lives on to serve the next requests
+            log.error("settling the expert cache after a failed step failed too", exc_info=e)
+            error = RuntimeError(
+                f"{error}; then settling the expert cache failed too ({type(e).__name__}: {e})"
+            )
+        told = list(self.sequences.values())
+        for seq in told:
             with self.lock:
                 del self.sequences[seq.uid]
             self.worker.finish(seq.job, "failed", error=error)
+        if not told:
+            log.error("the running batch failed with no request in it", exc_info=error)
+            self.worker.note_failure(error)
         self.generator.close()
         self.generator, self.uid_base = self._new_generator(), self.inserted
         if self.schedule is not None:
             self.schedule.reset(self.steps)
-        try:
-            self.engine.runtime.settle()
-        except Exception:  # the failed step's counts may be lost; the worker must live on to serve the next
-            pass
 
     # -- one step --------------------------------------------------------------------------------
     def step(self):

@@ -293,13 +293,18 @@ class GenerationWorker:
         elif error is not None:
             user = isinstance(error, (ApiError, UserError))
             if not user:
-                with self.lock:
-                    self.failures_in_a_row += 1
-                    self.last_error = str(error)
+                self.note_failure(error)
             if not isinstance(error, ApiError):
                 kind = "invalid_request_error" if user else "server_error"
                 error = ApiError(400 if user else 500, str(error), kind=kind)
             job.events.put(("error", error))
+
+    def note_failure(self, error: BaseException):
+        """A server error (not a user's mistake): /health says "degraded" and shows it until a request
+        succeeds."""
+        with self.lock:
+            self.failures_in_a_row += 1
+            self.last_error = str(error)
 
     def break_pipeline(self, message: str, running: Job | None = None):
         """A rank is gone (`distributed/heartbeat.py`): end the running, queued and later jobs with a 503

@@ -347,6 +347,17 @@ def test_a_ledger_that_cannot_settle_after_the_last_request_is_logged_and_shown(
     assert logged and "the ledger is gone" in str(logged[0].exc_info[1]), caplog.records
 
 
+def test_prompt_lookup_turns_batching_off_and_the_reason_names_it():
+    """Prompt lookup is no draft model: the line `serve` prints says what turned batching off."""
+    from od_moe import PromptLookup
+    from od_moe.server.drafting import ServerDraft
+
+    worker = GenerationWorker(od_moe.load(capacity="50%"), max_batch=4, drafting=ServerDraft(PromptLookup()))
+    assert worker.ready.wait(60) and worker.load_error is None
+    worker.stop()
+    assert worker.batch_cut == "batching is off with prompt lookup: one request at a time (--max-batch 4)"
+
+
 def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(monkeypatch):
     """The first token's text goes out when the step that computed it ends, not a step later when mlx-lm's
     generator gives the token out; a stop string in it, a limit of one token and the text are as before."""

@@ -1,4 +1,4 @@
-"""The draft model every request of a server drafts with (`od-moe serve --draft-model`), as in mlx-lm's.
+"""The draft every request of a server drafts with (`od-moe serve --draft-model` or `--prompt-lookup`).
 
 Loaded on the generation thread once the engine is (`drafts.prepare`: checked against it; a folder loaded
 resident); with it requests run one at a time, as in mlx-lm's server (batching is off, said in one line at
@@ -9,6 +9,7 @@ Not here: drafting itself (`od_moe/drafts.py`, mlx-lm's loop), the one-at-a-time
 
 from ..drafts import CLI_DRAFT_TOKENS, Draft, prepare
 from ..errors import UserError
+from ..prompt_lookup import PromptLookup
 
 
 class ServerDraft:
@@ -30,7 +31,8 @@ class ServerDraft:
         return self.draft.name if self.draft is not None else None
 
     def batch_cut(self, max_batch: int) -> str:
-        return f"batching is off with a draft model: one request at a time (--max-batch {max_batch})"
+        drafter = "prompt lookup" if isinstance(self.source, PromptLookup) else "a draft model"
+        return f"batching is off with {drafter}: one request at a time (--max-batch {max_batch})"
 
     def caches_of(self, engine):
         """What a new prompt cache is made for: the model, or with a draft the model and the draft."""

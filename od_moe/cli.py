@@ -150,6 +150,12 @@ def cmd_generate(args):
     )
     if engine.capacity_choice and not sys.stderr.isatty():  # `load` said it where a terminal watches
         print(f"od-moe: {engine.capacity_choice}", file=sys.stderr)
+    if args.miss_policy == "skip" and engine.capacity < engine.num_experts:
+        print(
+            "od-moe: --miss-policy skip is approximate: an expert that is not resident is left out of its "
+            "token's sum, so the text is not the model's (--miss-policy load is exact)",
+            file=sys.stderr,
+        )
     if str(args.capacity).strip() == "1":  # a count, where a reader of 1.0 or 100% may have meant all
         print(
             f"od-moe: --capacity 1 keeps 1 of {engine.num_experts} experts a layer resident (a count; 1.0 or "
@@ -276,6 +282,8 @@ def cmd_inspect(args):
         **device,
     )
     print(json.dumps(report, indent=1) if args.json else format_inspection(report))
+    if report["memory_budget"].get("error"):  # the report says what would fit; the exit code says it won't
+        raise UserError(report["memory_budget"]["error"])
 
 
 def cmd_pack(args):

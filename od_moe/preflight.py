@@ -390,7 +390,7 @@ def _budget_line(report: dict) -> str:
         holds = "holds" if report["two_tier"]["auto"] else "does not hold"
         return f"host       {given} {holds} every expert ({_size(report['all_experts_bytes'])}) for two tiers"
     if not budget["capacity"]:
-        return f"budget     {given} is too small: {budget['error']}"
+        return f"budget     {given} holds no expert: too small (the error below says what it needs)"
     return f"budget     {given} holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"
 
 

@@ -194,6 +194,25 @@ def test_prompt_from_standard_input_that_is_not_utf8_is_one_line(capsys, monkeyp
     ], err
 
 
+def test_inspect_of_a_budget_too_small_reports_then_exits_2(capsys):
+    """The report still shows what each capacity needs; the budget's line says it holds nothing, once, and
+    the error (on stderr, exit 2) what it needs, so a script can tell."""
+    assert main(["inspect", "--memory-budget", "1MB"]) == 2
+    out, err = capsys.readouterr()
+    assert "budget     1.00 MB holds no expert: too small" in out and "needs      12.5%:" in out
+    assert out.count("too small") == 1
+    err = err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("od-moe: error: memory budget 1.00 MB is too small"), err
+
+
+def test_the_skip_policy_says_it_is_approximate(capsys):
+    argv = ["generate", "--prompt", "x", "--max-tokens", "2", "--miss-policy", "skip", "--capacity"]
+    assert main([*argv, "25%"]) == 0
+    assert "--miss-policy skip is approximate" in capsys.readouterr().err
+    assert main([*argv, "100%"]) == 0  # nothing misses: the text is the model's
+    assert "approximate" not in capsys.readouterr().err
+
+
 def test_capacity_1_is_said_to_be_one_expert(capsys):
     assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--capacity", "1"]) == 0
     assert "--capacity 1 keeps 1 of 64 experts a layer resident" in capsys.readouterr().err

@@ -1,14 +1,21 @@
-"""The device-kept rows' CUDA kernel (`two_tier/kernels.kept_rows_source`) run on the CPU, for the tests: its
-source compiled as C++ with g++, CUDA's few names emulated. Each block's threads are real threads (one per
-thread of the block), `__shared__` memory a static they share, `__syncthreads` a barrier,
-`__syncthreads_or` a barrier and a flag, `atomicAdd` and `atomicMin` atomics; blocks run one after
+"""The two-tier path's CUDA kernels (`two_tier/kernels.py`) run on the CPU, for the tests: their sources
+compiled as C++ with g++, CUDA's few names emulated.
+
+The copy kernels (slot fills, `copy_rows`, `staged_lanes`), whose threads share nothing: `cuda_kernel`
+stands in for `mx.fast.cuda_kernel`, so the code that launches them runs as on a device, each kernel declared
+as MLX's CUDA backend declares it and its grid run one thread at a time, on the inputs' own bytes.
+
+The device-kept rows' kernel (`kernels.kept_rows_source`), whose threads synchronise: each block's threads
+are real threads (one per thread of the block), `__shared__` memory a static they share, `__syncthreads` a
+barrier, `__syncthreads_or` a barrier and a flag, `atomicAdd` and `atomicMin` atomics; blocks run one after
 another over the grid MLX would launch (threads, candidates, arrays). `EmulatedRows` is a `KeptRows` that
 decides in it, as on a device, its stacks' bytes in numpy copies (`memory`). `differences` holds a
 `KeptRows` deciding elsewhere (here, or on a device: `lab/tools/kept_rows_check.py`) to `kept_rows.plan`.
 
-What it shows: the kernel's decisions, early exits, synchronisation (a block whose threads leave at
-different barriers hangs here as on a GPU) and copies. What it does not: NVRTC's compile
-(`lab/tools/nvrtc_check.py`), CUDA's memory model, timing (`lab/tools/kept_rows_check.py`, on a device).
+What it shows: the kernels' decisions, early exits, synchronisation (a block whose threads leave at
+different barriers hangs here as on a GPU), copies, and the grids their launches ask for. What it does not:
+NVRTC's compile (`lab/tools/nvrtc_check.py`), CUDA's memory model, what threads running at once would race
+on, timing (`lab/tools/kept_rows_check.py`, on a device).
 """
 
 import ctypes
@@ -29,22 +36,33 @@ from od_moe.two_tier.kernels import (
     row_units,
 )
 
-PRELUDE = r"""
-#include <atomic>
-#include <barrier>
+# CUDA's names a kernel's body uses, for one compiled as C++; `PRELUDE` adds its threads' synchronisation
+_NAMES = r"""
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <thread>
-#include <vector>
 #include <algorithm>
 using std::min;
 using std::size_t;
 struct uint3 { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct __half { uint16_t x; };
+struct __nv_bfloat16 { uint16_t x; };
 thread_local uint3 threadIdx, blockIdx;
 static uint3 blockDim, gridDim;
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+#define __shared__ static
+"""
+
+PRELUDE = (
+    _NAMES
+    + r"""
+#include <atomic>
+#include <barrier>
+#include <thread>
+#include <vector>
 static std::barrier<>* g_bar;
 static std::atomic<int> g_or;
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
@@ -64,10 +82,8 @@ static inline int atomicMin(int* a, int v) {
     while (v < old && !__atomic_compare_exchange_n(a, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
     return old;
 }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-#define __shared__ static
 """
+)
 
 
 def _signature(tables: bool) -> tuple[str, str]:
@@ -115,17 +131,121 @@ _built: dict = {}
 _folder = tempfile.TemporaryDirectory(prefix="od-moe-kernel-")
 
 
-def built(unit: str, units: list[int], template: dict, cand: str):
-    """The kernel for these settings compiled with g++ (once a process) and loaded."""
-    key = (unit, tuple(units), tuple(template.items()), cand)
-    if key not in _built:
+def compiled(text: str):
+    """C++ `text` compiled with g++ (once a process) and loaded."""
+    if text not in _built:
         name = Path(_folder.name) / f"k{len(_built)}"
         command = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w"]
         cpp, so = name.with_suffix(".cpp"), name.with_suffix(".so")
-        cpp.write_text(source(unit, units, template, cand))
+        cpp.write_text(text)
         subprocess.run([*command, str(cpp), "-o", str(so)], check=True)
-        _built[key] = ctypes.CDLL(str(so))
-    return _built[key]
+        _built[text] = ctypes.CDLL(str(so))
+    return _built[text]
+
+
+def built(unit: str, units: list[int], template: dict, cand: str):
+    """The kept rows' kernel for these settings, compiled and loaded."""
+    return compiled(source(unit, units, template, cand))
+
+
+# the C type MLX's CUDA backend declares each dtype as (`dtype_to_cuda_type`)
+_C_TYPES = {
+    mx.bool_: "bool",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
+SENTINEL = 0xA5  # every byte of an output the kernel leaves unwritten (MLX does not clear its outputs)
+
+
+def _address(array: mx.array) -> tuple[int, memoryview | None]:
+    """The address of `array`'s bytes, which the kernel reads and may write, as on a device (and the view
+    that keeps them)."""
+    if array.size == 0:
+        return 0, None
+    view = memoryview(array)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)), view
+
+
+class EmulatedKernel:
+    """What `mx.fast.cuda_kernel` returns, for a kernel with no synchronisation between its threads: called
+    as MLX calls it, it declares the kernel as MLX's CUDA backend does (inputs `const T*`, outputs `T*`,
+    the template's values `constexpr`), compiles it for the CPU and runs its grid, every thread of every
+    block one after another. It reads and writes the inputs' own bytes, as a kernel does on a device; its
+    outputs start as `SENTINEL` bytes."""
+
+    def __init__(self, name, input_names, output_names, source, header="", **_):
+        for n in input_names:
+            if any(f"{n}_{what}" in source for what in ("shape", "strides", "ndim")):
+                raise NotImplementedError(f"{name}: the emulation passes no {n}_shape, _strides or _ndim")
+        if "__syncthreads" in source:
+            raise NotImplementedError(f"{name}: its threads synchronise; the emulation runs them in turn")
+        self.name, self.header, self.source = name, header, source
+        self.input_names, self.output_names = list(input_names), list(output_names)
+
+    def _text(self, inputs, output_dtypes, template) -> str:
+        params = [f"const {_C_TYPES[a.dtype]}* {n}" for n, a in zip(self.input_names, inputs)]
+        params += [f"{_C_TYPES[t]}* {n}" for n, t in zip(self.output_names, output_dtypes)]
+        constants = ""
+        for n, v in template or []:
+            if isinstance(v, mx.Dtype):
+                constants += f"    using {n} = {_C_TYPES[v]};\n"
+            else:
+                constants += f"    constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {int(v)};\n"
+        casts = ", ".join(f"({p.rsplit(' ', 1)[0]})p[{i}]" for i, p in enumerate(params))
+        return f"""{_NAMES}{self.header}
+static void kernel({", ".join(params)}) {{
+{constants}{self.source}
+}}
+extern "C" void launch(void** p, const unsigned* d) {{  // d: the grid's blocks, then a block's threads
+    gridDim = uint3{{d[0], d[1], d[2]}};
+    blockDim = uint3{{d[3], d[4], d[5]}};
+    for (unsigned z = 0; z < gridDim.z; ++z)
+        for (unsigned y = 0; y < gridDim.y; ++y)
+            for (unsigned x = 0; x < gridDim.x; ++x)
+                for (unsigned k = 0; k < blockDim.z; ++k)
+                    for (unsigned j = 0; j < blockDim.y; ++j)
+                        for (unsigned i = 0; i < blockDim.x; ++i) {{
+                            blockIdx = uint3{{x, y, z}};
+                            threadIdx = uint3{{i, j, k}};
+                            kernel({casts});
+                        }}
+}}
+"""
+
+    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, **options):
+        """The kernel run on `inputs`: its outputs, as MLX's call gives them."""
+        mx.eval(inputs)
+        inputs = [a if a.size == 0 or memoryview(a).c_contiguous else mx.contiguous(a) for a in inputs]
+        init = options.get("init_value")
+        outputs = [
+            mx.array(np.full(int(np.prod(shape)) * t.size, SENTINEL, np.uint8))
+            if init is None
+            else mx.array(np.full(shape, init, np.float32)).astype(t)
+            for shape, t in zip(output_shapes, output_dtypes)
+        ]
+        mx.eval(inputs, outputs)
+        held = [_address(a) for a in (*inputs, *outputs)]
+        pointers = (ctypes.c_void_p * len(held))(*(address for address, _ in held))
+        blocks = [(g + t - 1) // t for g, t in zip(grid, threadgroup)]
+        lib = compiled(self._text(inputs, output_dtypes, template))
+        lib.launch(pointers, (ctypes.c_uint * 6)(*blocks, *threadgroup))
+        del held
+        return [a.view(t).reshape(shape) for a, shape, t in zip(outputs, output_shapes, output_dtypes)]
+
+
+def cuda_kernel(name, input_names, output_names, source, header="", **options) -> EmulatedKernel:
+    """`mx.fast.cuda_kernel` for the CPU (`EmulatedKernel`): monkeypatched in, the two-tier code launches
+    its kernels here."""
+    return EmulatedKernel(name, input_names, output_names, source, header, **options)
 
 
 class EmulatedRows(kept_rows.KeptRows):

@@ -5,7 +5,9 @@ draft_model=draft, num_draft_tokens=k)` on the same target (every expert residen
 drafts: the bundled draft model (`od_moe.DEFAULT_DRAFT`, a dense model trained on the bundled model's data,
 accepting part of what it drafts), and the bundled model itself (the target in disguise, accepting nearly
 all, proving only the mechanism). Agreement with undrafted greedy output is reported by the docs, not
-required here.
+required here, for a draft model. Prompt lookup runs a loop of od-moe's own, so its tokens are held to stock
+mlx-lm's undrafted greedy output as well (exact on this CPU backend, float32), besides that loop run on
+stock's model.
 """
 
 import json
@@ -393,16 +395,22 @@ def _lookup_reference(stock, prompt: list[int], max_tokens: int, k: int = K, **k
 
 @pytest.mark.parametrize("two_tier", [False, True], ids=["per-layer", "two-tier"])
 def test_prompt_lookup_equals_stock_fed_the_same_drafts(stock, two_tier):
-    """Prompt lookup (`PromptLookup`, no second model): od-moe's tokens and their `from_draft` flags equal
-    stock mlx-lm's model run through the same lookup loop, at every capacity on both paths; on a prompt the
-    answer repeats, most tokens come from drafts, and the ledger counts what the loop drafted."""
+    """Prompt lookup (`PromptLookup`, no second model): od-moe's tokens are stock mlx-lm's undrafted greedy
+    tokens, and with their `from_draft` flags equal stock's model run through the same lookup loop, at every
+    capacity on both paths; on a prompt the answer repeats, most tokens come from drafts, and the ledger
+    counts what the loop drafted."""
+    undrafted = None
     for capacity in CAPACITIES:
         engine = od_moe.load(capacity=capacity, two_tier=two_tier)
         prompt = engine.encode(CODE_EDIT)
+        if undrafted is None:
+            undrafted = [r.token for r in mlx_lm_stream_generate(stock[0], stock[1], prompt, max_tokens=32)]
         reference, counts = _lookup_reference(stock, prompt, 32)
         lookup = od_moe.PromptLookup()
         stream = engine.stream_generate(CODE_EDIT, max_tokens=32, draft_model=lookup, num_draft_tokens=K)
-        assert [(r.token, r.from_draft) for r in stream] == reference, capacity
+        got = [(r.token, r.from_draft) for r in stream]
+        assert [t for t, _ in got] == undrafted, capacity
+        assert got == reference, capacity
         drafts = engine.stats()["drafts"]
         assert drafts["accepted"] == sum(f for _, f in reference) > len(reference) // 2
         assert drafts["drafted"] == sum(lookup.counts.drafted.values()) == sum(counts.drafted.values())
@@ -414,6 +422,25 @@ def test_prompt_lookup_equals_stock_fed_the_same_drafts(stock, two_tier):
         }
         assert sum(f["drafted"] for f in found.values()) == drafts["drafted"]
         assert sum(f["accepted"] for f in found.values()) == drafts["accepted"]
+
+
+@pytest.mark.parametrize("two_tier", [False, True], ids=["per-layer", "two-tier"])
+def test_prompt_lookup_gives_undrafted_greedy_tokens(stock, two_tier):
+    """On prompts of code whose answers take some drafts (not the code-edit prompt's, which takes most), the
+    tokens with prompt lookup are stock mlx-lm's greedy tokens with no drafting: the reference is code
+    od-moe did not write, and the drafts accepted (checked) are where the loop could depart from it. A loop
+    that kept one rejected draft's cache entry gave the same-loop reference's tokens and failed here."""
+    engine = od_moe.load(capacity=0.25, two_tier=two_tier)
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        tokens = engine.encode(prompt)
+        undrafted = [r.token for r in mlx_lm_stream_generate(stock[0], stock[1], tokens, max_tokens=32)]
+        before = engine.stats()["drafts"]["accepted"]
+        got = engine.stream_generate(
+            prompt, max_tokens=32, draft_model=od_moe.PromptLookup(), num_draft_tokens=K
+        )
+        assert [r.token for r in got] == undrafted, prompt
+        assert engine.stats()["drafts"]["accepted"] > before, prompt
+    engine.close()
 
 
 def test_the_lookup_loop_drafts_only_what_it_finds(stock):

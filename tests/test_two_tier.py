@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
@@ -137,7 +138,7 @@ def test_other_families_match_mlx_lm(tmp_path, name):
 
 def test_experts_not_quantized_match_mlx_lm(tmp_path):
     """Experts kept in floating point take mlx-lm's `gather_mm` (not `gather_qmm`), traced with their batch
-    indices given as the quantized ones are (`switch.batch_indices_given`): stock tokens at 25%."""
+    indices given as the quantized ones are (`switch.switch_on`'s rows_given): stock tokens at 25%."""
     path = write_mlx_model(tmp_path / "float", FAMILIES["qwen3_moe"], quantize=False)
     prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
     engine = od_moe.load(str(path), capacity=0.25, two_tier=True)
@@ -303,7 +304,7 @@ def _operations(*outputs) -> str:
 
 def test_a_compiled_pass_makes_no_batch_indices_of_its_own(bundled_reference):
     """Traced, the switch's products get their batch indices as constants of the compiled call
-    (`switch.batch_indices_given`), where MLX's default is an `arange` operation per product at every pass
+    (`switch.switch_on`'s rows_given), where MLX's default is an `arange` operation per product at every pass
     (a kernel each on the GPU); the tokens stay stock's."""
     engine = od_moe.load(capacity=0.25, two_tier=True)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
@@ -315,39 +316,37 @@ def test_a_compiled_pass_makes_no_batch_indices_of_its_own(bundled_reference):
     assert "GatherQMM" in graph and "Arange" not in graph
 
 
-def test_batch_indices_given_gives_what_mlx_makes():
-    """The products with `batch_rows` for indices equal MLX's own, compiled or not, with no operation to
-    make the indices (`arange`) nor to broadcast them to the lanes' shape (which CUDA copies); indices
-    given, or a sorted call, are left alone; the functions are mlx's again once the block is left."""
-    w = mx.random.normal((4, 64, 128), key=mx.random.key(0))
-    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
-    x = mx.random.normal((2, 1, 1, 1, 128), key=mx.random.key(1))
-    ids = mx.array([[[3, 1]], [[0, 2]]], mx.uint32)
-    mx.eval(w, wq, scales, biases, x)  # the graphs below hold the products alone
-    products = {
-        "qmm": lambda x: mx.gather_qmm(x, wq, scales, biases, rhs_indices=ids, transpose=True),
-        "mm": lambda x: mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=ids),
-    }
-    own = {name: product(x) for name, product in products.items()}
-    for product in products.values():
-        graph = _operations(mx.compile(product)(x + x))
-        assert "Arange" in graph and "Broadcast" in graph
-    assert switch.batch_rows((2, 1, 1), (2, 1, 2)).tolist() == [[[0, 0]], [[1, 1]]]
+def test_batch_rows_given_give_what_mlx_makes():
+    """The products of mlx-lm's projections copied with `rows_given` (`switch.switch_on`), given
+    `batch_rows` for indices, equal mlx-lm's own, compiled or not, with no operation to make the indices
+    (`arange`) nor to broadcast them to the lanes' shape (which CUDA copies); a sorted call is left to
+    mlx-lm; the projections copied from, and mlx's functions, are untouched."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
     qmm, mm = mx.gather_qmm, mx.gather_mm
-    with switch.batch_indices_given():
-        for name, product in products.items():
-            assert mx.array_equal(product(x), own[name]) and mx.array_equal(mx.compile(product)(x), own[name])
-            graph = _operations(mx.compile(product)(x + x))
-            assert "Arange" not in graph and "Broadcast" not in graph
-        given = mx.array([[[1]], [[0]]], mx.uint32)
-        assert mx.array_equal(
-            mx.gather_mm(x, w.swapaxes(-1, -2), given, ids), mm(x, w.swapaxes(-1, -2), given, ids)
-        )
-        rows = mx.array([1, 3], mx.uint32)  # as mlx-lm sorts a large batch's lanes
-        sorted_call = mx.gather_qmm(
-            x.reshape(2, 1, 128), wq, scales, biases, rhs_indices=rows, sorted_indices=True
-        )
-        assert "Arange" in _operations(sorted_call)
+    glu = SwitchGLU(128, 64, 4, bias=True)
+    glu.update(tree_map(lambda a: mx.random.normal(a.shape, key=mx.random.key(a.size)), glu.parameters()))
+    quantized = SwitchGLU(128, 64, 4)
+    nn.quantize(quantized, group_size=64, bits=4)
+    x = mx.random.normal((2, 1, 128), key=mx.random.key(1))
+    ids = mx.array([[[3, 1]], [[0, 2]]], mx.uint32)
+    assert switch.batch_rows((2, 1, 1), (2, 1, 2)).tolist() == [[[0, 0]], [[1, 1]]]
+    for original in (glu, quantized):
+        mx.eval(original.parameters(), x)
+        keys = [(p, n) for p in ("gate_proj", "up_proj", "down_proj") for n, _ in tree_flatten(original[p])]
+        arrays = {key: original[key[0]][key[1]] for key in keys}
+        classes = [type(original[p]) for p, _ in keys]
+        given = switch.switch_on(original, arrays, rows_given=True)
+        own = original(x, ids)
+        assert mx.array_equal(given(x, ids), own) and mx.array_equal(mx.compile(given)(x, ids), own)
+        assert "Arange" in _operations(mx.compile(original)(x + x, ids))
+        graph = _operations(mx.compile(given)(x + x, ids))
+        assert "Arange" not in graph and "Broadcast" not in graph
+        many = mx.random.randint(0, 4, (40, 1, 2), key=mx.random.key(2)).astype(mx.uint32)  # sorted: 80 lanes
+        xs = mx.random.normal((40, 1, 128), key=mx.random.key(3))
+        assert mx.array_equal(given(xs, many), original(xs, many))
+        assert "Arange" in _operations(given(xs, many))
+        assert [type(original[p]) for p, _ in keys] == classes
     assert (mx.gather_qmm, mx.gather_mm) == (qmm, mm)
 
 

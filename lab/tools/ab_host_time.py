@@ -1,6 +1,6 @@
 """A change to what a compiled pass traces, timed before and after in one process: stock mlx-lm, the row as
 the code is ("after") and the row with its products' batch indices made by MLX ("before": 29d6869 undone,
-`switch.batch_indices_given` left shut while that engine traces), each prompt run by all three in turn.
+that engine's switches copied without `switch_on(rows_given=True)`'s projections), each prompt run by all three in turn.
 Processes differ in stock's own speed (docs/GPU.md, "Real shapes' tokens"), so a change is best judged
 against its baseline in the same one. Per decoded token as `lab/tools/host_time.py` splits it (wall,
 `forward`, `async_eval`, rest), medians over rounds of the bench's prompts.
@@ -20,29 +20,31 @@ import mlx_lm
 import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.two_tier_grid import WARM_PROMPT
-from od_moe.two_tier import layer_step
+from od_moe import switch
 
 
 @contextlib.contextmanager
 def indices(constant: bool):
-    """Passes traced meanwhile take their products' batch indices as constants (the code as it is) or
-    from MLX (before 29d6869). Open around all of an engine's generation: a pass may trace anew."""
-    given = layer_step.batch_indices_given
-    layer_step.batch_indices_given = given if constant else contextlib.nullcontext
+    """Engines loaded meanwhile trace their products' batch indices as constants (the code as it is) or
+    take them from MLX (before 29d6869): their switches are copied with or without the projections that
+    give them. Open around an engine's load."""
+    given = dict(switch._ROWS_GIVEN)
+    if not constant:
+        switch._ROWS_GIVEN.clear()
     try:
         yield
     finally:
-        layer_step.batch_indices_given = given
+        switch._ROWS_GIVEN.update(given)
 
 
 def engine_for(path: str, spec: str, tokens: int, constant: bool):
     """A warmed engine for `spec`, its passes traced with (or without) constant batch indices."""
     kind, fraction = spec.split(":")
-    engine = od_moe.load(path, capacity=float(fraction), two_tier={"lru": "lru", "tt": True}[kind])
-    engine.forward = host_time._TimedModel(engine.forward)
     with indices(constant):
-        for _ in range(2):  # every pass traced, kernels compiled, admission settled
-            list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
+        engine = od_moe.load(path, capacity=float(fraction), two_tier={"lru": "lru", "tt": True}[kind])
+    engine.forward = host_time._TimedModel(engine.forward)
+    for _ in range(2):  # every pass traced, kernels compiled, admission settled
+        list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
     return engine
 
 

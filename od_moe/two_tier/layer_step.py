@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..switch import batch_indices_given, switch_on
+from ..switch import switch_on
 
 
 @dataclass
@@ -45,26 +45,29 @@ class LayerSteps:
     def __init__(self, stacked: nn.Module, keys):
         self.keys = list(keys)  # the stack's (projection, array name), in the order arrays are given
         self.switch = switch_on(stacked, dict.fromkeys(self.keys))
+        # for traces: the products' batch indices constants of the compiled call
+        self.traced_switch = switch_on(stacked, dict.fromkeys(self.keys), rows_given=True)
         self._compiled: dict = {}
 
-    def compute(self, arrays, x: mx.array, indices: mx.array) -> mx.array:
+    def compute(self, arrays, x: mx.array, indices: mx.array, traced: bool = False) -> mx.array:
         """`switch(x, indices)` on `arrays` (in `keys`' order), set for this call only: afterwards the
-        switch keeps none of them alive."""
+        switch keeps none of them alive. traced: the products' batch indices given (`switch_on`'s
+        rows_given), for a trace."""
+        switch = self.traced_switch if traced else self.switch
         for (proj, name), array in zip(self.keys, arrays):
-            self.switch[proj][name] = array
+            switch[proj][name] = array
         try:
-            return self.switch(x, indices)
+            return switch(x, indices)
         finally:
             for proj, name in self.keys:
-                self.switch[proj][name] = None
+                switch[proj][name] = None
 
     def run(self, lanes, x: mx.array, inputs: tuple):
         """(the switch's output, the lanes' other outputs) for `x`, as traced for `mx.compile` (by `step`,
         or inside a compiled block's trace): `lanes(*inputs)` as `step` takes them; the products' batch
-        indices constants of the trace (`batch_indices_given`)."""
+        indices constants of the trace."""
         arrays, read, outputs = lanes(*inputs)
-        with batch_indices_given():
-            return self.compute(arrays, x, read), outputs
+        return self.compute(arrays, x, read, traced=True), outputs
 
     def step(self, key, make):
         """The compiled call (x, inputs) -> (the switch's output, the lanes' other outputs) for `key`, which

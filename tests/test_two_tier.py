@@ -84,6 +84,34 @@ def test_the_stacks_are_made_under_a_memory_limit_raised_for_them(monkeypatch):
         mx.set_memory_limit(kept)
 
 
+def test_a_load_that_fails_reading_the_stacks_takes_back_what_it_advised(monkeypatch):
+    """A read that fails half-way through the stacks (the disk, a file changed) fails the load, and the
+    layers already advised for the device are taken back: MLX's limit is not left raised by arrays nobody
+    holds (`backend._hold_in_host`)."""
+    from od_moe import backend
+    from od_moe.store import ExpertStore
+
+    monkeypatch.setattr(backend, "arrays_in_host_memory", lambda: False)  # as CUDA's arrays
+    kept, held = mx.get_memory_limit(), dict(backend._held_in_host)
+    calls, read = [], ExpertStore.read
+
+    def failing(self, layout, *args, **kwargs):
+        calls.append(layout.module_path)
+        if len(set(calls)) > 4:  # four layers read whole and advised by then (cast to float32: staged)
+            raise OSError(5, "Input/output error")
+        return read(self, layout, *args, **kwargs)
+
+    monkeypatch.setattr(ExpertStore, "read", failing)
+    try:
+        mx.set_memory_limit(10**9)
+        with pytest.raises(Exception, match="Input/output error"):
+            od_moe.load(capacity=0.25, two_tier=True)
+        assert len(set(calls)) > 4
+        assert backend._held_in_host == held and mx.get_memory_limit() == 10**9
+    finally:
+        mx.set_memory_limit(kept)
+
+
 def test_stacks_read_in_place_hold_what_staging_reads(monkeypatch):
     """Where the disk's bytes are the arrays' (the checkpoint's dtypes, as on CUDA and Metal), every layer's
     experts are read by threads straight into its stack's rows, with no staging; the stacks hold the bits

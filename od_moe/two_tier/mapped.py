@@ -66,13 +66,17 @@ def read_stacks(
         for layout, targets, _ in layers
         for p in layout.parts
     )
-    with backend.host_arrays_ahead(host_nbytes):  # map_for_device counts them as each layer is finished
-        return _read_stacks(store, layers, progress)
+    stacks = [None] * len(layers)  # each layer's, once advised: taken back if the load fails
+    try:
+        with backend.host_arrays_ahead(host_nbytes):  # map_for_device counts them as each layer is finished
+            return _read_stacks(store, layers, progress, stacks)
+    except BaseException:  # else MLX's limit stays raised by arrays nobody holds (`backend._hold_in_host`)
+        release_stacks([stack for stack in stacks if stack is not None])
+        raise
 
 
-def _read_stacks(store: ExpertStore, layers, progress) -> list[dict[tuple[str, str], mx.array]]:
+def _read_stacks(store: ExpertStore, layers, progress, stacks: list) -> list[dict[tuple[str, str], mx.array]]:
     hosts = _host_stacks(layers)
-    stacks = [None] * len(layers)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending = []
         try:
@@ -142,14 +146,17 @@ def _read_staged(store: ExpertStore, layout: BlockLayout, targets: dict, rows: d
 def _finish(layout: BlockLayout, targets: dict, slots: int, rows: dict) -> dict[tuple[str, str], mx.array]:
     """A layer's arrays, filled, as the stack: copied into MLX where they were numpy's, advised for the
     device (`backend.map_for_device`), viewed as their targets' dtypes."""
-    E, stack = layout.num_experts, {}
-    for key, (array, written) in rows.items():
-        if array is None:
-            array = _copied_into_mlx(written, f"{layout.module_path}.{key[0]}.{key[1]}")
+    E = layout.num_experts
+    arrays = {  # every copy made (and checked) before any is advised: a failed one leaves none advised
+        key: _copied_into_mlx(written, f"{layout.module_path}.{key[0]}.{key[1]}") if array is None else array
+        for key, (array, written) in rows.items()
+    }
+    for array in arrays.values():
         backend.map_for_device(array, array.nbytes // (E + slots) * slots)
-        target = targets[key]
-        stack[key] = array if array.dtype == target else array.view(target)
-    return stack
+    return {
+        key: array if array.dtype == targets[key] else array.view(targets[key])
+        for key, array in arrays.items()
+    }
 
 
 def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array, np.ndarray | None]]]:

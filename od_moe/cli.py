@@ -2,14 +2,14 @@
 `inspect` and `pack`.
 
 User mistakes (a bad flag, path or value) print one line `od-moe: error: ...` and exit with code 2; an
-expert that cannot be read while generating (the model's files changed), or another rank of a pipeline
-gone, prints one line and exits with 1.
+expert that cannot be read while generating (the model's files changed), another rank of a pipeline
+gone, or a server that could not get ready, prints one line and exits with 1.
 """
 
 import sys
 
 from .arguments import build_parser
-from .errors import ExpertReadError, RankLost, UserError
+from .errors import ExpertReadError, RankLost, StartFailed, UserError
 
 
 def _direct_io(value: str):
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"od-moe: error: {e}", file=sys.stderr)
         return 2
-    except (ExpertReadError, RankLost) as e:  # the model's files changed, or a rank is gone
+    except (ExpertReadError, RankLost, StartFailed) as e:  # files changed, a rank gone, serve never ready
         print(f"od-moe: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -5,8 +5,9 @@ and exits with code 2, the server turns it into an HTTP 4xx. An `ExpertReadError
 whose expert could not be read (the CLI prints it on one line, the server answers 500 and /health shows
 it); the engine, its caches and the next request are unaffected. A `RankLost` says another rank of a
 pipeline is gone (`distributed/heartbeat.py`): nothing can be generated until every rank is started again (the
-CLI prints one line and exits with 1, the server answers 503 and /health says "error"). Programming errors
-stay ordinary exceptions.
+CLI prints one line and exits with 1, the server answers 503 and /health says "error"). A `StartFailed` says
+`od-moe serve` could not get ready (loading, warming up or building its batch raised): the CLI prints one
+line and exits with 1. Programming errors stay ordinary exceptions.
 """
 
 
@@ -22,3 +23,8 @@ class ExpertReadError(OSError):
 class RankLost(RuntimeError):
     """Another rank of a pipeline is gone (its process ended or stopped answering, or its machine went
     away): this rank cannot compute its share of a pass any more; every rank must be started again."""
+
+
+class StartFailed(RuntimeError):
+    """The server could not get ready: its model failed to load or warm up, or its batch to build (not a
+    user's mistake, which stays a `UserError`); the message names the error it wraps."""

@@ -6,9 +6,10 @@ page at `/` (`dashboard.py`).
 `create_app(engine)` wraps an engine in a `GenerationWorker`; request threads only validate, tokenize,
 queue a job and relay its events, as server-sent events (`stream: true`) or one JSON body, and cancel it
 when the client goes away. Every bad request gets a JSON error with a 4xx status before any streaming
-starts, and the server keeps serving. `serve` binds the port before loading the model and shuts down
-cleanly on Ctrl-C or SIGTERM. Not here: generation (`worker.py`), validation rules (`requests.py`),
-Host/Origin/body checks (`guard.py`) or the statistics documents (`health.py`).
+starts, and the server keeps serving. `serve` binds the port before loading the model, answers on it
+that it is loading until it is ready (`starting.py`) and shuts down cleanly on Ctrl-C or SIGTERM. Not
+here: generation (`worker.py`), validation rules (`requests.py`), Host/Origin/body checks (`guard.py`)
+or the statistics documents (`health.py`).
 """
 
 import os
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 
 import jinja2
 from flask import Flask, Response, g, jsonify, request
-from werkzeug.exceptions import HTTPException
 from werkzeug.serving import WSGIRequestHandler
 
 from ..drafts import CLI_DRAFT_TOKENS
@@ -35,6 +35,7 @@ from .health import health_body, prometheus_text
 from .kv_room import KvRoom
 from .requests import ApiError, check_draft, check_model, parse_messages, parse_params, parse_prompt
 from .schedule import ScheduleLog
+from .starting import Starter, Switch, loading_app, served_name
 from .warm_up import warmed_loader
 from .worker import GenerationWorker
 
@@ -75,6 +76,8 @@ def create_app(
     the server's own. max_batch: requests decoded together (1: one at a time, with prompt-cache reuse);
     schedule: a `schedule.ScheduleLog` the batch logs its schedule to (for replaying it). draft_model,
     num_draft_tokens: a draft every request decodes with (`drafting.py`; batching is then off).
+    model_name: the name it answers to (default: the model folder's name; a request may also name the
+    folder's path or "default").
     """
     drafting = ServerDraft(draft_model, num_draft_tokens)
     worker = worker or GenerationWorker(engine, max_batch=max_batch, schedule=schedule, drafting=drafting)
@@ -95,7 +98,7 @@ def create_app(
     app = Flask("od_moe.server")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.json.sort_keys = False
-    _register_guards(app, worker, hosts, frozenset(allowed_origins), max_body_bytes)
+    guard.register(app, worker, hosts, frozenset(allowed_origins), max_body_bytes)
     _register_generation(app, worker, name, limits)
     _register_information(app, worker, name, started)
     dashboard.register(app, worker, name, started)
@@ -114,59 +117,6 @@ class _Limits:
     vocab: int | None  # the model's vocabulary (its embedding's rows)
 
 
-def _register_guards(app: Flask, worker, hosts, origins, max_body_bytes: int):
-    """Host/Origin checks and CORS on every request; every error as JSON (4xx for the client's)."""
-
-    @app.errorhandler(ApiError)
-    def api_error(e: ApiError):
-        with worker.lock:
-            worker.counters["rejected"] += 1
-        if request.path == "/v1/messages":
-            return jsonify(anthropic.error_body(e)), e.status, e.headers
-        return jsonify(e.body()), e.status, e.headers
-
-    @app.errorhandler(HTTPException)
-    def http_error(e: HTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}.get(
-            e.code, "invalid_request_error"
-        )
-        message = {
-            404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
-            f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics, GET / (dashboard)",
-            405: f"{request.method} is not a method of {request.path}: use "
-            f"{' or '.join(sorted(set(getattr(e, 'valid_methods', None) or ()) - {'HEAD', 'OPTIONS'}))}",
-            413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
-        }.get(e.code, e.description)
-        if guard.is_too_large(e):
-            guard.discard_body(request.environ)  # then the 413 goes out and the connection closes
-        return api_error(ApiError(e.code, message, kind=kind))
-
-    @app.errorhandler(Exception)
-    def server_error(e: Exception):
-        app.logger.exception("request failed")
-        with worker.lock:
-            worker.counters["failed"] += 1
-        error = ApiError(
-            500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error"
-        )
-        body = anthropic.error_body(error) if request.path == "/v1/messages" else error.body()
-        return jsonify(body), 500
-
-    @app.before_request
-    def guard_request():
-        request.cors_origin = guard.check_request(request, hosts, origins)
-
-    @app.after_request
-    def cors(response):
-        origin = getattr(request, "cors_origin", None)
-        if origin is not None:
-            response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Headers"] = "Content-Type, Authorization"
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-            response.headers["Vary"] = "Origin"
-        return response
-
-
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 
 
@@ -179,7 +129,7 @@ def _register_generation(app: Flask, worker, name: str, limits: _Limits):
         data = guard.read_json(request)
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        check_model(data, (name, str(engine.model_path), "default"))
+        check_model(data, (name, engine.model_path.name, str(engine.model_path), "default"))
         check_draft(data, worker.drafting.name)
         return data
 
@@ -269,14 +219,17 @@ def _register_information(app: Flask, worker, name: str, started: float):
     """/v1/models, /v1/capabilities, /health and /metrics."""
     engine = worker.engine
 
+    def named_capabilities() -> dict:  # by its served name: a client is not told the server's paths
+        return dict(engine_capabilities(engine), model=name)
+
     @app.get("/v1/models")
     def models():
         entry = {"id": name, "object": "model", "created": int(started), "owned_by": "od-moe"}
-        return jsonify({"object": "list", "data": [dict(entry, capabilities=engine_capabilities(engine))]})
+        return jsonify({"object": "list", "data": [dict(entry, capabilities=named_capabilities())]})
 
     @app.get("/v1/capabilities")
     def capabilities():
-        return jsonify(engine_capabilities(engine))
+        return jsonify(named_capabilities())
 
     @app.get("/health")
     def health():
@@ -331,15 +284,18 @@ def serve(
     schedule_log=None,
     draft_model=None,
     num_draft_tokens=CLI_DRAFT_TOKENS,
+    model_name=None,
     **load_options,
 ):
-    """Bind the port, load the model on the generation thread, then serve until Ctrl-C or SIGTERM, which
-    end the running streams with an error event and stop the generation thread before returning.
-    `load_options`: `od_moe.load`'s (capacity, predictor, two_tier...), a device budget keeping a KV cache
-    for each of `max_batch` sequences. `schedule_log`: a file the running batch's schedule is written to
-    (`schedule.py`). `draft_model`, `num_draft_tokens`: a draft for every request (`drafting.py`). Under
-    `mlx.launch` rank 0 serves and the others follow its requests (`ranks.py`); where a rank was lost,
-    `serve` raises `RankLost` once it stops."""
+    """Bind the port, load the model on the generation thread while the port answers that it is loading
+    (`starting.py`), then serve until Ctrl-C or SIGTERM, which end the running streams with an error event
+    and stop the generation thread before returning. What fails before the server is ready is raised
+    (`starting.Starter.failure`). `model_name`: the name it answers to (default `starting.served_name`: a
+    hub id as given, else the model folder's name). `load_options`: `od_moe.load`'s (capacity, predictor,
+    two_tier...), a device budget keeping a KV cache for each of `max_batch` sequences. `schedule_log`: a
+    file the running batch's schedule is written to (`schedule.py`). `draft_model`, `num_draft_tokens`: a
+    draft for every request (`drafting.py`). Under `mlx.launch` rank 0 serves and the others follow its
+    requests (`ranks.py`); where a rank was lost, `serve` raises `RankLost` once it stops."""
     from werkzeug.serving import make_server
 
     from ..distributed.rank_split import group_for
@@ -359,43 +315,54 @@ def serve(
         raise
     schedule = None if sink is None else ScheduleLog(sink=sink)
     worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule, drafting=drafting)
+    name, hosts = model_name or served_name(model), guard.host_names(host, allow_hosts)
+    switch = Switch(loading_app(worker, name, hosts, allow_origins))
     try:
-        app = create_app(
-            worker=worker,
-            max_tokens=max_tokens,
-            max_input_tokens=max_input_tokens,
-            allowed_hosts=guard.host_names(host, allow_hosts),
-            allowed_origins=allow_origins,
-        )
         server = make_server(
-            host, port, app, threaded=True, fd=listener.fileno(), request_handler=_RequestLog
+            host, port, switch, threaded=True, fd=listener.fileno(), request_handler=_RequestLog
         )
     finally:
         listener.close()  # the server holds its own descriptor of it
+
+    def ready():  # on the starter's thread, once the worker is ready (raises what loading raised)
+        limits = dict(max_tokens=max_tokens, max_input_tokens=max_input_tokens, allowed_origins=allow_origins)
+        app = create_app(worker=worker, model_name=name, allowed_hosts=hosts, **limits)
+        leader = ranks.Leader(worker, log) if worker.engine.stage is not None else None  # before any job
+        switch.app = app
+        _say_serving(worker, name, f"http://{host}:{server.port}", warmed, schedule_log, log)
+        return leader
+
+    starter = Starter(worker, server, ready)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None
+    try:
+        server.serve_forever()  # returns on Ctrl-C (werkzeug catches the KeyboardInterrupt) or a failed start
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        failure = starter.failure()
+        _shut_down(worker, starter.leader, server, sink, log if failure is None else lambda _: None)
+    if failure is not None:  # the CLI's one line
+        raise failure
+    if worker.broken is not None:
+        raise RankLost(worker.broken)
+
+
+def _say_serving(worker, name: str, url: str, warmed: list, schedule_log, log):
+    """The lines `serve` says once it is ready: the model, its capacity and batch, and why either was cut."""
+    engine = worker.engine
     log(
-        f"od-moe serving {worker.engine.model_path.name} on http://{host}:{server.port} "
-        f"(capacity {worker.engine.capacity}/{worker.engine.num_experts} experts per layer, "
+        f"od-moe serving {name} on {url} (capacity {engine.capacity}/{engine.num_experts} experts per layer, "
         f"{worker.max_batch} request{'s' if worker.max_batch > 1 else ''} at once)"
     )
-    if worker.engine.capacity_choice:
-        log(f"od-moe: {worker.engine.capacity_choice}")
+    if engine.capacity_choice:
+        log(f"od-moe: {engine.capacity_choice}")
     if warmed:
         log(f"od-moe: warmed up in {warmed[0]:.1f} s (a short request: what a first one compiles)")
     if worker.batch_cut:
         log(f"od-moe: {worker.batch_cut}")
-        if sink is not None:
+        if schedule_log is not None:
             log(f"od-moe: the schedule log {schedule_log} records no steps: requests run one at a time")
-    leader = ranks.Leader(worker, log) if worker.engine.stage is not None else None
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: _interrupt()) if main_thread else None
-    try:
-        server.serve_forever()  # returns on Ctrl-C (werkzeug catches the KeyboardInterrupt)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-        _shut_down(worker, leader, server, sink, log)
-    if worker.broken is not None:
-        raise RankLost(worker.broken)
 
 
 def _shut_down(worker, leader, server, sink, log):
@@ -406,7 +373,7 @@ def _shut_down(worker, leader, server, sink, log):
         leader.end()
     _wait_for_relays(worker)
     server.server_close()
-    if finished:
+    if finished and worker.engine is not None:  # (none where loading failed)
         worker.engine.close()
     if sink is not None:
         sink.close()

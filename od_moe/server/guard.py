@@ -6,8 +6,9 @@ loopback names when bound to loopback, names added with `--allow-host`); a brows
 origin (its `Origin` header) is refused unless `--allow-origin` lists it; a POST body must be
 `application/json`. Bodies are read under the size limit (chunked ones too) and parsed as strict JSON: no
 NaN or Infinity (nor numbers that overflow to it), no lone surrogates, at most `MAX_DEPTH` levels deep. A
-body over the limit gets 413 and its connection is closed without waiting for the rest. Not here: the
-routes (`app.py`) or the meaning of fields (`requests.py`).
+body over the limit gets 413 and its connection is closed without waiting for the rest. `register` puts
+these checks, and errors answered as JSON, on an app (the server's, and the one answering while the model
+loads, `starting.py`). Not here: the routes (`app.py`) or the meaning of fields (`requests.py`).
 """
 
 import ipaddress
@@ -16,9 +17,10 @@ import select
 import socket
 from collections.abc import Callable, Iterable
 
-from flask import Request
-from werkzeug.exceptions import RequestEntityTooLarge
+from flask import Flask, Request, jsonify, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from . import anthropic
 from .requests import ApiError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -212,3 +214,57 @@ def client_alive(environ: dict) -> Callable[[], bool]:
             return False
 
     return alive
+
+
+def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str], max_body_bytes: int):
+    """On every request of `app`: the Host and Origin checks and CORS; every error as JSON (4xx for the
+    client's), counted in `worker`'s counters."""
+
+    @app.errorhandler(ApiError)
+    def api_error(e: ApiError):
+        with worker.lock:
+            worker.counters["rejected"] += 1
+        if request.path == "/v1/messages":
+            return jsonify(anthropic.error_body(e)), e.status, e.headers
+        return jsonify(e.body()), e.status, e.headers
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}.get(
+            e.code, "invalid_request_error"
+        )
+        message = {
+            404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
+            f"POST /v1/chat/completions, POST /v1/messages, GET /health, GET /metrics, GET / (dashboard)",
+            405: f"{request.method} is not a method of {request.path}: use "
+            f"{' or '.join(sorted(set(getattr(e, 'valid_methods', None) or ()) - {'HEAD', 'OPTIONS'}))}",
+            413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
+        }.get(e.code, e.description)
+        if is_too_large(e):
+            discard_body(request.environ)  # then the 413 goes out and the connection closes
+        return api_error(ApiError(e.code, message, kind=kind))
+
+    @app.errorhandler(Exception)
+    def server_error(e: Exception):
+        app.logger.exception("request failed")
+        with worker.lock:
+            worker.counters["failed"] += 1
+        error = ApiError(
+            500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error"
+        )
+        body = anthropic.error_body(error) if request.path == "/v1/messages" else error.body()
+        return jsonify(body), 500
+
+    @app.before_request
+    def guard_request():
+        request.cors_origin = check_request(request, hosts, origins)
+
+    @app.after_request
+    def cors(response):
+        origin = getattr(request, "cors_origin", None)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Headers"] = "Content-Type, Authorization"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Vary"] = "Origin"
+        return response

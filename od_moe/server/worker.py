@@ -152,11 +152,14 @@ class GenerationWorker:
         return self.jobs.qsize()
 
     def state(self) -> str:
-        """ "ok", "degraded" (the last request failed on the server's side), "stopping" or "error"."""
+        """ "loading" (until the engine is loaded, warmed up and its batch built), "ok", "degraded" (the last
+        request failed on the server's side), "stopping" or "error"."""
         if self.load_error is not None or not self.thread.is_alive() or self.broken is not None:
             return "error"
         if self.stopping:
             return "stopping"
+        if not self.ready.is_set():
+            return "loading"
         return "degraded" if self.failures_in_a_row else "ok"
 
     def stop(self):
@@ -165,12 +168,14 @@ class GenerationWorker:
     def shutdown(self, timeout_s: float = 30.0) -> bool:
         """End the running and queued jobs with an error event, stop the thread and wait for it (True
         when it has finished: no MLX work is left running; never where a rank is gone, as the thread may be
-        blocked in a collective)."""
+        blocked in a collective, nor while it loads, which cannot be stopped midway)."""
         if self.broken is not None:
             return False
         with self.lock:
             self.stopping = True
             running = [self.current] if self.current is not None else []
+        if not self.ready.is_set():  # no job has come yet
+            return False
         for job in running + (self.batch.jobs() if self.batch is not None else []):
             job.cancelled.set()
         while True:

@@ -61,9 +61,17 @@ SEQUENCE, BATCH, PEAK_LR, WARMUP = 512, 64, 3e-3, 100
 CORPUS_TOKENS = 25_000_000
 
 
-def write_corpus(path: Path, tokenizer_path: Path):
-    """The standard library's .py files split 95/5 by file, then site-packages' .py files added to the
-    training split up to `CORPUS_TOKENS`, as token ids (0 ends each file) in one .npz."""
+def stdlib_split() -> tuple[list[Path], list[Path]]:
+    """This Python's standard library .py files, split 95/5 by file: (training, held out)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    random.Random(0).shuffle(files)
+    held = len(files) // 20
+    return files[held:], files[:held]
+
+
+def encoder(tokenizer_path: Path):
+    """Token ids of files, one uint16 array each, 0 ending each file."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path / "tokenizer.json"))
@@ -72,11 +80,15 @@ def write_corpus(path: Path, tokenizer_path: Path):
         texts = [p.read_text(errors="replace") for p in paths]
         return [np.array(e.ids + [0], dtype=np.uint16) for e in tokenizer.encode_batch(texts)]
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
-    random.Random(0).shuffle(files)
-    held = len(files) // 20
-    train, val = encode(files[held:]), encode(files[:held])
+    return encode
+
+
+def write_corpus(path: Path, tokenizer_path: Path):
+    """The standard library's .py files split 95/5 by file, then site-packages' .py files added to the
+    training split up to `CORPUS_TOKENS`, as token ids (0 ends each file) in one .npz."""
+    encode = encoder(tokenizer_path)
+    train_files, held_files = stdlib_split()
+    train, val = encode(train_files), encode(held_files)
     site = sorted(Path(sysconfig.get_paths()["purelib"]).rglob("*.py"))
     random.Random(0).shuffle(site)
     total = sum(map(len, train))

@@ -22,6 +22,7 @@ idle engine gives it back (`backend.release_cached_memory`).
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -132,17 +133,26 @@ def kv_nbytes_per_token(model) -> int:
     model run lazily (nothing is evaluated, no weight is read) on prompts of `KV_PROBE` and twice as many
     tokens into fresh caches (`make_prompt_cache`), and what their states hold apart, per token. So
     multi-head latent attention (DeepSeek's keys and values per head, or a latent), sliding windows (a
-    bounded cache) and recurrent layers (a fixed state) count as they are held. A model od-moe has changed
-    (its switches would read experts) is not run; for it, and where the run fails, the outputs of every k
-    and v projection (a model without them counted as full multi-head attention, 2 x hidden a layer):
-    engines keep the figure measured before (`Engine.kv_nbytes_per_token`)."""
+    bounded cache) and recurrent layers (a fixed state) count as they are held (every family of
+    `tests/tiny_models.py` runs). A model od-moe has changed (its switches would read experts) is not run:
+    a ValueError (engines keep the figure measured before, `Engine.kv_nbytes_per_token`). Where the run
+    fails, the outputs of every k and v projection (a model without them counted as full multi-head
+    attention, 2 x hidden a layer), said on stderr: a guess, wrong for latent attention."""
     if any(type(m).__module__.startswith("od_moe.") for _, m in model.named_modules()):
-        return _projected_kv_nbytes_per_token(model)
+        raise ValueError(
+            "the model's MoE blocks are od-moe's: pass the KV figure measured before (kv_per_token)"
+        )
     try:
         held = [_cache_nbytes(model, tokens) for tokens in (KV_PROBE, 2 * KV_PROBE)]
         return max(0, (held[1] - held[0]) // KV_PROBE)
-    except Exception:  # a family whose code cannot run on a dummy prompt: the projections' outputs
-        return _projected_kv_nbytes_per_token(model)
+    except Exception as e:  # a family whose code cannot run on a dummy prompt: the projections' outputs
+        guess = _projected_kv_nbytes_per_token(model)
+        print(
+            f"od-moe: the model's KV cache could not be measured ({type(e).__name__}: {str(e)[:120]}); "
+            f"counted as its k and v projections' outputs, {guess} bytes a token, a guess",
+            file=sys.stderr,
+        )
+        return guess
 
 
 def _cache_nbytes(model, tokens: int) -> int:

@@ -5,6 +5,7 @@ driver and the OS count it. The card is simulated here (`backend.device_memory`)
 one CUDA runs."""
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 
 import od_moe
@@ -208,6 +209,22 @@ def test_the_kv_cache_a_token_takes_is_what_mlx_lms_caches_hold(family, tmp_path
     assert per_token > 0 and held(512) - held(256) == per_token * 256  # mlx-lm grows caches 256 at a time
     engine = od_moe.load(str(path), capacity=0.5, dtype="model")
     assert engine.kv_nbytes_per_token == per_token
+    with pytest.raises(ValueError, match="pass the KV figure measured before"):
+        kv_nbytes_per_token(engine.model)  # never a guess from the projections, silently
+
+
+def test_a_kv_cache_that_cannot_be_measured_is_said_to_be_a_guess(monkeypatch, capsys):
+    from od_moe import capacity
+
+    def fails(model, tokens):
+        raise TypeError("this family wants more than token ids")
+
+    lazy, _ = mlx_lm.load(str(od_moe.DEFAULT_MODEL), lazy=True)
+    measured = capacity.kv_nbytes_per_token(lazy)
+    monkeypatch.setattr(capacity, "_cache_nbytes", fails)
+    assert capacity.kv_nbytes_per_token(lazy) == measured  # full attention: the projections' outputs
+    err = capsys.readouterr().err
+    assert "KV cache could not be measured (TypeError: this family wants" in err and "a guess" in err
 
 
 def test_working_memory_counts_the_kv_cache_twice_as_mlx_lm_grows_it(shapes):

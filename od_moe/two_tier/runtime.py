@@ -407,7 +407,7 @@ def build(
         slots, kept = [c.capacity for c in caches], lookahead_rows
     if kept:
         runtime.lookahead = KeptRows(stacks, runtime.num_experts, slots, kept, kept)
-    verdict = CompileVerdict()  # one for all blocks: they fuse alike
+    verdict = CompileVerdict()  # shared: the first block that fuses otherwise sends all op by op
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         runtime.switches[i] = switch_on(block.switch, stack)
         runtime.steps[i] = LayerSteps(runtime.switches[i], stack)

@@ -12,9 +12,11 @@ prompt joined the batch before the same step, so mlx-lm's `BatchGenerator` prefi
 the steps from joining to the first token, and whether each answer was the same text alone and together.
 Beside them, the floor no schedule beats with mlx-lm's arithmetic on this machine: stock mlx-lm's own
 `BatchGenerator` in this process (no HTTP, no server), the same prompts inserted one at a time and all at
-once, time from insertion to each sequence's first token. Where compute is the limit (a CPU, where a prefill
-of 8 prompts costs nearly 8 of one: docs/BENCHMARKS.md, "The server under many clients"), "together" cannot
-come near "alone" however the steps are arranged.
+once, time from insertion to each sequence's first token, and whether each answer (`max_tokens` greedy
+tokens) was the same alone and together: a batch runs other GEMM shapes, which may round differently, so
+stock's own count is what the server's "same text" is read against. Where compute is the limit (a CPU,
+where a prefill of 8 prompts costs nearly 8 of one: docs/BENCHMARKS.md, "The server under many clients"),
+"together" cannot come near "alone" however the steps are arranged.
 `model` serves another checkpoint (the benchmark's `--widen` copy: experts as large as a big model's,
 where a prompt's expert reads, not the host, set its time).
 Not here: the server's other benchmarks (`serving.py`).
@@ -71,7 +73,7 @@ def ttft(
         "max_batch": max_batch,
         "clients": "the server's process" if same_process else "a process of their own",
         "rows": rows,
-        "stock": stock_floor(texts, rounds, max_batch, model=model or DEFAULT_MODEL),
+        "stock": stock_floor(texts, rounds, max_batch, model=model or DEFAULT_MODEL, max_tokens=max_tokens),
     }
 
 
@@ -118,11 +120,17 @@ def _server_row(
 
 
 def stock_floor(
-    texts: list[str], rounds: int, max_batch: int, prefill_step: int = 256, model=DEFAULT_MODEL
+    texts: list[str],
+    rounds: int,
+    max_batch: int,
+    prefill_step: int = 256,
+    model=DEFAULT_MODEL,
+    max_tokens: int = 2,
 ) -> dict:
     """Stock mlx-lm's `BatchGenerator` (the server's settings) in this process, every expert of `model`
     resident: the median seconds from inserting each prompt to its first token, one prompt at a time and
-    all at once."""
+    all at once, and how many prompts got the same `max_tokens` greedy tokens both ways (the last round's
+    answers, as the server's rows compare)."""
     model, tokenizer = stock_model(model)
     prompts = [tokenizer.encode(t) for t in texts]
     settings = {
@@ -132,24 +140,36 @@ def stock_floor(
         "prefill_step_size": prefill_step,
     }
 
-    def first_tokens(group: list[list[int]]) -> list[float]:
+    def generate(group: list[list[int]], limit: int) -> tuple[list[float], list[list[int]]]:
+        """Each sequence's seconds to its first token, and its tokens, in `group`'s order."""
         generator = BatchGenerator(model, **settings)
         started = time.perf_counter()
-        uids, first = generator.insert(group, [2] * len(group)), {}
-        while len(first) < len(uids):
+        uids, first, done = generator.insert(group, [limit] * len(group)), {}, set()
+        tokens = {uid: [] for uid in uids}
+        while len(done) < len(uids):
             for r in generator.next()[1]:
                 first.setdefault(r.uid, time.perf_counter() - started)
+                tokens[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    done.add(r.uid)
         generator.close()
-        return list(first.values())
+        return [first[uid] for uid in uids], [tokens[uid] for uid in uids]
 
-    first_tokens(prompts[:1])  # warm up
-    seconds = {"alone": [], "together": []}
+    generate(prompts[:1], 2)  # warm up
+    seconds, answers = {"alone": [], "together": []}, {"alone": [], "together": []}
     for r in range(rounds):
         for how in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
             groups = [[p] for p in prompts] if how == "alone" else [prompts]
-            seconds[how] += [s for g in groups for s in first_tokens(g)]
+            got = [generate(g, max_tokens) for g in groups]
+            seconds[how] += [s for g in got for s in g[0]]
+            answers[how] = [t for g in got for t in g[1]]
     alone_s, together_s = (statistics.median(seconds[k]) for k in ("alone", "together"))
-    return {"alone_s": alone_s, "together_s": together_s, "ratio": together_s / alone_s}
+    return {
+        "alone_s": alone_s,
+        "together_s": together_s,
+        "ratio": together_s / alone_s,
+        "same_text": sum(a == t for a, t in zip(answers["alone"], answers["together"])),
+    }
 
 
 def ttft_table(report: dict) -> str:
@@ -174,6 +194,7 @@ def ttft_table(report: dict) -> str:
     stock = report["stock"]
     lines.append(
         f"{'stock BatchGenerator, floor':>27} {'':>6} {stock['alone_s'] * 1e3:>6.1f}ms "
-        f"{stock['together_s'] * 1e3:>6.1f}ms {stock['ratio']:>5.2f}x"
+        f"{stock['together_s'] * 1e3:>6.1f}ms {stock['ratio']:>5.2f}x {'':>8} {'':>6} {'':>5} {'':>6} "
+        f"{stock['same_text']:>6}/{report['prompts']}"
     )
     return "\n".join(lines)

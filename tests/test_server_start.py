@@ -180,7 +180,9 @@ def test_the_served_name_is_the_folders_or_the_hub_ids_never_a_local_path(tmp_pa
     client = create_app(engine).test_client()
     (entry,) = client.get("/v1/models").get_json()["data"]
     assert entry["id"] == entry["capabilities"]["model"] == "tiny-qwen3-moe-4bit"
-    assert client.get("/v1/capabilities").get_json()["model"] == "tiny-qwen3-moe-4bit"
+    capabilities = client.get("/v1/capabilities").get_json()
+    assert capabilities["model"] == "tiny-qwen3-moe-4bit"
+    assert capabilities["predictor"]["path"] == "tiny-qwen3-moe-4bit-predictor"  # its folder's name too
     for named in ("tiny-qwen3-moe-4bit", str(engine.model_path), "default"):  # each still accepted
         reply = client.post("/v1/completions", json={"model": named, "prompt": "x", "max_tokens": 1})
         assert reply.status_code == 200, (named, reply.get_json())

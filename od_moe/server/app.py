@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jinja2
 from flask import Flask, Response, g, jsonify, request
@@ -219,8 +220,12 @@ def _register_information(app: Flask, worker, name: str, started: float):
     """/v1/models, /v1/capabilities, /health and /metrics."""
     engine = worker.engine
 
-    def named_capabilities() -> dict:  # by its served name: a client is not told the server's paths
-        return dict(engine_capabilities(engine), model=name)
+    def named_capabilities() -> dict:  # by names: a client is not told the server's paths
+        report = engine_capabilities(engine)
+        predictor = report.get("predictor")
+        if isinstance(predictor, dict) and predictor.get("path"):
+            predictor = dict(predictor, path=Path(predictor["path"]).name)
+        return dict(report, model=name, predictor=predictor)
 
     @app.get("/v1/models")
     def models():

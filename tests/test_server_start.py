@@ -4,9 +4,13 @@ while the model loads the port already answers, `/health` with status "loading" 
 with `Retry-After`, and once it is ready the same port serves."""
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +22,7 @@ from od_moe.server import create_app
 from od_moe.server import worker as server_worker
 
 BOUND_S = 120  # a start that has not ended by then hangs: the test fails rather than waiting for ever
+LOADING_SERVER = Path(__file__).parent / "loading_server.py"
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +193,25 @@ def test_the_served_name_is_the_folders_or_the_hub_ids_never_a_local_path(tmp_pa
         assert reply.status_code == 200, (named, reply.get_json())
     assert client.post("/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
     client.application.worker.stop()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_stopped_while_the_model_loads_it_ends_at_once_and_cleanly(stop):
+    """A load cannot be stopped midway, and an interpreter that exits while it runs MLX aborts: the process
+    ends at once, with exit code 0 as after serving."""
+    proc = subprocess.Popen(
+        [sys.executable, str(LOADING_SERVER), "serve", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    try:
+        port = int(proc.stderr.readline().split("serving port ")[1])
+        status, health, _ = request(f"http://127.0.0.1:{port}", "/health")
+        assert status == 503 and health["status"] == "loading"
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "terminate called" not in err and "Traceback" not in err, err
+    assert "od-moe: shutting down" in err

@@ -349,8 +349,19 @@ def serve(
         _shut_down(worker, starter.leader, server, sink, log if failure is None else lambda _: None)
     if failure is not None:  # the CLI's one line
         raise failure
+    if main_thread and not worker.ready.is_set():
+        _end_while_loading()
     if worker.broken is not None:
         raise RankLost(worker.broken)
+
+
+def _end_while_loading():
+    """Stopped while the model loads, which cannot be stopped midway: the process ends here, at once. An
+    interpreter that exits while the generation thread goes in and out of MLX aborts ("terminate called":
+    the thread, stopped at once as it takes the GIL back, unwinds through MLX's C++ frames)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _say_serving(worker, name: str, url: str, warmed: list, schedule_log, log):

@@ -174,8 +174,6 @@ class GenerationWorker:
         with self.lock:
             self.stopping = True
             running = [self.current] if self.current is not None else []
-        if not self.ready.is_set():  # no job has come yet
-            return False
         for job in running + (self.batch.jobs() if self.batch is not None else []):
             job.cancelled.set()
         while True:
@@ -185,7 +183,9 @@ class GenerationWorker:
                 break
             if job is not None:
                 self._tell_stopping(job)
-        self.jobs.put(None)
+        self.jobs.put(None)  # where it still loads, the thread ends once it has loaded
+        if not self.ready.is_set():
+            return False
         self.thread.join(timeout_s)
         return not self.thread.is_alive()
 

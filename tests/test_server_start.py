@@ -215,3 +215,14 @@ def test_stopped_while_the_model_loads_it_ends_at_once_and_cleanly(stop):
         proc.kill()
     assert proc.returncode == 0 and "terminate called" not in err and "Traceback" not in err, err
     assert "od-moe: shutting down" in err
+
+
+def test_a_worker_shut_down_while_it_loads_ends_once_it_has_loaded(engine):
+    release = threading.Event()
+    worker = server_worker.GenerationWorker(loader=lambda: release.wait() and engine, max_batch=2)
+    assert worker.state() == "loading"
+    assert worker.shutdown() is False  # it does not wait for the load
+    assert worker.state() == "stopping"
+    release.set()
+    worker.thread.join(BOUND_S)
+    assert not worker.thread.is_alive()

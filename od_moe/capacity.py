@@ -128,6 +128,11 @@ def no_slots(capacity, tiered: bool) -> bool:
     return tiered and capacity is not None and parse_capacity(capacity) == 0
 
 
+# od-moe's replacements of a MoE block's switch: run, they would read experts (a pipeline rank's stand-ins
+# for the other ranks' layers, `distributed.rank_split.PassThrough`, run as the rank runs them)
+_EXPERT_READERS = ("od_moe.per_layer.", "od_moe.two_tier.")
+
+
 def kv_nbytes_per_token(model) -> int:
     """KV-cache bytes one more token of context takes, as mlx-lm's own caches hold them for this model: the
     model run lazily (nothing is evaluated, no weight is read) on prompts of `KV_PROBE` and twice as many
@@ -138,7 +143,7 @@ def kv_nbytes_per_token(model) -> int:
     a ValueError (engines keep the figure measured before, `Engine.kv_nbytes_per_token`). Where the run
     fails, the outputs of every k and v projection (a model without them counted as full multi-head
     attention, 2 x hidden a layer), said on stderr: a guess, wrong for latent attention."""
-    if any(type(m).__module__.startswith("od_moe.") for _, m in model.named_modules()):
+    if any(type(m).__module__.startswith(_EXPERT_READERS) for _, m in model.named_modules()):
         raise ValueError(
             "the model's MoE blocks are od-moe's: pass the KV figure measured before (kv_per_token)"
         )

@@ -1,6 +1,7 @@
 """A change to what a compiled pass traces, timed before and after in one process: stock mlx-lm, the row as
 the code is ("after") and the row with its products' batch indices made by MLX ("before": 29d6869 undone,
-that engine's switches copied without `switch_on(rows_given=True)`'s projections), each prompt run by all three in turn.
+that engine's switches copied without `switch_on(rows_given=True)`'s projections), each prompt run by all
+three in turn.
 Processes differ in stock's own speed (docs/GPU.md, "Real shapes' tokens"), so a change is best judged
 against its baseline in the same one. Per decoded token as `lab/tools/host_time.py` splits it (wall,
 `forward`, `async_eval`, rest), medians over rounds of the bench's prompts.
@@ -18,9 +19,9 @@ import host_time
 import mlx_lm
 
 import od_moe
+from od_moe import switch
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.two_tier_grid import WARM_PROMPT
-from od_moe import switch
 
 
 @contextlib.contextmanager

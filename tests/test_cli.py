@@ -73,6 +73,13 @@ def test_console_script_runs_on_the_embedded_default():
         (["generate", "--prompt", "x", "--frobnicate"], "unrecognized arguments"),
         (["generate"], "--prompt"),
         (["generate", "--prompt", ""], "prompt is empty"),
+        (["serve", "--port", "70000"], "--port must be 0 to 65535"),
+        (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
+        (["serve", "--model", "/no/such/dir"], "does not exist"),
+        (["serve", "--predictor", "/no/such/dir"], "not a predictor folder"),
+        (["serve", "--port", "0", "--schedule-log", "/no/such/dir/log"], "cannot write the schedule log"),
+        (["serve", "--port", "0", "--max-batch", "1", "--schedule-log", "x"], "needs --max-batch 2 or more"),
+        (["bench", "--predictor", "/no/such/dir"], "not a predictor folder"),
         # bytes that are not UTF-8 in argv reach Python as lone surrogates (os.fsdecode)
         (
             ["generate", "--prompt", "def f(x):\udcff"],
@@ -90,13 +97,6 @@ def test_console_script_runs_on_the_embedded_default():
             ["generate", "--prompt", "x", "--predictor", "/"],
             "that `od-moe train-predictor --out` wrote, or 'bundled'",
         ),
-        (["serve", "--port", "70000"], "--port must be 0 to 65535"),
-        (["serve", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
-        (["serve", "--model", "/no/such/dir"], "does not exist"),
-        (["serve", "--predictor", "/no/such/dir"], "not a predictor folder"),
-        (["serve", "--port", "0", "--schedule-log", "/no/such/dir/log"], "cannot write the schedule log"),
-        (["serve", "--port", "0", "--max-batch", "1", "--schedule-log", "x"], "needs --max-batch 2 or more"),
-        (["bench", "--predictor", "/no/such/dir"], "not a predictor folder"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):

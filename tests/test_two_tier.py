@@ -344,7 +344,7 @@ def test_a_compiled_pass_makes_no_batch_indices_of_its_own(bundled_reference):
     assert "GatherQMM" in graph and "Arange" not in graph
 
 
-def test_batch_rows_given_give_what_mlx_makes():
+def test_batch_indices_given_gives_what_mlx_makes():
     """The products of mlx-lm's projections copied with `rows_given` (`switch.switch_on`), given
     `batch_rows` for indices, equal mlx-lm's own, compiled or not, with no operation to make the indices
     (`arange`) nor to broadcast them to the lanes' shape (which CUDA copies); a sorted call is left to

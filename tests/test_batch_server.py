@@ -6,6 +6,7 @@ when driven through the schedule the server logged (`server/schedule.py`), all e
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -441,6 +442,8 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
     path = tmp_path / "schedule.jsonl"
     command = [
         sys.executable,
+        "-X",
+        "faulthandler",  # SIGABRT dumps every thread's stack: what a server that outlives SIGTERM waits on
         "-m",
         "od_moe",
         "serve",
@@ -468,8 +471,13 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("the server did not exit within 120 s of SIGTERM; it said: " + "".join(said[-20:]))
+            proc.send_signal(signal.SIGABRT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            time.sleep(1)  # the reader thread takes the dump's last lines
+            pytest.fail("the server did not exit within 120 s of SIGTERM; it said: " + "".join(said[-120:]))
     assert any("warmed up in" in line for line in said), said  # and the warm-up joined no batch:
     log = ScheduleLog.read(path)
     assert len(log.joins) == 4 and log.stop_tokens and log.model.endswith("tiny-qwen3-moe-4bit")

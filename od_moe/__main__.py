@@ -1,7 +1,5 @@
 """`python -m od_moe ...` is the `od-moe` command."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()

@@ -120,6 +120,23 @@ def test_folder_without_config_is_refused(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_a_process_that_outlives_its_command_says_where_it_waits_and_exits():
+    """`od-moe`'s process (`cli.run`): a teardown still waiting (here on a thread that never ends) after the
+    watchdog's seconds prints every thread's stack and exits with 1, never hangs; a clean one exits at once
+    with the command's code."""
+    hangs = (
+        "import threading, time; from od_moe.cli import run; "
+        "run(lambda: (threading.Thread(target=time.sleep, args=(600,), name='stuck').start(), 0)[1], 1.0)"
+    )
+    done = subprocess.run([sys.executable, "-c", hangs], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Timeout (0:00:01)!" in done.stderr, done.stderr
+    # every thread: the stuck one, and the main thread waiting for it in the interpreter's teardown
+    assert done.stderr.count("(most recent call first)") == 2 and "in _shutdown" in done.stderr
+    clean = "from od_moe.cli import run; run(lambda: 3, 60.0)"
+    done = subprocess.run([sys.executable, "-c", clean], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and not done.stderr
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])

@@ -478,6 +478,9 @@ def test_serve_writes_its_schedule_to_a_file_that_replays_through_mlx_lm(tmp_pat
                 proc.kill()
             time.sleep(1)  # the reader thread takes the dump's last lines
             pytest.fail("the server did not exit within 120 s of SIGTERM; it said: " + "".join(said[-120:]))
+    time.sleep(0.5)  # the reader thread takes stderr's last lines
+    # SIGTERM ends it with 0; past `cli.run`'s watchdog it exits 1 with every thread's stack
+    assert proc.returncode == 0, "".join(said[-120:])
     assert any("warmed up in" in line for line in said), said  # and the warm-up joined no batch:
     log = ScheduleLog.read(path)
     assert len(log.joins) == 4 and log.stop_tokens and log.model.endswith("tiny-qwen3-moe-4bit")

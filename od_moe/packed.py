@@ -70,8 +70,8 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
         raise
     except OSError as e:
         raise UserError(
-            f"cannot write packed experts to {out} ({e.strerror or e}): choose another place (--out, then "
-            "load(packed=that file))"
+            f"cannot write packed experts to {out} ({e.strerror or e}): choose another place with --out "
+            "FILE, then pass --packed FILE (load(packed=FILE) in Python)"
         )
     finally:
         with contextlib.suppress(OSError):  # renamed when whole; else nothing half-written is left

@@ -252,6 +252,20 @@ def test_documents_split_by_document_and_sources(tmp_path):
     assert sorted(folder.texts) == sorted(["print('a')\n", "some text\n", "x = 1"])
 
 
+def test_the_first_byte_that_is_not_utf8_is_found_across_read_chunks(tmp_path):
+    """Files are read in 1 MiB chunks once `datasets` has failed: a character split by a chunk's end is
+    whole, and a bad byte after it, or a character cut short at the end, is found at its offset."""
+    from od_moe.training.data import _first_bad_byte
+
+    good = b"a" * ((1 << 20) - 1) + "\u20ac".encode() + b"tail\n"  # the euro sign's 3 bytes span chunks
+    (tmp_path / "good").write_bytes(good)
+    (tmp_path / "bad").write_bytes(good + b"x\xff")
+    (tmp_path / "cut").write_bytes(b"ab\xe2\x82")
+    assert _first_bad_byte(tmp_path / "good") is None
+    assert _first_bad_byte(tmp_path / "bad") == (len(good) + 1, 0xFF)
+    assert _first_bad_byte(tmp_path / "cut") == (2, 0xE2)
+
+
 def test_train_predictor_cli_writes_report_schema(tmp_path, capsys):
     out = tmp_path / "pred"
     argv = [

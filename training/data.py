@@ -6,6 +6,7 @@ dataset name (needs network), or None for the bundled Python source set. Not her
 the model (`record.py`).
 """
 
+import codecs
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,16 +59,34 @@ def _is_text(path: Path) -> bool:
     return b"\0" not in head
 
 
-def _check_utf8(path: Path):
-    """A UserError naming the first byte of `path` that is not UTF-8, as `datasets` would not."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): convert it (e.g. "
-            "with iconv) or leave it out"
-        )
+def _not_utf8(files: list[Path]):
+    """A UserError naming the first byte that is not UTF-8 in `files` (uncompressed ones), as `datasets`
+    would not; nothing where every byte decodes. Called once `datasets` has failed."""
+    for path in files:
+        if path.suffix.lower() in _COMPRESSED or _builder_for(path) == "parquet":
+            continue
+        if (bad := _first_bad_byte(path)) is not None:
+            offset, byte = bad
+            raise UserError(
+                f"{path} is not UTF-8 text (byte 0x{byte:02x} at offset {offset}): convert it (e.g. with "
+                "iconv) or leave it out"
+            )
+
+
+def _first_bad_byte(path: Path) -> tuple[int, int] | None:
+    """(offset, byte) of the first byte of `path` that does not decode as UTF-8, read in chunks."""
+    offset, pending = 0, b""  # `offset`: where `pending`, a character a chunk's end split, starts
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            data = pending + chunk
+            try:
+                _, used = codecs.utf_8_decode(data, "strict", not chunk)
+            except UnicodeDecodeError as e:
+                return offset + e.start, data[e.start]
+            if not chunk:
+                return None
+            offset, pending = offset + used, data[used:]
 
 
 def _innermost(error: BaseException) -> BaseException:
@@ -82,9 +101,6 @@ def _load_files(files: list[Path], builder: str, text_field: str) -> list[str]:
 
     datasets.disable_progress_bars()
     names = [str(f) for f in files]
-    for f in files:
-        if builder != "parquet" and f.suffix.lower() not in _COMPRESSED:
-            _check_utf8(f)
     try:
         if builder == "text":
             ds = datasets.load_dataset("text", data_files=names, sample_by="document", split="train")
@@ -93,6 +109,7 @@ def _load_files(files: list[Path], builder: str, text_field: str) -> list[str]:
             ds = datasets.load_dataset(builder, data_files=names, split="train")
             column = text_field
     except Exception as e:  # datasets raises many types for unreadable files
+        _not_utf8(files)
         cause = _innermost(e)
         raise UserError(
             f"cannot read {', '.join(names[:3])} as {builder}: {type(cause).__name__}: {str(cause)[:200]}"
@@ -105,6 +122,7 @@ def _load_files(files: list[Path], builder: str, text_field: str) -> list[str]:
     try:  # arrow decodes the column's strings only now
         column_texts = list(ds[column])
     except UnicodeDecodeError as e:
+        _not_utf8(files)
         raise UserError(
             f"cannot read {', '.join(names[:3])} as {builder}: its text is not UTF-8 ({e.reason})"
         )

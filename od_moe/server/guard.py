@@ -216,6 +216,12 @@ def client_alive(environ: dict) -> Callable[[], bool]:
     return alive
 
 
+def error_response(e: ApiError):
+    """`e` as the route's API words it: Anthropic's error body on /v1/messages, OpenAI's elsewhere."""
+    body = anthropic.error_body(e) if request.path == "/v1/messages" else e.body()
+    return jsonify(body), e.status, e.headers
+
+
 def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str], max_body_bytes: int):
     """On every request of `app`: the Host and Origin checks and CORS; every error as JSON (4xx for the
     client's), counted in `worker`'s counters."""
@@ -224,9 +230,7 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
     def api_error(e: ApiError):
         with worker.lock:
             worker.counters["rejected"] += 1
-        if request.path == "/v1/messages":
-            return jsonify(anthropic.error_body(e)), e.status, e.headers
-        return jsonify(e.body()), e.status, e.headers
+        return error_response(e)
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):
@@ -249,11 +253,9 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
         app.logger.exception("request failed")
         with worker.lock:
             worker.counters["failed"] += 1
-        error = ApiError(
-            500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error"
+        return error_response(
+            ApiError(500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error")
         )
-        body = anthropic.error_body(error) if request.path == "/v1/messages" else error.body()
-        return jsonify(body), 500
 
     @app.before_request
     def guard_request():

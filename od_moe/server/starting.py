@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from flask import Flask, jsonify, request
+from flask import Flask, jsonify
 
 from ..errors import ExpertReadError, RankLost, StartFailed, UserError
 from ..model_files import DEFAULT_MODEL
-from . import anthropic, guard
+from . import guard
 from .requests import ApiError
 
 RETRY_AFTER_S = 5  # a loading model takes seconds to minutes: a client asks again at this pace
@@ -76,8 +76,7 @@ def loading_app(worker, name: str, hosts: frozenset[str], origins) -> Flask:
             kind="server_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-        body = anthropic.error_body(error) if request.path == "/v1/messages" else error.body()
-        return jsonify(body), 503, error.headers
+        return guard.error_response(error)
 
     return app
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 import od_moe
-from od_moe.report import table
+from od_moe.accounting.report import table
 
 FILE = '''import json
 import os
@@ -155,8 +155,8 @@ def stock_reference(engine, args, shortest: dict) -> tuple[list[list[int]], list
     tok/s drafted over undrafted, the median of `--rounds` alternating."""
     import mlx_lm
 
-    from od_moe import backend
-    from od_moe.prompt_lookup import LookupCounts, stream_lookup
+    from od_moe.generation.prompt_lookup import LookupCounts, stream_lookup
+    from od_moe.memory import backend
 
     model, tokenizer = mlx_lm.load(str(engine.model_path))
     if (dtype := backend.compute_dtype()) is not None:

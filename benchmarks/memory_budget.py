@@ -27,8 +27,8 @@ PROMPTS = [
 def row(fraction: float, policy: str, tokens: int) -> dict:
     """One measurement, in this process."""
     import od_moe
-    from od_moe import backend
-    from od_moe.capacity import budget_for, working_nbytes
+    from od_moe.memory import backend
+    from od_moe.memory.capacity import budget_for, working_nbytes
 
     probe = od_moe.load(capacity=1)
     layers, experts = len(probe.caches), probe.num_experts

@@ -11,9 +11,9 @@ import statistics
 from mlx_lm import load as mlx_lm_load
 
 import od_moe
-from od_moe import backend
+from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS, stock_decode
-from od_moe.report import table
+from od_moe.memory import backend
 
 
 def main():

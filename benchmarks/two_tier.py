@@ -46,14 +46,14 @@ import mlx_lm
 
 import od_moe
 import od_moe.assembly
+from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.bench.roofline import roofline_ms
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
-from od_moe.report import table
 from od_moe.two_tier import forecast, kept_rows
 from od_moe.two_tier.layer_step import Plan
-from od_moe.two_tier.runtime import TwoTierRuntime
+from od_moe.two_tier.two_tier_runtime import TwoTierRuntime
 
 BUS: dict = {}  # the bus bandwidths (`bus_bandwidth`), measured once a process
 

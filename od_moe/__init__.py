@@ -22,12 +22,13 @@ if not os.path.isdir(os.path.join(__path__[0], "predictor")) and os.path.isfile(
 ):
     __path__.append(_checkout)
 
-from . import backend  # noqa: E402, F401 (first to import MLX: says which backend to install where none runs)
+# first to import MLX: says which backend to install where none runs
+from .memory import backend  # noqa: E402, F401, I001
 from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, Engine, load  # noqa: E402 (after the path above)
 from .errors import ExpertReadError, UserError  # noqa: E402
-from .model_files import DEFAULT_DRAFT  # noqa: E402
-from .per_layer.governor import PrefetchSettings  # noqa: E402
-from .prompt_lookup import PromptLookup  # noqa: E402
+from .generation.prompt_lookup import PromptLookup  # noqa: E402
+from .prefetch.governor import PrefetchSettings  # noqa: E402
+from .storage.model_files import DEFAULT_DRAFT  # noqa: E402
 
 __all__ = [
     "load",

@@ -75,7 +75,7 @@ def _placement_args(parser: argparse.ArgumentParser):
 
 
 def _draft_args(parser: argparse.ArgumentParser, serving: str = ""):
-    """mlx-lm's speculative decoding flags, with its names and default (`od_moe/drafts.py`)."""
+    """mlx-lm's speculative decoding flags, with its names and default (`od_moe/generation/drafts.py`)."""
     parser.add_argument(
         "--draft-model",
         metavar="MODEL",
@@ -93,8 +93,9 @@ def _draft_args(parser: argparse.ArgumentParser, serving: str = ""):
         "--prompt-lookup",
         action="store_true",
         help="draft from the text so far instead of a draft model: the tokens after the latest earlier "
-        "occurrence of the last 3 tokens, only where there is one (`od_moe/prompt_lookup.py`; pays where the "
-        "answer repeats the prompt, as code edits do; default: off)",
+        "occurrence of the last 3 tokens, only where there is one "
+        "(`od_moe/generation/prompt_lookup.py`; pays where the answer repeats the prompt, as code edits do; "
+        "default: off)",
     )
 
 

@@ -1,18 +1,21 @@
 """Putting an opened model together for offloading: which path runs, the caches, the runtime, the predictor.
 
-`engine.load` opens a model's files (`model_files.py`) and then, here: decides between the two-tier mode
+`engine.load` opens a model's files (`storage/model_files.py`) and then, here: decides between the two-tier
+mode
 and the per-layer path (and says why), sizes the caches from a capacity or a memory budget, makes a
 `LayerCache` per MoE block, builds the runtime behind every block's new switch, and checks a shadow
-predictor against the model. Not here: the files themselves (`model_files.py`), generation (`engine.py`),
-what either runtime does per layer (`per_layer/runtime.py`, `two_tier/runtime.py`).
+predictor against the model. Not here: the files themselves (`storage/model_files.py`), generation
+(`engine.py`),
+what either runtime does per layer (`per_layer/per_layer_runtime.py`, `two_tier/two_tier_runtime.py`).
 """
 
 import sys
 from dataclasses import dataclass
 
-from . import backend
-from .cache import EVICTION_POLICIES, LayerCache
-from .capacity import (
+from .caching.layer_cache import EVICTION_POLICIES, LayerCache
+from .errors import UserError
+from .memory import backend
+from .memory.capacity import (
     DEVICE_LIBRARY_NBYTES,
     Context,
     device_budget,
@@ -22,17 +25,16 @@ from .capacity import (
     resolve_capacity,
     working_nbytes,
 )
-from .errors import UserError
+from .model_surgery.moe_blocks import MoEBlock, weight_nbytes
+from .model_surgery.routing import tap_router
+from .per_layer.offloaded_switch import OffloadedSwitch
+from .per_layer.per_layer_runtime import MISS_POLICIES, OffloadRuntime
 from .per_layer.reader import read_threads_for
-from .per_layer.runtime import MISS_POLICIES, OffloadRuntime
-from .per_layer.switch import OffloadedSwitch
 from .progress import byte_progress
-from .routing import tap_router
 from .runtime import Runtime, TwoTierMode
-from .store import ExpertStore
-from .surgery import MoEBlock, weight_nbytes
-from .two_tier.runtime import build as build_two_tier
+from .storage.store import ExpertStore
 from .two_tier.staged_passes import positions_to_stage
+from .two_tier.two_tier_runtime import build as build_two_tier
 
 
 def check_policies(miss_policy: str, eviction: str):

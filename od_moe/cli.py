@@ -120,9 +120,9 @@ def _chat_prompt(tokenizer, prompt: str, args, options: dict) -> str:
 
 def cmd_generate(args):
     from . import load
+    from .accounting.report import format_stats
     from .distributed.rank_split import rank_lines
-    from .report import format_stats
-    from .sampling import OPENAI_MAX_TEMPERATURE, check_sampling
+    from .generation.sampling import OPENAI_MAX_TEMPERATURE, check_sampling
 
     options = dict(
         _pick(args, "capacity", "memory_budget", "miss_policy", "eviction"),
@@ -133,7 +133,9 @@ def cmd_generate(args):
         context_tokens=args.context_tokens,
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
-    if args.draft_model is not None:  # speculative decoding (`drafts.py`), the oracle's recording too
+    if (
+        args.draft_model is not None
+    ):  # speculative decoding (`generation/drafts.py`), the oracle's recording too
         sampling.update(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
     # before the model loads; the temperature in OpenAI's range, as the server's OpenAI routes take it
     check_sampling(args.temp, args.top_p, seed=args.seed, max_temperature=OPENAI_MAX_TEMPERATURE)
@@ -266,7 +268,7 @@ def cmd_serve(args):
 def cmd_inspect(args):
     import json
 
-    from .preflight import format_inspection, inspect_model
+    from .memory.preflight import format_inspection, inspect_model
 
     if args.ranks < 1:
         raise UserError(f"--ranks must be a positive integer, got {args.ranks}")
@@ -288,8 +290,8 @@ def cmd_inspect(args):
 
 def cmd_pack(args):
     from .engine import model_layouts
-    from .packed import pack
     from .progress import byte_progress
+    from .storage.packed import pack
     from .units import format_bytes
 
     if args.model is None and args.out is None:  # the embedded model's folder is inside the installed package
@@ -317,11 +319,11 @@ def main(argv=None) -> int:
         if args.prompt_lookup and args.draft_model is not None:
             command.error("give --draft-model or --prompt-lookup, not both")
         if args.draft_model == "bundled":
-            from .model_files import DEFAULT_DRAFT
+            from .storage.model_files import DEFAULT_DRAFT
 
             args.draft_model = str(DEFAULT_DRAFT)
         if args.prompt_lookup:
-            from .prompt_lookup import PromptLookup
+            from .generation.prompt_lookup import PromptLookup
 
             args.draft_model = PromptLookup()
     if args.command in ("generate", "serve", "inspect"):

@@ -1,6 +1,7 @@
 """The engine: load an MoE model with a bounded expert cache and generate with it.
 
-`load()` resolves and opens the model (`model_files.py`: embedded default, local folder or hub id), swaps
+`load()` resolves and opens the model (`storage/model_files.py`: embedded default, local folder or hub id),
+swaps
 every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`assembly.py`), and materialises only
 the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
 are mlx-lm `GenerationResponse`s and exact mode's tokens are mlx-lm's. It also picks the prefetch policy,
@@ -15,7 +16,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream
 
-from . import backend, drafts
+from .accounting.ledger import (
+    PHASES,
+    decode_figures,
+    io_by_phase,
+    layer_rows,
+    per_pass,
+    prefetch_counts,
+    totals,
+)
 from .assembly import (
     attach_predictor,
     build_runtime,
@@ -26,12 +35,24 @@ from .assembly import (
     read_threads_of,
     say,
 )
-from .cache import LayerCache
-from .capacity import kv_nbytes_per_token
+from .caching.layer_cache import LayerCache
 from .distributed import rank_split, seams
 from .errors import ExpertReadError, UserError
-from .layout import BlockLayout
-from .model_files import (  # noqa: F401 (imported from here elsewhere)
+from .generation import drafts
+from .generation.sampling import make_sampler, vocab_size_of
+from .memory import backend
+from .memory.capacity import kv_nbytes_per_token
+from .model_surgery.moe_blocks import find_moe_blocks, offloadable_blocks, top_k_of
+from .model_surgery.routing import router_matrices, router_of, tap_router
+from .per_layer.optimistic import OptimisticModel
+from .per_layer.per_layer_runtime import OffloadRuntime
+from .prefetch import governor
+from .prefetch.governor import PrefetchSettings
+from .prefetch.policies import make_policy
+from .progress import byte_progress
+from .runtime import Runtime
+from .storage.layout import BlockLayout
+from .storage.model_files import (  # noqa: F401 (imported from here elsewhere)
     DEFAULT_MODEL,
     DEFAULT_PREDICTOR,
     max_positions,
@@ -40,19 +61,8 @@ from .model_files import (  # noqa: F401 (imported from here elsewhere)
     open_store,
     resolve_model_path,
 )
-from .per_layer import governor
-from .per_layer.governor import PrefetchSettings
-from .per_layer.optimistic import OptimisticModel
-from .per_layer.policies import make_policy
-from .per_layer.runtime import OffloadRuntime
-from .progress import byte_progress
-from .routing import router_matrices, router_of, tap_router
-from .runtime import Runtime
-from .sampling import make_sampler, vocab_size_of
-from .stats import PHASES, decode_figures, io_by_phase, layer_rows, per_pass, prefetch_counts, totals
-from .store import ExpertStore
-from .surgery import find_moe_blocks, offloadable_blocks, top_k_of
-from .two_tier.runtime import TwoTierRuntime
+from .storage.store import ExpertStore
+from .two_tier.two_tier_runtime import TwoTierRuntime
 
 
 class Engine:
@@ -136,7 +146,8 @@ class Engine:
 
         kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`). `draft_model`
         (a model folder, loaded resident; an mlx-lm model; another engine) drafts `num_draft_tokens` a pass
-        (None: mlx-lm's default) for mlx-lm's speculative decoding (`drafts.py`; `from_draft` per response).
+        (None: mlx-lm's default) for mlx-lm's speculative decoding (`generation/drafts.py`; `from_draft` per
+        response).
         Generation stops at the model's maximum positions (`max_positions`, prompt and reused cache
         included), with finish reason "length"; a prompt that leaves no room is a `UserError`.
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
@@ -208,14 +219,14 @@ class Engine:
     def batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
         """The completions of several prompts decoded together, as `mlx_lm.batch_generate` returns them
         (`batch.batch_generate`: texts, statistics, token ids); misses are read once for the batch."""
-        from .batch import batch_generate
+        from .generation.batch_generate import batch_generate
 
         self._single_process("batched decoding")
         return batch_generate(self, prompts, max_tokens, **kwargs)
 
     def stream_batch_generate(self, prompts, max_tokens: int | list[int] = 128, **kwargs):
         """Yield each batch pass's new tokens, one `batch.BatchToken` per sequence decoded in it."""
-        from .batch import stream_batch_generate
+        from .generation.batch_generate import stream_batch_generate
 
         self._single_process("batched decoding")
         return stream_batch_generate(self, prompts, max_tokens, **kwargs)
@@ -245,7 +256,7 @@ class Engine:
 
     # -- prefetch --------------------------------------------------------------------------------
     def configure_prefetch(self, policy: str, oracle_trace=None, settings: PrefetchSettings | None = None):
-        """Choose what predicts experts ahead (see `per_layer/policies.py`): "none", "profile", "next-gate",
+        """Choose what predicts experts ahead (see `prefetch/policies.py`): "none", "profile", "next-gate",
         "predictor" or "oracle" (which needs `oracle_trace`, the routing `record_routing` gave for the same
         prompt). `settings`: how the reader and the governor run (`PrefetchSettings`)."""
         if policy in ("next-gate", "predictor", "oracle") and self.miss_policy == "skip":
@@ -293,7 +304,8 @@ class Engine:
             "moe_layers": len(self.caches),
             "capacity": self.capacity,
             "capacity_fraction": self.capacity / self.num_experts,
-            # positions the model computed (decode: passes) and tokens given to callers: see stats.py
+            # positions the model computed (decode: passes) and tokens given to callers: see
+            # accounting/ledger.py
             "positions": ledger.positions,
             "passes": ledger.passes,
             "generated_tokens": ledger.generated,
@@ -327,13 +339,13 @@ class Engine:
     # -- warm start ------------------------------------------------------------------------------
     def save_snapshot(self, path, weights: bool = False):
         """Save which experts sit in which slots (and, with `weights`, their packed bytes)."""
-        from .snapshot import save_snapshot
+        from .caching.snapshot import save_snapshot
 
         save_snapshot(self, path, weights=weights)
 
     def load_snapshot(self, path):
         """Restore a resident set saved for this model, capacity and predictor (else a UserError)."""
-        from .snapshot import load_snapshot
+        from .caching.snapshot import load_snapshot
 
         load_snapshot(self, path)
 
@@ -366,7 +378,7 @@ def load(
     miss_policy: "load" (exact) or "skip" (approximate). eviction: "lru" or "lfu".
     predictor: a shadow predictor folder written by `od-moe train-predictor` (checked against this model).
     snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
-    prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `per_layer/policies.py`); default:
+    prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `prefetch/policies.py`); default:
         "predictor" with a predictor, else "none".
     dtype: "auto" (float32 on the CPU backend, else the checkpoint's), "model", or a dtype name.
     direct_io: read experts past the OS page cache (O_DIRECT, F_NOCACHE): True, False, or "auto" (on when
@@ -376,14 +388,16 @@ def load(
     packed: read experts from packed rows (`od-moe pack`, one request per expert): "auto" (where the model
         folder has them), True (required), False, or the path of a packed file.
     two_tier: every expert in host memory, read in place by the device on a miss, `capacity` experts per
-        layer in device slots, no host sync per layer (`two_tier/runtime.py`): "auto" (on CUDA where host
+        layer in device slots, no host sync per layer (`two_tier/two_tier_runtime.py`): "auto" (on CUDA where
+        host
         memory holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by
         the device: `two_tier/kept_rows.py`); then capacity may be 0. `Engine.mode` tells the path and why.
     ranks: "auto" splits the decoder layers over the `mlx.launch` processes (`distributed/rank_split.py`:
         each caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     device_memory, context_tokens, sequences: on a GPU with memory of its own (CUDA), its budget (default 90%
         of the card's free memory), which holds the slots beside the rest and a KV cache of `context_tokens`
-        for each of `sequences` (`capacity.py`); the memory budget is then the host's. `capacity_choice`.
+        for each of `sequences` (`memory/capacity.py`); the memory budget is then the host's.
+        `capacity_choice`.
     """
     check_policies(miss_policy, eviction)
     path = resolve_model_path(model)

@@ -3,7 +3,8 @@ path runs (`TwoTierMode`).
 
 `engine.load` settles `two_tier` ("auto", True, False or "lru": the public surface, which stays as it is)
 into a `TwoTierMode` (`assembly.two_tier_mode`, `assembly.auto_tiers`), and `assembly.build_runtime` builds
-the runtime of that mode. Not here: either path (`per_layer/runtime.py`, `two_tier/runtime.py`), or how the
+the runtime of that mode. Not here: either path (`per_layer/per_layer_runtime.py`,
+`two_tier/two_tier_runtime.py`), or how the
 mode is chosen (`assembly.py`).
 """
 
@@ -14,9 +15,9 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .cache import LayerCache
-from .stats import Ledger
-from .store import ExpertStore
+from .accounting.ledger import Ledger
+from .caching.layer_cache import LayerCache
+from .storage.store import ExpertStore
 
 
 class TwoTierMode(enum.Enum):
@@ -40,18 +41,19 @@ class TwoTierMode(enum.Enum):
 
 class Runtime(Protocol):
     """What the engine, snapshots, the server and the bench use of a runtime, on either path
-    (`per_layer.runtime.OffloadRuntime`, `two_tier.runtime.TwoTierRuntime`): each member means the same on
+    (`per_layer.per_layer_runtime.OffloadRuntime`,
+    `two_tier.two_tier_runtime.TwoTierRuntime`): each member means the same on
     both. What one path alone has (the per-layer path's prefetch, governor, miss policy and optimistic
     passes; two tiers' admission, device rows and plans) is that runtime's own: a caller that needs it
     knows which runtime it holds (`isinstance`)."""
 
     store: ExpertStore  # where the experts' bytes are read from
     caches: list[LayerCache]  # per MoE layer: which expert each slot holds
-    ledger: Ledger  # lookups, hits, reads and installs, by phase and layer (`stats.py`)
+    ledger: Ledger  # lookups, hits, reads and installs, by phase and layer (`accounting/ledger.py`)
     host_syncs: int  # evaluations the runtime waited for since `reset_counts`
 
     def set_policy(self, policy, settings=None, experts_per_layer: int = 0) -> None:
-        """Use the prefetch policy `policy` (its prompt hooks, `per_layer/policies.py`); `settings`
+        """Use the prefetch policy `policy` (its prompt hooks, `prefetch/policies.py`); `settings`
         (`PrefetchSettings`): prefetch what it predicts, where the path predicts (else a UserError)."""
 
     def start_prompt(self, prompt) -> None:

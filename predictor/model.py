@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import UserError
-from ..routing import next_gate
+from ..model_surgery.routing import next_gate
 from .next_use import NextUseHead
 
 WEIGHTS_FILE, CONFIG_FILE = "predictor.safetensors", "config.json"

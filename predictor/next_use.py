@@ -12,8 +12,8 @@ decayed use count) and their products (`features`). The expected distance, E[min
 cumulative probabilities, is what eviction and the prefetch governor compare (`distances`). The x term runs
 on the device with the layer (lazy, evaluated with its routing); the rest is a few hundred numpy
 multiply-adds on the host. A child of `ShadowPredictor`, saved in its file.
-Not here: training (`od_moe.training.next_use`) or using the distances (`per_layer/policies.py`,
-`per_layer/runtime.py`).
+Not here: training (`od_moe.training.next_use`) or using the distances (`prefetch/policies.py`,
+`per_layer/per_layer_runtime.py`).
 """
 
 import mlx.core as mx

@@ -5,7 +5,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 import od_moe
-from od_moe import backend
+from od_moe.memory import backend
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):"]
 NEW_TOKENS = 64

@@ -23,8 +23,8 @@ from mlx.utils import tree_flatten
 import od_moe
 from od_moe.distributed import seams
 from od_moe.distributed.rank_split import Handover
-from od_moe.per_layer.governor import PrefetchSettings
-from od_moe.store import ExpertStore
+from od_moe.prefetch.governor import PrefetchSettings
+from od_moe.storage.store import ExpertStore
 
 model, out, capacities, max_tokens, prompts = sys.argv[1:6]
 reads = Counter()

@@ -1,4 +1,5 @@
-"""Batched decoding (`od_moe/batch.py`): several prompts in one pass give the tokens of stock mlx-lm's own
+"""Batched decoding (`od_moe/generation/batch_generate.py`): several prompts in one pass give the tokens of
+stock mlx-lm's own
 `batch_generate` (every expert resident) on the embedded model and on another family's tiny model; a
 batch reads each missing expert once for all its sequences; the ledger keeps passes, positions and tokens
 apart; mistakes are UserErrors."""
@@ -8,7 +9,8 @@ import pytest
 from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
 
 import od_moe
-from od_moe import UserError, backend
+from od_moe import UserError
+from od_moe.memory import backend
 from tiny_models import FAMILIES, write_mlx_model
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:\n    def __init__(self, path"]

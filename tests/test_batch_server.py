@@ -20,8 +20,8 @@ import pytest
 from werkzeug.serving import make_server
 
 import od_moe
-from od_moe import backend
 from od_moe.cli import main
+from od_moe.memory import backend
 from od_moe.server import create_app
 from od_moe.server.arrivals import Arrivals
 from od_moe.server.batching import fitting_batch

@@ -81,7 +81,7 @@ def test_without_matplotlib_the_bench_says_so_in_one_line_before_running(tmp_pat
 def test_the_batch_rows_are_exact_and_read_less_per_token_in_a_batch(tmp_path, capsys):
     """`od-moe bench --batch`: each row's tokens are stock mlx-lm's batch tokens, and a batch of 8 reads
     fewer experts per generated token than one request alone (the batch shares its reads)."""
-    from od_moe.bench.batching import batch_prompts, run_batch_grid
+    from od_moe.bench.batch_speed import batch_prompts, run_batch_grid
 
     prompts = batch_prompts(8)
     assert len(set(prompts)) == 8 and all(p.startswith("def ") for p in prompts)

@@ -1,4 +1,5 @@
-"""od_moe/cuda.py, the CUDA runtime calls od-moe makes, through recording fakes on this CPU: copies into
+"""od_moe/memory/cuda.py, the CUDA runtime calls od-moe makes, through recording fakes on this CPU: copies
+into
 an array's rows (the CPU backend's arrays are host memory, so a fake copying with `memmove` writes where a
 real one writes device memory), pinned staging, the check that the device sees the copies, and the memory
 advice of the fallback path; then the engine with its installs done by those copies."""
@@ -12,8 +13,8 @@ import pytest
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
-from od_moe import backend, cuda
-from od_moe.layout import ExpertRows
+from od_moe.memory import backend, cuda
+from od_moe.storage.layout import ExpertRows
 
 
 class _Call:

@@ -9,16 +9,16 @@ import mlx_lm
 import pytest
 
 import od_moe
-from od_moe import backend
-from od_moe.capacity import (
+from od_moe.cli import main
+from od_moe.errors import UserError
+from od_moe.memory import backend
+from od_moe.memory.capacity import (
     DEVICE_BUDGET_FRACTION,
     DEVICE_LIBRARY_NBYTES,
     Context,
     budget_for,
     working_nbytes,
 )
-from od_moe.cli import main
-from od_moe.errors import UserError
 
 MB = 10**6
 
@@ -100,7 +100,7 @@ def test_inspect_says_what_the_card_holds_and_an_idle_engine_gives_mlx_s_cache_b
     assert limits == [int(10**12 * DEVICE_BUDGET_FRACTION) - DEVICE_LIBRARY_NBYTES]
     engine.generate("def add(a, b):", max_tokens=3)
     assert released == [1]
-    from od_moe.preflight import format_inspection, inspect_model
+    from od_moe.memory.preflight import format_inspection, inspect_model
 
     report = inspect_model(capacity=10)
     device = report["device"]
@@ -154,7 +154,7 @@ def test_memory_is_reported_as_the_driver_and_the_os_count_it(monkeypatch, capsy
         memory["host_bytes"] > memory["non_expert_bytes"]
         and memory["host_peak_bytes"] >= memory["host_bytes"]
     )
-    from od_moe.report import memory_line
+    from od_moe.accounting.report import memory_line
 
     assert memory_line(memory).startswith("memory: host ")
     shown = memory_line(dict(memory, device_bytes=6_300_000_000))
@@ -193,7 +193,7 @@ def test_the_kv_cache_a_token_takes_is_what_mlx_lms_caches_hold(family, tmp_path
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    from od_moe.capacity import kv_nbytes_per_token
+    from od_moe.memory.capacity import kv_nbytes_per_token
     from tiny_models import FAMILIES, write_mlx_model
 
     path = write_mlx_model(tmp_path / family, FAMILIES[family])
@@ -214,7 +214,7 @@ def test_the_kv_cache_a_token_takes_is_what_mlx_lms_caches_hold(family, tmp_path
 
 
 def test_a_kv_cache_that_cannot_be_measured_is_said_to_be_a_guess(monkeypatch, capsys):
-    from od_moe import capacity
+    from od_moe.memory import capacity
 
     def fails(model, tokens):
         raise TypeError("this family wants more than token ids")
@@ -232,7 +232,7 @@ def test_working_memory_counts_the_kv_cache_twice_as_mlx_lm_grows_it(shapes):
     buffers (until mlx-lm clears it, every 256 decoded tokens), so budgets count the context's KV twice."""
     from mlx_lm.models.cache import KVCache
 
-    from od_moe.capacity import activation_nbytes_per_token
+    from od_moe.memory.capacity import activation_nbytes_per_token
 
     mx.clear_cache()
     cache, k = KVCache(), mx.zeros((1, 4, 256, 64))

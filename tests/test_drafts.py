@@ -21,13 +21,13 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import PROMPTS
-from od_moe import backend
+from od_moe.accounting.ledger import Ledger
+from od_moe.accounting.report import decode_line
 from od_moe.cli import main
-from od_moe.drafts import Verifier
-from od_moe.report import decode_line
+from od_moe.generation.drafts import Verifier
+from od_moe.memory import backend
 from od_moe.server import create_app
 from od_moe.server.prompt_cache import PromptCache
-from od_moe.stats import Ledger
 from tiny_models import FAMILIES, LLAMA, write_mlx_model
 
 K, TOKENS = 3, 24
@@ -345,7 +345,7 @@ CODE_EDIT = (
 
 
 def test_prompt_lookup_finds_the_latest_earlier_run_and_rewinds():
-    from od_moe.prompt_lookup import History
+    from od_moe.generation.prompt_lookup import History
 
     history = History([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
     assert history.next_token() == 4  # the longest run first: 1 2 3 was followed by 4
@@ -365,7 +365,7 @@ def test_prompt_lookup_visits_earlier_places_as_a_scan_of_every_token_would():
     random extends and rewinds."""
     import random
 
-    from od_moe.prompt_lookup import History
+    from od_moe.generation.prompt_lookup import History
 
     def scanned(tokens, ngram=3):
         for n in range(min(ngram, len(tokens) - 1), 0, -1):
@@ -386,7 +386,7 @@ def test_prompt_lookup_visits_earlier_places_as_a_scan_of_every_token_would():
 
 def _lookup_reference(stock, prompt: list[int], max_tokens: int, k: int = K, **kwargs):
     """Stock mlx-lm's model (every expert resident) through prompt lookup's loop: the same passes."""
-    from od_moe.prompt_lookup import LookupCounts, stream_lookup
+    from od_moe.generation.prompt_lookup import LookupCounts, stream_lookup
 
     counts = LookupCounts()
     stream = stream_lookup(stock[0], stock[1], prompt, max_tokens, counts, num_draft_tokens=k, **kwargs)
@@ -447,7 +447,7 @@ def test_the_lookup_loop_drafts_only_what_it_finds(stock):
     """A pass drafts the tokens that followed the latest earlier run (at most k), none where nothing
     matched, and knows whether it found them in the prompt or in the answer; with nothing to find, the loop
     decodes one position a pass, as undrafted generation does, and gives its tokens."""
-    from od_moe.prompt_lookup import History
+    from od_moe.generation.prompt_lookup import History
 
     history = History([1, 2, 3, 4, 5, 9, 1, 2])
     history.prompt_end = 6
@@ -476,8 +476,8 @@ def test_sampling_with_prompt_lookup_keeps_the_target_s_distribution(stock):
     the same seed samples the same tokens as stock's model through the same loop."""
     import numpy as np
 
-    from od_moe.prompt_lookup import History, LookupCounts, lookup_generate_step
-    from od_moe.sampling import make_sampler
+    from od_moe.generation.prompt_lookup import History, LookupCounts, lookup_generate_step
+    from od_moe.generation.sampling import make_sampler
 
     target = stock[0]
     engine = od_moe.load(capacity=0.25)

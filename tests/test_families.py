@@ -14,8 +14,8 @@ import od_moe
 from conftest import od_moe_tokens, reference_tokens
 from od_moe.errors import UserError
 from od_moe.per_layer import optimistic as optimistic_module
-from od_moe.per_layer.governor import PrefetchSettings
-from od_moe.store import ExpertStore
+from od_moe.prefetch.governor import PrefetchSettings
+from od_moe.storage.store import ExpertStore
 from tiny_models import DBRX, FAMILIES, write_hf_per_expert, write_mlx_model
 
 PROMPTS = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]  # token ids: the tiny models' vocabulary is 1024

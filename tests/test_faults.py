@@ -15,12 +15,12 @@ from werkzeug.serving import make_server
 
 import od_moe
 from conftest import PROMPTS, invariants, od_moe_tokens, slots_hold_their_experts
-from od_moe import backend
 from od_moe.cli import main
 from od_moe.errors import ExpertReadError
-from od_moe.per_layer.governor import PrefetchSettings
+from od_moe.memory import backend
+from od_moe.prefetch.governor import PrefetchSettings
 from od_moe.server import create_app
-from od_moe.store import ExpertStore
+from od_moe.storage.store import ExpertStore
 
 TOKENS = 24  # greedy tokens are a prefix of the 64 the reference holds
 
@@ -223,7 +223,7 @@ def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request
     """A decode layer split in two rounds (`OffloadRuntime._split`) whose missing experts cannot be read:
     its resident experts are already computing; the request fails with the read's error, nothing of the
     read is installed, and the engine serves stock tokens once the file reads again."""
-    from od_moe.per_layer import runtime as runtime_module
+    from od_moe.per_layer import per_layer_runtime as runtime_module
 
     engine = od_moe.load(capacity="25%", prefetch="none")
     engine.runtime.split_on_miss = True

@@ -14,7 +14,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.errors import UserError
 from od_moe.two_tier import forecast, kept_rows
-from od_moe.two_tier import runtime as two_tier
+from od_moe.two_tier import two_tier_runtime as two_tier
 from tiny_models import FAMILIES, write_mlx_model
 
 E, C, EMPTY = 16, 2, kept_rows.AGE_EMPTY

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import od_moe
-from od_moe import backend
+from od_moe.memory import backend
 from od_moe.server import create_app
 from od_moe.server.kv_room import KvRoom
 

@@ -1,4 +1,5 @@
-"""mlx-lm's private names od-moe relies on (`od_moe/mlx_lm_private.py`) are still where it reads them: an
+"""mlx-lm's private names od-moe relies on (`od_moe/model_surgery/mlx_lm_private.py`) are still where it reads
+them: an
 mlx-lm release that moves one fails here by name."""
 
 import mlx.core as mx
@@ -6,7 +7,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import od_moe
-from od_moe import mlx_lm_private
+from od_moe.model_surgery import mlx_lm_private
 
 
 def test_every_kv_cache_is_a_base_cache():
@@ -36,7 +37,7 @@ def test_a_batch_generator_step_leaves_its_next_tokens_readable():
         generator.next()
         found = mlx_lm_private.pending_tokens(generator)
         assert found is not None, (
-            "mlx-lm no longer keeps _generation_batch._next_tokens: see mlx_lm_private.py"
+            "mlx-lm no longer keeps _generation_batch._next_tokens: see model_surgery/mlx_lm_private.py"
         )
         seen.append(found)
     uids, tokens = seen[-1]
@@ -57,6 +58,6 @@ def test_no_other_module_reads_a_private_name_of_mlx_lm():
         str(path.relative_to(root))
         for folder in ("od_moe", "predictor", "training")
         for path in (root / folder).rglob("*.py")
-        if path.name != "mlx_lm_private.py" and private.search(path.read_text())
+        if path.name != "model_surgery/mlx_lm_private.py" and private.search(path.read_text())
     ]
     assert readers == []

@@ -6,7 +6,7 @@ import numpy as np
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, invariants, od_moe_tokens, slots_hold_their_experts
 from od_moe.per_layer import optimistic as optimistic_module
-from od_moe.per_layer.governor import PrefetchSettings
+from od_moe.prefetch.governor import PrefetchSettings
 
 TOKENS = NEW_TOKENS // 2  # the first half of the reference's greedy tokens
 
@@ -51,7 +51,7 @@ def test_a_continued_prompt_cache_stays_exact(bundled_reference):
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from od_moe import backend
+    from od_moe.memory import backend
 
     model, tokenizer = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
     model.set_dtype(backend.compute_dtype("auto"))

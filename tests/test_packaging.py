@@ -17,7 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from od_moe import backend
+from od_moe.memory import backend
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = {"sys_platform": "linux", "platform_system": "Linux"}
@@ -60,7 +60,7 @@ def test_a_regular_wheel_installs_the_mapped_packages(wheel, tmp_path):
         "od_moe/models/tiny-qwen3-moe-4bit-predictor/predictor.safetensors",
         "od_moe/training/data/python_source.jsonl.gz",
         "od_moe/server/static/dashboard.js",
-        "od_moe/per_layer/runtime.py",
+        "od_moe/per_layer/per_layer_runtime.py",
         "od_moe/two_tier/kernels.py",
         "od_moe/distributed/rank_split.py",
     ):
@@ -72,8 +72,9 @@ def test_a_regular_wheel_installs_the_mapped_packages(wheel, tmp_path):
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
     code = (
-        "import od_moe, od_moe.predictor, od_moe.training.record, od_moe.server, od_moe.per_layer.runtime, "
-        "od_moe.two_tier.runtime, od_moe.distributed.rank_split; "
+        "import od_moe, od_moe.predictor, od_moe.training.record, od_moe.server, "
+        "od_moe.per_layer.per_layer_runtime, "
+        "od_moe.two_tier.two_tier_runtime, od_moe.distributed.rank_split; "
         "print(od_moe.__file__); print(od_moe.predictor.__file__)"
     )
     run = subprocess.run(

@@ -13,7 +13,7 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, slots_hold_their_experts
 from od_moe.cli import main
 from od_moe.errors import UserError
-from od_moe.layout import ExpertRows
+from od_moe.storage.layout import ExpertRows
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_commands_read_a_packed_file_made_elsewhere(tmp_path, capsys):
 
 
 def test_inspect_reports_packed_experts(packed_model):
-    from od_moe.preflight import format_inspection, inspect_model
+    from od_moe.memory.preflight import format_inspection, inspect_model
 
     report = inspect_model(str(packed_model))
     assert report["packed"] == str(packed_model / "od-moe-packed" / "experts.safetensors")
@@ -137,7 +137,7 @@ def test_bench_pack_needs_the_prefetch_grids_widened_model(capsys):
 def test_a_pack_that_cannot_read_the_checkpoint_leaves_nothing_behind(tmp_path):
     from od_moe.engine import model_layouts
     from od_moe.errors import ExpertReadError
-    from od_moe.packed import pack
+    from od_moe.storage.packed import pack
 
     folder = tmp_path / "model"
     shutil.copytree(od_moe.DEFAULT_MODEL, folder)
@@ -152,8 +152,8 @@ def test_a_pack_that_cannot_read_the_checkpoint_leaves_nothing_behind(tmp_path):
 def test_packed_reads_through_direct_io_give_the_same_bytes(packed_model):
     """Direct I/O turned on before or after the packed file is taken: every file, the packed one too, is
     read past the page cache (where the file system allows it) and the bytes are the checkpoint's."""
-    from od_moe.packed import default_path, use_packed
-    from od_moe.store import ExpertStore
+    from od_moe.storage.packed import default_path, use_packed
+    from od_moe.storage.store import ExpertStore
 
     plain = od_moe.load(str(packed_model), capacity=4, packed=False)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}

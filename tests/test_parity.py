@@ -73,7 +73,7 @@ def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch)
     (`mx.async_eval`) so the device works while the next layer is built; the tokens stay exact."""
     import mlx.core as mx
 
-    from od_moe.per_layer import switch
+    from od_moe.per_layer import offloaded_switch as switch
 
     launched = []
 
@@ -106,7 +106,7 @@ def test_a_missing_layer_computes_its_resident_experts_while_the_rest_are_read(
     resident experts, started before the missing ones are read (their installs do not wait for the
     device), then the missing ones; every routed expert is computed once and the tokens are stock
     mlx-lm's."""
-    from od_moe.cache import LayerCache
+    from od_moe.caching.layer_cache import LayerCache
 
     events, real_install = [], LayerCache.install
 
@@ -115,7 +115,7 @@ def test_a_missing_layer_computes_its_resident_experts_while_the_rest_are_read(
         return real_install(self, *args, synchronize=synchronize, **kwargs)
 
     monkeypatch.setattr(LayerCache, "install", install)
-    from od_moe.per_layer import runtime as runtime_module
+    from od_moe.per_layer import per_layer_runtime as runtime_module
 
     predictor = od_moe.DEFAULT_PREDICTOR if prefetch == "predictor" else None
     assert not od_moe.load(capacity=0.25).runtime.split_on_miss  # 20 KB experts: nothing to hide

@@ -18,8 +18,8 @@ import mlx_lm
 import pytest
 
 import od_moe
-from od_moe import backend
 from od_moe.distributed.local_ranks import start
+from od_moe.memory import backend
 
 SCRIPT = Path(__file__).parent / "dying_rank.py"
 PROMPTS = ["def fibonacci(n):", "class Stack:"]

@@ -13,12 +13,12 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
-from od_moe import backend
+from od_moe.caching.replay import replay_layers
 from od_moe.cli import main
 from od_moe.errors import UserError
+from od_moe.memory import backend
 from od_moe.predictor import PredictorConfig, ShadowPredictor, load_predictor
 from od_moe.predictor.next_use import AGE_CAP, NextUseHead
-from od_moe.replay import replay_layers
 from od_moe.training.data import Documents, load_documents, split_documents
 from od_moe.training.evaluate import (
     WARM_UP_TOKENS,

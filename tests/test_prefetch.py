@@ -15,9 +15,9 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 from conftest import consistent as _consistent
 from conftest import invariants as _invariants
 from od_moe.errors import UserError
-from od_moe.per_layer.governor import PrefetchSettings
-from od_moe.per_layer.policies import Prediction, Step
 from od_moe.predictor import PredictorConfig, ShadowPredictor
+from od_moe.prefetch.governor import PrefetchSettings
+from od_moe.prefetch.policies import Prediction, Step
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_a_nearer_prediction_supersedes_a_farther_one(predictor_dir):
 
 
 def test_the_predictor_reads_more_one_layer_ahead_and_fewer_farther(predictor_dir):
-    from od_moe.per_layer.policies import experts_at_distance
+    from od_moe.prefetch.policies import experts_at_distance
 
     assert [experts_at_distance(8, d) for d in (1, 2, 3, 4)] == [10, 4, 2, 1]
     engine = _engine("predictor", predictor_dir, "25%")
@@ -589,8 +589,10 @@ def test_several_reader_threads_give_exact_tokens(policy, predictor_dir, bundled
 def test_device_copy_path_gives_exact_tokens(monkeypatch, bundled_reference):
     """The CUDA install path, taken on any backend: reader threads make the MLX arrays of what they read
     and installs are MLX slice updates from them (no numpy writes)."""
-    monkeypatch.setattr(od_moe.backend, "arrays_in_host_memory", lambda: False)
-    monkeypatch.setattr(od_moe.backend, "copies_into_arrays", lambda: False)  # no CUDA runtime's copies
+    monkeypatch.setattr(od_moe.memory.backend, "arrays_in_host_memory", lambda: False)
+    monkeypatch.setattr(
+        od_moe.memory.backend, "copies_into_arrays", lambda: False
+    )  # no CUDA runtime's copies
     engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4)
     engine.configure_prefetch("next-gate", settings=PrefetchSettings(timed_checks=False))
     assert engine.runtime.reader.make_arrays
@@ -604,7 +606,7 @@ def test_device_copy_path_gives_exact_tokens(monkeypatch, bundled_reference):
 
 
 def test_stats_say_in_one_line_when_prefetch_paused_why_and_when_it_would_pay(predictor_dir):
-    from od_moe.report import pause_line
+    from od_moe.accounting.report import pause_line
 
     engine = _engine("next-gate", predictor_dir, "25%", self_checks=True)
     queue = engine.runtime.governor

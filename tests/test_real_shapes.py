@@ -12,7 +12,7 @@ import od_moe
 from conftest import od_moe_tokens, reference_tokens
 from od_moe.bench import real_shapes
 from od_moe.errors import UserError
-from od_moe.store import ExpertStore
+from od_moe.storage.store import ExpertStore
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n"]
 

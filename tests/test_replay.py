@@ -6,7 +6,7 @@ import pytest
 
 import od_moe
 from od_moe import PrefetchSettings
-from od_moe.replay import first_uses, replay_layer, replay_recording
+from od_moe.caching.replay import first_uses, replay_layer, replay_recording
 
 
 def _steps(seq):

@@ -14,7 +14,7 @@ import pytest
 from werkzeug.serving import make_server
 
 import od_moe
-from od_moe import backend
+from od_moe.memory import backend
 from od_moe.server import create_app
 
 MAX_TOKENS, MAX_INPUT, MAX_BODY = 64, 400, 32 * 1024

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import od_moe
-from od_moe import store as store_module
-from od_moe.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
+from od_moe.accounting.ledger import Ledger
 from od_moe.errors import UserError
-from od_moe.layout import ExpertRows, flat_rows
+from od_moe.memory.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.per_layer.reader import Reader
-from od_moe.stats import Ledger
-from od_moe.store import ExpertStore
+from od_moe.storage import store as store_module
+from od_moe.storage.layout import ExpertRows, flat_rows
+from od_moe.storage.store import ExpertStore
 
 
 def test_store_reads_exactly_the_expert_rows():
@@ -366,7 +366,7 @@ def test_mlx_rows_take_back_their_memory_hints_when_the_reader_closes_or_they_ar
     """Rows are MLX arrays advised host-preferred on CUDA (`backend.stage_for_device`); MLX recycles their
     buffers once they go, so the advice is taken back first: when the reader closes, or when rows nobody
     closed are collected. After `release` no row is handed out."""
-    from od_moe import backend
+    from od_moe.memory import backend
     from od_moe.per_layer.mlx_rows import GROW, MLXRows
 
     gc.collect()  # rows other tests left are released before the count starts
@@ -401,7 +401,7 @@ def test_staging_starts_mid_page_so_installs_do_not_copy_onto_aliasing_addresses
     """Copies whose destination sits a few bytes past the source modulo 4 KiB ran at a tenth of the speed
     on this CPU, and numpy's large arrays (16 bytes into a page) against MLX's (24) are just that: staging
     rows start `STAGING_PAGE_OFFSET` bytes into a page, and read into them gives the same bytes."""
-    from od_moe.layout import STAGING_PAGE_OFFSET, host_rows
+    from od_moe.storage.layout import STAGING_PAGE_OFFSET, host_rows
 
     store = ExpertStore(od_moe.DEFAULT_MODEL)
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}

@@ -14,11 +14,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens, slots_hold_their_experts
-from od_moe import stats, switch
+from od_moe.accounting import ledger as stats
 from od_moe.errors import UserError
+from od_moe.model_surgery import switch_over as switch
 from od_moe.runtime import TwoTierMode
-from od_moe.two_tier import runtime as two_tier
 from od_moe.two_tier import slot_fill, staged_passes, tally
+from od_moe.two_tier import two_tier_runtime as two_tier
 from od_moe.two_tier.admission import Admission
 from od_moe.two_tier.layer_step import CompiledBlock, CompileVerdict, LayerSteps, Trace
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
@@ -63,7 +64,7 @@ def test_the_stacks_are_made_under_a_memory_limit_raised_for_them(monkeypatch):
     advised (`backend.map_for_device`); made all at once before that, they are covered by a limit raised
     for their bytes while they are made and read, and after the load the limit is the budget plus what
     the advice holds, as before."""
-    from od_moe import backend
+    from od_moe.memory import backend
     from od_moe.two_tier import mapped
 
     monkeypatch.setattr(backend, "arrays_in_host_memory", lambda: False)  # as CUDA's arrays
@@ -88,8 +89,8 @@ def test_a_load_that_fails_reading_the_stacks_takes_back_what_it_advised(monkeyp
     """A read that fails half-way through the stacks (the disk, a file changed) fails the load, and the
     layers already advised for the device are taken back: MLX's limit is not left raised by arrays nobody
     holds (`backend._hold_in_host`)."""
-    from od_moe import backend
-    from od_moe.store import ExpertStore
+    from od_moe.memory import backend
+    from od_moe.storage.store import ExpertStore
 
     monkeypatch.setattr(backend, "arrays_in_host_memory", lambda: False)  # as CUDA's arrays
     kept, held = mx.get_memory_limit(), dict(backend._held_in_host)
@@ -116,7 +117,7 @@ def test_stacks_read_in_place_hold_what_staging_reads(monkeypatch):
     """Where the disk's bytes are the arrays' (the checkpoint's dtypes, as on CUDA and Metal), every layer's
     experts are read by threads straight into its stack's rows, with no staging; the stacks hold the bits
     a read through staging and a cast gives."""
-    from od_moe import cuda
+    from od_moe.memory import cuda
     from od_moe.two_tier import mapped
 
     staged, read_staged = [], mapped._read_staged
@@ -480,7 +481,7 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
     """Experts of `STAGE_DECODE_NBYTES` or more, no expert in a device row: decode passes are staged too
     (each lane's expert copied to the device, then computed there), with stock's tokens, and `inspect`
     says so; with slots, or with small experts, a decode pass is read in place."""
-    from od_moe import backend, preflight
+    from od_moe.memory import backend, preflight
 
     assert od_moe.load(capacity=0, two_tier=True).runtime.stage_positions == staged_passes.STAGE_POSITIONS
     # the bundled model's 20 KB experts count large
@@ -580,7 +581,8 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     """Where "auto" turns two-tier mode on (CUDA, the host holds the experts), experts of 1 MB or more get
     slots kept by the device (`lru`) where some but not all have slots, smaller ones slots admitted by
     counts; predictive prefetch still keeps the per-layer path; `od-moe inspect` says which."""
-    from od_moe import assembly, backend, preflight
+    from od_moe import assembly
+    from od_moe.memory import backend, preflight
 
     monkeypatch.setattr(
         backend, "two_tier_choice", lambda asked, nbytes, host=None: (asked is not False, "on")

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import dequantize_model, load_model, save_model
 
 import od_moe
-from od_moe.mlx_lm_private import model_classes
+from od_moe.model_surgery.mlx_lm_private import model_classes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -7,7 +7,8 @@ Baselines: next-gate speculation (layer i+d's router on layer i's MoE input), th
 experts at the same layer, and a static frequency profile (the C most used experts per layer on the first
 half of the tokens, hit rate on the second half). `eviction_replay`: what each eviction rule (LRU, LFU,
 od-moe's learned next-use estimate, Belady's MIN, MIN knowing the next 1, 2 or 4 tokens) would read on
-the same routing (`od_moe/replay.py`). Not here: training, or the report's printing (`report.py`).
+the same routing (`od_moe/caching/replay.py`). Not here: training, or the report's printing
+(`accounting/report.py`).
 """
 
 import time
@@ -15,8 +16,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..replay import replay_layers
-from ..routing import next_gate
+from ..caching.replay import replay_layers
+from ..model_surgery.routing import next_gate
 
 PROFILE_FRACTIONS = (0.125, 0.25, 0.5)
 

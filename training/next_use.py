@@ -16,7 +16,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from ..cache import LFU_HALF_LIFE
+from ..caching.layer_cache import LFU_HALF_LIFE
 from ..predictor.next_use import AGE_CAP, HORIZONS, features
 from ..progress import Progress
 from .evaluate import log_softmax, multi_hot

@@ -3,7 +3,8 @@ report) and `eval_predictor_job` (record traces of any text and evaluate any pre
 
 Traces are recorded into `traces_dir` (default: a `traces` folder in the output, removed afterwards unless
 kept); a folder that already holds traces recorded from the same model and data for the same token limit is
-reused instead of recorded again. Not here: argument parsing (`od_moe/cli.py`) or printing (`report.py`).
+reused instead of recorded again. Not here: argument parsing (`od_moe/cli.py`) or printing
+(`accounting/report.py`).
 """
 
 import json

@@ -21,9 +21,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from safetensors.numpy import load_file, save_file
 
 from ..errors import UserError
-from ..per_layer.switch import OffloadedSwitch
+from ..model_surgery.routing import tap_router
+from ..per_layer.offloaded_switch import OffloadedSwitch
 from ..progress import Progress
-from ..routing import tap_router
 from .data import Documents
 
 TRACE_FORMAT = "od-moe-traces/1"

@@ -1,6 +1,6 @@
 """The predictor report as tables for people (`od-moe train-predictor`, `od-moe eval-predictor`)."""
 
-from ..report import table
+from ..accounting.report import table
 
 
 def format_report(report: dict) -> str:

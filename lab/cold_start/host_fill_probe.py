@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from od_moe import backend
+from od_moe.memory import backend
 
 GB = float(sys.argv[1]) if len(sys.argv) > 1 else 4.0
 THREADS = int(sys.argv[2]) if len(sys.argv) > 2 else 4

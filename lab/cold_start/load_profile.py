@@ -17,7 +17,7 @@ import sys
 import time
 
 import od_moe
-from od_moe.capacity import experts_per_token
+from od_moe.memory.capacity import experts_per_token
 
 
 def show(profile, top):

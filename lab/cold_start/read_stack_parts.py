@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 import od_moe
-from od_moe import backend, cuda
-from od_moe.layout import ExpertRows
-from od_moe.two_tier import runtime as rt
+from od_moe.memory import backend, cuda
+from od_moe.storage.layout import ExpertRows
+from od_moe.two_tier import two_tier_runtime as rt
 from od_moe.two_tier.mapped import READ_BATCH_BYTES, _target_bytes, _uint
 
 T = collections.Counter()

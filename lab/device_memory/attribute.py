@@ -17,7 +17,7 @@ import sys
 def main():
     import mlx.core as mx
 
-    from od_moe import cuda
+    from od_moe.memory import cuda
 
     free0 = cuda.memory_info()[0]
     context = cuda.process_device_bytes(os.getpid())

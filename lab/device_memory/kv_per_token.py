@@ -8,8 +8,8 @@ models are built from the shapes' configs with no weights read or drawn (lazy ar
 import mlx.core as mx
 
 from od_moe.bench.real_shapes import SHAPES, shape_config
-from od_moe.capacity import _projected_kv_nbytes_per_token, kv_nbytes_per_token
-from od_moe.mlx_lm_private import model_classes
+from od_moe.memory.capacity import _projected_kv_nbytes_per_token, kv_nbytes_per_token
+from od_moe.model_surgery.mlx_lm_private import model_classes
 
 for name in SHAPES:
     config = shape_config(name)

@@ -19,13 +19,13 @@ import time
 
 
 def _nvml_bytes():
-    from od_moe import cuda
+    from od_moe.memory import cuda
 
     return cuda.process_device_bytes(os.getpid())
 
 
 def _card():
-    from od_moe import cuda
+    from od_moe.memory import cuda
 
     return cuda.memory_info()
 
@@ -65,7 +65,7 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     import mlx.core as mx
 
     import od_moe
-    from od_moe.preflight import inspect_model
+    from od_moe.memory.preflight import inspect_model
 
     t0 = time.perf_counter()
     card0 = _card()  # makes the context
@@ -83,7 +83,7 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     )
     out["choice"], out["mode"] = engine.capacity_choice, engine.mode
     if os.environ.get("OLD_LIMIT"):  # the bound before 2026-11-27: the whole device budget
-        from od_moe import backend
+        from od_moe.memory import backend
 
         mx.set_memory_limit(report["device"]["budget_bytes"] + sum(backend._held_in_host.values()))
     out["mlx_limit"] = mx.get_memory_limit()

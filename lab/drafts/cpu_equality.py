@@ -16,8 +16,8 @@ import sys
 import mlx_lm
 
 import od_moe
-from od_moe import backend
-from od_moe.prompt_lookup import LookupCounts, stream_lookup
+from od_moe.generation.prompt_lookup import LookupCounts, stream_lookup
+from od_moe.memory import backend
 
 sys.path.insert(0, "benchmarks")
 from code_edits import prompts as code_edit_prompts  # noqa: E402

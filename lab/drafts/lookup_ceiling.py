@@ -17,7 +17,7 @@ undrafted (the sum over prompts of each).
 import sys
 
 import od_moe
-from od_moe import prompt_lookup
+from od_moe.generation import prompt_lookup
 
 sys.path.insert(0, "benchmarks")
 from code_edits import prompts as code_edit_prompts  # noqa: E402

@@ -19,9 +19,9 @@ import host_time
 import mlx_lm
 
 import od_moe
-from od_moe import switch
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.two_tier_grid import WARM_PROMPT
+from od_moe.model_surgery import switch_over as switch
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """Experts a decoded token moves across the bus under cache rules a device kernel could run, on routing
-recorded from the bundled model: least recently used and Belady's MIN (`od_moe.replay`), and decayed
+recorded from the bundled model: least recently used and Belady's MIN (`od_moe.caching.replay`), and decayed
 counts with selective admission, per layer with C rows, every miss one expert's bytes (read in place or
 copied into a row: the same bytes).
 
@@ -20,7 +20,7 @@ import numpy as np
 import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.two_tier_grid import WARM_PROMPT
-from od_moe.replay import replay_recording
+from od_moe.caching.replay import replay_recording
 
 
 class DecayedCounts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lab (issue #56): the host's cuts of 29d6869 and 703c510 (a compiled pass's batch indices as constants in
 # the lanes' shape) on a device, in one call after `setup_q30.sh OUT .whl/b/before-c56cddb.tar` (which makes
-# /tmp/before with c56cddb's switch.py, layer_step.py, kept_rows.py and kernels.py): the operations of a
+# /tmp/before with c56cddb's model_surgery/switch_over.py, layer_step.py, kept_rows.py and kernels.py): the operations of a
 # decoded token, now and before (`op_count.py`, deterministic); decode before and after in one process at each ROW
 # (`ab_host_time.py`); a custom kernel's host cost by what it carries (`custom_kernel_host.py`). Outputs in
 # OUT; prints each summary. Everything in the foreground: nothing outlives the call.

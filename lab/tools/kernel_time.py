@@ -41,9 +41,9 @@ import mlx.core as mx
 import mlx_lm
 
 import od_moe
-from od_moe import backend
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.widen import widen_model
+from od_moe.memory import backend
 
 TOKENS = int(os.environ.get("TOKENS", 8))
 MODES = ("stock", "mapped", "device")

@@ -2,7 +2,7 @@
 On the bundled model in `lru` two-tier mode at 25% (16 rows a layer), the bench's 3 prompts x 48 greedy
 tokens: each decode pass's routing and, at every layer L-1, the next-gate scores for layer L (layer L's
 router applied to layer L-1's hidden state: `forecast.next_gate_forecast`) are recorded; least recently
-used rows are replayed per layer (`od_moe.replay`'s rule); for each miss, is it among the forecast's
+used rows are replayed per layer (`od_moe.caching.replay`'s rule); for each miss, is it among the forecast's
 top P experts not in a row? Also how many of those P the layer then routes. Deterministic: counts, not
 timings.
 
@@ -19,9 +19,9 @@ import numpy as np
 
 import od_moe
 from od_moe.bench.foundation import PROMPTS
-from od_moe.replay import replay_layer
+from od_moe.caching.replay import replay_layer
 from od_moe.two_tier import forecast
-from od_moe.two_tier import runtime as two_tier
+from od_moe.two_tier import two_tier_runtime as two_tier
 
 TOPS = (1, 2, 4, 8)
 
@@ -55,7 +55,8 @@ def record(tokens: int):
 
 
 def replay(routed, scores, layers: int, rows: int) -> collections.Counter:
-    """LRU over `rows` a layer (`od_moe.replay`'s rule) on the recorded passes, and what the forecast of
+    """LRU over `rows` a layer (`od_moe.caching.replay`'s rule) on the recorded passes, and what the forecast
+    of
     each pass names among the experts not held before it."""
     counts = collections.Counter()
     passes = sorted({c for c, _ in routed})

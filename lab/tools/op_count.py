@@ -29,8 +29,8 @@ import mlx.core as mx
 import mlx_lm
 
 import od_moe
-from od_moe import backend
 from od_moe.bench.foundation import PROMPTS
+from od_moe.memory import backend
 
 TOKEN = 10  # the decoded token whose graph is counted
 _LABEL = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')

@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--skip-bundled", action="store_true", help="only the widened copy")
     args = parser.parse_args()
     from od_moe.bench.widen import widen_model
-    from od_moe.model_files import DEFAULT_MODEL
+    from od_moe.storage.model_files import DEFAULT_MODEL
 
     if not args.skip_bundled:
         lines = compare(str(DEFAULT_MODEL), args.fraction, args.max_tokens, "bundled", args.backend)

@@ -33,7 +33,7 @@ def rank_run(model: str, capacity: float, max_tokens: int, warm: bool) -> dict:
 def _one_mode(model: str, capacity: float, max_tokens: int, warm: bool, seam: bool) -> dict:
     import od_moe
     from od_moe.distributed import seams
-    from od_moe.per_layer.governor import PrefetchSettings
+    from od_moe.prefetch.governor import PrefetchSettings
 
     engine = od_moe.load(model, capacity=capacity)
     # the governor's precision check only: its timed checks pause prefetch where it does not pay
@@ -108,7 +108,7 @@ def main():
     parser.add_argument("--workdir", default="/tmp/od-moe-bench")
     args = parser.parse_args()
     from od_moe.bench.widen import widen_model
-    from od_moe.model_files import DEFAULT_MODEL
+    from od_moe.storage.model_files import DEFAULT_MODEL
 
     model, label = str(DEFAULT_MODEL), "bundled"
     if args.widen:

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx_lm
 
 import od_moe
-from od_moe import stats
+from od_moe.accounting import ledger as stats
 from od_moe.bench.widen import widen_model
 
 NAMES = [

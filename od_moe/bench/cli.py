@@ -1,6 +1,6 @@
 """`od-moe bench`: arguments and the entry point. The default is the prefetch grid (`prefetch.py`: every
 policy side by side); `--foundation` runs the cache-only benchmark against stock mlx-lm (`foundation.py`);
-`--batch` many requests decoded together against stock mlx-lm's batches (`batching.py`); `--two-tier` the
+`--batch` many requests decoded together against stock mlx-lm's batches (`batch_speed.py`); `--two-tier` the
 two-tier mode against stock mlx-lm and its roofline (`two_tier_grid.py`), which `--gpu` runs after the
 prefetch grid. `--shape` builds a checkpoint of a real model's shapes (`real_shapes.py`) and says where it
 is; with `--two-tier` the two-tier grid runs on it alone."""
@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..capacity import parse_capacity
 from ..errors import UserError
-from ..model_files import DEFAULT_MODEL
+from ..memory.capacity import parse_capacity
+from ..storage.model_files import DEFAULT_MODEL
 from .real_shapes import NAMES as SHAPE_NAMES
 from .widen import DEFAULT_WORKDIR
 
@@ -147,7 +147,7 @@ def run(args):
             flag = "--" + alone.replace("_", "-")
             raise UserError(f"{flag} runs alone: leave out --foundation, --full, --gpu, --plot and --pack")
     if args.batch:
-        from .batching import run_batch_grid
+        from .batch_speed import run_batch_grid
 
         result = run_batch_grid(
             _batch_sizes(args), capacities, args.max_tokens, args.widen, Path(args.workdir), printer, rounds

@@ -31,7 +31,7 @@ from mlx_lm.generate import BatchGenerator
 
 from ..engine import DEFAULT_MODEL
 from . import client_process
-from .batching import batch_prompts
+from .batch_speed import batch_prompts
 from .clients import start_server
 from .foundation import stock_model
 

@@ -17,10 +17,11 @@ import mlx.core as mx
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 
-from .. import backend, load
-from ..capacity import budget_for, working_nbytes
+from .. import load
+from ..accounting.report import mb, table
 from ..engine import DEFAULT_MODEL
-from ..report import mb, table
+from ..memory import backend
+from ..memory.capacity import budget_for, working_nbytes
 from ..units import KB, MB
 from .widen import widen_model
 

@@ -3,7 +3,8 @@
 For each model, capacity, read temperature (cold: page cache dropped and every read made cold; warm), miss
 policy and prefetch policy, one run over the same prompts gives the decode demand hit rate, stall and
 bytes read per decoded token (demand and prefetch reads alike) next to what Belady's MIN would read for
-the same routing and capacity (`replay.py`, from the routing recorded in that run), decode tok/s and its
+the same routing and capacity (`caching/replay.py`, from the routing recorded in that run), decode tok/s and
+its
 ratio to the fully resident model (stock mlx-lm, measured in the same process), prefetch precision and
 back-offs, and for skip mode the share of tokens that equal the exact output. The oracle replays the
 routing recorded from an exact run of the same prompt. `--deterministic` makes every prefetch read land
@@ -20,17 +21,18 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import backend, load
+from .. import load
+from ..accounting.report import table
+from ..caching.replay import Tally, replay_recording
 from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR, model_layouts
 from ..errors import UserError
-from ..model_files import use_packed_experts
-from ..packed import default_path as default_packed_path
-from ..packed import pack as pack_experts
-from ..per_layer.governor import PrefetchSettings
+from ..memory import backend
 from ..predictor import load_predictor
-from ..replay import Tally, replay_recording
-from ..report import table
-from ..store import ExpertStore
+from ..prefetch.governor import PrefetchSettings
+from ..storage.model_files import use_packed_experts
+from ..storage.packed import default_path as default_packed_path
+from ..storage.packed import pack as pack_experts
+from ..storage.store import ExpertStore
 from ..units import KB, format_bytes
 from .foundation import PROMPTS, run_stock
 from .roofline import install_bandwidth, read_bandwidth, roofline_ms

@@ -35,9 +35,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
 from ..errors import UserError
-from ..mlx_lm_private import model_classes
-from ..model_files import DEFAULT_MODEL
-from ..routing import ROUTER_NAMES
+from ..model_surgery.mlx_lm_private import model_classes
+from ..model_surgery.routing import ROUTER_NAMES
+from ..storage.model_files import DEFAULT_MODEL
 from .real_widths import PADDED, Padding, pad_bundled
 from .shards import SHARD_BYTES, Tensor, raw, safetensors_dtype, write_checkpoint
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
-from ..model_files import DEFAULT_MODEL
+from ..storage.model_files import DEFAULT_MODEL
 from .shards import Tensor, raw, safetensors_dtype, write_checkpoint
 
 PADDED = "bundled-real-widths"

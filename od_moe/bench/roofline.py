@@ -18,12 +18,13 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .. import backend, load
+from .. import load
+from ..accounting.ledger import Ledger
 from ..engine import model_layouts
-from ..layout import ExpertRows, flat_rows
+from ..memory import backend
+from ..per_layer.per_layer_runtime import OffloadRuntime
 from ..per_layer.reader import Reader
-from ..per_layer.runtime import OffloadRuntime
-from ..stats import Ledger
+from ..storage.layout import ExpertRows, flat_rows
 
 DEPTHS = (1, 2, 4, 8)
 

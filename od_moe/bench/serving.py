@@ -15,7 +15,7 @@ client sees on each path.
 `ttft`: time to first token through the server, `--prompts` streamed greedy requests alone and arriving
 together, beside stock mlx-lm's floor (`first_token.py`); a table, then the JSON.
 All run the servers in this process on loopback ports (`clients.py`).
-Not here: `od-moe bench --batch` (`batching.py`: one batch at a time, no server).
+Not here: `od-moe bench --batch` (`batch_speed.py`: one batch at a time, no server).
 """
 
 import argparse
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..engine import DEFAULT_MODEL
 from ..server.schedule import ScheduleLog, replay
-from .batching import batch_prompts
+from .batch_speed import batch_prompts
 from .client_process import all_at_once
 from .clients import hang_up, post, post_stream, start_server
 from .first_token import ttft, ttft_table

@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..model_files import DEFAULT_MODEL
 from ..progress import byte_progress
+from ..storage.model_files import DEFAULT_MODEL
 
 SHARD_BYTES = 5 * 10**9
 RECORD = "od_moe_real_shape"  # the config.json key holding what a folder was built from

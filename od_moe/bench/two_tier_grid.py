@@ -1,5 +1,6 @@
 """The two-tier grid of `od-moe bench` (`--two-tier` alone, and after the prefetch grid with `--gpu`): how
-close to stock mlx-lm decoding gets when misses are read in place from host memory (`two_tier/runtime.py`),
+close to stock mlx-lm decoding gets when misses are read in place from host memory
+(`two_tier/two_tier_runtime.py`),
 and how close to the bound the machine sets.
 
 Per model (the bundled one, and the widened copy unless `--widen 0`) and per fraction of experts in device
@@ -18,7 +19,7 @@ fewer). The roofline is a bound: max(the resident step, stock's ms per token; mo
 two bandwidths measured here: one layer's computation reading every expert of the mapped stack in place,
 and a staged pass's copy of them to the device). On the CPU and
 Metal the stack is plain memory: the counts and tokens hold, the speeds are that machine's.
-Not here: the two-tier runtime (`two_tier/runtime.py`), the per-layer path's grid (`prefetch.py`).
+Not here: the two-tier runtime (`two_tier/two_tier_runtime.py`), the per-layer path's grid (`prefetch.py`).
 """
 
 import functools
@@ -30,12 +31,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import load
+from ..accounting.ledger import experts_moved
+from ..accounting.report import table
 from ..assembly import auto_tiers
-from ..preflight import inspect_model
-from ..replay import replay_recording
-from ..report import table
+from ..caching.replay import replay_recording
+from ..memory.preflight import inspect_model
 from ..runtime import TwoTierMode
-from ..stats import experts_moved
 from ..two_tier import slot_fill, staged_passes
 from ..two_tier.layer_step import TwoTierSwitch
 from ..units import MB

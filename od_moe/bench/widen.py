@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..layout import RAW_NUMPY_DTYPES
 from ..progress import byte_progress
-from ..store import ExpertStore
+from ..storage.layout import RAW_NUMPY_DTYPES
+from ..storage.store import ExpertStore
 
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "od-moe-bench"  # where the benchmarks keep widened copies
 EXPERT_PROJECTIONS = (".switch_mlp.gate_proj.", ".switch_mlp.up_proj.", ".switch_mlp.down_proj.")

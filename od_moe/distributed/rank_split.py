@@ -28,10 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from .. import backend
 from ..errors import RankLost, UserError
-from ..mlx_lm_private import BaseCache
-from ..routing import router_matrices
+from ..memory import backend
+from ..model_surgery.mlx_lm_private import BaseCache
+from ..model_surgery.routing import router_matrices
 from ..units import format_bytes
 from . import heartbeat
 

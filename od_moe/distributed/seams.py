@@ -16,7 +16,7 @@ prediction that comes once the layer has run is dropped (booked as late).
 Measured (`SeamReceiver.counts`, while `watch` is on: it adds one sync where the hidden state is received):
 of the reads asked for the first layer, how many had started when the hidden state came. Across more than
 two ranks the hub (rank 0) relays a seam message between two other ranks. Not here: the split
-(`rank_split.py`), what a policy predicts (`per_layer/policies.py`), reading (`per_layer/reader.py`).
+(`rank_split.py`), what a policy predicts (`prefetch/policies.py`), reading (`per_layer/reader.py`).
 """
 
 import threading
@@ -24,11 +24,11 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from ..model_surgery.routing import next_gate
 from ..per_layer.loader import Loader
 from ..per_layer.passes import Passes
-from ..per_layer.policies import NextGatePolicy, Prediction, Step, last_row, softmax_topk
-from ..per_layer.runtime import OffloadRuntime
-from ..routing import next_gate
+from ..per_layer.per_layer_runtime import OffloadRuntime
+from ..prefetch.policies import NextGatePolicy, Prediction, Step, last_row, softmax_topk
 
 
 class SeamSender:

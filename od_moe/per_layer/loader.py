@@ -10,8 +10,8 @@ Where the policy knows when each expert is needed next (`Passes.future`: the ora
 installs evict the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if
 it is needed no later than the one it would evict. Every read and install is booked in the ledger here,
 once. A demand read that fails raises `ExpertReadError` (nothing of it is installed); a failed prefetch is
-only dropped. Not here: when to read (`runtime.py`), the reader threads (`reader.py`), the slots'
-bookkeeping and arrays (`cache.py`, `slot_arrays.py`).
+only dropped. Not here: when to read (`per_layer_runtime.py`), the reader threads (`reader.py`), the slots'
+bookkeeping and arrays (`caching/layer_cache.py`, `caching/slot_arrays.py`).
 """
 
 import time
@@ -20,15 +20,15 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import backend
-from ..cache import Installed, LayerCache
+from ..accounting.ledger import Ledger
+from ..caching.layer_cache import Installed, LayerCache
 from ..errors import ExpertReadError
-from ..layout import ExpertRows
-from ..stats import Ledger
-from ..store import ExpertStore
-from .governor import Governor
+from ..memory import backend
+from ..prefetch.governor import Governor
+from ..prefetch.policies import Prediction
+from ..storage.layout import ExpertRows
+from ..storage.store import ExpertStore
 from .passes import Passes
-from .policies import Prediction
 from .reader import Read, Reader
 
 READ_BATCH = 16  # experts per read round at most...

@@ -24,7 +24,7 @@ waits as above.
 Bounded: rows in use or cooling take at most `max_bytes`; past that, reads use numpy staging and a copy,
 as before. `release` (the reader closing, or the rows collected) takes back the rows' memory hints, so
 MLX recycles their buffers as any other.
-Not here: reading (`store.py`), the read queue (`reader.py`), installing (`cache.py`).
+Not here: reading (`storage/store.py`), the read queue (`reader.py`), installing (`caching/layer_cache.py`).
 """
 
 import threading
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .. import backend
-from ..layout import BlockLayout, ExpertRows
+from ..memory import backend
+from ..storage.layout import BlockLayout, ExpertRows
 
 # about three decode passes of reads at 25% of the widened x128 model; with fewer rows more decode reads
 # went to copies and decode slowed (docs/GPU.md, "The per-layer path on CUDA")

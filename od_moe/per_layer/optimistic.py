@@ -19,7 +19,7 @@ passes with prefetch (removed)"), when `OffloadRuntime.optimistic` is set (by de
 device, a GPU: on the CPU backend a sync costs little and the second runs cost more than the syncs saved;
 docs/BENCHMARKS.md, "Investigations"); the runtime then decides from how often recent decode tokens missed
 (`may_run`).
-Not here: the per-layer path (`runtime.py`).
+Not here: the per-layer path (`per_layer_runtime.py`).
 """
 
 import mlx.core as mx

@@ -1,15 +1,16 @@
 """Where generation stands, as the per-layer path and its reads see it.
 
-`Passes` is moved forward by the runtime (`runtime.py`, one forward pass at a time) and read by the reads
+`Passes` is moved forward by the runtime (`per_layer_runtime.py`, one forward pass at a time) and read by the
+reads
 and installs (`loader.py`): the clock of cache uses (forward passes so far), the running pass's phase and
 index within its prompt (oracle traces are indexed by it), the layer `route` is at, the routing being
 recorded, and the prefetch policy, which may know when each expert is needed next (`future`). Not here:
-what a pass does (`runtime.py`), counting (`stats.py`).
+what a pass does (`per_layer_runtime.py`), counting (`accounting/ledger.py`).
 """
 
 import numpy as np
 
-from .policies import OnDemand
+from ..prefetch.policies import OnDemand
 
 
 class Passes:

@@ -19,7 +19,8 @@
 - `drain()`: wait until nothing is being read (with `synchronous` prefetch: reads then always arrive
   before the next layer runs, as on an infinitely fast disk; deterministic, for comparisons).
 Prefetch counts go to the ledger's reader fields (issued, completed, reader seconds, dropped).
-Not here: installing (`loader.py`), what to predict (`policies.py`) or how much (`governor.py`).
+Not here: installing (`loader.py`), what to predict (`prefetch/policies.py`) or how much
+(`prefetch/governor.py`).
 """
 
 import math
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..layout import BlockLayout, ExpertRows, flat_rows
-from ..stats import Ledger
-from ..store import ExpertStore
+from ..accounting.ledger import Ledger
+from ..storage.layout import BlockLayout, ExpertRows, flat_rows
+from ..storage.store import ExpertStore
 from .mlx_rows import GROW, MLXRows, Row
 
 MAX_INFLIGHT_BYTES = 32 * 2**20  # prefetched, read and not yet installed: bounds prefetch's staging memory

@@ -6,7 +6,7 @@ Not here: routing or generation (`app.py`, `worker.py`).
 import json
 import uuid
 
-from ..sampling import ANTHROPIC_MAX_TEMPERATURE
+from ..generation.sampling import ANTHROPIC_MAX_TEMPERATURE
 from .requests import ApiError, GenerationParams, parse_messages, parse_params
 
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}

@@ -25,10 +25,10 @@ import jinja2
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.serving import WSGIRequestHandler
 
-from ..drafts import CLI_DRAFT_TOKENS
 from ..errors import RankLost, UserError
-from ..preflight import engine_capabilities
-from ..sampling import vocab_size_of
+from ..generation.drafts import CLI_DRAFT_TOKENS
+from ..generation.sampling import vocab_size_of
+from ..memory.preflight import engine_capabilities
 from ..units import MB
 from . import anthropic, dashboard, guard, openai, ranks
 from .drafting import ServerDraft

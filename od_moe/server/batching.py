@@ -1,6 +1,7 @@
 """Continuous batching for the server: the requests decoding together on the generation thread.
 
-`RunningBatch` holds one mlx-lm `BatchGenerator` over the engine's model (as `od_moe/batch.py` does) and the
+`RunningBatch` holds one mlx-lm `BatchGenerator` over the engine's model (as
+`od_moe/generation/batch_generate.py` does) and the
 requests in it. Requests join between steps (`admit`), and leave when mlx-lm ends them (the token limit, an
 end-of-sequence token), when a stop string matches, or when their client goes away (`remove` at the next
 step). One step is one `BatchGenerator.next()`: a decode pass of every decoding sequence and, while the batch
@@ -30,10 +31,10 @@ from dataclasses import dataclass, field
 
 from mlx_lm.generate import BatchGenerator
 
-from .. import backend
-from ..capacity import experts_per_token
-from ..mlx_lm_private import pending_tokens
-from ..sampling import make_sampler, vocab_size_of
+from ..generation.sampling import make_sampler, vocab_size_of
+from ..memory import backend
+from ..memory.capacity import experts_per_token
+from ..model_surgery.mlx_lm_private import pending_tokens
 from .schedule import Join, ScheduleLog
 
 FINISHED_KEPT = 16  # completed requests whose figures /health keeps
@@ -358,7 +359,7 @@ class RunningBatch:
 
 # a step's decode counts, booked by the sequences it decoded: lookups (one per sequence and routed expert),
 # misses among them, experts read (once for the batch), and per pass: the distinct experts a layer's pass
-# routed to (the batch's union), over the layer passes whose routing was read (`stats.py`)
+# routed to (the batch's union), over the layer passes whose routing was read (`accounting/ledger.py`)
 BOOKED = ("lookups", "misses", "experts_read", "experts", "routings_read")
 
 

@@ -116,7 +116,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         "uptime_s": now - started,
         "status": worker.state(),
         "model": name,
-        "decode": {  # passes run one ahead of the tokens given out (stats.py); reads are per pass
+        "decode": {  # passes run one ahead of the tokens given out (accounting/ledger.py); reads are per pass
             "passes": passes,
             "generated_tokens": tokens,
             "lookups": decode["lookups"],
@@ -126,7 +126,9 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
             "stall_s": io["stall_s"],
             "bytes_per_pass": io["bytes_read"] / passes if passes else None,
             "stall_ms_per_pass": io["stall_s"] * 1e3 / passes if passes else None,
-            "experts_per_token": stats["experts_per_token"],  # read (in place) plus copied: stats.py
+            "experts_per_token": stats[
+                "experts_per_token"
+            ],  # read (in place) plus copied: accounting/ledger.py
             "experts_moved_as": stats["moved_as"],
         },
         "drafts": worker.drafting.figures(stats),

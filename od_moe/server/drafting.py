@@ -4,12 +4,13 @@ Loaded on the generation thread once the engine is (`drafts.prepare`: checked ag
 resident); with it requests run one at a time, as in mlx-lm's server (batching is off, said in one line at
 start), their prompt cache holding the target's KV caches and the draft's. A request may set
 `num_draft_tokens` (mlx-lm's server takes it), not pick another draft (`requests.check_draft`).
-Not here: drafting itself (`od_moe/drafts.py`, mlx-lm's loop), the one-at-a-time path (`one_at_a_time.py`).
+Not here: drafting itself (`od_moe/generation/drafts.py`, mlx-lm's loop), the one-at-a-time path
+(`one_at_a_time.py`).
 """
 
-from ..drafts import CLI_DRAFT_TOKENS, Draft, prepare
 from ..errors import UserError
-from ..prompt_lookup import PromptLookup
+from ..generation.drafts import CLI_DRAFT_TOKENS, Draft, prepare
+from ..generation.prompt_lookup import PromptLookup
 
 
 class ServerDraft:

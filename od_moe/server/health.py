@@ -138,13 +138,16 @@ def health_body(worker, name: str, started: float) -> dict:
             "experts_loaded": total.get("experts_loaded", 0),
             "evictions": total.get("evictions", 0),
             "miss_policy": stats.get("miss_policy"),
-            # decode passes run one ahead of the tokens given out (stats.py): never add one to the other
+            # decode passes run one ahead of the tokens given out (accounting/ledger.py): never add one to the
+            # other
             "prefill_positions": stats["positions"]["prefill"],
             "decode_passes": stats["passes"]["decode"],
             "decode_positions": stats["positions"]["decode"],
             "generated_tokens": stats["generated_tokens"],
             "decode_per_pass": stats["per_pass"]["decode"],
-            "experts_per_token": stats["experts_per_token"],  # decode's, per generated token (stats.py)
+            "experts_per_token": stats[
+                "experts_per_token"
+            ],  # decode's, per generated token (accounting/ledger.py)
             "experts_moved_as": stats["moved_as"],
         },
         "drafts": worker.drafting.figures(stats),

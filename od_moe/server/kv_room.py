@@ -7,7 +7,7 @@ may generate, counted in mlx-lm's steps of `KV_STEP` tokens. A request that coul
 is a 400 that names the limit; one that fits once others end is a 503 with `Retry-After`; the server keeps
 serving either way. Where the device computes in host memory (the CPU, Metal) there is no such room:
 memory grows as mlx-lm's does, and `batching.fitting_batch` bounds the batch.
-Not here: the budget's arithmetic (`capacity.py`), the generation thread (`worker.py`).
+Not here: the budget's arithmetic (`memory/capacity.py`), the generation thread (`worker.py`).
 """
 
 import threading

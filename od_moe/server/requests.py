@@ -8,7 +8,7 @@ import math
 import reprlib
 from dataclasses import dataclass, field
 
-from ..sampling import MAX_SEED, OPENAI_MAX_TEMPERATURE, out_of_range
+from ..generation.sampling import MAX_SEED, OPENAI_MAX_TEMPERATURE, out_of_range
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_DRAFT_TOKENS = 64  # a request's num_draft_tokens: more drafts a pass than any draft model gets accepted

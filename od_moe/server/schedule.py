@@ -24,7 +24,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import trim_prompt_cache
 
-from .. import backend
+from ..memory import backend
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 from flask import Flask, jsonify
 
 from ..errors import ExpertReadError, RankLost, StartFailed, UserError
-from ..model_files import DEFAULT_MODEL
+from ..storage.model_files import DEFAULT_MODEL
 from . import guard
 from .requests import ApiError
 

@@ -15,7 +15,7 @@ Not here: `serve`.
 
 import time
 
-from ..batch import batch_generate
+from ..generation.batch_generate import batch_generate
 from .batching import prefill_batch_size
 
 PROMPT = "def add(a, b):\n    return"

@@ -2,7 +2,8 @@
 are read in place from host memory by the kernels that need them, hits computed on device slots, and no
 pass waits for the host.
 
-- `runtime.py`: `TwoTierRuntime` and `build`: the stacks, the tables, the passes and what is booked of
+- `two_tier_runtime.py`: `TwoTierRuntime` and `build`: the stacks, the tables, the passes and what is booked
+of
   them; `layer_step.py`: what the mode puts into the model, and a layer's pass of one position as one
   compiled call (`Plan`);
 - `mapped.py`: every expert of a layer in host memory, as MLX arrays the GPU reads in place;
@@ -14,6 +15,7 @@ pass waits for the host.
 - `kernels.py`: every CUDA kernel source of the path (slot fills, device-kept rows, staged passes).
 
 On the CPU and Metal the same code runs on plain memory (the tests run it there). Not here: choosing the
-path (`od_moe/assembly.py`), reading experts from the model's files (`store.py`), the slots' bookkeeping
-(`cache.py`), the per-layer path (`od_moe/per_layer/`).
+path (`od_moe/assembly.py`), reading experts from the model's files (`storage/store.py`), the slots'
+bookkeeping
+(`caching/layer_cache.py`), the per-layer path (`od_moe/per_layer/`).
 """

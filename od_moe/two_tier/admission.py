@@ -1,6 +1,7 @@
 """Which experts deserve a device slot in two-tier mode: decayed routing counts and the swaps they justify.
 
-In two-tier mode (`runtime.py`) a miss is read in place from host memory and costs about a third of what
+In two-tier mode (`two_tier_runtime.py`) a miss is read in place from host memory and costs about a third of
+what
 copying the expert into a slot costs (docs/GPU.md, "Slots and admission"). So a slot is worth filling only for
 an expert used a few more times while it stays than the expert it replaces: the cache is an admission problem,
 not an eviction one.

@@ -9,7 +9,7 @@ made at the start, kept in host memory for the device to read in place (`backend
 through numpy views. An array is written again only once what the device made from it last time is
 computed (`used_by`, waited for with `mx.eval`, which returns at once when it is), so no read sees a
 half-written value. On the CPU and Metal the arrays are plain memory and the same code runs.
-Not here: what the values mean (`runtime.py`, `slot_fill.py`).
+Not here: what the values mean (`two_tier_runtime.py`, `slot_fill.py`).
 """
 
 import weakref
@@ -17,7 +17,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from .. import backend, cuda
+from ..memory import backend, cuda
 
 
 class HostRing:

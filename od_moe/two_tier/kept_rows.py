@@ -1,7 +1,8 @@
 """Rows kept by the device in two-tier mode: a layer's misses copied into its least recently used rows
 before it reads them, and experts predicted for a layer copied there while earlier layers compute.
 
-Two-tier mode (`runtime.py`) reads a miss in place, from host memory, inside the kernel that needs it,
+Two-tier mode (`two_tier_runtime.py`) reads a miss in place, from host memory, inside the kernel that needs
+it,
 so its bytes cross PCIe after the layers before it and add to the pass's time. Here each MoE layer has
 S more device rows after its C slots (stack rows E+C .. E+C+S-1). During a decode pass, at a source
 layer some layers before a target, the predictor (the shadow network, or next-gate: the target's router
@@ -22,13 +23,13 @@ bytes, never a wrong token (an expert not copied is read in place, as before).
 On the CPU (and Metal) the stacks are host memory and no kernel runs: `plan` decides in numpy what the
 kernel decides, after waiting for the prediction, and writes the rows through numpy views, so the same
 tables and rows are exercised by the tests. Not here: the kernel's CUDA source (`kernels.py`), the slots
-and their admission (`runtime.py`), the forecasts (`forecast.py`).
+and their admission (`two_tier_runtime.py`), the forecasts (`forecast.py`).
 """
 
 import mlx.core as mx
 import numpy as np
 
-from .. import cuda
+from ..memory import cuda
 from . import slot_fill
 from .kernels import FUSED_OUTPUTS, KEPT_ROWS_INPUTS, KEPT_ROWS_OUTPUTS, THREADS, kept_rows_source, row_units
 from .layer_step import Plan

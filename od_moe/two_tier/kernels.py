@@ -23,7 +23,8 @@ looked up each lane's row in the table, copied the rows, and counted its hits in
 the copy; here the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block
 writes the lane's hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows`
 copies, so the layer's products and tokens are unchanged.
-Not here: when each kernel runs and what its copies are for (`runtime.py`, `slot_fill.py`, `kept_rows.py`,
+Not here: when each kernel runs and what its copies are for (`two_tier_runtime.py`, `slot_fill.py`,
+`kept_rows.py`,
 `staged_passes.py`).
 """
 

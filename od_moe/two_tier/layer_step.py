@@ -13,7 +13,7 @@ gives besides the hidden state (tables, the rows' state, hits) is a `Plan`, made
 and pass: the host's decisions stay outside the compiled call, the arrays go in and out of it. Each layer's
 pass enters the runtime once (`TwoTierRuntime.layer_pass`, from the block, else the switch) and computes in
 a `LayerPass`, which hands the routed ids back to the runtime; a compiled block's trace in a `Trace`.
-Not here: what the lanes read and what is kept of their outputs (`runtime.py`, `kept_rows.py`,
+Not here: what the lanes read and what is kept of their outputs (`two_tier_runtime.py`, `kept_rows.py`,
 `staged_passes.py`).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..switch import switch_on
+from ..model_surgery.switch_over import switch_on
 
 
 @dataclass

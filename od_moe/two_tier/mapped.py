@@ -7,7 +7,7 @@ the CPU backend), adds C rows after the last expert (the layer's device slots: o
 computed once, by one `gather_qmm`, whichever tier holds its expert), writing them into the arrays' own
 host memory, and asks the backend to keep its experts in host memory for the device and its slot rows in
 device memory (`backend.map_for_device`). On the CPU and Metal that is plain memory and the same code runs.
-Not here: the forward math, filling the slots or admission (`runtime.py`).
+Not here: the forward math, filling the slots or admission (`two_tier_runtime.py`).
 """
 
 import math
@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from .. import backend, cuda
-from ..layout import BlockLayout, ExpertRows
-from ..slot_arrays import SAME_BYTES, host_bits
-from ..store import ExpertStore
+from ..caching.slot_arrays import SAME_BYTES, host_bits
+from ..memory import backend, cuda
+from ..storage.layout import BlockLayout, ExpertRows
+from ..storage.store import ExpertStore
 
 READ_BATCH_BYTES = 64 * 2**20  # one read of a layer's experts (its staging, where it has one)
 LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))  # reads and CPU streams filling the stacks at once

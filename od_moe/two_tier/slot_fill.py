@@ -1,7 +1,8 @@
 """Filling two-tier slots on CUDA with no wait: a kernel on MLX's stream copies experts from their host rows
 into slot rows of the same stack.
 
-Two-tier mode (`runtime.py`) keeps a layer's slots as the last rows of its stack. MLX writes an array in
+Two-tier mode (`two_tier_runtime.py`) keeps a layer's slots as the last rows of its stack. MLX writes an array
+in
 place only when nothing else holds it, so its own slice update must first wait for the passes in flight
 (`mx.synchronize`) and then costs two operations per weight array. Here one custom kernel per weight array
 (`mx.fast.cuda_kernel`, its source in `kernels.py`) reads each expert's host row over PCIe and writes its
@@ -12,13 +13,14 @@ state), and the layer's expert-to-row table for this pass is made from the kerne
 computation reads a slot before its copy landed.
 Only where MLX runs on CUDA; elsewhere (and before the first pass) MLX writes the stacks after a wait
 (`write_after_wait`).
-Not here: which experts to copy (`admission.py`), the tables and the caches' bookkeeping (`runtime.py`).
+Not here: which experts to copy (`admission.py`), the tables and the caches' bookkeeping
+(`two_tier_runtime.py`).
 """
 
 import mlx.core as mx
 import numpy as np
 
-from .. import backend
+from ..memory import backend
 from .host_ring import HostRing
 from .kernels import THREADS, slot_fill_source, slot_fill_unit
 

@@ -2,7 +2,8 @@
 it routes to, so that each expert missing from the slots crosses PCIe once per pass, not once per lane.
 
 mlx-lm's switch computes every routed lane apart: CUDA's `gather_qmm` runs one product per lane, each reading
-its expert's rows. Read in place from host memory (`runtime.py`), a miss therefore crosses PCIe once for
+its expert's rows. Read in place from host memory (`two_tier_runtime.py`), a miss therefore crosses PCIe once
+for
 every lane routed to it, and a prompt of 512 tokens reads each of a layer's missing experts dozens of times,
 so prefill ran at a small fraction of stock's speed (`docs/GPU.md`, "Staged passes"). A staged pass first
 copies, on the device, every expert the pass routes to
@@ -14,7 +15,7 @@ bytes. Staging pays where a pass has several positions (prefill, batches: `STAGE
 decode pass too where no expert is in a device row and experts are large (`positions_to_stage`). The copy
 lives until the layer's products are computed: min(E, lanes) experts of device memory at a time, beyond
 the slots.
-Not here: the tables and slots the rows come from (`runtime.py`), the copies' CUDA kernels
+Not here: the tables and slots the rows come from (`two_tier_runtime.py`), the copies' CUDA kernels
 (`kernels.py`), the products' own reads (mlx-lm).
 """
 

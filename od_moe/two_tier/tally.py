@@ -1,6 +1,7 @@
 """Routing counts kept on the device in two-tier mode, read by the host a few passes late, never waited for.
 
-A two-tier pass (`runtime.py`) never learns its routing on the host. What the host needs of it, how often
+A two-tier pass (`two_tier_runtime.py`) never learns its routing on the host. What the host needs of it, how
+often
 each expert was routed (admission) and how many routed lanes found their expert in a slot (the ledger's
 hits), is added up on the device by each pass: one scatter-add of the pass's expert ids into a
 (layers x experts) count and one of its hit lanes into a (phases x layers) count, both lazy, built into the
@@ -12,7 +13,7 @@ Lookups need no device data (a layer's lane count is its ids' shape) and are boo
 `record_routing`'s routing is kept the same way (`RoutingRecord`): each pass's ids stacked on the device,
 read by the host when the ledger is settled; and the device-kept rows' copies and hit lanes
 (`RunningCounts`), running sums each of their kernel calls carries on.
-Not here: what the counts decide (`admission.py`), the ledger itself (`stats.py`).
+Not here: what the counts decide (`admission.py`), the ledger itself (`accounting/ledger.py`).
 """
 
 from collections import deque
@@ -20,7 +21,7 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 
-from ..stats import PHASES
+from ..accounting.ledger import PHASES
 
 LAG = 3  # a pass this many passes back is done when the next is built in mlx-lm's pipelined loop
 

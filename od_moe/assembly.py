@@ -28,7 +28,7 @@ from .memory.capacity import (
 from .model_surgery.moe_blocks import MoEBlock, weight_nbytes
 from .model_surgery.routing import tap_router
 from .per_layer.offloaded_switch import OffloadedSwitch
-from .per_layer.per_layer_runtime import MISS_POLICIES, OffloadRuntime
+from .per_layer.per_layer_runtime import MISS_POLICIES, PerLayerRuntime
 from .per_layer.reader import read_threads_for
 from .progress import byte_progress
 from .runtime import Runtime, TwoTierMode
@@ -235,7 +235,7 @@ def build_runtime(
         nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
         with byte_progress("mapping experts", nbytes) as bar:
             return build_two_tier(store, blocks, caches, bar, device_lru=mode is TwoTierMode.LRU)
-    runtime = OffloadRuntime(store, caches, miss_policy, read_threads)
+    runtime = PerLayerRuntime(store, caches, miss_policy, read_threads)
     for i, block in enumerate(blocks):
         block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
     if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output

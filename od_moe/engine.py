@@ -45,7 +45,7 @@ from .memory.capacity import kv_nbytes_per_token
 from .model_surgery.moe_blocks import find_moe_blocks, offloadable_blocks, top_k_of
 from .model_surgery.routing import router_matrices, router_of, tap_router
 from .per_layer.optimistic import OptimisticModel
-from .per_layer.per_layer_runtime import OffloadRuntime
+from .per_layer.per_layer_runtime import PerLayerRuntime
 from .prefetch import governor
 from .prefetch.governor import PrefetchSettings
 from .prefetch.policies import make_policy
@@ -82,7 +82,7 @@ class Engine:
         self.runtime = runtime  # first: `close` needs it
         self.model = model
         # what mlx-lm's generation loop calls: on the per-layer path, with optimistic decode passes
-        self.forward = OptimisticModel(model, runtime) if isinstance(runtime, OffloadRuntime) else model
+        self.forward = OptimisticModel(model, runtime) if isinstance(runtime, PerLayerRuntime) else model
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.moe_blocks = moe_blocks  # the modules that hold each MoE layer's router and switch, in order
@@ -116,7 +116,7 @@ class Engine:
     @property
     def miss_policy(self) -> str:
         """The per-layer path's, "load" (exact) or "skip"; two tiers compute every miss exactly ("load")."""
-        return self.runtime.miss_policy if isinstance(self.runtime, OffloadRuntime) else "load"
+        return self.runtime.miss_policy if isinstance(self.runtime, PerLayerRuntime) else "load"
 
     def routers(self) -> tuple:
         """The model's routers as dense float32 weights (L, E, H) and biases (L, E)."""
@@ -264,7 +264,7 @@ class Engine:
                 f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
             )
         chosen = seams.attach(self, make_policy(policy, self, oracle_trace))  # across ranks: the seam too
-        if policy == "predictor" and isinstance(self.runtime, OffloadRuntime):  # router outputs
+        if policy == "predictor" and isinstance(self.runtime, PerLayerRuntime):  # router outputs
             self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
         predicts = policy in ("next-gate", "predictor", "oracle")
         self.runtime.set_policy(chosen, (settings or PrefetchSettings()) if predicts else None, self.top_k)
@@ -287,7 +287,7 @@ class Engine:
         ledger = runtime.ledger.snapshot()
         layers = layer_rows(ledger, self.caches)
         prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
-        per_layer = runtime if isinstance(runtime, OffloadRuntime) else None  # prefetch, optimistic passes
+        per_layer = runtime if isinstance(runtime, PerLayerRuntime) else None  # prefetch, optimistic passes
         device_lru = isinstance(runtime, TwoTierRuntime) and runtime.device_lru  # slots kept by the device
         if per_layer is None or per_layer.governor is None:
             prefetch.update(pending=0, **governor.OFF)

@@ -41,7 +41,7 @@ class TwoTierMode(enum.Enum):
 
 class Runtime(Protocol):
     """What the engine, snapshots, the server and the bench use of a runtime, on either path
-    (`per_layer.per_layer_runtime.OffloadRuntime`,
+    (`per_layer.per_layer_runtime.PerLayerRuntime`,
     `two_tier.two_tier_runtime.TwoTierRuntime`): each member means the same on
     both. What one path alone has (the per-layer path's prefetch, governor, miss policy and optimistic
     passes; two tiers' admission, device rows and plans) is that runtime's own: a caller that needs it

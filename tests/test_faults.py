@@ -220,14 +220,14 @@ def test_the_server_fails_the_request_reports_it_and_serves_the_next_exactly(mon
 def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request(
     monkeypatch, bundled_reference
 ):
-    """A decode layer split in two rounds (`OffloadRuntime._split`) whose missing experts cannot be read:
+    """A decode layer split in two rounds (`PerLayerRuntime._split`) whose missing experts cannot be read:
     its resident experts are already computing; the request fails with the read's error, nothing of the
     read is installed, and the engine serves stock tokens once the file reads again."""
     from od_moe.per_layer import per_layer_runtime as runtime_module
 
     engine = od_moe.load(capacity="25%", prefetch="none")
     engine.runtime.split_on_miss = True
-    failed_in_split, real_split = [], runtime_module.OffloadRuntime._split
+    failed_in_split, real_split = [], runtime_module.PerLayerRuntime._split
 
     def split(self, *args, **kwargs):
         try:
@@ -236,7 +236,7 @@ def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request
             failed_in_split.append(self.passes.phase)
             raise
 
-    monkeypatch.setattr(runtime_module.OffloadRuntime, "_split", split)
+    monkeypatch.setattr(runtime_module.PerLayerRuntime, "_split", split)
     with monkeypatch.context() as failing:
         _fail_reads(failing, lambda layout, ids: engine.runtime.passes.phase == "decode")
         with pytest.raises(ExpertReadError, match="Input/output error"):

@@ -22,7 +22,7 @@ from .. import load
 from ..accounting.ledger import Ledger
 from ..engine import model_layouts
 from ..memory import backend
-from ..per_layer.per_layer_runtime import OffloadRuntime
+from ..per_layer.per_layer_runtime import PerLayerRuntime
 from ..per_layer.reader import Reader
 from ..storage.layout import ExpertRows, flat_rows
 
@@ -73,7 +73,7 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
         staging = ExpertRows(cache.layout, experts)
         raws[int(ids[0])] = store.read(cache.layout, ids, staging)
     runtime = engine.runtime
-    copied = isinstance(runtime, OffloadRuntime) and runtime.loader.copy_installs
+    copied = isinstance(runtime, PerLayerRuntime) and runtime.loader.copy_installs
     made = not copied  # MLX writes from arrays the reader threads make (CUDA)
     seconds = 0.0
     for n, ids in enumerate(batches):

@@ -182,7 +182,7 @@ def replay_layers(
 def replay_recording(
     recording: list[dict[int, np.ndarray]], capacity: int, rule: str, horizon: int | None = None
 ) -> Tally:
-    """An engine's recording (`OffloadRuntime.stop_recording`: per pass, {layer: ids (tokens, k)}) from
+    """An engine's recording (`PerLayerRuntime.stop_recording`: per pass, {layer: ids (tokens, k)}) from
     empty caches, counting decode passes (one token) only, summed over layers."""
     layers = sorted({layer for p in recording for layer in p})
     decode = [next(iter(p.values())).shape[0] == 1 if p else False for p in recording]

@@ -27,7 +27,7 @@ import numpy as np
 from ..model_surgery.routing import next_gate
 from ..per_layer.loader import Loader
 from ..per_layer.passes import Passes
-from ..per_layer.per_layer_runtime import OffloadRuntime
+from ..per_layer.per_layer_runtime import PerLayerRuntime
 from ..prefetch.policies import NextGatePolicy, Prediction, Step, last_row, softmax_topk
 
 
@@ -117,7 +117,7 @@ def attach(engine, policy):
     predictions the rank before sends (`engine.seam_receiver`). One process, or two tiers (which read
     nothing ahead): `policy` itself."""
     stage, runtime = engine.stage, engine.runtime
-    if stage is None or not isinstance(runtime, OffloadRuntime):
+    if stage is None or not isinstance(runtime, PerLayerRuntime):
         return policy
     supervisor = stage.supervisor
     if stage.rank < stage.size - 1 and engine.seam_receiver is None:

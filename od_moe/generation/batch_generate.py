@@ -1,7 +1,7 @@
 """Many prompts decoded together: mlx-lm's `BatchGenerator` run over an od-moe engine's model.
 
 A decode pass of a batch computes one new token for every running sequence. Each MoE layer sees the whole
-batch's routing at once (`OffloadRuntime.route` with one row per sequence), so it looks up the union of
+batch's routing at once (`PerLayerRuntime.route` with one row per sequence), so it looks up the union of
 the sequences' experts, reads each missing expert once for all of them, and computes in rounds where the
 union is larger than the layer's slots. The arithmetic is mlx-lm's own (left-padded batch KV caches, a
 sampler per sequence), so in exact mode the tokens are those `mlx_lm.batch_generate` gives with every

@@ -9,7 +9,7 @@ experts, and on Metal, whose GPU shares the host's memory.
 
 - `offloaded_switch.py`: `OffloadedSwitch`, what replaces each MoE block's `switch_mlp`: the expert math over
   the slots `route` returns;
-- `per_layer_runtime.py`: `OffloadRuntime`, what happens at every MoE layer between routing and the expert
+- `per_layer_runtime.py`: `PerLayerRuntime`, what happens at every MoE layer between routing and the expert
   math; `passes.py`, where generation stands (the clock the runtime and its reads share);
 - `loader.py`: demand reads and installs, prefetches queued and installed;
 - `reader.py`, `mlx_rows.py`: the read queue and its threads; on CUDA, the rows of MLX memory reads land in;

@@ -128,7 +128,7 @@ class Loader:
         are waited for, not read twice. `computing`: the layer computes next in this pass, on these
         installs (the routing path), so their staging rows are free after a later layer's sync.
         `synchronize=False`: nothing in flight reads the slots these installs may take
-        (`OffloadRuntime._split`)."""
+        (`PerLayerRuntime._split`)."""
         ids = np.asarray(ids, dtype=np.int64)
         chunk = self.read_chunk(cache)
         keep = list(protect) + ids.tolist()

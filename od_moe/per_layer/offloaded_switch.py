@@ -2,7 +2,7 @@
 
 mlx-lm's own `SwitchGLU`/`SwitchMLP` instance (`inner`) still does the math; its projections hold C stacked
 slots instead of E experts. Once per layer the switch asks the runtime for the slots of the routed experts
-(`OffloadRuntime.route`) and computes on them. When a layer needs more distinct experts than it has slots (a
+(`PerLayerRuntime.route`) and computes on them. When a layer needs more distinct experts than it has slots (a
 batch, or a long prefill chunk, at a small capacity), the route carries the stacks to compute on instead:
 the slots followed by the experts that did not fit, in one computation. After a layer whose routing the host
 waited for, its computation is started at once (`mx.async_eval`), so the device works while the next layer

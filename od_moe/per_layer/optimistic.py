@@ -5,7 +5,7 @@ round trip per layer, which a fast GPU pays in full (its next kernels are launch
 When recent tokens rarely missed, `OptimisticModel` runs a decode pass without those syncs:
 1. Every partly resident layer computes on its lookup table (an absent expert computes on slot 0: a wrong
    but finite result) and leaves a lazy flag saying whether any routed expert was absent
-   (`OffloadRuntime.route`, while `runtime.speculative` collects them).
+   (`PerLayerRuntime.route`, while `runtime.speculative` collects them).
 2. The flags are read once, with the logits (`_first_miss`). None set: the pass stands,
    and its lookups are booked (and recorded, where the routing is being recorded) as exact mode books
    them.
@@ -15,7 +15,7 @@ When recent tokens rarely missed, `OptimisticModel` runs a decode pass without t
    The tokens, and with the on-demand policy every count, are those of exact mode.
 Used for single-token passes with trimmable KV caches, while no prefetch runs (prefetching from such passes
 waited for reads with the device idle, lost to a sync per layer, and was removed: docs/GPU.md, "Optimistic
-passes with prefetch (removed)"), when `OffloadRuntime.optimistic` is set (by default where a sync stalls the
+passes with prefetch (removed)"), when `PerLayerRuntime.optimistic` is set (by default where a sync stalls the
 device, a GPU: on the CPU backend a sync costs little and the second runs cost more than the syncs saved;
 docs/BENCHMARKS.md, "Investigations"); the runtime then decides from how often recent decode tokens missed
 (`may_run`).

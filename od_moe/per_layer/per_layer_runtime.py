@@ -1,4 +1,4 @@
-"""The offload runtime: what happens at every MoE layer between routing and the expert math.
+"""The per-layer runtime: what happens at every MoE layer between routing and the expert math.
 
 Every `OffloadedSwitch` of a model calls `route(layer, x, indices)` once per forward pass and computes on
 the slots it gets back. One decoded token, top to bottom:
@@ -66,7 +66,7 @@ class Route(NamedTuple):
     lanes: np.ndarray | None = None
 
 
-class OffloadRuntime:
+class PerLayerRuntime:
     """The per-layer path behind every `OffloadedSwitch` of one model (see the module docstring)."""
 
     def __init__(

@@ -135,7 +135,7 @@ def main(argv=None):
                 "stock x tok/s",
             ],
             rows,
-            title=f"{engine.model_path.name} at {args.capacity}, {engine.mode[0]}, {args.tokens} tokens, "
+            title=f"{engine.model_path.name} at {args.capacity}, {engine.mode.path}, {args.tokens} tokens, "
             f"k = {args.k}, {args.rounds} rounds, drafts from "
             f"{args.draft_model or 'prompt lookup'}",
         )

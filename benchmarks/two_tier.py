@@ -122,7 +122,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     finally:
         od_moe.assembly.build_two_tier = build
     load_s = time.perf_counter() - t0
-    two_tier = engine.mode[0] == "two-tier"
+    two_tier = engine.mode.tiered
     if two_tier and not BUS:  # once a process, on its first two-tier engine
         BUS.update(bus_bandwidth(engine))
     if "ahead" in ahead:
@@ -176,7 +176,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
         "row": label,
-        "mode": engine.mode[0],
+        "mode": engine.mode.path,
         "capacity": engine.capacity,
         "stock_tok_s": statistics.median(s for s, _ in speeds),
         "tok_s": statistics.median(t for _, t in speeds),

@@ -10,8 +10,9 @@ what either runtime does per layer (`per_layer/per_layer_runtime.py`, `two_tier/
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from . import per_layer, two_tier
 from .caching.layer_cache import EVICTION_POLICIES, LayerCache
 from .errors import UserError
 from .memory import backend
@@ -26,15 +27,14 @@ from .memory.capacity import (
     working_nbytes,
 )
 from .model_surgery.moe_blocks import MoEBlock, weight_nbytes
-from .model_surgery.routing import tap_router
-from .per_layer.offloaded_switch import OffloadedSwitch
-from .per_layer.per_layer_runtime import MISS_POLICIES, PerLayerRuntime
+from .per_layer.per_layer_runtime import MISS_POLICIES
 from .per_layer.reader import read_threads_for
+from .per_layer.settings import PerLayerSettings
 from .progress import byte_progress
 from .runtime import Runtime, TwoTierMode
 from .storage.store import ExpertStore
+from .two_tier.settings import TwoTierSettings
 from .two_tier.staged_passes import positions_to_stage
-from .two_tier.two_tier_runtime import build as build_two_tier
 
 
 def check_policies(miss_policy: str, eviction: str):
@@ -227,22 +227,47 @@ def say(line: str):
 
 
 def build_runtime(
-    store, blocks, caches, mode: TwoTierMode, miss_policy: str, read_threads: int, across_ranks: bool = False
+    store,
+    blocks,
+    caches,
+    mode: TwoTierMode,
+    why: str,
+    settings: PerLayerSettings | TwoTierSettings,
+    across_ranks: bool = False,
 ) -> Runtime:
-    """The runtime behind every MoE block's new switch: two tiers, or the per-layer path (`across_ranks`:
-    a rank of a pipeline over processes, `distributed/`)."""
+    """The runtime behind every MoE block's new switch, built by its path from `settings` (`path_settings`):
+    two tiers (`two_tier.build`), or the per-layer path (`per_layer.build`; `across_ranks`: a rank of a
+    pipeline over processes, `distributed/`, where a pass run again would send and receive again)."""
     if mode.tiered:
+        assert isinstance(settings, TwoTierSettings)
+        settings = replace(settings, kept_by_device=mode is TwoTierMode.LRU, mode_reason=why)
         nbytes = sum(c.layout.expert_nbytes * c.num_experts for c in caches)
         with byte_progress("mapping experts", nbytes) as bar:
-            return build_two_tier(store, blocks, caches, bar, device_lru=mode is TwoTierMode.LRU)
-    runtime = PerLayerRuntime(store, caches, miss_policy, read_threads)
-    for i, block in enumerate(blocks):
-        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
-    if miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
-        runtime.taps = [tap_router(b.block) for b in blocks]
-    if across_ranks:
-        runtime.optimistic = False  # a pass run again would send and receive again
-    return runtime
+            return two_tier.build(store, blocks, caches, settings, bar)
+    assert isinstance(settings, PerLayerSettings)
+    settings = replace(settings, mode_reason=why, optimistic=False if across_ranks else settings.optimistic)
+    return per_layer.build(store, blocks, caches, settings)
+
+
+def settings_for_path(
+    mode: TwoTierMode, given, miss_policy: str, read_threads: int
+) -> PerLayerSettings | TwoTierSettings:
+    """The settings of the path `mode` runs: `given` (`load`'s `path_settings`) where it is that path's, with
+    `load`'s own miss policy and read threads on the per-layer path; a UserError where they are the other
+    path's."""
+    if given is not None and not isinstance(given, PerLayerSettings | TwoTierSettings):
+        raise UserError(
+            f"path_settings must be PerLayerSettings or TwoTierSettings, got {type(given).__name__}"
+        )
+    wanted = TwoTierSettings if mode.tiered else PerLayerSettings
+    if given is not None and not isinstance(given, wanted):
+        raise UserError(
+            f"path_settings are {type(given).__name__}, but the {mode.path} path runs: give "
+            f"{wanted.__name__}, or two_tier={TwoTierMode.OFF.argument if mode.tiered else True!r}"
+        )
+    if mode.tiered:
+        return given or TwoTierSettings()
+    return replace(given or PerLayerSettings(), miss_policy=miss_policy, read_threads=read_threads)
 
 
 def attach_predictor(engine, predictor):

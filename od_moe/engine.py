@@ -34,6 +34,7 @@ from .assembly import (
     place_experts,
     read_threads_of,
     say,
+    settings_for_path,
 )
 from .caching.layer_cache import LayerCache
 from .distributed import rank_split, seams
@@ -43,14 +44,12 @@ from .generation.sampling import make_sampler, vocab_size_of
 from .memory import backend
 from .memory.capacity import kv_nbytes_per_token
 from .model_surgery.moe_blocks import find_moe_blocks, offloadable_blocks, top_k_of
-from .model_surgery.routing import router_matrices, router_of, tap_router
-from .per_layer.optimistic import OptimisticModel
-from .per_layer.per_layer_runtime import PerLayerRuntime
-from .prefetch import governor
+from .model_surgery.routing import router_matrices, router_of
+from .per_layer.settings import PerLayerSettings
 from .prefetch.governor import PrefetchSettings
 from .prefetch.policies import make_policy
 from .progress import byte_progress
-from .runtime import Runtime
+from .runtime import Runtime, TwoTierMode
 from .storage.layout import BlockLayout
 from .storage.model_files import (  # noqa: F401 (imported from here elsewhere)
     DEFAULT_MODEL,
@@ -62,7 +61,7 @@ from .storage.model_files import (  # noqa: F401 (imported from here elsewhere)
     resolve_model_path,
 )
 from .storage.store import ExpertStore
-from .two_tier.two_tier_runtime import TwoTierRuntime
+from .two_tier.settings import TwoTierSettings
 
 
 class Engine:
@@ -82,7 +81,7 @@ class Engine:
         self.runtime = runtime  # first: `close` needs it
         self.model = model
         # what mlx-lm's generation loop calls: on the per-layer path, with optimistic decode passes
-        self.forward = OptimisticModel(model, runtime) if isinstance(runtime, PerLayerRuntime) else model
+        self.forward = runtime.generation_model(model)
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.moe_blocks = moe_blocks  # the modules that hold each MoE layer's router and switch, in order
@@ -95,7 +94,6 @@ class Engine:
         self.capacity_choice = None  # where a device budget chose the slots: what and why (`load`)
         self.device_budget = None  # ((bytes, where from), Context) where the device has memory of its own
         self.kv_nbytes_per_token = 0  # KV cache a token of context takes (`capacity.kv_nbytes_per_token`)
-        self.mode = ("per-layer", "")  # which path runs ("per-layer" or "two-tier") and why
         self._routers = None
         self.max_positions = max_positions(model_path)
         self.stage = None  # this rank's part of a pipeline over several processes (`rank_split.Stage`)
@@ -116,7 +114,17 @@ class Engine:
     @property
     def miss_policy(self) -> str:
         """The per-layer path's, "load" (exact) or "skip"; two tiers compute every miss exactly ("load")."""
-        return self.runtime.miss_policy if isinstance(self.runtime, PerLayerRuntime) else "load"
+        return self.runtime.miss_policy
+
+    @property
+    def mode(self) -> TwoTierMode:
+        """Which path runs (`mode.path`: "per-layer" or "two-tier"); `mode_reason` says why."""
+        return self.runtime.mode
+
+    @property
+    def mode_reason(self) -> str:
+        """Why this path runs, as `load` decided it."""
+        return self.runtime.mode_reason
 
     def routers(self) -> tuple:
         """The model's routers as dense float32 weights (L, E, H) and biases (L, E)."""
@@ -264,8 +272,6 @@ class Engine:
                 f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
             )
         chosen = seams.attach(self, make_policy(policy, self, oracle_trace))  # across ranks: the seam too
-        if policy == "predictor" and isinstance(self.runtime, PerLayerRuntime):  # router outputs
-            self.runtime.taps = [tap_router(block) for block in self.moe_blocks]
         predicts = policy in ("next-gate", "predictor", "oracle")
         self.runtime.set_policy(chosen, (settings or PrefetchSettings()) if predicts else None, self.top_k)
         self.policy_name = policy
@@ -286,13 +292,9 @@ class Engine:
             runtime.settle()
         ledger = runtime.ledger.snapshot()
         layers = layer_rows(ledger, self.caches)
+        path = runtime.figures()
         prefetch = prefetch_counts(ledger, sum(c.unused_prefetch_count for c in self.caches))
-        per_layer = runtime if isinstance(runtime, PerLayerRuntime) else None  # prefetch, optimistic passes
-        device_lru = isinstance(runtime, TwoTierRuntime) and runtime.device_lru  # slots kept by the device
-        if per_layer is None or per_layer.governor is None:
-            prefetch.update(pending=0, **governor.OFF)
-        else:
-            prefetch.update(pending=per_layer.reader.counts()["pending"], **per_layer.governor.stats())
+        prefetch.update(path.prefetch)
         cache_bytes = sum(c.slot_nbytes * c.capacity for c in self.caches)
         return {
             "model": str(self.model_path),
@@ -310,7 +312,7 @@ class Engine:
             "passes": ledger.passes,
             "generated_tokens": ledger.generated,
             # drafts (verify passes, drafted and accepted tokens) and experts moved per generated token
-            **decode_figures(ledger, self.mode[0] == "two-tier", device_lru),
+            **decode_figures(ledger, runtime.mode.tiered, path.kept_by_device),
             "io": io_by_phase(ledger),
             "per_pass": {phase: per_pass(ledger, phase) for phase in PHASES},
             "direct_io": runtime.store.direct_io,
@@ -319,13 +321,8 @@ class Engine:
             "layers": layers,
             "total": totals(layers),
             "prefetch": dict(prefetch, policy=self.policy_name),
-            "optimistic": {  # decode passes run with one sync (`per_layer/optimistic.py`); none on two tiers
-                "enabled": per_layer is not None and per_layer.optimistic,
-                "passes": per_layer.optimistic_passes if per_layer else 0,
-                "missed": per_layer.optimistic_misses if per_layer else 0,
-                "token_miss_rate": per_layer.token_miss_rate if per_layer else 0.0,
-                "host_syncs": runtime.host_syncs,
-            },
+            # decode passes run with one sync (`per_layer/optimistic.py`); none on two tiers
+            "optimistic": {**path.optimistic, "host_syncs": runtime.host_syncs},
             "memory": {  # as the driver and the OS count them (`backend.memory_in_use`), then as MLX does
                 **backend.memory_in_use(),
                 "peak_bytes": backend.peak_memory_bytes(),
@@ -369,6 +366,7 @@ def load(
     device_memory=None,
     context_tokens: int | None = None,
     sequences: int = 1,
+    path_settings: PerLayerSettings | TwoTierSettings | None = None,
 ) -> Engine:
     """Load an MoE model with a bounded expert cache.
 
@@ -391,7 +389,8 @@ def load(
         layer in device slots, no host sync per layer (`two_tier/two_tier_runtime.py`): "auto" (on CUDA where
         host
         memory holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by
-        the device: `two_tier/kept_rows.py`); then capacity may be 0. `Engine.mode` tells the path and why.
+        the device: `two_tier/kept_rows.py`); then capacity may be 0. `Engine.mode` tells the path,
+        `Engine.mode_reason` why.
     ranks: "auto" splits the decoder layers over the `mlx.launch` processes (`distributed/rank_split.py`:
         each caches its own layers' experts, in this budget); None: one process; or an mx.distributed.Group.
     device_memory, context_tokens, sequences: on a GPU with memory of its own (CUDA), its budget (default 90%
@@ -415,13 +414,14 @@ def load(
     place = place_experts(mlx_model, blocks, device, kv, prefetch=prefetch, predictor=predictor, **asked)
     caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
-    runtime = build_runtime(store, blocks, caches, place.mode, miss_policy, threads, across_ranks=bool(stage))
+    settings = settings_for_path(place.mode, path_settings, miss_policy, threads)
+    runtime = build_runtime(store, blocks, caches, place.mode, place.why, settings, across_ranks=bool(stage))
     if stage:
         rank_split.wrap_seams(mlx_model, stage)
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
     engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, place.non_expert_nbytes)
-    engine.mode, engine.stage = ("two-tier" if place.mode.tiered else "per-layer", place.why), stage or None
+    engine.stage = stage or None
     engine.capacity_choice, engine.device_budget, engine.kv_nbytes_per_token = place.choice, device, kv
     for line in filter(None, (place.why if two_tier != "auto" or place.mode.tiered else None, place.choice)):
         say(line)

@@ -68,7 +68,7 @@ def test_drafted_tokens_equal_stock_drafting_at_every_capacity(stock, two_tier):
     assert 0 < sum(accepted) < sum(len(ref) for ref in references)  # drafts accepted and rejected alike
     for capacity in CAPACITIES:
         engine = od_moe.load(capacity=capacity, two_tier=two_tier)
-        assert engine.mode[0] == ("two-tier" if two_tier else "per-layer")
+        assert engine.mode.path == ("two-tier" if two_tier else "per-layer")
         prefill = 0
         for prompt, ref in zip(PROMPTS, references):
             got = engine.stream_generate(prompt, max_tokens=TOKENS, draft_model=draft, num_draft_tokens=K)

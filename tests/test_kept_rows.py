@@ -172,7 +172,7 @@ def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
     engine = od_moe.load(capacity=fraction, two_tier="lru")
     runtime = engine.runtime
     assert runtime.device_lru and runtime.lookahead.S == engine.capacity and not runtime.admissions
-    assert "least recently used" in engine.mode[1]
+    assert "least recently used" in engine.mode_reason
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     stats = engine.stats()
     total = stats["total"]

@@ -28,7 +28,7 @@ from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 @pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
 def test_two_tier_matches_mlx_lm(bundled_reference, fraction):
     engine = od_moe.load(capacity=fraction, two_tier=True)
-    assert engine.mode[0] == "two-tier" and isinstance(engine.runtime, two_tier.TwoTierRuntime)
+    assert engine.mode.path == "two-tier" and isinstance(engine.runtime, two_tier.TwoTierRuntime)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     stats = engine.stats()
     total, tokens = stats["total"], stats["positions"]["prefill"] + stats["positions"]["decode"]
@@ -612,13 +612,13 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     empty = preflight.inspect_model(capacity=0)  # no slots, as `load` takes in two-tier mode
     assert empty["capacity"]["capacity"] == 0 and empty["two_tier"]["slots"] == "admitted by routing counts"
     engine = od_moe.load(capacity=0.25)  # "auto", as `od-moe serve` loads
-    assert engine.mode[0] == "two-tier" and engine.runtime.device_lru
+    assert engine.mode.path == "two-tier" and engine.runtime.device_lru
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
 
 
 def test_modes_are_chosen_and_said():
-    assert od_moe.load(capacity=0.25).mode[0] == "per-layer"  # auto: the CPU's memory is host memory
-    assert "not a CUDA device" in od_moe.load(capacity=0.25).mode[1]
+    assert od_moe.load(capacity=0.25).mode.path == "per-layer"  # auto: the CPU's memory is host memory
+    assert "not a CUDA device" in od_moe.load(capacity=0.25).mode_reason
     with pytest.raises(UserError, match="no predictive prefetch"):
         od_moe.load(capacity=0.25, two_tier=True, prefetch="next-gate")
     with pytest.raises(UserError, match="two_tier must be"):

@@ -112,7 +112,7 @@ def main():
             rest = wall - forward - encode
             print(f"{spec} | {run} | {wall:.3f} | {forward:.3f} | {encode:.3f} | {rest:.3f} | {ratio:.3f}")
         hit = engine.stats()["total"]["decode"]["hit_rate"]
-        print(f"{spec}: {engine.mode[0]}, decode hit rate {hit:.3f}")
+        print(f"{spec}: {engine.mode.path}, decode hit rate {hit:.3f}")
         del engine
         gc.collect()
         mx.clear_cache()

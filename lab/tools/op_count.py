@@ -96,7 +96,7 @@ def main():
         extra.subtract(base)
         largest = sorted((kv for kv in extra.items() if kv[1]), key=lambda kv: -abs(kv[1]))[: args.top]
         listed = ", ".join(f"{name} {n:+d}" for name, n in largest)
-        print(f"{spec} ({engine.mode[0]}): {total} operations, {total - sum(base.values()):+d}: {listed}")
+        print(f"{spec} ({engine.mode.path}): {total} operations, {total - sum(base.values()):+d}: {listed}")
         del engine
         gc.collect()
 

@@ -59,7 +59,7 @@ def main():
         a, t = statistics.median(alone), statistics.median(together)
         ratios = [round(x / y, 2) for x, y in zip(together, alone)]
         print(
-            f"{engine.mode[0]:>9} capacity {capacity or 'all'}: alone {a * 1e3:.1f} ms, 8 together "
+            f"{engine.mode.path:>9} capacity {capacity or 'all'}: alone {a * 1e3:.1f} ms, 8 together "
             f"{t * 1e3:.1f} ms, ratio {t / a:.2f}x (rounds {ratios})"
         )
         worker.shutdown()

@@ -85,7 +85,7 @@ def _od_moe(path, capacity, prompts, max_tokens) -> dict:
     stats = engine.stats()
     generated = max(stats["generated_tokens"], 1)
     # two-tier mode reads nothing from disk: its bytes are the experts it moved across the bus
-    two_tier = engine.mode[0] == "two-tier"
+    two_tier = engine.mode.tiered
     moved = experts_across_bus(engine) if two_tier else stats["total"]["experts_read"]
     result["experts_per_token"] = moved / generated
     result["hit_rate"] = stats["total"]["decode"]["hit_rate"]

@@ -323,8 +323,8 @@ def engine_capabilities(engine) -> dict:
                 "expert_bytes": engine.caches[0].slot_nbytes,
                 "non_expert_bytes": engine.non_expert_nbytes,
                 "packed_experts": engine.runtime.store.packed is not None,
-                "mode": engine.mode[0],
-                "mode_reason": engine.mode[1],
+                "mode": engine.mode.path,
+                "mode_reason": engine.mode_reason,
             }
             _computed[engine] = report
         return _computed[engine]

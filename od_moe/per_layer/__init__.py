@@ -20,3 +20,8 @@ paths use (`od_moe/caching/`), the model's files and reading bytes from them (`o
 switch over other arrays (`od_moe/model_surgery/switch_over.py`), the two-tier path (`od_moe/two_tier/`),
 the split over ranks (`od_moe/distributed/`).
 """
+
+from .per_layer_runtime import build
+from .settings import PerLayerSettings
+
+__all__ = ["build", "PerLayerSettings"]

@@ -38,13 +38,18 @@ import numpy as np
 from ..accounting.ledger import Ledger
 from ..caching.layer_cache import LayerCache
 from ..memory import backend
-from ..model_surgery.routing import routing_weights
+from ..model_surgery.routing import routing_weights, tap_router
+from ..prefetch import governor as governor_module
 from ..prefetch.governor import Governor, PrefetchSettings
 from ..prefetch.policies import OnDemand, Prediction, Step
+from ..runtime import PathFigures, TwoTierMode
 from ..storage.store import ExpertStore
 from .loader import Loader, read_into_slots
+from .offloaded_switch import OffloadedSwitch
+from .optimistic import OptimisticModel
 from .passes import Passes
-from .reader import READ_THREADS, SMALL_EXPERT_BYTES, Reader
+from .reader import SMALL_EXPERT_BYTES, Reader
+from .settings import PerLayerSettings
 
 MISS_POLICIES = ("load", "skip")
 MISS_RATE_WEIGHT = 0.125  # the decode token miss rate is a moving average over about 8 tokens
@@ -73,29 +78,36 @@ class PerLayerRuntime:
         self,
         store: ExpertStore,
         caches: list[LayerCache],
-        miss_policy: str = "load",
-        read_threads: int = READ_THREADS,
+        settings: PerLayerSettings,
+        routers: list | None = None,
     ):
-        if miss_policy not in MISS_POLICIES:
-            raise ValueError(f"unknown miss policy {miss_policy!r}")
-        self.store, self.caches, self.miss_policy = store, caches, miss_policy
+        if settings.miss_policy not in MISS_POLICIES:
+            raise ValueError(f"unknown miss policy {settings.miss_policy!r}")
+        self.store, self.caches, self.miss_policy = store, caches, settings.miss_policy
+        self.mode, self.mode_reason = TwoTierMode.OFF, settings.mode_reason
         self.ledger = Ledger(len(caches))
         self.passes = Passes()
-        self.loader = Loader(store, caches, self.ledger, self.passes, read_threads)
+        self.loader = Loader(store, caches, self.ledger, self.passes, settings.read_threads)
+        self._blocks = routers or []  # the MoE blocks whose routers are tapped where outputs are needed
         self.taps: list = [None] * len(caches)  # RouterTaps where router outputs are needed
+        if settings.miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
+            self.taps = [tap_router(block) for block in self._blocks]
         self.settings: PrefetchSettings | None = None
         self._deferred = []
         self._pass_started: float | None = None
         # may decode passes run optimistically (`optimistic.py`): where a sync stalls the device, which
         # then idles; on the CPU a sync costs nothing and a pass run again does (docs/BENCHMARKS.md,
         # "Investigations")
-        self.optimistic = backend.syncs_stall_device()
-        self.launch_early = True  # a layer the host synced at starts computing at once (`Route.launch`)
+        self.optimistic = backend.syncs_stall_device() if settings.optimistic is None else settings.optimistic
+        self.launch_early = settings.launch_early  # a layer the host synced at starts computing at once
         # a decode layer that misses computes its resident experts while the missing ones are read
         # (`_split`): on the CPU backend, for experts large enough that reading them takes time; small
         # experts and GPUs, where a sync stalls the device, lost by it (docs/BENCHMARKS.md, "Investigations")
         large = max(c.layout.expert_nbytes for c in caches) >= SMALL_EXPERT_BYTES
-        self.split_on_miss = large and not backend.syncs_stall_device()
+        split = large and not backend.syncs_stall_device()
+        self.split_on_miss = split if settings.split_on_miss is None else settings.split_on_miss
+        if settings.copy_installs is not None:
+            self.loader.copy_installs = settings.copy_installs
         self.token_miss_rate = 1.0  # moving average: did a decode token miss at any layer
         self.pass_missed = False
         # set by an optimistic pass (`optimistic.py`): (layer, indices, phase, absent flag) of its layers;
@@ -110,6 +122,8 @@ class PerLayerRuntime:
         """Use `policy`; with `settings`, a governor has the reader prefetch what it predicts."""
         self.loader.cancel_prefetches()
         self.passes.policy, self.settings, self.loader.governor = policy, settings, None
+        if policy.reads_router_outputs:
+            self.taps = [tap_router(block) for block in self._blocks]
         if settings is not None:
             per_layer = settings.experts_per_layer or experts_per_layer
             self.loader.governor = Governor(settings, self.ledger, per_layer)
@@ -176,6 +190,28 @@ class PerLayerRuntime:
         self.settle()
         recording, self.passes.recording = self.passes.recording, None
         return recording
+
+    def generation_model(self, model):
+        """`model` with optimistic decode passes (`optimistic.py`), which run where `optimistic` is on."""
+        return OptimisticModel(model, self)
+
+    def read_ahead(self):
+        """This runtime itself: its pass clock (`passes`) and read queue (`loader`)."""
+        return self
+
+    def figures(self) -> PathFigures:
+        """Prefetch reads pending and the governor's state; optimistic passes."""
+        if self.governor is None:
+            prefetch = dict(pending=0, **governor_module.OFF)
+        else:
+            prefetch = dict(pending=self.reader.counts()["pending"], **self.governor.stats())
+        optimistic = {
+            "enabled": self.optimistic,
+            "passes": self.optimistic_passes,
+            "missed": self.optimistic_misses,
+            "token_miss_rate": self.token_miss_rate,
+        }
+        return PathFigures(prefetch=prefetch, optimistic=optimistic)
 
     # -- the per-layer path ----------------------------------------------------------------------
     def route(self, layer: int, x: mx.array, indices: mx.array) -> Iterator[Route]:
@@ -378,3 +414,15 @@ def _skipping(cache: LayerCache, tap, indices: mx.array) -> Route:
 def _take_lanes(indices: mx.array, lanes: np.ndarray) -> mx.array:
     """The routed expert ids at positions `lanes` of the last axis."""
     return mx.take(indices, mx.array(lanes.astype(np.int32)), axis=-1)
+
+
+def build(
+    store: ExpertStore, blocks, caches: list[LayerCache], settings: PerLayerSettings
+) -> PerLayerRuntime:
+    """The per-layer runtime over `caches` (made over `blocks`' switches, `assembly.cache_for`), with an
+    `OffloadedSwitch` put where each block's switch was; skip mode taps the routers (it weighs the resident
+    experts by the router's output)."""
+    runtime = PerLayerRuntime(store, caches, settings, [b.block for b in blocks])
+    for i, block in enumerate(blocks):
+        block.replace_switch(OffloadedSwitch(block.switch, runtime, i))
+    return runtime

@@ -93,6 +93,7 @@ def experts_at_distance(k: int, d: int) -> int:
 
 class OnDemand:
     name = "none"
+    reads_router_outputs = False  # the runtime taps every router for this policy (`RouterTap`)
     optimistic_passes = True
 
     def prompt_start(self, prompt):
@@ -233,6 +234,7 @@ class PredictorPolicy(OnDemand):
     that has a next-use head, it also estimates when each expert is needed next (`next_uses`)."""
 
     name = "predictor"
+    reads_router_outputs = True  # the shadow network reads the routers' outputs
     optimistic_passes = False  # predicts with lazy arrays
 
     def __init__(self, predictor, per_layer: int, lens: NextTokenLens | None = None, caches=None):

@@ -19,3 +19,8 @@ path (`od_moe/assembly.py`), reading experts from the model's files (`storage/st
 bookkeeping
 (`caching/layer_cache.py`), the per-layer path (`od_moe/per_layer/`).
 """
+
+from .settings import TwoTierSettings
+from .two_tier_runtime import build
+
+__all__ = ["build", "TwoTierSettings"]

@@ -39,6 +39,8 @@ from ..accounting.ledger import PHASES, Ledger
 from ..caching.layer_cache import LayerCache
 from ..errors import UserError
 from ..model_surgery.switch_over import switch_on
+from ..prefetch import governor
+from ..runtime import PathFigures, TwoTierMode
 from ..storage.store import ExpertStore
 from . import slot_fill
 from .admission import Admission
@@ -56,6 +58,7 @@ from .layer_step import (
     through_table,
 )
 from .mapped import follow_moves, read_stacks, release_stacks, stack_addresses
+from .settings import TwoTierSettings
 from .staged_passes import STAGE_POSITIONS, positions_to_stage, staged_lanes, staged_switch
 from .tally import LAG, DeviceTally, RoutingRecord, book_read
 
@@ -82,6 +85,7 @@ class TwoTierRuntime:
         self.admissions = True  # fill slots between passes; off, the slots stay as loaded or seeded
         self.policy = None  # whose prompt hooks run (`set_policy`)
         self.host_syncs, self.clock, self.phase = 0, 0, "prefill"
+        self.mode, self.mode_reason, self.miss_policy = TwoTierMode.ON, "", "load"
         self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
         # per layer, (E,) uint32: the stack row of each expert, E + its slot where resident (a hit)
         self._tables: list[mx.array | None] = [None] * len(caches)
@@ -183,6 +187,23 @@ class TwoTierRuntime:
         (`KeptRows.compile`)."""
         if self.lookahead is not None:
             self.lookahead.compile(lanes)
+
+    def generation_model(self, model):
+        """`model` itself: a two-tier pass never waits for the host, so nothing wraps it."""
+        return model
+
+    def read_ahead(self):
+        """None: two tiers read nothing ahead (every expert is in host memory)."""
+        return None
+
+    def figures(self) -> PathFigures:
+        """No prefetch and no optimistic passes; whether the device keeps the slots; stacks moved."""
+        return PathFigures(
+            prefetch=dict(pending=0, **governor.OFF),
+            optimistic={"enabled": False, "passes": 0, "missed": 0, "token_miss_rate": 0.0},
+            kept_by_device=self.device_lru,
+            stack_moves=self.stack_moves,
+        )
 
     # -- a pass: one way in per layer --------------------------------------------------------------
     def layer_pass(self, layer: int, x: mx.array, compute: Callable[[LayerPass], mx.array]) -> mx.array:
@@ -380,27 +401,26 @@ def _book_fills(ledger: Ledger, phase: str, fills, seconds: float):
         ledger.add(phase, cache.layer, installed=len(ids), evictions=evicted, install_s=seconds)
 
 
-def build(
-    store: ExpertStore,
-    blocks,
-    caches: list[LayerCache],
-    progress=None,
-    lookahead_rows: int = 0,
-    device_lru: bool = False,
-) -> TwoTierRuntime:
+def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTierSettings, progress=None):
     """Read every layer's stack (`progress.update(bytes)` as it goes), make the runtime and put a
     `TwoTierSwitch` where each block's switch was. `caches` were made over the blocks' switches; their own
-    slot arrays are given back (the slots are the stacks' last rows). `lookahead_rows`: device rows per
-    layer after the slots, kept on the device (`kept_rows.py`: filled by the layer's misses and, once
-    `forecast` is set, by predictions). `device_lru`: the slots themselves are such rows (the host's
-    caches stay empty, admission off), unless every expert fits in them."""
-    device_lru = device_lru and caches[0].capacity < caches[0].num_experts
+    slot arrays are given back (the slots are the stacks' last rows). `settings.lookahead_rows`: device rows
+    per layer after the slots, kept on the device (`kept_rows.py`: filled by the layer's misses).
+    `settings.kept_by_device`: the slots themselves are such rows (the host's caches stay empty, admission
+    off), unless every expert fits in them."""
+    lookahead_rows = settings.lookahead_rows
+    device_lru = settings.kept_by_device and caches[0].capacity < caches[0].num_experts
     rows = [max(1, cache.capacity + lookahead_rows) for cache in caches]  # one in device memory at least
     stacks = read_stacks(store, [(c.layout, c.targets, n) for c, n in zip(caches, rows)], progress)
-    runtime = TwoTierRuntime(store, caches, stacks)
+    runtime = TwoTierRuntime(store, caches, stacks, settings.admit_every or ADMIT_EVERY)
+    runtime.mode = TwoTierMode.LRU if settings.kept_by_device else TwoTierMode.ON
+    runtime.mode_reason = settings.mode_reason
     runtime.by_block = all(block.owner is not None for block in blocks)
     held = rows[0] if device_lru else caches[0].capacity + lookahead_rows  # expert rows in device memory
-    runtime.stage_positions = positions_to_stage(caches[0].layout.expert_nbytes, held)
+    runtime.stage_positions = settings.stage_positions or positions_to_stage(
+        caches[0].layout.expert_nbytes, held
+    )
+    runtime.admissions = settings.admissions
     if device_lru:
         slots, kept = [0] * len(caches), rows[0]
         runtime.admissions, runtime.device_lru = False, True

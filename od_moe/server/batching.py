@@ -35,6 +35,7 @@ from ..generation.sampling import make_sampler, vocab_size_of
 from ..memory import backend
 from ..memory.capacity import experts_per_token
 from ..model_surgery.mlx_lm_private import pending_tokens
+from .prompt_cache import PromptCache
 from .schedule import Join, ScheduleLog
 
 FINISHED_KEPT = 16  # completed requests whose figures /health keeps
@@ -99,7 +100,8 @@ class RunningBatch:
         self.vocab = vocab_size_of(self.engine.model)
         self.eos = set(self.engine.tokenizer.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
-        self.kept_from: int | None = None  # the sequence whose KV cache `worker.prompt_cache` holds
+        self.prompt_cache = PromptCache()  # the KV cache the request that ended last left
+        self.kept_from: int | None = None  # the sequence whose KV cache `prompt_cache` holds
         self.steps = 0  # BatchGenerator.next() calls so far: the schedule's clock
         self.inserted = self.uid_base = 0  # sequences inserted; those before the generator (logged uids)
         self.decoding = 0  # sequences decoded in the last step
@@ -130,7 +132,7 @@ class RunningBatch:
         sampler = make_sampler(p.temperature, p.top_p, p.top_k, 0.0, p.seed, self.vocab)
         if not self.sequences:
             self.engine.runtime.start_prompt(job.prompt)
-        cache, rest, reused = self.worker.prompt_cache.take(self.engine.model, list(job.prompt))
+        cache, rest, reused = self.prompt_cache.take(self.engine.model, list(job.prompt))
         kept_from, self.kept_from = self.kept_from if reused else None, None
         caches = {"caches": [cache], "all_tokens": [list(job.prompt[:reused])]} if reused else {}
         (uid,) = self.generator.insert([rest], [limit], samplers=[sampler], **caches)
@@ -307,8 +309,7 @@ class RunningBatch:
         """A sequence ended well: its KV cache is the one the next joining request may start from."""
         self._forget(seq)
         if cache is not None:
-            self.worker.prompt_cache.keep(cache, list(tokens))
-            self.kept_from = seq.logged if self.worker.prompt_cache.cache is cache else None
+            self.kept_from = seq.logged if self.prompt_cache.keep(cache, list(tokens)) else None
 
     def _forget(self, seq: Sequence):
         with self.lock:

@@ -30,17 +30,19 @@ class PromptCache:
         cache, self.cache, self.tokens = self.cache, None, []  # held by the running request only
         return cache, prompt[n:], n
 
-    def keep(self, cache, tokens: list[int]):
-        """Keep `cache`, which holds a prefix of `tokens`. Where it is a target's caches and its draft's,
-        which mlx-lm's drafting leaves a token apart, they are trimmed to the tokens both hold."""
+    def keep(self, cache, tokens: list[int]) -> bool:
+        """Keep `cache`, which holds a prefix of `tokens` (False: it cannot be kept). Where it is a target's
+        caches and its draft's, which mlx-lm's drafting leaves a token apart, they are trimmed to the tokens
+        both hold."""
         offsets = [c.offset for c in cache if hasattr(c, "offset")]
         if not offsets or min(offsets) > len(tokens):
-            return
+            return False
         offset = min(offsets)
         if max(offsets) > offset:
             if not can_trim_prompt_cache(cache):
-                return
+                return False
             for c in cache:
                 if c.offset > offset:
                     c.trim(c.offset - offset)
         self.cache, self.tokens = cache, tokens[:offset]
+        return True

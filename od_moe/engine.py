@@ -271,7 +271,8 @@ class Engine:
             raise UserError(
                 f"prefetch policy {policy!r} needs miss_policy='load' (skip mode uses 'profile' or 'none')"
             )
-        chosen = seams.attach(self, make_policy(policy, self, oracle_trace))  # across ranks: the seam too
+        # across ranks: the seam too
+        chosen, self.seam_receiver = seams.attach(self, make_policy(policy, self, oracle_trace))
         predicts = policy in ("next-gate", "predictor", "oracle")
         self.runtime.set_policy(chosen, (settings or PrefetchSettings()) if predicts else None, self.top_k)
         self.policy_name = policy

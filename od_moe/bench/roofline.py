@@ -22,7 +22,6 @@ from .. import load
 from ..accounting.ledger import Ledger
 from ..engine import model_layouts
 from ..memory import backend
-from ..per_layer.per_layer_runtime import PerLayerRuntime
 from ..per_layer.reader import Reader
 from ..storage.layout import ExpertRows, flat_rows
 
@@ -72,8 +71,7 @@ def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
     for ids in batches[:2]:
         staging = ExpertRows(cache.layout, experts)
         raws[int(ids[0])] = store.read(cache.layout, ids, staging)
-    runtime = engine.runtime
-    copied = isinstance(runtime, PerLayerRuntime) and runtime.loader.copy_installs
+    copied = backend.arrays_in_host_memory()  # installs copy into the slots where arrays are host memory
     made = not copied  # MLX writes from arrays the reader threads make (CUDA)
     seconds = 0.0
     for n, ids in enumerate(batches):

@@ -101,7 +101,7 @@ def experts_across_bus(engine, phase: str | None = None) -> float:
     held after them; a pass of one position copies every miss (its top-k fit in the rows at every fraction the
     benches run)."""
     engine.stats()  # settled: the device's counts read
-    return experts_moved(engine.runtime.ledger, True, engine.runtime.device_lru, phase)
+    return experts_moved(engine.runtime.ledger, True, engine.runtime.figures().kept_by_device, phase)
 
 
 def moved_per_token(engine) -> float:
@@ -176,7 +176,7 @@ def run_row(
     mapped = stats["total"]["decode"]["misses"] / passes
     copies = stats["io"]["decode"]["experts_loaded"] / passes
     expert_bytes = engine.caches[0].layout.expert_nbytes
-    kept = engine.runtime.device_lru
+    kept = engine.runtime.figures().kept_by_device
     moved = moved_per_token(engine)
     minimum = _min_reads_per_token(engine, tokens)
     stock_tps = statistics.median(s for s, _ in speeds)
@@ -206,7 +206,7 @@ def run_row(
         "same_tokens": f"{same}/{rounds * len(PROMPTS)}",
         "exact": same == rounds * len(PROMPTS),
         "load_s": load_s,
-        "stack_moves": engine.runtime.stack_moves,
+        "stack_moves": engine.runtime.figures().stack_moves,
     }
     del engine
     gc.collect()

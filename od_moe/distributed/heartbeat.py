@@ -120,6 +120,11 @@ class Supervisor:
         threading.Thread(target=self._beat, daemon=True, name="od-moe-heartbeat").start()
         atexit.register(self.close)
 
+    def handle(self, kind: str, handler):
+        """Call `handler(rank, message)` on the reader thread for each message of `kind`, instead of
+        putting it in `inbox`."""
+        self.handlers[kind] = handler
+
     @property
     def message(self) -> str | None:
         if self.lost is None:

@@ -27,7 +27,6 @@ import numpy as np
 from ..model_surgery.routing import next_gate
 from ..per_layer.loader import Loader
 from ..per_layer.passes import Passes
-from ..per_layer.per_layer_runtime import PerLayerRuntime
 from ..prefetch.policies import NextGatePolicy, Prediction, Step, last_row, softmax_topk
 
 
@@ -114,20 +113,21 @@ class SeamReceiver:
 def attach(engine, policy):
     """`policy` for a rank of a pipeline: wrapped to predict across the seam after this rank's layers
     where it is next-gate and the next rank's first router was kept; and this rank's receiver of the
-    predictions the rank before sends (`engine.seam_receiver`). One process, or two tiers (which read
-    nothing ahead): `policy` itself."""
-    stage, runtime = engine.stage, engine.runtime
-    if stage is None or not isinstance(runtime, PerLayerRuntime):
-        return policy
+    predictions the rank before sends (`engine.seam_receiver`, made once and returned as it is after).
+    One process, or a path that reads nothing ahead (two tiers): (`policy` itself, no receiver)."""
+    stage, ahead, receiver = engine.stage, engine.runtime.read_ahead(), engine.seam_receiver
+    if stage is None or ahead is None:
+        return policy, receiver
     supervisor = stage.supervisor
-    if stage.rank < stage.size - 1 and engine.seam_receiver is None:
-        engine.seam_receiver = SeamReceiver(runtime.passes, runtime.loader)
-        supervisor.handlers["seam"] = engine.seam_receiver.on_message
+    if stage.rank < stage.size - 1 and receiver is None:
+        receiver = SeamReceiver(ahead.passes, ahead.loader)
+        supervisor.handle("seam", receiver.on_message)
     if stage.rank == 0 or stage.next_router is None or not isinstance(policy, NextGatePolicy):
-        return policy
-    return SeamSender(
-        policy, stage.next_router, runtime.passes, supervisor, len(engine.caches) - 1, stage.rank - 1
+        return policy, receiver
+    sender = SeamSender(
+        policy, stage.next_router, ahead.passes, supervisor, len(engine.caches) - 1, stage.rank - 1
     )
+    return sender, receiver
 
 
 def watch(engine, on: bool = True):

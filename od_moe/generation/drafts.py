@@ -96,7 +96,7 @@ def prepare(engine, draft_model, num_draft_tokens, kwargs: dict) -> Draft | None
 def _draft_of(engine, draft_model) -> Draft:
     if isinstance(draft_model, Draft):
         return draft_model
-    if all(hasattr(draft_model, a) for a in ("forward", "tokenizer", "runtime")):  # an od-moe engine
+    if isinstance(draft_model, type(engine)):  # another od-moe engine
         if draft_model is engine:
             raise UserError(
                 "an engine cannot draft for itself: load the draft as another engine, or give a path"
@@ -106,8 +106,7 @@ def _draft_of(engine, draft_model) -> Draft:
         name = str(draft_model.model_path)
         return Draft(draft_model.forward, draft_model.tokenizer, name, draft_model.runtime)
     if isinstance(draft_model, PromptLookup):  # drafts the target's own tokens
-        if draft_model.vocab_size is None:
-            draft_model.vocab_size = vocab_size_of(engine.model)
+        draft_model.fit_vocab(vocab_size_of(engine.model))
         return Draft(draft_model, engine.tokenizer, "prompt lookup")
     if isinstance(draft_model, nn.Module):
         return Draft(draft_model, None, type(draft_model).__name__)

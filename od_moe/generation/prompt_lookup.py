@@ -100,12 +100,17 @@ class History:
 
 class PromptLookup(nn.Module):
     """A draft for mlx-lm's drafting loop that predicts from the tokens so far (`History.next_token`).
-    `vocab_size`: the target's logits per token (`drafts.prepare` sets it where it is None)."""
+    `vocab_size`: the target's logits per token (`fit_vocab`, where it is None)."""
 
     def __init__(self, vocab_size: int | None = None, ngram: int = NGRAM, shortest: int = SHORTEST):
         super().__init__()
         self.vocab_size, self.ngram, self.shortest = vocab_size, ngram, shortest
         self.counts = LookupCounts()  # what od-moe's loop drafted with it, by source (`lookup_generate_step`)
+
+    def fit_vocab(self, vocab_size: int):
+        """Draft over `vocab_size` logits, the target's, where no size was given (`drafts.prepare`)."""
+        if self.vocab_size is None:
+            self.vocab_size = vocab_size
 
     def make_cache(self) -> list:
         return [History()]

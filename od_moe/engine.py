@@ -77,6 +77,11 @@ class Engine:
         identity: str,
         top_k: int,
         non_expert_nbytes: int,
+        *,
+        stage=None,
+        capacity_choice: str | None = None,
+        device_budget=None,
+        kv_nbytes_per_token: int = 0,
     ):
         self.runtime = runtime  # first: `close` needs it
         self.model = model
@@ -91,12 +96,15 @@ class Engine:
         self.predictor = None
         self.policy_name = "none"
         self.load_peak_bytes = 0
-        self.capacity_choice = None  # where a device budget chose the slots: what and why (`load`)
-        self.device_budget = None  # ((bytes, where from), Context) where the device has memory of its own
-        self.kv_nbytes_per_token = 0  # KV cache a token of context takes (`capacity.kv_nbytes_per_token`)
+        self.capacity_choice = capacity_choice  # where a device budget chose the slots: what and why (`load`)
+        self.device_budget = (
+            device_budget  # ((bytes, where from), Context) where the device's memory is its own
+        )
+        # KV cache a token of context takes (`capacity.kv_nbytes_per_token`)
+        self.kv_nbytes_per_token = kv_nbytes_per_token
         self._routers = None
         self.max_positions = max_positions(model_path)
-        self.stage = None  # this rank's part of a pipeline over several processes (`rank_split.Stage`)
+        self.stage = stage  # this rank's part of a pipeline over several processes (`rank_split.Stage`)
         self.seam_receiver = None  # the predictions the rank before sends (`distributed/seams.py`)
 
     @property
@@ -262,6 +270,20 @@ class Engine:
     def __del__(self):
         self.close()
 
+    def start(self, predictor, prefetch, snapshot):
+        """What `load` does once the engine is built: the predictor and prefetch policy, and the first
+        resident set (a snapshot's, or every expert read once, layer by layer, where all of them have
+        slots); then the load's peak memory is kept and the statistics zeroed, to describe generation."""
+        if predictor is not None:
+            self.predictor = attach_predictor(self, predictor)
+        self.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
+        if snapshot is not None:
+            self.load_snapshot(snapshot)
+        elif self.capacity == self.num_experts:
+            _read_every_expert(self)
+        self.load_peak_bytes = backend.peak_memory_bytes()
+        self.reset_stats()
+
     # -- prefetch --------------------------------------------------------------------------------
     def configure_prefetch(self, policy: str, oracle_trace=None, settings: PrefetchSettings | None = None):
         """Choose what predicts experts ahead (see `prefetch/policies.py`): "none", "profile", "next-gate",
@@ -421,27 +443,24 @@ def load(
         rank_split.wrap_seams(mlx_model, stage)
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
     modules, top_k = [b.block for b in blocks], top_k_of(blocks[0].block)
-    engine = Engine(mlx_model, tokenizer, path, runtime, modules, identity, top_k, place.non_expert_nbytes)
-    engine.stage = stage or None
-    engine.capacity_choice, engine.device_budget, engine.kv_nbytes_per_token = place.choice, device, kv
+    engine = Engine(
+        mlx_model,
+        tokenizer,
+        path,
+        runtime,
+        modules,
+        identity,
+        top_k,
+        place.non_expert_nbytes,
+        stage=stage or None,
+        capacity_choice=place.choice,
+        device_budget=device,
+        kv_nbytes_per_token=kv,
+    )
     for line in filter(None, (place.why if two_tier != "auto" or place.mode.tiered else None, place.choice)):
         say(line)
-    _start(engine, predictor, prefetch, snapshot)
-    engine.load_peak_bytes = backend.peak_memory_bytes()
-    engine.reset_stats()  # statistics describe generation; loading is reported by load_peak_bytes
+    engine.start(predictor, prefetch, snapshot)
     return engine
-
-
-def _start(engine: Engine, predictor, prefetch, snapshot):
-    """The predictor and prefetch policy, and the first resident set: a snapshot's, or every expert read
-    once, layer by layer, where all of them have slots."""
-    if predictor is not None:
-        engine.predictor = attach_predictor(engine, predictor)
-    engine.configure_prefetch(prefetch or ("predictor" if predictor is not None else "none"))
-    if snapshot is not None:
-        engine.load_snapshot(snapshot)
-    elif engine.capacity == engine.num_experts:
-        _read_every_expert(engine)
 
 
 def _read_every_expert(engine: Engine):

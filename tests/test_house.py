@@ -1,29 +1,25 @@
-"""The house rules of issue #37: modules that fit in one head, and no import circle; and of issue #55: folders
-by concept, and docs that are guides, not logs.
+"""The house rules (issues #37, #55 and #71): no import circle, folders by concept in a declared layer order,
+each path reached through one interface, no object configured by writes from outside, and docs that are guides.
 
-In `od_moe/`, `predictor/` and `training/`: no module over 450 lines, no class over 300, no function over 80
-(decorators included) but where a concept keeps one whole (`SIZE_ALLOWED`, each entry saying which: a module
-is split by concept, never by line count), and no circle among the package's imports (those inside functions
-included: a deferred import hides a circle, it does not remove it). Every folder of `od_moe/` that holds code
-is a package whose `__init__.py` opens with what the folder holds and what it does not ("Not here"). Read from
-the source with `ast`; nothing is imported. Every Markdown file but the top-level README, `lab/` included,
-under 15,000 words in all, and the README under 500 lines. No machine figures in the code (issue #55): a
-docstring says why, the number lives in the docs, and the code points to the section that holds it.
+In `od_moe/`, `predictor/` and `training/`: no circle among the package's imports (those inside functions
+included: a deferred import hides a circle, it does not remove it), and no import against the layer order
+between folders (`LAYERS`: a folder imports only folders below it). Only `assembly` and a path's own folder
+import that path's runtime; nothing outside a path's folder probes a runtime by name. No code writes into
+another object's state (`foreign_writes`: `od_moe/`, `predictor/`, `training/`, `benchmarks/`, `lab/`), but
+where `WRITES_ALLOWED` says why. Every folder of `od_moe/` that holds code is a package whose `__init__.py`
+opens with what the folder holds and what it does not ("Not here"). Read from the source with `ast`; nothing
+is imported. No machine figures in the code (issue #55): a docstring says why, the number lives in the docs,
+and the code points to the section that holds it, which exists. There are no line or word caps: a module is
+split where it holds two concepts, never to meet a count.
 """
 
 import ast
-import os
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> the package it installs as (`pyproject.toml`'s package-dir)
 PACKAGES = {"od_moe": "od_moe", "predictor": "od_moe.predictor", "training": "od_moe.training"}
-MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 300, 80
-MAX_DOC_WORDS, MAX_README_LINES = 15_000, 500
-# modules, classes or functions over a limit, as `oversized` names them ('path: what'), each with the concept
-# that keeps it whole (a split along it would cut one idea in two); none today
-SIZE_ALLOWED: dict[str, str] = {}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -35,28 +31,6 @@ def _modules() -> dict[str, tuple[Path, bool]]:
             is_package = parts[-1] == "__init__"
             found[".".join([package] + parts[:-1] if is_package else [package] + parts)] = (path, is_package)
     return found
-
-
-def _span(node: ast.AST) -> int:
-    decorators = getattr(node, "decorator_list", [])
-    first = min([node.lineno] + [d.lineno for d in decorators])
-    return node.end_lineno - first + 1
-
-
-def oversized(modules: dict[str, tuple[Path, bool]]) -> list[str]:
-    """Every module, class and function over its limit, as 'path: what (lines)'."""
-    over = []
-    for path, _ in modules.values():
-        source = path.read_text()
-        name = path.relative_to(ROOT)
-        if (lines := len(source.splitlines())) > MAX_MODULE:
-            over.append(f"{name}: module ({lines} lines)")
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ClassDef) and _span(node) > MAX_CLASS:
-                over.append(f"{name}: class {node.name} ({_span(node)} lines)")
-            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _span(node) > MAX_FUNCTION:
-                over.append(f"{name}: function {node.name} ({_span(node)} lines)")
-    return over
 
 
 def _imported(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, modules) -> set[str]:
@@ -126,14 +100,6 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_modules_classes_and_functions_fit_their_limits():
-    over = oversized(_modules())
-    allowed = {item for item in over if item.rsplit(" (", 1)[0] in SIZE_ALLOWED}
-    assert sorted(set(over) - allowed) == []
-    # an entry for something back within its limits goes
-    assert sorted(set(SIZE_ALLOWED) - {item.rsplit(" (", 1)[0] for item in allowed}) == []
-
-
 def test_every_folder_says_what_it_holds():
     """Each folder of `od_moe/` with modules in it is a package whose `__init__.py` opens with a docstring
     that says what the folder holds and, in a "Not here" sentence, what it does not."""
@@ -160,11 +126,9 @@ def test_no_import_circle():
 
 
 def test_the_checks_can_fail():
-    """The checks see what they are for: a circle of two and an oversized function."""
+    """The check sees what it is for: a circle of two."""
     assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert circles({"a": {"b"}, "b": set()}) == []
-    long = ast.parse("def f():\n" + "    x = 1\n" * MAX_FUNCTION)
-    assert _span(long.body[0]) == MAX_FUNCTION + 1
 
 
 def test_nothing_in_the_product_imports_the_lab():
@@ -177,47 +141,6 @@ def test_nothing_in_the_product_imports_the_lab():
                 imported = [node.module or ""]
             offenders += [(name, m) for m in imported if m.split(".")[0] in ("lab", "tools")]
     assert offenders == []
-
-
-def markdown_words(root: Path = ROOT) -> dict[str, int]:
-    """Words (`len(text.split())`) of every .md file under `root` but its README.md, by path: `lab/` and the
-    model cards included; hidden folders (`.venv/`, `.git/`, caches) and `build/` left out."""
-    counts = {}
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "build"]
-        for name in files:
-            path = Path(folder) / name
-            if name.endswith(".md") and path != root / "README.md":
-                counts[str(path.relative_to(root))] = len(path.read_text().split())
-    return counts
-
-
-def test_the_docs_and_the_readme_fit_their_limits():
-    """The docs say what is true now (history lives in git): every .md file but the README under 15,000
-    words together, and the README under 500 lines."""
-    counts = markdown_words()
-    assert "docs/GPU.md" in counts  # the walk found the docs
-    listing = ", ".join(f"{path} {words:,}" for path, words in sorted(counts.items(), key=lambda kv: -kv[1]))
-    total = sum(counts.values())
-    assert total < MAX_DOC_WORDS, f"{total:,} words in .md files, limit {MAX_DOC_WORDS:,}: {listing}"
-    lines = len((ROOT / "README.md").read_text().splitlines())
-    assert lines < MAX_README_LINES, f"README.md has {lines} lines, limit {MAX_README_LINES}"
-
-
-def test_the_word_count_sees_every_markdown_file(tmp_path):
-    """Nested folders and `lab/` count; the top-level README, hidden folders and `build/` do not."""
-    for path, text in {
-        "README.md": "not counted " * 9,
-        "docs/A.md": "one two three",
-        "lab/notes/B.md": "four five",
-        "pkg/models/m/README.md": "six",
-        ".venv/lib/C.md": "hidden",
-        "build/lib/D.md": "built",
-        "docs/E.txt": "not markdown",
-    }.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
-    assert markdown_words(tmp_path) == {"docs/A.md": 3, "lab/notes/B.md": 2, "pkg/models/m/README.md": 1}
 
 
 # Machine figures: what a measurement on some machine gave. Sizes, constants, API limits and model facts
@@ -300,7 +223,7 @@ def test_the_doc_sections_the_code_cites_exist():
     assert missing == []
 
 
-# folders whose code may look into a runtime by name: each runtime's own (`od_moe/runtime.py`'s `Runtime`)
+# the folders whose code may look into their own runtime by name
 RUNTIME_FOLDERS = ("od_moe/per_layer/", "od_moe/two_tier/")
 PROBES = ("getattr", "hasattr", "setattr", "delattr")
 
@@ -329,8 +252,8 @@ def runtime_probes(source: str) -> list[int]:
 
 def test_no_code_probes_a_runtime_from_outside():
     """Outside each runtime's own folder, code uses a runtime through the interface both give
-    (`od_moe.runtime.Runtime`) or, for what one path alone has, after `isinstance`: never by probing its
-    attributes by name (a probe hides which runtime it expects, and a stub would answer it)."""
+    (`od_moe.runtime.Runtime`) and nothing else: never by probing its attributes by name (a probe hides
+    which runtime it expects, and a stub would answer it), nor by `isinstance` (`path_imports`)."""
     found, seen = [], 0
     for folder in ("od_moe", "benchmarks", "tests"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -353,3 +276,95 @@ def test_the_probe_check_can_fail():
         "e = isinstance(engine.runtime, object) and engine.runtime.caches\n"
     )
     assert runtime_probes(source) == [1, 2, 3, 4]
+
+
+# The layer order between the package's folders and root modules, lowest first: a unit imports only units of
+# a lower layer (never one beside it or above). `predictor` and `training` are od_moe.predictor and
+# od_moe.training; `od_moe` is the package's own `__init__` (the public API).
+LAYERS = [
+    {"errors", "units"},
+    {"progress"},
+    {"model_surgery"},  # what od-moe reads from and does to an mlx-lm model
+    {"memory"},  # the backend, the device and what a budget buys
+    {"storage"},  # where the bytes are
+    {"caching", "accounting"},  # which expert sits in which slot; the ledger
+    {"predictor"},  # the shadow network
+    {"prefetch"},  # what to read ahead, and how much
+    {"runtime"},  # the interface every path gives
+    {"per_layer", "two_tier"},  # the paths: neither imports the other
+    {"distributed", "generation"},
+    {"assembly"},  # the only unit above the paths that imports their runtimes
+    {"engine"},
+    {"od_moe"},
+    {"training"},
+    {"preflight"},  # what a load would do, before any weight is read
+    {"server"},
+    {"bench"},
+    {"arguments"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def unit_of(module: str) -> str:
+    """The folder or root module a dotted module belongs to (`od_moe.per_layer.loader` -> "per_layer")."""
+    parts = module.split(".")
+    if module == "od_moe.memory.preflight" or module == "od_moe.preflight":
+        return "preflight"  # what a load would do: above the engine, whatever folder holds it
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_breaches(graph: dict[str, set[str]], layers=None) -> list[str]:
+    """Every import from one unit into another of the same or a higher layer, as 'module -> module'."""
+    rank = {unit: i for i, group in enumerate(layers or LAYERS) for unit in group}
+    found = []
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            a, b = unit_of(module), unit_of(target)
+            if a != b and rank[b] >= rank[a]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_folders_import_in_their_layer_order():
+    graph = import_graph(_modules())
+    units = {unit_of(m) for m in graph}
+    assert units == set().union(*LAYERS)  # every folder and root module has its layer, and no other is named
+    assert layer_breaches(graph) == []
+
+
+def test_the_layer_check_can_fail():
+    graph = {"od_moe.per_layer.a": {"od_moe.two_tier.b"}, "od_moe.engine": {"od_moe.per_layer.a"}}
+    assert layer_breaches(graph) == ["od_moe.per_layer.a -> od_moe.two_tier.b"]
+    assert layer_breaches({"od_moe.storage.x": {"od_moe.engine"}}) == ["od_moe.storage.x -> od_moe.engine"]
+
+
+# each path's runtime, and the package that builds it (`build`): what only `assembly` and the path's own
+# folder import
+PATH_RUNTIMES = {
+    "od_moe.per_layer.per_layer_runtime": "per_layer",
+    "od_moe.per_layer": "per_layer",
+    "od_moe.two_tier.two_tier_runtime": "two_tier",
+    "od_moe.two_tier": "two_tier",
+}
+
+
+def path_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a path's runtime (or its package) from outside that path's folder and `assembly`."""
+    return [
+        f"{module} -> {target}"
+        for module, imported in sorted(graph.items())
+        for target in sorted(imported & set(PATH_RUNTIMES))
+        if unit_of(module) not in (PATH_RUNTIMES[target], "assembly")
+    ]
+
+
+def test_only_assembly_and_its_own_folder_import_a_path():
+    """The engine, server, bench, drafts and distributed code hold a `Runtime` and never ask which: they do
+    not import either path's runtime, so they cannot `isinstance` it either."""
+    graph = import_graph(_modules())
+    assert "od_moe.per_layer" in graph["od_moe.assembly"] and "od_moe.two_tier" in graph["od_moe.assembly"]
+    assert path_imports(graph) == []
+    assert path_imports({"od_moe.engine": {"od_moe.two_tier.two_tier_runtime"}}) == [
+        "od_moe.engine -> od_moe.two_tier.two_tier_runtime"
+    ]

@@ -1,5 +1,6 @@
-"""The house rules (issues #37, #55 and #71): no import circle, folders by concept in a declared layer order,
-each path reached through one interface, no object configured by writes from outside, and docs that are guides.
+"""The house rules (issues #37, #55 and #71): no import circle, folders
+by concept in a declared layer order, each path reached through one interface, no object configured by writes
+from outside, and docs that are guides.
 
 In `od_moe/`, `predictor/` and `training/`: no circle among the package's imports (those inside functions
 included: a deferred import hides a circle, it does not remove it), and no import against the layer order

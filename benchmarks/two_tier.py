@@ -135,12 +135,14 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             engine.runtime.forecast = forecast.shadow_forecast(predictor, distance)
         else:
             engine.runtime.forecast = forecast.next_gate_forecast(engine.routers(), distance)
-        engine.runtime.lookahead.copy = "nocopy" not in ahead
-        engine.runtime.lookahead.demand = ahead.get("demand", "1") == "1"
-        engine.runtime.lookahead.P = int(ahead.get("per", engine.runtime.lookahead.P))  # predicted a layer
+        engine.runtime.kept_rows.copy = "nocopy" not in ahead
+        engine.runtime.kept_rows.demand = ahead.get("demand", "1") == "1"
+        engine.runtime.kept_rows.predicted = int(
+            ahead.get("per", engine.runtime.kept_rows.predicted)
+        )  # predicted a layer
     if "blocks" in ahead:  # thread blocks per (expert, array) of a row copy, predicted or the layer's own
-        engine.runtime.lookahead.blocks = int(ahead["blocks"])
-        engine.runtime.lookahead.demand_blocks = int(ahead["blocks"]) * 8  # over a top-8 layer's candidates
+        engine.runtime.kept_rows.blocks = int(ahead["blocks"])
+        engine.runtime.kept_rows.demand_blocks = int(ahead["blocks"]) * 8  # over a top-8 layer's candidates
     for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
         name, value = knob.split("=")
         if name == "stage":  # positions from which a pass is staged (0: none)
@@ -150,7 +152,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
             continue
         if name == "decay":  # device rows by decayed routing counts (`two_tier/kept_rows.py`), `lru` rows
-            engine.runtime.lookahead.decay = float(value)
+            engine.runtime.kept_rows.decay = float(value)
             continue
         if name == "null":  # a kernel that copies the lanes' rows, on each layer's path (CUDA)
             with_null_kernel(engine.runtime)
@@ -191,7 +193,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
         "load_s": load_s,
         "stack_moves": engine.runtime.stack_moves if isinstance(engine.runtime, TwoTierRuntime) else 0,
-        "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.lookahead) if "ahead" in ahead else 0,
+        "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.kept_rows) if "ahead" in ahead else 0,
         # MLX past its limit waits after every operation, stock's too (docs/GPU.md, "MLX's memory limit")
         "mlx_active_gb": mx.get_active_memory() / 1e9,
         "mlx_limit_gb": mx.get_memory_limit() / 1e9,

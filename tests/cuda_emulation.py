@@ -258,7 +258,7 @@ class EmulatedRows(kept_rows.KeptRows):
         self.memory = [[np.array(a) for a in stack.values()] for stack in stacks]
 
     def _launch(self, layer, cand, base, ahead):
-        count = self.P if ahead else cand.size
+        count = self.predicted if ahead else cand.size
         return self._kernel_call(layer, count, ahead)(None, cand, base, *self._rows_state(layer))
 
     def _kernel_call(self, layer, count, ahead, tables=True, lanes=None):

@@ -171,7 +171,7 @@ def test_top_ranks_as_the_kernel_does():
 def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
     engine = od_moe.load(capacity=fraction, two_tier="lru")
     runtime = engine.runtime
-    assert runtime.device_lru and runtime.lookahead.S == engine.capacity and not runtime.admissions
+    assert runtime.device_lru and runtime.kept_rows.rows == engine.capacity and not runtime.admissions
     assert "least recently used" in engine.mode_reason
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     stats = engine.stats()
@@ -181,7 +181,7 @@ def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
     assert total["experts_loaded"] == total["decode"]["misses"] > 0 and total["bytes_read"] == 0
     # a later prompt's prefill reads the experts the rows hold from them (before: every lane mapped)
     assert total["prefill"]["hits"] > 0
-    assert kept_rows.wrong_rows(runtime.lookahead) == 0
+    assert kept_rows.wrong_rows(runtime.kept_rows) == 0
     assert all((c.slot_of < 0).all() for c in engine.caches)  # the host keeps none
     assert int(runtime.tally.counts.sum()) == 0  # routing counts feed admission alone: with it off, none
 
@@ -193,17 +193,17 @@ def test_device_rows_by_decayed_counts_match_mlx_lm_and_copy_fewer_experts(bundl
     copied = {}
     for decay in (None, 0.9):
         engine = od_moe.load(capacity=0.25, two_tier="lru")
-        engine.runtime.lookahead.decay = decay
+        engine.runtime.kept_rows.decay = decay
         assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
         total = engine.stats()["total"]
         copied[decay] = total["experts_loaded"]
-        assert total["bytes_read"] == 0 and kept_rows.wrong_rows(engine.runtime.lookahead) == 0
+        assert total["bytes_read"] == 0 and kept_rows.wrong_rows(engine.runtime.kept_rows) == 0
     assert 0 < copied[0.9] < copied[None]
 
 
 def test_device_lru_at_full_capacity_is_the_plain_mode(bundled_reference):
     engine = od_moe.load(capacity=1.0, two_tier="lru")
-    assert not engine.runtime.device_lru and engine.runtime.lookahead is None
+    assert not engine.runtime.device_lru and engine.runtime.kept_rows is None
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
 
 
@@ -213,7 +213,7 @@ def test_device_lru_other_families(tmp_path, name):
     prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
     engine = od_moe.load(str(path), capacity=0.25, two_tier="lru")
     assert od_moe_tokens(engine, prompts, 12) == reference_tokens(path, prompts, 12)
-    assert kept_rows.wrong_rows(engine.runtime.lookahead) == 0
+    assert kept_rows.wrong_rows(engine.runtime.kept_rows) == 0
 
 
 @pytest.mark.parametrize("kind", ["shadow", "next-gate"])
@@ -223,7 +223,7 @@ def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypat
     monkeypatch.setattr(od_moe.assembly, "build_two_tier", _with_rows(8))
     engine = od_moe.load(capacity=0.125, two_tier=True)
     runtime = engine.runtime
-    runtime.lookahead.demand = False
+    runtime.kept_rows.demand = False
     if kind == "shadow":
         predictor = _predictor_for(engine.identity)
         predictor.attach_routers(*engine.routers())
@@ -233,7 +233,7 @@ def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypat
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     total = engine.stats()["total"]
     assert total["decode"]["hit_rate"] > 0.5 and total["experts_loaded"] > 0
-    assert kept_rows.wrong_rows(runtime.lookahead) == 0
+    assert kept_rows.wrong_rows(runtime.kept_rows) == 0
 
 
 def test_the_folded_shadow_network_scores_as_the_network():

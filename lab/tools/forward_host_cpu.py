@@ -53,7 +53,7 @@ def stand_in(tables: bool):
 
 def on_device_path(engine):
     """Turn the engine's kept rows onto the device path, their kernel the stand-in."""
-    rows = engine.runtime.lookahead
+    rows = engine.runtime.kept_rows
     rows.on_device = True
     rows.counts = kept_rows.RunningCounts(len(rows.stacks), True)
     rows._kernel = lambda layer, tables=True: stand_in(tables)

@@ -136,7 +136,13 @@ class KeptRows:
     `per_layer` experts each) and, where `demand` is on, by the layer's own routing (copied, then read)."""
 
     def __init__(self, stacks: list[dict], num_experts: int, slots: list[int], rows: int, per_layer: int):
-        self.stacks, self.E, self.C, self.S, self.P = stacks, num_experts, slots, rows, per_layer
+        self.stacks, self.num_experts, self.slots, self.rows, self.predicted = (
+            stacks,
+            num_experts,
+            slots,
+            rows,
+            per_layer,
+        )
         self.on_device = slot_fill.available()
         self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
         self.demand_blocks = DEMAND_BLOCKS
@@ -185,11 +191,13 @@ class KeptRows:
         is returned for them. `copy` False (a prompt's pass): the rows as they are, nothing copied."""
         rows = self._copy_predicted(layer, base, copy)
         if copy and self.demand:
-            _, rows, read, _ = self._call(layer, padded(indices.reshape(-1), self.E), base, ahead=False)
+            _, rows, read, _ = self._call(
+                layer, padded(indices.reshape(-1), self.num_experts), base, ahead=False
+            )
             return rows, read[: indices.size].reshape(indices.shape), None
         rows = self.current(layer, base) if rows is None else rows
         read = rows[indices]
-        return rows, read, read >= self.E
+        return rows, read, read >= self.num_experts
 
     def fuses(self) -> bool:
         """Whether a decode pass's layer call and the products after it can be one compiled call (`plan`):
@@ -233,10 +241,10 @@ class KeptRows:
         """`base` with the experts the layer's rows hold now pointing at them (a lazy scatter: no copy, no
         wait), for passes that call no kernel."""
         held = self.held[layer] if self.on_device else mx.array(self._held_host[layer].astype(np.int32))
-        E, first = self.E, self.E + self.C[layer]
+        E, first = self.num_experts, self.num_experts + self.slots[layer]
         table = mx.concatenate([base, mx.zeros((1,), base.dtype)])  # empty rows write past the end
         at = mx.where(held >= 0, held, E)
-        table[at] = mx.where(table[at] < E, mx.arange(first, first + self.S).astype(base.dtype), table[at])
+        table[at] = mx.where(table[at] < E, mx.arange(first, first + self.rows).astype(base.dtype), table[at])
         return table[:E]
 
     def compile(self, lanes: int):
@@ -247,9 +255,9 @@ class KeptRows:
         if not self.on_device:
             return
         for layer in {self._kernel(layer): layer for layer in range(len(self.stacks))}.values():
-            base = mx.arange(self.E, dtype=mx.uint32)
+            base = mx.arange(self.num_experts, dtype=mx.uint32)
             for size in demand_sizes(lanes):
-                mx.eval(self._launch(layer, mx.full((size,), self.E, mx.uint32), base, ahead=False))
+                mx.eval(self._launch(layer, mx.full((size,), self.num_experts, mx.uint32), base, ahead=False))
 
     def _call(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> tuple[mx.array, ...]:
         """One kernel (or `plan` on the host): the layer's tables (before, after) its copies of `cand`, and
@@ -264,7 +272,7 @@ class KeptRows:
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
         """The layer's kernel on `cand`, through a compiled function made once per layer and call shape:
         MLX builds a custom kernel's call (its whole source) at every call, a compiled function replays it."""
-        count = self.P if ahead else cand.size
+        count = self.predicted if ahead else cand.size
         key = (layer, count, ahead, *self._settings())
         if key not in self._launches:
             self._launches[key] = mx.compile(self._kernel_call(layer, count, ahead))
@@ -297,7 +305,7 @@ class KeptRows:
         units = max(row_units(self.stacks[layer].values())[1])
         blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
         threads = min(units, THREADS * blocks)
-        E, S = self.E, self.S
+        E, S = self.num_experts, self.rows
         counts = int(self.decay is not None and not ahead)
         scores = (E,) if tables or counts else (1,)
         shapes = dict(rows=(E,), found=(E,), held_out=(S,), age_out=(S,), counted_out=(2,), score_out=scores)
@@ -306,7 +314,7 @@ class KeptRows:
         return dict(
             template=[
                 ("E", E),
-                ("C", self.C[layer]),
+                ("C", self.slots[layer]),
                 ("S", S),
                 ("P", count),
                 ("N", count if lanes is None else lanes),
@@ -360,8 +368,8 @@ class KeptRows:
         """`_call` where the stacks are host memory: wait for the candidates (which wait for every earlier
         pass, so nothing still reads the rows), decide with `plan` and copy through numpy views."""
         values = np.array(cand.astype(mx.float32))
-        want = top(values, self.P) if ahead else [int(e) for e in values]
-        E, C = self.E, self.C[layer]
+        want = top(values, self.predicted) if ahead else [int(e) for e in values]
+        E, C = self.num_experts, self.slots[layer]
         held, age, score = self._held_host[layer], self._age_host[layer], self._score_host[layer]
         found = _overlay(np.array(base), held, E, C)
         rows, held, age, copies, score = plan(
@@ -381,13 +389,13 @@ class KeptRows:
         return (*(mx.array(t.astype(np.uint32)) for t in tables), mx.array(lane_hit))
 
 
-def wrong_rows(lookahead: KeptRows) -> int:
+def wrong_rows(kept: KeptRows) -> int:
     """Lookahead rows whose bytes differ from the expert they are said to hold (want 0): a check for the
     benches, which waits for every pass."""
     wrong = 0
-    for layer, stack in enumerate(lookahead.stacks):
-        held = np.array(lookahead.held[layer]) if lookahead.on_device else lookahead._held_host[layer]
-        first = lookahead.E + lookahead.C[layer]
+    for layer, stack in enumerate(kept.stacks):
+        held = np.array(kept.held[layer]) if kept.on_device else kept._held_host[layer]
+        first = kept.num_experts + kept.slots[layer]
         for array in stack.values():
             view = cuda.numpy_view(array)
             wrong += sum(

@@ -107,7 +107,7 @@ class TwoTierRuntime:
         self._recording: RoutingRecord | None = None
         self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
-        self.lookahead: KeptRows | None = None  # rows after the slots, filled by prediction
+        self.kept_rows: KeptRows | None = None  # rows after the slots, filled by prediction
         self.forecast = None  # (source layer, x) -> [(target layer, scores)] (`forecast.py`)
         self.device_lru = False  # the slots are kept on the device (`kept_rows.py`), none by the host
         self.by_block = False  # each MoE block is a `CompiledBlock`, whose call is the layer's pass
@@ -152,8 +152,8 @@ class TwoTierRuntime:
         booked = book_read(self.ledger, self.admission, self.tally.read())
         if self._recording is not None and self._recording.read() or booked:
             self.host_syncs += 1
-        if self.lookahead is not None:
-            self.lookahead.book(self.ledger)
+        if self.kept_rows is not None:
+            self.kept_rows.book(self.ledger)
 
     def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
@@ -185,8 +185,8 @@ class TwoTierRuntime:
     def prepare_batches(self, lanes: int):
         """Device-kept rows compile their kernel for every size a pass of up to `lanes` routed lanes takes
         (`KeptRows.compile`)."""
-        if self.lookahead is not None:
-            self.lookahead.compile(lanes)
+        if self.kept_rows is not None:
+            self.kept_rows.compile(lanes)
 
     def generation_model(self, model):
         """`model` itself: a two-tier pass never waits for the host, so nothing wraps it."""
@@ -214,10 +214,10 @@ class TwoTierRuntime:
         ends. No host sync."""
         if layer == 0:
             self._begin_pass(x)
-        ahead = self.lookahead is not None and self.phase == "decode"
+        ahead = self.kept_rows is not None and self.phase == "decode"
         if ahead and self.forecast is not None:
             for target, scores in self.forecast(layer, x):
-                self.lookahead.expect(target, scores)
+                self.kept_rows.expect(target, scores)
         plan = self.one_position(layer) if x.size == x.shape[-1] else None
         step = LayerPass(plan, lambda x, indices: self._eager(layer, x, indices, ahead))
         y = compute(step)
@@ -249,9 +249,9 @@ class TwoTierRuntime:
             return Plan(("routed",), as_routed, self._direct[layer])
         if self._full[layer]:
             return Plan(("table",), through_table, (table, *stack))
-        if self.lookahead is not None:  # the rows keep their own call's hits
-            fused = self.phase == "decode" and self.lookahead.fuses()
-            return self.lookahead.plan(layer, table) if fused else None
+        if self.kept_rows is not None:  # the rows keep their own call's hits
+            fused = self.phase == "decode" and self.kept_rows.fuses()
+            return self.kept_rows.plan(layer, table) if fused else None
         if self.stage_positions <= 1:  # each lane's expert copied to the device first (`staged_passes.py`)
             by_kernel = slot_fill.available()
             return Plan(("staged", by_kernel), staged_lanes(by_kernel), (table, *stack), self._keep)
@@ -285,8 +285,8 @@ class TwoTierRuntime:
             views = self._direct[layer]
             return steps.compute(views, x, indices) if views else stacked(x, rows[indices])
         read = indices  # no expert in a slot: every lane mapped
-        if self.lookahead is not None:  # each lane's row (after copies, if any), and hits before them
-            rows, read, hit = self.lookahead.lanes(layer, rows, indices, copy=ahead)
+        if self.kept_rows is not None:  # each lane's row (after copies, if any), and hits before them
+            rows, read, hit = self.kept_rows.lanes(layer, rows, indices, copy=ahead)
             if hit is not None:  # else the rows count their own call's hits
                 self._hit[layer] = hit
         elif self._resident[layer].any():
@@ -310,8 +310,8 @@ class TwoTierRuntime:
             self._admit(self.tally.read(done_by=self.clock - LAG))
         elif self.admissions and self._prompt_done and self.phase == "decode":
             self._admit(self.tally.read())  # the prompt's routing: prefill was waited for anyway
-        elif due and self.lookahead is not None:  # device-kept rows' counts, for a server's live figures
-            self.lookahead.book(self.ledger, lagged=True)
+        elif due and self.kept_rows is not None:  # device-kept rows' counts, for a server's live figures
+            self.kept_rows.book(self.ledger, lagged=True)
             self._since_admission, self._admitted_at = 0, self.clock
         self._prompt_done = False
         if self._dirty:
@@ -324,8 +324,8 @@ class TwoTierRuntime:
         counted = {i: ids for i, ids in self._routed.items() if not self._full[i]} if self.admissions else {}
         self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
         y = self.tally.tie(y) if self.phase == "decode" else y  # computed with the token, not on their own
-        if self.lookahead is not None:
-            self.lookahead.end_pass()
+        if self.kept_rows is not None:
+            self.kept_rows.end_pass()
         if self._recording is not None:
             self._recording.add(self._routed)
         self._prompt_done = self._prompt_done or self.phase == "prefill"
@@ -427,7 +427,7 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     else:
         slots, kept = [c.capacity for c in caches], lookahead_rows
     if kept:
-        runtime.lookahead = KeptRows(stacks, runtime.num_experts, slots, kept, kept)
+        runtime.kept_rows = KeptRows(stacks, runtime.num_experts, slots, kept, kept)
     verdict = CompileVerdict()  # shared: the first block that fuses otherwise sends all op by op
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):
         runtime.switches[i] = switch_on(block.switch, stack)

@@ -316,7 +316,7 @@ def test_a_step_that_fails_ends_its_requests_with_an_error_and_the_worker_serves
     assert "the device went away" in told and "settling the expert cache failed too (ZeroDivision" in told
     monkeypatch.setattr(engine.runtime, "settle", settle)
     answer = call(base, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
-    assert answer["choices"][0]["text"] and worker.thread.is_alive()
+    assert answer["choices"][0]["text"] and worker.state() != "error"  # its thread lives on
     srv.shutdown()
     (failed_uid, served), steps = [j.uid for j in log.joins], log.resets
     assert failed_uid != served and log.tokens[served] and len(steps) == 1
@@ -341,8 +341,7 @@ def test_a_ledger_that_cannot_settle_after_the_last_request_is_logged_and_shown(
     assert answer["choices"][0]["text"]  # its text was made before the settling, and is right
     srv.shutdown()
     worker.stop()
-    worker.thread.join(60)  # the worker has done all it will: settled (and failed) after the request
-    assert not worker.thread.is_alive()
+    assert worker.join(60)  # the worker has done all it will: settled (and failed) after the request
     assert "the ledger is gone" in worker.last_error and worker.failures_in_a_row
     logged = [r for r in caplog.records if r.name == "od_moe.server" and r.exc_info]
     assert logged and "the ledger is gone" in str(logged[0].exc_info[1]), caplog.records
@@ -554,7 +553,7 @@ def test_requests_still_being_read_when_one_joins_prefill_in_the_same_step(monke
     srv.shutdown()
     worker.stop()
     assert len(worker.arrivals) == 0
-    worker.broken = "a rank is gone"  # refused: its arrival ends all the same
+    worker.break_pipeline("a rank is gone")  # refused: its arrival ends all the same
     refused = worker.submit(engine.encode(PROMPTS[3]), params, arrival=worker.arrivals.begin())
     assert refused.events.get(timeout=5)[0] == "error" and len(worker.arrivals) == 0
 

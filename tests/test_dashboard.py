@@ -3,7 +3,6 @@ figures move and end equal to /health; its data stays whole under 8 concurrent s
 goes away. The browser test is skipped only where no Chromium binary is installed (CI installs one)."""
 
 import json
-import math
 import os
 import socket
 import threading
@@ -19,7 +18,8 @@ import od_moe
 from chromium import Browser, chromium_binary
 from od_moe.server import create_app
 from od_moe.server.dashboard import rates
-from od_moe.server.worker import DecodeClock
+from od_moe.server.decode_clock import DecodeClock
+from od_moe.server.worker import GenerationWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where the browser test leaves its screenshot (docs/dashboard.png in the README is one of these).
@@ -53,9 +53,9 @@ READ_PAGE = (
 )
 
 
-def serving(max_batch: int):
+def serving(max_batch: int, decode_clock: DecodeClock | None = None):
     engine = od_moe.load(capacity="50%", prefetch="next-gate")
-    app = create_app(engine, max_batch=max_batch)
+    app = create_app(worker=GenerationWorker(engine, max_batch=max_batch, decode_clock=decode_clock))
     srv = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
@@ -71,7 +71,12 @@ def server():
 
 @pytest.fixture(scope="module")
 def server_one_at_a_time():
-    yield from serving(max_batch=1)
+    """One request at a time, its decode clock (and so the page's) a `StoppedClock` only the test moves."""
+    clock = StoppedClock(1000.0)  # whole seconds: the page's figures are exact
+    served = serving(max_batch=1, decode_clock=DecodeClock(now=clock))
+    base, engine, _ = next(served)
+    yield base, engine, clock
+    next(served, None)
 
 
 def get(base, path):
@@ -326,11 +331,9 @@ def test_the_page_reads_the_decode_rate_from_a_requests_first_second(server_one_
     of a clock only it and the test move (exact in binary: the page's figures are exact), one request at a
     time, and waits for the page to be read after every 8th token: what the page reads is fixed, whatever
     the machine's load. A page whose window counts the idle time before the request reads 8, then 12."""
-    base, engine, worker = server_one_at_a_time
+    base, engine, clock = server_one_at_a_time
     wait_idle(base)
-    # whole seconds, past every sample of the real clock the page keeps (300 s): those are dropped
-    clock = StoppedClock(float(math.ceil(time.monotonic())) + 400)
-    monkeypatch.setattr(worker, "decode_clock", DecodeClock(now=clock))
+    clock.advance(400)  # past the page's samples so far (it keeps 300 s): those are dropped
     tokens, every = 80, 8
     ready, read = threading.Semaphore(0), threading.Semaphore(0)
 

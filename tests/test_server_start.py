@@ -224,5 +224,4 @@ def test_a_worker_shut_down_while_it_loads_ends_once_it_has_loaded(engine):
     assert worker.shutdown() is False  # it does not wait for the load
     assert worker.state() == "stopping"
     release.set()
-    worker.thread.join(BOUND_S)
-    assert not worker.thread.is_alive()
+    assert worker.join(BOUND_S)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jinja2
@@ -319,7 +320,10 @@ def serve(
         listener.close()
         raise
     schedule = None if sink is None else ScheduleLog(sink=sink)
-    worker = GenerationWorker(loader=loader, max_batch=max_batch, schedule=schedule, drafting=drafting)
+    lead = partial(ranks.leading, log=log)  # rank 0's side, where the engine is split over ranks
+    worker = GenerationWorker(
+        loader=loader, max_batch=max_batch, schedule=schedule, drafting=drafting, across_ranks=lead
+    )
     name, hosts = model_name or served_name(model), guard.host_names(host, allow_hosts)
     switch = Switch(loading_app(worker, name, hosts, allow_origins))
     try:
@@ -332,10 +336,9 @@ def serve(
     def ready():  # on the starter's thread, once the worker is ready (raises what loading raised)
         limits = dict(max_tokens=max_tokens, max_input_tokens=max_input_tokens, allowed_origins=allow_origins)
         app = create_app(worker=worker, model_name=name, allowed_hosts=hosts, **limits)
-        leader = ranks.Leader(worker, log) if worker.engine.stage is not None else None  # before any job
         switch.app = app
         _say_serving(worker, name, f"http://{host}:{server.port}", warmed, schedule_log, log)
-        return leader
+        return worker.across_ranks
 
     starter = Starter(worker, server, ready)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -426,6 +429,6 @@ def _interrupt():
 def _wait_for_relays(worker, timeout_s: float = 5.0):
     """Give the request threads the time to relay the shutdown error the worker left their jobs."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not all(job.events.empty() for job in worker.told_to_stop):
+    while time.monotonic() < deadline and not worker.shutdown_relayed():
         time.sleep(0.05)
     time.sleep(0.1)  # taken from the queue is not yet written to the socket

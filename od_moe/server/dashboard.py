@@ -27,6 +27,8 @@ CSP = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'sel
 # One character per expert of a layer, in `strip` order of precedence (the last that applies wins).
 ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED = ".", "d", "f", "u", "p"
 CODES = np.array([ABSENT, DEMAND, PREFETCHED, UNUSED_PREFETCH, PINNED])
+# the worker's request figures the page does not show (/health has them)
+PROMPT_FIGURES = ("prompt_tokens", "cached_prompt_tokens")
 
 
 class History:
@@ -102,9 +104,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
     decode, io = stats["total"]["decode"], stats["io"]["decode"]
     passes, tokens = int(stats["passes"]["decode"]), int(stats["generated_tokens"])
     prefetch = stats["prefetch"]
-    with worker.lock:
-        requests = dict(worker.counters, active=worker.active, queued=worker.queued())
-        requests["completion_tokens"] = worker.completion_tokens
+    requests = {k: v for k, v in worker.request_figures().items() if k not in PROMPT_FIGURES}
     requests["in_flight"] = requests["active"] + requests["queued"]
     now, clock = time.time(), worker.decode_clock
     # samples on the decode clock's own time: a window's span and the decoding seconds in it on one clock
@@ -140,7 +140,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         "history": recent["points"],
         "requests": requests,
         "batch": batch_figures(worker),
-        "ranks": worker.ranks.rows() if worker.ranks is not None else None,  # across ranks: one row each
+        "ranks": worker.rank_rows(),  # across ranks: one row each
         "cache": {
             "capacity": stats["capacity"],
             "num_experts": stats["num_experts"],

@@ -228,8 +228,7 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
 
     @app.errorhandler(ApiError)
     def api_error(e: ApiError):
-        with worker.lock:
-            worker.counters["rejected"] += 1
+        worker.count_rejected()
         return error_response(e)
 
     @app.errorhandler(HTTPException)
@@ -251,8 +250,7 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
     @app.errorhandler(Exception)
     def server_error(e: Exception):
         app.logger.exception("request failed")
-        with worker.lock:
-            worker.counters["failed"] += 1
+        worker.count_route_error()
         return error_response(
             ApiError(500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error")
         )

@@ -103,19 +103,10 @@ def health_body(worker, name: str, started: float) -> dict:
     stats = worker.engine.stats(settle=False)
     total = stats["total"]
     prefetch = stats["prefetch"]
-    with worker.lock:
-        requests = dict(
-            worker.counters,
-            active=worker.active,
-            queued=worker.queued(),
-            prompt_tokens=worker.prompt_tokens,
-            cached_prompt_tokens=worker.cached_tokens,
-            completion_tokens=worker.completion_tokens,
-        )
-        last_error = worker.last_error
+    requests = worker.request_figures()
     return {
         "status": worker.state(),
-        "last_error": last_error,
+        "last_error": worker.last_error,
         "model_loaded": worker.engine is not None,
         "model": name,
         "expert_cache_stats": {
@@ -155,7 +146,7 @@ def health_body(worker, name: str, started: float) -> dict:
         "uptime_s": time.time() - started,
         "requests": requests,
         "batch": batch_figures(worker),
-        "ranks": worker.ranks.rows() if worker.ranks is not None else None,
+        "ranks": worker.rank_rows(),
     }
 
 

@@ -10,22 +10,22 @@ Not here: the thread, the queue and the counters (`worker.py`), requests decoded
 
 import time
 
+from .prompt_cache import PromptCache
+
 
 class Cancelled(Exception):
     """Raised between prefill chunks when the job's client has gone away."""
 
 
-def generate(worker, job) -> str:
-    """Run `job` on `worker`'s engine, its events to its queue: "completed" or "cancelled" (the cache dropped:
-    it is not kept)."""
+def generate(worker, job, kept: PromptCache) -> str:
+    """Run `job` on `worker`'s engine, its events to its queue, from the KV cache `kept` holds (the last
+    request's, kept there after it): "completed" or "cancelled" (the cache dropped: it is not kept)."""
     engine, p = worker.engine, job.params
-    cache, rest, reused = worker.prompt_cache.take(worker.drafting.caches_of(engine), job.prompt)
-
-    if worker.announce is not None:
-        worker.announce(job)
+    cache, rest, reused = kept.take(worker.drafting.caches_of(engine), job.prompt)
+    worker.announce(job)
 
     def between_chunks(done, total):
-        if worker._cancelled(job):
+        if worker.cancelled(job):
             raise Cancelled  # the cache is dropped: it is not kept below
 
     stops, hold = p.stop, max((len(s) for s in p.stop), default=1) - 1
@@ -43,8 +43,8 @@ def generate(worker, job) -> str:
         prompt_progress_callback=between_chunks,
         **worker.drafting.options(p),
     ):
-        worker.decode_clock.tick()
-        if worker._cancelled(job):
+        worker.count_decoded()
+        if worker.cancelled(job):
             return "cancelled"  # the cache is dropped: it is not kept below
         tokens.append(response.token)
         text += response.text
@@ -61,7 +61,7 @@ def generate(worker, job) -> str:
             sent = safe
     if len(text) > sent:
         job.events.put(("text", text[sent:]))
-    worker.prompt_cache.keep(cache, list(job.prompt) + tokens)
+    kept.keep(cache, list(job.prompt) + tokens)
     usage = {
         "prompt_tokens": len(job.prompt),
         "completion_tokens": len(tokens),
@@ -69,9 +69,6 @@ def generate(worker, job) -> str:
         "prompt_tokens_details": {"cached_tokens": reused},
         "generation_s": time.perf_counter() - start,
     }
-    with worker.lock:
-        worker.prompt_tokens += len(job.prompt)
-        worker.cached_tokens += reused
-        worker.completion_tokens += len(tokens)
+    worker.count_usage(usage)
     job.events.put(("done", finish, usage, matched))
     return "completed"

@@ -1,7 +1,8 @@
 """Serving across ranks: rank 0 serves HTTP, the other ranks follow its requests pass for pass.
 
 Under `mlx.launch`, `serve` loads the split model on every rank (`distributed/rank_split.py`); rank 0 binds
-the port and runs the usual worker, the others run `follow`: a worker of their own fed with rank 0's requests.
+the port and runs the usual worker, which makes its `Leader` once the engine is loaded (`leading`); the others
+run `follow`: a worker of their own with a `Follower`, fed with rank 0's requests.
 Both run the same code on the same tokens, so every rank makes the same passes, sampling, stop-string and
 prompt-cache decisions; the one thing only rank 0 knows, whether a client went away, it decides for all
 (`Leader.lockstep`, at every cancellation check, before the ranks go on). The messages travel on the
@@ -21,8 +22,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from ..errors import UserError
-from .requests import ApiError, GenerationParams
+from .requests import GenerationParams
 from .worker import GenerationWorker, Job
 
 
@@ -45,6 +45,12 @@ def rank_figures(engine) -> dict:
     }
 
 
+def leading(worker: GenerationWorker, log=print) -> "Leader | None":
+    """What `worker` runs across ranks with on rank 0 (`GenerationWorker`'s `across_ranks`, called once its
+    engine is loaded): a `Leader` where the engine is split over ranks, else None."""
+    return Leader(worker, log) if worker.engine.stage is not None else None
+
+
 class Leader:
     """Rank 0's side: sends each job and decision to the other ranks, keeps their figures, and turns a
     lost rank into an error for clients and /health (`GenerationWorker.break_pipeline`)."""
@@ -53,8 +59,6 @@ class Leader:
         self.worker, self.log = worker, log
         self.supervisor = worker.engine.stage.supervisor
         self.ending = False
-        worker.announce, worker.lockstep, worker.ranks = self.announce, self.lockstep, self
-        _on_failure(worker, self.failed)
         self.supervisor.on_lost = self.lost
         if self.supervisor.lost is not None:  # lost before serving started
             self.lost(self.supervisor.message)
@@ -101,18 +105,39 @@ class Leader:
         return rows
 
 
+class Follower:
+    """Another rank's side: runs the jobs rank 0 sends, each cancellation check decided as rank 0 decided
+    it (`decided`); a job that fails ends this rank (`_stop`)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.decisions: queue.Queue[bool] = queue.Queue()
+
+    def announce(self, job: Job):
+        pass  # rank 0's to send
+
+    def lockstep(self, cancelled: bool) -> bool:
+        return self.decisions.get()  # this rank's own finding is never set: its jobs have no client
+
+    def decided(self, cancel: bool):
+        """Rank 0's decision at the next cancellation check."""
+        self.decisions.put(cancel)
+
+    def failed(self, error: Exception):
+        _stop(f"rank {self.rank} failed during a request ({error}): every rank stops")
+
+    def rows(self) -> None:
+        return None
+
+
 def follow(engine, log=print):
     """Run rank 0's requests on this rank until rank 0 ends the server. Waiting for rank 0 is pipeline
     work: if rank 0 (or another rank) is gone, this process ends with one line
     (`distributed/heartbeat.py`)."""
     supervisor = engine.stage.supervisor
     supervisor.payload = lambda: rank_figures(engine)
-    worker = GenerationWorker(engine, max_batch=1)
-    decisions: queue.Queue = queue.Queue()
-    worker.lockstep = lambda _cancelled: decisions.get()
-    _on_failure(
-        worker, lambda e: _stop(f"rank {engine.stage.rank} failed during a request ({e}): every rank stops")
-    )
+    follower = Follower(engine.stage.rank)
+    worker = GenerationWorker(engine, max_batch=1, across_ranks=lambda _worker: follower)
     log(
         f"od-moe: rank {engine.stage.rank} follows rank 0's requests (layers {engine.stage.start}-"
         f"{engine.stage.end - 1})"
@@ -121,26 +146,14 @@ def follow(engine, log=print):
         while True:
             _, message = supervisor.inbox.get()
             if message["k"] == "job":
-                worker.jobs.put(Job(message["prompt"], GenerationParams(**message["params"])))
+                worker.submit(message["prompt"], GenerationParams(**message["params"]))
             elif message["k"] == "go":
-                decisions.put(message["cancel"])
+                follower.decided(message["cancel"])
             elif message["k"] == "end":
                 break
         worker.stop()
-        worker.thread.join()
+        worker.join()
     engine.close()
-
-
-def _on_failure(worker: GenerationWorker, then):
-    """Call `then(error)` after the worker fails a job with a server error (not a user's mistake)."""
-    finish = worker.finish
-
-    def finished(job, outcome, usage=None, error=None):
-        finish(job, outcome, usage, error)
-        if error is not None and not isinstance(error, (ApiError, UserError)):
-            then(error)
-
-    worker.finish = finished
 
 
 def _stop(message: str):

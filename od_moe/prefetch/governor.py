@@ -48,9 +48,10 @@ READ_BOUND_ENTER, READ_BOUND_LEAVE = 0.5, 0.25  # of the token time spent waitin
 MARKS_KEPT = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefetchSettings:
-    """How prefetch runs (`Engine.configure_prefetch(settings=...)`)."""
+    """How prefetch runs (`Engine.configure_prefetch(settings=...)`): given once, never written into the
+    governor or the runtime afterwards."""
 
     experts_per_layer: int | None = None  # most experts asked per layer ahead; None: the model's top-k
     window: int = 16  # decode tokens per precision check
@@ -74,6 +75,12 @@ class PrefetchSettings:
     # on-demand LRU 27.0 (0.578)
     read_bound_score: float = 0.9
     read_window: int = 4  # decode tokens over which the read-bound share is measured
+    # the read-bound verdict after a reset, before the read-bound check (with `timed_checks`) first decides
+    read_bound_at_start: bool = False
+    # eviction and reads follow the policy's estimates of when each expert is needed next, where it makes
+    # them (the oracle; the predictor's next-use head); off, the cache's own eviction rule decides and every
+    # prediction the governor allows is read (the head still runs: a comparison, not a saving)
+    next_use_estimates: bool = True
 
 
 # what the governor reports when prefetch is off (no policy reads ahead)
@@ -136,7 +143,8 @@ class Governor:
         self._gain_checked = False  # this stretch with prefetch on has had its gain check
         self.backoffs, self.backoff_reason = 0, None
         self.pause = None  # the last pause for gain or cost: at which decode token, why, when it ends
-        self.read_bound, self.stall_share = False, None  # the read-bound check's verdict and its measure
+        # the read-bound check's verdict and its measure
+        self.read_bound, self.stall_share = self.settings.read_bound_at_start, None
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
         self._marks: list[_Mark] = []

@@ -60,10 +60,15 @@ class Step:
     forward: int  # forward passes since the prompt started (0: its first prefill chunk)
     layer: int
     phase: str  # "prefill" or "decode"
-    x: mx.array  # the MoE block's input
+    hidden: mx.array  # the MoE block's input (its hidden state)
     router: object  # the layer's router logits (None where not tapped or not one projection)
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
+
+    @property
+    def x(self) -> mx.array:
+        """`hidden`, as `distributed/seams.py` still reads it (to go once it reads `hidden`)."""
+        return self.hidden
 
 
 def softmax_topk(scores: mx.array, k: int):
@@ -172,7 +177,7 @@ class NextGatePolicy(OnDemand):
         if not step.predict or target >= self.weights.shape[0]:
             return []
         scores = next_gate(
-            last_row(step.x), self.weights[target : target + 1], self.biases[target : target + 1]
+            last_row(step.hidden), self.weights[target : target + 1], self.biases[target : target + 1]
         )
         ids, probs = softmax_topk(scores[:, 0], self.per_layer)
         return [Prediction(target, ids[0], mx.minimum(probs[0] * self.top_k, 1.0))]
@@ -313,13 +318,13 @@ class PredictorPolicy(OnDemand):
         c, source = self.predictor.config, step.layer
         # the head's estimates serve while prefetch runs: where the governor paused it, demand reads cost
         # too little for either to pay, and eviction falls back to the cache's own rule
-        if self.head is not None and step.x is not None and step.prefetching:
+        if self.head is not None and step.hidden is not None and step.prefetching:
             logprobs = _router_logprobs(step.router) if isinstance(step.router, mx.array) else None
-            self._fresh[source] = (self.head.x_term(source, last_row(step.x))[0], logprobs)
+            self._fresh[source] = (self.head.x_term(source, last_row(step.hidden))[0], logprobs)
         if not step.predict:
             return []
         if source == c.num_layers - 1 and self.lens is not None:
-            guess = self.lens.predict(step.x, self.counts[0])
+            guess = self.lens.predict(step.hidden, self.counts[0])
             if guess is None:
                 return []
             self._members[0] = (guess[0], mx.minimum(guess[1] * c.top_k, 1.0))
@@ -330,7 +335,8 @@ class PredictorPolicy(OnDemand):
         prev = None
         if all(j in self.prev_logprobs for j in targets):
             prev = mx.stack([self.prev_logprobs[j] for j in targets], axis=0)[None]
-        scores = self.predictor(source, last_row(step.x), last_row(step.router), prev=prev)[0]  # (D_i, E)
+        hidden, router = last_row(step.hidden), last_row(step.router)
+        scores = self.predictor(source, hidden, router, prev=prev)[0]  # (D_i, E)
         ids, probs = softmax_topk(scores, max(self.counts))
         routed = mx.minimum(probs * c.top_k, 1.0)  # the softmax targets spread 1 over the k routed experts
         ranked = routed * mx.array([DISTANCE_DISCOUNT**n for n in range(len(targets))])[:, None]

@@ -365,15 +365,15 @@ def test_a_joining_requests_first_text_is_sent_in_the_step_of_its_first_pass(mon
 
     engine = od_moe.load(capacity="25%")
     base, log, srv, worker = start(engine, max_batch=2)
-    sent_at, send = {}, batching.RunningBatch._send
+    sent_at, send = {}, batching.Sequence.send
 
-    def send_and_note(self, seq):
+    def send_and_note(seq):
         before = seq.sent
-        send(self, seq)
+        send(seq)
         if seq.sent > before:
-            sent_at.setdefault(seq.uid, self.steps)
+            sent_at.setdefault(seq.uid, worker.batch.steps)
 
-    monkeypatch.setattr(batching.RunningBatch, "_send", send_and_note)
+    monkeypatch.setattr(batching.Sequence, "send", send_and_note)
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
     whole = call(base, "/v1/completions", body)["choices"][0]
     stopped = call(base, "/v1/completions", dict(body, stop=["de"]))["choices"][0]

@@ -61,6 +61,43 @@ class Sequence:
     sent: int = 0
     tokens: list[int] = field(default_factory=list)
 
+    def came(self, now: float):
+        """A token of it was given out at `now`."""
+        self.first_token = self.first_token or now
+        self.last_token = now
+
+    def read_early(self, token: int, now: float):
+        """Its first token, read at `now` before the generator gives it out, its text added."""
+        self.first_token, self.early = now, token
+        self.detokenizer.add_token(token)
+        self.text += self.detokenizer.last_segment
+
+    def add(self, token: int, finish_reason: str | None):
+        """A token the generator gave out, its text added (a first token read early has been already)."""
+        self.tokens.append(token)
+        early, self.early = self.early, None
+        if finish_reason != "stop" and early is None:
+            self.detokenizer.add_token(token)
+        if finish_reason is not None:
+            self.detokenizer.finalize()
+        self.text += self.detokenizer.last_segment
+
+    def stop_found(self) -> tuple[int, str] | None:
+        """(where, which) of the first stop string in the text not yet sent, or None."""
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0]
+        return min(found) if found else None
+
+    def cut(self, at: int):
+        """The text ends at `at` (where a stop string starts)."""
+        self.text = self.text[:at]
+
+    def send(self):
+        """The text no stop string can still match across, sent."""
+        safe = len(self.text) - self.hold if self.stops else len(self.text)
+        if safe > self.sent:
+            self.job.events.put(("text", self.text[self.sent : safe]))
+            self.sent = safe
+
 
 def prefill_batch_size(max_batch: int) -> int:
     """How many joining sequences the batch prefills together."""
@@ -212,8 +249,7 @@ class RunningBatch:
         now = time.perf_counter()
         for r in responses:
             seq = self.sequences[r.uid]
-            seq.first_token = seq.first_token or now
-            seq.last_token = now
+            seq.came(now)
             self._deliver(seq, r)
         if self.first_token_early:
             self._first_tokens()
@@ -240,40 +276,24 @@ class RunningBatch:
         for i, seq in joined:
             if tokens[i] in self.eos:
                 continue
-            seq.first_token, seq.early = now, tokens[i]
-            seq.detokenizer.add_token(tokens[i])
-            seq.text += seq.detokenizer.last_segment
-            if not any(seq.text.find(s, max(0, seq.sent - len(s))) >= 0 for s in seq.stops):
-                self._send(seq)  # a stop string that matched is found again when the token is given out
-
-    def _send(self, seq: Sequence):
-        """The text no stop string can still match across, sent."""
-        safe = len(seq.text) - seq.hold if seq.stops else len(seq.text)
-        if safe > seq.sent:
-            seq.job.events.put(("text", seq.text[seq.sent : safe]))
-            seq.sent = safe
+            seq.read_early(tokens[i], now)
+            if seq.stop_found() is None:
+                seq.send()  # a stop string that matched is found again when the token is given out
 
     def _deliver(self, seq: Sequence, response):
         """The token's text, cut at a stop string, sent once no stop string can still match across it."""
         if self.schedule is not None:
             self.schedule.token(seq.logged, response.token, self.steps - 1)
-        seq.tokens.append(response.token)
-        early, seq.early = seq.early, None
-        if response.finish_reason != "stop" and early is None:
-            seq.detokenizer.add_token(response.token)
-        if response.finish_reason is not None:
-            seq.detokenizer.finalize()
-        seq.text += seq.detokenizer.last_segment
-        found = [(i, s) for s in seq.stops if (i := seq.text.find(s, max(0, seq.sent - len(s)))) >= 0]
-        if found:
-            cut, matched = min(found)
-            seq.text = seq.text[:cut]
+        seq.add(response.token, response.finish_reason)
+        if (stop := seq.stop_found()) is not None:
+            cut, matched = stop
+            seq.cut(cut)
             if response.finish_reason is None:
                 self._keep(seq, *self._remove(seq, keep_cache=True))
             else:
                 self._keep(seq, response.prompt_cache, response.all_tokens)
             return self._done(seq, "stop", matched)
-        self._send(seq)
+        seq.send()
         if response.finish_reason is not None:
             self._keep(seq, response.prompt_cache, response.all_tokens)
             self._done(seq, response.finish_reason, None)

@@ -336,7 +336,7 @@ def serve(
     def ready():  # on the starter's thread, once the worker is ready (raises what loading raised)
         limits = dict(max_tokens=max_tokens, max_input_tokens=max_input_tokens, allowed_origins=allow_origins)
         app = create_app(worker=worker, model_name=name, allowed_hosts=hosts, **limits)
-        switch.app = app
+        switch.hand_to(app)
         _say_serving(worker, name, f"http://{host}:{server.port}", warmed, schedule_log, log)
         return worker.across_ranks
 

@@ -155,9 +155,7 @@ def register(app: Flask, worker, name: str, started: float):
     history = History()
 
     def page():
-        response = send_from_directory(STATIC, "dashboard.html")
-        response.headers["Content-Security-Policy"] = CSP
-        return response
+        return send_from_directory(STATIC, "dashboard.html"), {"Content-Security-Policy": CSP}
 
     app.add_url_rule("/", "dashboard_home", page)
     app.add_url_rule("/dashboard", "dashboard", page)
@@ -168,6 +166,4 @@ def register(app: Flask, worker, name: str, started: float):
 
     @app.get("/dashboard/data")
     def dashboard_document():
-        response = jsonify(dashboard_data(worker, name, started, history))
-        response.headers["Cache-Control"] = "no-store"
-        return response
+        return jsonify(dashboard_data(worker, name, started, history)), {"Cache-Control": "no-store"}

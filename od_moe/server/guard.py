@@ -17,7 +17,7 @@ import select
 import socket
 from collections.abc import Callable, Iterable
 
-from flask import Flask, Request, jsonify, request
+from flask import Flask, Request, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from . import anthropic
@@ -257,11 +257,11 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
 
     @app.before_request
     def guard_request():
-        request.cors_origin = check_request(request, hosts, origins)
+        g.cors_origin = check_request(request, hosts, origins)
 
     @app.after_request
     def cors(response):
-        origin = getattr(request, "cors_origin", None)
+        origin = g.get("cors_origin")
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Allow-Headers"] = "Content-Type, Authorization"

@@ -12,8 +12,17 @@ from ..generation.sampling import MAX_SEED, OPENAI_MAX_TEMPERATURE, out_of_range
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_DRAFT_TOKENS = 64  # a request's num_draft_tokens: more drafts a pass than any draft model gets accepted
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 60
+
+
+class _ShortRepr(reprlib.Repr):
+    """A value as an error message quotes it: at most about 60 characters of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxstring = self.maxlong = self.maxother = 60
+
+
+_REPR = _ShortRepr()
 
 
 class ApiError(Exception):

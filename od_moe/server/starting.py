@@ -38,10 +38,14 @@ def served_name(model) -> str:
 
 
 class Switch:
-    """The WSGI app `serve` runs: `loading` until `app` is set, then `app`."""
+    """The WSGI app `serve` runs: `loading` until it is handed the app (`hand_to`), then that app."""
 
     def __init__(self, loading: Flask):
         self.loading, self.app = loading, None
+
+    def hand_to(self, app: Flask):
+        """From now on `app` answers every request."""
+        self.app = app
 
     def __call__(self, environ, start_response):
         app = self.app if self.app is not None else self.loading

@@ -254,9 +254,7 @@ class GenerationWorker:
     ) -> Job:
         """Queue a job; its `arrival` (`arrivals.py`) ends as it is queued, so that a batch waiting for
         the requests being read finds it there, or as it is refused; `release`: see `Job.release`."""
-        job = Job(prompt, params, release=release or (lambda: None))
-        if alive is not None:
-            job.alive = alive
+        job = Job(prompt, params, alive=alive or (lambda: True), release=release or (lambda: None))
         with self._lock:
             self._counters["total"] += 1
             refused = self._broken is not None or self._stopping

@@ -265,7 +265,7 @@ def settings_for_path(
             f"path_settings are {type(given).__name__}, but the {mode.path} path runs: give "
             f"{wanted.__name__}, or two_tier={TwoTierMode.OFF.argument if mode.tiered else True!r}"
         )
-    if mode.tiered:
+    if isinstance(given, TwoTierSettings) or mode.tiered:
         return given or TwoTierSettings()
     return replace(given or PerLayerSettings(), miss_policy=miss_policy, read_threads=read_threads)
 

@@ -102,7 +102,7 @@ class Engine:
         )
         # KV cache a token of context takes (`capacity.kv_nbytes_per_token`)
         self.kv_nbytes_per_token = kv_nbytes_per_token
-        self._routers = None
+        self._routers: tuple | None = None
         self.max_positions = max_positions(model_path)
         self.stage = stage  # this rank's part of a pipeline over several processes (`rank_split.Stage`)
         self.seam_receiver = None  # the predictions the rank before sends (`distributed/seams.py`)
@@ -176,15 +176,15 @@ class Engine:
         if isinstance(prompt, str) and not prompt or isinstance(prompt, (list, tuple)) and not len(prompt):
             raise UserError("prompt is empty: give some text to continue")
         held = [getattr(c, "offset", None) for c in kwargs.get("prompt_cache") or ()]
-        prompt, draft = self.encode(prompt), drafts.prepare(self, draft_model, num_draft_tokens, kwargs)
+        ids, draft = self.encode(prompt), drafts.prepare(self, draft_model, num_draft_tokens, kwargs)
         with self._pipeline_work():
             if self.stage is not None:  # every rank follows rank 0's prompt and samples with the same key
-                prompt, seed = self.stage.share_tokens(prompt), self.stage.share_seed(seed)
+                ids, seed = self.stage.share_tokens(ids), self.stage.share_seed(seed)
             # the request's own random key: a failed or seeded request never touches another's sampling
             sampler = make_sampler(temperature, top_p, top_k, min_p, seed, vocab_size_of(self.model))
-            context = max([o for o in held if o is not None], default=0) + len(prompt)
+            context = max([o for o in held if o is not None], default=0) + len(ids)
             max_tokens = self.token_limit(context, max_tokens)
-            yield from self._generate(prompt, max_tokens, sampler, held, kwargs, draft)
+            yield from self._generate(ids, max_tokens, sampler, held, kwargs, draft)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler, held: list, kwargs: dict, draft=None):
         self.runtime.start_prompt(prompt)
@@ -426,8 +426,10 @@ def load(
     backend.reset_peak_memory()  # so load_peak_bytes measures this load
     store = open_store(path, packed, direct_io)
     identity = model_identity(path, store)
-    settings = dict(capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype)
-    group = rank_split.join(ranks, dict(settings, model=identity), predictor)
+    asked_of_ranks = dict(
+        capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy, dtype=dtype
+    )
+    group = rank_split.join(ranks, dict(asked_of_ranks, model=identity), predictor)
     mlx_model, tokenizer = open_model(path, dtype)
     stage = group and rank_split.split(mlx_model, group, find_moe_blocks(mlx_model))
     blocks = offloadable_blocks(mlx_model, path)

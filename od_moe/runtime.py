@@ -22,6 +22,10 @@ from .caching.layer_cache import LayerCache
 from .storage.store import ExpertStore
 
 
+# experts of one MoE layer by id: a list, or the numpy array the caches and policies keep them in
+ExpertIds = Sequence[int] | np.ndarray
+
+
 class TwoTierMode(enum.Enum):
     """Which path runs: the per-layer path (`OFF`), or two tiers with slots admitted by routing counts
     (`ON`) or kept by the device, least recently used (`LRU`, `two_tier/kept_rows.py`)."""
@@ -38,7 +42,12 @@ class TwoTierMode(enum.Enum):
     @property
     def argument(self) -> bool | str:
         """`load`'s `two_tier` that asks for this mode: False, True or "lru"."""
-        return {TwoTierMode.OFF: False, TwoTierMode.ON: True, TwoTierMode.LRU: "lru"}[self]
+        arguments: dict[TwoTierMode, bool | str] = {
+            TwoTierMode.OFF: False,
+            TwoTierMode.ON: True,
+            TwoTierMode.LRU: "lru",
+        }
+        return arguments[self]
 
     @property
     def path(self) -> str:
@@ -133,7 +142,7 @@ class Runtime(Protocol):
         """Zero the ledger and the counts (the slots stay)."""
         ...
 
-    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()) -> None:
+    def load(self, cache: LayerCache, ids: ExpertIds, protect: ExpertIds = ()) -> None:
         """Put experts `ids` of `cache`'s layer into slots now, free slots first, then the most evictable
         (not `protect`)."""
         ...

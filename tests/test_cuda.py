@@ -14,6 +14,7 @@ import pytest
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 from od_moe.memory import backend, cuda
+from od_moe.per_layer import PerLayerSettings
 from od_moe.storage.layout import ExpertRows
 
 
@@ -115,9 +116,9 @@ def test_engine_installs_through_cuda_copies_give_exact_tokens(cuda_copies, bund
     """Reads land in pinned numpy staging and installs are runtime copies into the slots (no MLX write, no
     arrays made by the reader threads); the tokens are stock mlx-lm's."""
     runtime = cuda_copies(_CopyRuntime())
-    engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4)
-    assert not engine.runtime.loader.copy_installs  # off by default on CUDA
-    engine.runtime.loader.copy_installs = True
+    assert not od_moe.load(capacity="25%", prefetch="none").runtime.loader.copy_installs  # off on CUDA
+    copying = PerLayerSettings(copy_installs=True)
+    engine = od_moe.load(capacity="25%", prefetch="none", read_threads=4, path_settings=copying)
     engine.configure_prefetch("next-gate")
     assert not engine.runtime.reader.make_arrays
     assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
@@ -133,8 +134,8 @@ def test_copies_the_device_does_not_see_fall_back_to_mlx_writes(cuda_copies, bun
     """Where the first copy is not seen through MLX, copies turn off for good: that install is written
     again through MLX, later ones go through MLX, and the tokens stay stock mlx-lm's."""
     cuda_copies(_CopyRuntime(seen=False))
-    engine = od_moe.load(capacity="25%", prefetch="none")
-    engine.runtime.loader.copy_installs = True
+    copying = PerLayerSettings(copy_installs=True)
+    engine = od_moe.load(capacity="25%", prefetch="none", path_settings=copying)
     full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
     cache, ids = engine.caches[2], np.array([9, 3, 60])
     slots = cache.install(
@@ -145,8 +146,7 @@ def test_copies_the_device_does_not_see_fall_back_to_mlx_writes(cuda_copies, bun
         stacked = cache.projections[part.proj][part.name]
         expected = full[f"model.layers.2.mlp.switch_mlp.{part.proj}.{part.name}"][mx.array(ids)]
         assert mx.array_equal(stacked[mx.array(slots)], expected.astype(stacked.dtype)), part.name
-    engine = od_moe.load(capacity="25%", prefetch="none")
-    engine.runtime.loader.copy_installs = True
+    engine = od_moe.load(capacity="25%", prefetch="none", path_settings=copying)
     assert engine.runtime.reader.make_arrays
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
 

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import od_moe
 from conftest import od_moe_tokens, reference_tokens
 from od_moe.errors import UserError
+from od_moe.per_layer import PerLayerSettings
 from od_moe.per_layer import optimistic as optimistic_module
 from od_moe.prefetch.governor import PrefetchSettings
 from od_moe.storage.store import ExpertStore
@@ -95,8 +96,9 @@ def test_family_optimistic_passes_match_mlx_lm(family, monkeypatch):
     state caches (sliding-window caches stop being trimmable once they wrap)."""
     name, path, reference = family
     monkeypatch.setattr(optimistic_module, "OPTIMISTIC_BELOW", 2.0)
-    engine = od_moe.load(str(path), capacity=0.75, prefetch="none")
-    engine.runtime.optimistic = True
+    engine = od_moe.load(
+        str(path), capacity=0.75, prefetch="none", path_settings=PerLayerSettings(optimistic=True)
+    )
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == reference[:1], name
     stats = engine.stats()
     passes = stats["optimistic"]["passes"]
@@ -111,8 +113,10 @@ def test_family_split_rounds_match_mlx_lm(family):
     """A decode layer that misses, computed in two rounds (resident experts while the missing ones are
     read, then those), gives stock mlx-lm's tokens in every family, shared experts and biases included."""
     name, path, reference = family
-    engine = od_moe.load(str(path), capacity=0.5, prefetch="none")
-    engine.runtime.split_on_miss = True  # the default only for experts of 1 MiB or more
+    # split rounds: the default only for experts of 1 MiB or more
+    engine = od_moe.load(
+        str(path), capacity=0.5, prefetch="none", path_settings=PerLayerSettings(split_on_miss=True)
+    )
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == reference[:1], name
     assert engine.stats()["total"]["misses"] > 0
 

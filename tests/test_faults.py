@@ -18,6 +18,7 @@ from conftest import PROMPTS, invariants, od_moe_tokens, slots_hold_their_expert
 from od_moe.cli import main
 from od_moe.errors import ExpertReadError
 from od_moe.memory import backend
+from od_moe.per_layer import PerLayerSettings
 from od_moe.prefetch.governor import PrefetchSettings
 from od_moe.server import create_app
 from od_moe.storage.store import ExpertStore
@@ -220,23 +221,25 @@ def test_the_server_fails_the_request_reports_it_and_serves_the_next_exactly(mon
 def test_a_read_that_fails_while_resident_experts_compute_fails_only_the_request(
     monkeypatch, bundled_reference
 ):
-    """A decode layer split in two rounds (`PerLayerRuntime._split`) whose missing experts cannot be read:
-    its resident experts are already computing; the request fails with the read's error, nothing of the
-    read is installed, and the engine serves stock tokens once the file reads again."""
-    from od_moe.per_layer import per_layer_runtime as runtime_module
+    """A decode layer split in two rounds (`PerLayerSettings.split_on_miss`) whose missing experts cannot
+    be read: its resident experts are already computing; the request fails with the read's error, nothing
+    of the read is installed, and the engine serves stock tokens once the file reads again."""
+    split = PerLayerSettings(split_on_miss=True)
+    engine = od_moe.load(capacity="25%", prefetch="none", path_settings=split)
+    failed_in_split, real_route = [], engine.runtime.route
 
-    engine = od_moe.load(capacity="25%", prefetch="none")
-    engine.runtime.split_on_miss = True
-    failed_in_split, real_split = [], runtime_module.PerLayerRuntime._split
-
-    def split(self, *args, **kwargs):
+    def route(layer, x, indices):
+        rounds = []
         try:
-            yield from real_split(self, *args, **kwargs)
+            for r in real_route(layer, x, indices):
+                rounds.append(r.lanes)
+                yield r
         except ExpertReadError:
-            failed_in_split.append(self.passes.phase)
+            if rounds and rounds[0] is not None:  # after the resident experts' round
+                failed_in_split.append(engine.runtime.passes.phase)
             raise
 
-    monkeypatch.setattr(runtime_module.PerLayerRuntime, "_split", split)
+    monkeypatch.setattr(engine.runtime, "route", route)
     with monkeypatch.context() as failing:
         _fail_reads(failing, lambda layout, ids: engine.runtime.passes.phase == "decode")
         with pytest.raises(ExpertReadError, match="Input/output error"):

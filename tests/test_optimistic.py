@@ -5,6 +5,7 @@ import numpy as np
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, invariants, od_moe_tokens, slots_hold_their_experts
+from od_moe.per_layer import PerLayerSettings
 from od_moe.per_layer import optimistic as optimistic_module
 from od_moe.prefetch.governor import PrefetchSettings
 
@@ -12,8 +13,9 @@ TOKENS = NEW_TOKENS // 2  # the first half of the reference's greedy tokens
 
 
 def _run(capacity, optimistic, prompts=PROMPTS):
-    engine = od_moe.load(capacity=capacity, prefetch="none")
-    engine.runtime.optimistic = optimistic
+    engine = od_moe.load(
+        capacity=capacity, prefetch="none", path_settings=PerLayerSettings(optimistic=optimistic)
+    )
     tokens = od_moe_tokens(engine, prompts, TOKENS)
     return engine, tokens, engine.stats()
 
@@ -55,9 +57,8 @@ def test_a_continued_prompt_cache_stays_exact(bundled_reference):
 
     model, tokenizer = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
     model.set_dtype(backend.compute_dtype("auto"))
-    engine = od_moe.load(capacity=0.875, prefetch="none")
-    engine.runtime.optimistic = True
-    engine.runtime.token_miss_rate = 0.0  # start optimistic at once
+    at_once = PerLayerSettings(optimistic=True, assumed_token_miss_rate=0.0)  # optimistic from the start
+    engine = od_moe.load(capacity=0.875, prefetch="none", path_settings=at_once)
     theirs, ours = make_prompt_cache(model), make_prompt_cache(engine.model)
     for prompt in PROMPTS[:2]:
         want = [
@@ -74,9 +75,8 @@ def test_optimistic_passes_record_the_routing_exact_mode_records():
     each optimistic pass's routing, and a pass that ran again its later layers', as exact mode records."""
     recordings = []
     for optimistic in (False, True):
-        engine = od_moe.load(capacity=0.875, prefetch="none")
-        engine.runtime.optimistic = optimistic
-        engine.runtime.token_miss_rate = 0.0
+        settings = PerLayerSettings(optimistic=optimistic, assumed_token_miss_rate=0.0)
+        engine = od_moe.load(capacity=0.875, prefetch="none", path_settings=settings)
         engine.runtime.start_recording()
         od_moe_tokens(engine, PROMPTS[:2], TOKENS)
         recordings.append(engine.runtime.stop_recording())
@@ -95,9 +95,8 @@ def test_no_pass_runs_optimistically_while_prefetch_runs(bundled_reference):
     and the tokens are stock mlx-lm's."""
     prompt, expected = PROMPTS[0], bundled_reference[0]
     trace = od_moe.load(capacity="25%", prefetch="none").record_routing(prompt, TOKENS)
-    engine = od_moe.load(capacity="25%", prefetch="none")
+    engine = od_moe.load(capacity="25%", prefetch="none", path_settings=PerLayerSettings(optimistic=True))
     engine.configure_prefetch("oracle", oracle_trace=trace, settings=PrefetchSettings(timed_checks=False))
-    engine.runtime.optimistic = True
     assert od_moe_tokens(engine, [prompt], TOKENS)[0] == expected[:TOKENS]
     stats = engine.stats()
     invariants(stats)

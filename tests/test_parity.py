@@ -4,6 +4,7 @@ import pytest
 
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
+from od_moe.per_layer import PerLayerSettings
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25, 0.125])
@@ -86,13 +87,16 @@ def test_a_synced_layer_starts_computing_at_once(bundled_reference, monkeypatch)
             return mx.async_eval(*arrays)
 
     monkeypatch.setattr(switch, "mx", CountingMx())
-    engine = od_moe.load(capacity=0.25, prefetch="none")
-    engine.runtime.split_on_miss = False  # its rounds start at once whatever `launch_early` says
+    one_round = PerLayerSettings(
+        split_on_miss=False
+    )  # split rounds start at once whatever `launch_early` says
+    engine = od_moe.load(capacity=0.25, prefetch="none", path_settings=one_round)
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
     stats = engine.stats()
     assert 0 < len(launched) <= engine.runtime.host_syncs  # one per layer that synced, in one round
     assert len(launched) >= stats["positions"]["decode"] * stats["moe_layers"] // 2
-    engine.runtime.launch_early = False
+    settings = PerLayerSettings(split_on_miss=False, launch_early=False)
+    engine = od_moe.load(capacity=0.25, prefetch="none", path_settings=settings)
     count = len(launched)
     assert od_moe_tokens(engine, PROMPTS[1:2], 8) == [bundled_reference[1][:8]]
     assert len(launched) == count
@@ -118,19 +122,23 @@ def test_a_missing_layer_computes_its_resident_experts_while_the_rest_are_read(
     from od_moe.per_layer import per_layer_runtime as runtime_module
 
     predictor = od_moe.DEFAULT_PREDICTOR if prefetch == "predictor" else None
-    assert not od_moe.load(capacity=0.25).runtime.split_on_miss  # 20 KB experts: nothing to hide
+    assert not od_moe.load(capacity=0.25).runtime.settings.split_on_miss  # 20 KB experts: nothing to hide
     monkeypatch.setattr(runtime_module, "SMALL_EXPERT_BYTES", 1)  # as if they were large
-    engine = od_moe.load(capacity=0.25, prefetch=prefetch, predictor=predictor)
-    assert engine.runtime.split_on_miss  # on the CPU backend
-    real_route = engine.runtime.route
 
-    def route(layer, x, indices):
-        for r in real_route(layer, x, indices):
-            if r.lanes is not None:
-                events.append(("lanes", layer, tuple(r.lanes.tolist()), r.slots.shape[-1]))
-            yield r
+    def watched(engine):  # its rounds of positions go to `events`
+        real_route = engine.runtime.route
 
-    monkeypatch.setattr(engine.runtime, "route", route)
+        def route(layer, x, indices):
+            for r in real_route(layer, x, indices):
+                if r.lanes is not None:
+                    events.append(("lanes", layer, tuple(r.lanes.tolist()), r.slots.shape[-1]))
+                yield r
+
+        monkeypatch.setattr(engine.runtime, "route", route)
+        return engine
+
+    engine = watched(od_moe.load(capacity=0.25, prefetch=prefetch, predictor=predictor))
+    assert engine.runtime.settings.split_on_miss  # on the CPU backend
     assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
     rounds = [e for e in events if e[0] == "lanes"]
     assert rounds and all(e[3] == len(e[2]) for e in rounds)  # each round computes its positions only
@@ -143,7 +151,10 @@ def test_a_missing_layer_computes_its_resident_experts_while_the_rest_are_read(
         elif inside:
             between.append(e)
     assert between and not any(e[2] for e in between)
-    engine.runtime.split_on_miss = False
+    one_round = PerLayerSettings(split_on_miss=False)
+    engine = watched(
+        od_moe.load(capacity=0.25, prefetch=prefetch, predictor=predictor, path_settings=one_round)
+    )
     events.clear()
     assert od_moe_tokens(engine, PROMPTS[2:], NEW_TOKENS) == bundled_reference[2:]
     assert not [e for e in events if e[0] == "lanes"]

@@ -94,8 +94,8 @@ def test_the_next_use_head_orders_eviction_and_refuses_reads_that_do_not_pay(pre
         distance = policy.next_uses(runtime.passes.index, layer)
         assert distance.shape == (cache.num_experts,) and np.all(np.isfinite(distance) & (distance >= 1))
     refused = engine.stats()["io"]["decode"]["bytes_read"]
-    blind = _engine("predictor", predictor_dir, "25%", min_score=0.0)
-    blind.runtime.policy.head = None  # the same predictions, eviction by LRU, every prediction read
+    # the same predictions, eviction by LRU, every prediction read
+    blind = _engine("predictor", predictor_dir, "25%", min_score=0.0, next_use_estimates=False)
     blind.generate(PROMPTS[0], max_tokens=NEW_TOKENS)
     assert refused < blind.stats()["io"]["decode"]["bytes_read"]
 
@@ -492,8 +492,8 @@ def test_where_reads_are_the_bottleneck_only_confident_predictions_are_read(pred
 
 def test_a_read_bound_runtime_queues_no_prediction_below_the_raised_floor(predictor_dir, monkeypatch):
     def submitted(read_bound):
-        engine = _engine("predictor", predictor_dir, "25%")
-        engine.runtime.governor.read_bound = read_bound  # no timed checks: the verdict stays
+        # no timed checks: the verdict stays
+        engine = _engine("predictor", predictor_dir, "25%", read_bound_at_start=read_bound)
         asked = []
         submit = engine.runtime.reader.submit
         monkeypatch.setattr(
@@ -538,7 +538,6 @@ def test_a_prefetch_never_evicts_an_expert_predicted_for_the_same_layer(predicto
     runtime, cache = engine.runtime, engine.caches[3]
     runtime.load(cache, np.arange(16))
     cache.touch(np.arange(16), np.ones(16), clock=1.0 + np.arange(16))  # expert 0 is the least recently used
-    runtime.passes.clock = 20
     _submit(engine, 3, [0, 20], [0.9, 0.8])  # 0 is resident and predicted: only 20 is read
     runtime.reader.drain()
     assert runtime.ledger.reader["issued"] == 1

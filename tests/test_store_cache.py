@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
+from conftest import consistent as _consistent
 from od_moe.accounting.ledger import Ledger
 from od_moe.errors import UserError
 from od_moe.memory.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
@@ -84,7 +86,7 @@ def test_both_install_paths_put_the_checkpoint_rows_in_the_slots(dtype):
     for host in (True, False):
         engine = od_moe.load(capacity=8, dtype=dtype)
         cache = engine.caches[4]
-        cache.host_writes = host
+        cache.use_host_writes(host)
         slots = cache.install(
             ids, engine.runtime.store.read(cache.layout, ids, ExpertRows(cache.layout, 4))
         ).slots
@@ -103,7 +105,7 @@ def test_mlx_installs_from_the_readers_flat_arrays(made):
     full = mx.load(str(od_moe.DEFAULT_MODEL / "model.safetensors"))
     engine = od_moe.load(capacity=8)
     cache = engine.caches[3]
-    cache.host_writes = False
+    cache.use_host_writes(False)
     layout, store = cache.layout, engine.runtime.store
     first = np.array([1, 2])
     cache.install(first, store.read(layout, first, ExpertRows(layout, 4)))
@@ -125,7 +127,7 @@ def test_mlx_installs_are_left_to_the_computation_that_reads_the_slots(monkeypat
     slots evaluates the writes with its own computation, and the bytes land exactly."""
     engine = od_moe.load(capacity=8)
     cache = engine.caches[2]
-    cache.host_writes = False
+    cache.use_host_writes(False)
     started = []
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: started.append(arrays))
     monkeypatch.setattr(mx, "eval", lambda *arrays: started.append(arrays))
@@ -195,6 +197,33 @@ def test_pinned_experts_are_never_evicted():
         assert row["evictions"] > 0
     with pytest.raises(ValueError, match="leaves none"):
         engine.caches[0].pin(engine.caches[0].resident_ids())
+
+
+def test_measuring_install_rates_leaves_the_slots_and_the_ledger_as_they_were(bundled_reference):
+    """`transfer_rates` installs into the first MoE layer's slots to time it, then reads back what they
+    held (gaps and pins included, byte for byte), booking nothing; the engine still gives stock tokens."""
+    engine = od_moe.load(capacity="25%", prefetch="none")
+    od_moe_tokens(engine, PROMPTS[:1], 4)
+    cache = engine.caches[0]
+    held = cache.expert_in_slot.copy()
+    held[[1, 5]] = -1  # empty slots stay empty
+    engine.runtime.place(cache, held)
+    cache.pin(held[[2, 3]])
+    kept = mx.array(np.flatnonzero(held >= 0).astype(np.int32))
+    before = {name: array[kept].astype(mx.float32) for name, array in cache.stacked_arrays().items()}
+    mx.eval(list(before.values()))  # copies: host writes change the slots' own memory
+    ledger = engine.runtime.ledger.snapshot()
+    rates = engine.runtime.transfer_rates(repeats=2)
+    assert set(rates) == {"installed", "best"} and rates["best"] == rates["installed"] > 0
+    assert np.array_equal(cache.expert_in_slot, held)
+    assert np.array_equal(np.flatnonzero(cache.pinned), [2, 3])
+    for name, array in cache.stacked_arrays().items():
+        assert mx.array_equal(array[kept].astype(mx.float32), before[name]), name
+    assert np.array_equal(engine.runtime.ledger.layers, ledger.layers)
+    assert engine.runtime.ledger.reader == ledger.reader
+    _consistent(cache)
+    engine.runtime.reset_counts()
+    assert od_moe_tokens(engine, PROMPTS[1:2], NEW_TOKENS) == bundled_reference[1:2]
 
 
 def test_lru_evicts_the_least_recently_used():
@@ -278,8 +307,6 @@ def test_memory_budget_bounds_the_cache_and_peak_memory():
 
 
 def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_reference, monkeypatch):
-    from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
-
     buffered, direct = ExpertStore(od_moe.DEFAULT_MODEL), ExpertStore(od_moe.DEFAULT_MODEL)
     assert direct.use_direct_io(True) and direct.direct_io  # O_DIRECT on Linux, F_NOCACHE on macOS
     parts = {p: ["weight", "scales", "biases"] for p in ("gate_proj", "up_proj", "down_proj")}

@@ -6,6 +6,8 @@
 - `overflow`: a layer that routes to more experts than it has slots reads the rest into a scratch stack.
 - `submit`: queue predicted experts for the reader (prefetch); `install_ready` installs finished ones,
   best first, where unprotected slots allow; `drain` makes every read land now (synchronous prefetch).
+- `install_rate`, `put_back`: the bytes a second installs take (`PerLayerRuntime.transfer_rates`), and the
+  measured layer's experts read back into their slots, booking nothing.
 Where the policy knows when each expert is needed next (`Passes.future`: the oracle, the next-use head),
 installs evict the expert needed farthest ahead (Belady's MIN), and a prefetched expert goes in only if
 it is needed no later than the one it would evict. Every read and install is booked in the ledger here,
@@ -26,27 +28,36 @@ from ..errors import ExpertReadError
 from ..memory import backend
 from ..prefetch.governor import Governor
 from ..prefetch.policies import Prediction
-from ..storage.layout import ExpertRows
+from ..storage.layout import ExpertRows, flat_rows
 from ..storage.store import ExpertStore
 from .passes import Passes
 from .reader import Read, Reader
 
 READ_BATCH = 16  # experts per read round at most...
 STAGING_BYTES = 8 * 2**20  # ...and at most this many bytes: staging and install copies count against budgets
+INSTALL_PROBE = 8  # experts a batch where the install rate is measured (`install_rate`), as the bench does
 
 
 class Loader:
     """Demand reads, prefetch installs and their booking, for every MoE layer of one runtime."""
 
     def __init__(
-        self, store: ExpertStore, caches: list[LayerCache], ledger: Ledger, passes: Passes, read_threads: int
+        self,
+        store: ExpertStore,
+        caches: list[LayerCache],
+        ledger: Ledger,
+        passes: Passes,
+        read_threads: int,
+        copy_installs: bool,
     ):
         self.store, self.caches, self.ledger, self.passes = store, caches, ledger, passes
         self.read_threads = read_threads
-        self.governor: Governor | None = None  # set while prefetch runs
+        self.governor: Governor | None = None  # while prefetch runs (`use_governor`)
         self._reader: Reader | None = None
         self._staging: dict[tuple, ExpertRows] = {}  # this thread's buffers for reads it does itself
-        self.copy_installs = backend.arrays_in_host_memory()
+        self._copy_installs = copy_installs
+        for cache in caches:
+            cache.host_writes = copy_installs
 
     @property
     def reader(self) -> Reader:
@@ -57,7 +68,7 @@ class Loader:
                 [c.layout for c in self.caches],
                 self.ledger,
                 self.read_threads,
-                make_arrays=not (self.copy_installs and backend.copies_into_arrays()),
+                make_arrays=self.makes_arrays,
             )
         return self._reader
 
@@ -70,20 +81,21 @@ class Loader:
     def copy_installs(self) -> bool:
         """Installs copy the read bytes into the slots where the backend allows (`backend.row_writer`:
         numpy views of host memory, the CUDA runtime's copies); off, they are MLX writes from arrays the
-        reader threads make. Set it before the engine reads. On by default where arrays are host memory;
-        off on CUDA, where the runtime's copies moved install work off the GPU, where lazy MLX writes
-        overlap the host's work, onto the host, and decode was no faster (docs/BENCHMARKS.md,
-        "Investigations")."""
+        reader threads make (`PerLayerSettings.copy_installs`, settled at construction). On by default
+        where arrays are host memory; off on CUDA, where the runtime's copies moved install work off the
+        GPU, where lazy MLX writes overlap the host's work, onto the host, and decode was no faster
+        (docs/BENCHMARKS.md, "Investigations")."""
         return self._copy_installs
 
-    @copy_installs.setter
-    def copy_installs(self, on: bool):
-        self._copy_installs = on
-        for cache in self.caches:
-            cache.host_writes = on
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+    @property
+    def makes_arrays(self) -> bool:
+        """The reader threads make an MLX array of every read's bytes for its install (the installs are MLX
+        writes)."""
+        return not (self._copy_installs and backend.copies_into_arrays())
+
+    def use_governor(self, governor: Governor | None):
+        """Prefetch what is submitted as `governor` sizes it from now on; None: no prefetch."""
+        self.governor = governor
 
     def cancel_prefetches(self):
         """Drop the prefetch requests queued (engines that never prefetch start no reader)."""
@@ -94,7 +106,7 @@ class Loader:
         """Stop the reader threads (demand reads start them again)."""
         if self._reader is not None:
             self._reader.close()
-        self.governor = None
+        self.use_governor(None)
 
     def synced(self, layer: int | None = None):
         """A host sync returned (of MoE layer `layer`'s routing, where given): staging rows whose installs
@@ -396,14 +408,60 @@ def _arrays(reads: list[Read]) -> list | None:
 
 def read_into_slots(loader: Loader, cache: LayerCache, expert_in_slot: np.ndarray):
     """Read the experts of `expert_in_slot` (-1: empty; a snapshot's) from the model's files into those
-    slots. A cleared cache fills slots 0..n-1 in order, which is what a saved cache filled the same way has;
-    other orders are permuted so slot numbers match."""
+    slots, booked as demand reads. A cleared cache fills slots 0..n-1 in order, which is what a saved cache
+    filled the same way has; other orders are permuted so slot numbers match."""
     held = np.asarray(expert_in_slot, dtype=np.int64)
-    ids, wanted = held[held >= 0], np.flatnonzero(held >= 0)
     cache.restore(np.full(cache.capacity, -1))
-    loader.load(cache, ids)
+    loader.load(cache, held[held >= 0])
+    _into_their_slots(cache, held)
+
+
+def put_back(store: ExpertStore, cache: LayerCache, expert_in_slot: np.ndarray):
+    """`read_into_slots` booking nothing (a measurement's slots refilled): the experts of `expert_in_slot`
+    read from the model's files into those slots; their recency starts afresh."""
+    held = np.asarray(expert_in_slot, dtype=np.int64)
+    ids = held[held >= 0]
+    cache.restore(np.full(cache.capacity, -1))
+    for start in range(0, ids.size, READ_BATCH):
+        chunk = ids[start : start + READ_BATCH]
+        cache.install(chunk, store.read(cache.layout, chunk, ExpertRows(cache.layout, chunk.size)))
+    _into_their_slots(cache, held)
+
+
+def _into_their_slots(cache: LayerCache, held: np.ndarray):
+    """Move the experts of `held` (-1: empty), resident in some slots, into the slots `held` names."""
+    ids, wanted = held[held >= 0], np.flatnonzero(held >= 0)
     current = cache.slot_of[ids]
     if not np.array_equal(current, wanted):
         permutation = np.arange(cache.capacity)
         permutation[wanted] = current
         cache.move(permutation, held)
+
+
+def install_rate(store: ExpertStore, cache: LayerCache, make_arrays: bool, repeats: int) -> float:
+    """Bytes a second at which read experts are installed into `cache`'s slots, measured as
+    `bench/roofline.py`'s `install_bandwidth` measures it: up to `INSTALL_PROBE` experts a batch, read
+    beforehand, two batches in turn (always fresh bytes), each into the same slots of the cleared cache;
+    MLX's writes evaluated, as the layer would; `make_arrays`: from the MLX arrays a reader thread makes
+    (their rows); the first install warms the path up, the next `repeats` are timed. Books nothing; the
+    cache is left cleared."""
+    experts = max(1, min(INSTALL_PROBE, cache.capacity, cache.num_experts // 2))
+    batches = [np.arange(experts) + experts * (n % 2) for n in range(repeats + 1)]
+    raws = [store.read(cache.layout, ids, ExpertRows(cache.layout, experts)) for ids in batches[:2]]
+    seconds = 0.0
+    for n, ids in enumerate(batches):
+        raw = raws[n % 2]
+        arrays = None
+        if make_arrays:
+            rows = flat_rows(cache.layout, raw, experts)
+            arrays = [backend.stage_for_device(mx.array(row)) for row in rows]
+            mx.eval(arrays)
+        cache.restore(np.full(cache.capacity, -1))
+        t0 = time.perf_counter()
+        cache.install(ids, raw, clock=n, arrays=arrays)
+        mx.eval(list(cache.stacked_arrays().values()))  # MLX writes are lazy: the layer would evaluate them
+        if n:
+            seconds += time.perf_counter() - t0
+        for array in arrays or ():
+            backend.unstage(array)
+    return cache.slot_nbytes * experts * repeats / seconds

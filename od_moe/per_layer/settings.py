@@ -2,8 +2,9 @@
 runtime afterwards.
 
 `engine.load` fills in what its own arguments say (the miss policy, read threads, a rank of a pipeline);
-benchmarks and tests pass the rest as `load(path_settings=PerLayerSettings(...))`. Not here: the runtime
-these settle (`per_layer_runtime.py`), or what to prefetch (`prefetch/`).
+benchmarks and tests pass the rest as `load(path_settings=PerLayerSettings(...))`; the runtime settles every
+None for its backend and experts (`PerLayerRuntime.settings`). Not here: the runtime (`per_layer_runtime.py`),
+or what to prefetch and how (`prefetch/`, `PrefetchSettings`).
 """
 
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ class PerLayerSettings:
     # decode passes with one host sync (`optimistic.py`); None: where a sync stalls the device. Off on a
     # rank of a pipeline: a pass run again would send and receive again
     optimistic: bool | None = None
+    # the share of decode tokens that missed somewhere, as assumed before the first: optimistic passes run
+    # while the moving average is below `optimistic.OPTIMISTIC_BELOW` (0: from the first decode pass)
+    assumed_token_miss_rate: float = 1.0
     # a decode layer that misses computes its resident experts while the missing ones are read; None: on
     # the CPU backend for experts of `reader.SMALL_EXPERT_BYTES` or more
     split_on_miss: bool | None = None

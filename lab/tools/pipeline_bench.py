@@ -3,9 +3,9 @@
 B is `--fraction` (default 25%) of the whole model's expert bytes. One process holds all the layers, so B
 buys that fraction of every layer's experts; two ranks each hold half the layers, so the same B buys each
 rank twice the fraction of its own layers' experts. Exact mode, on-demand reads, cold (every read past the
-page cache: `drop_after_read`, the page cache dropped before each prompt), greedy, the same prompts. Rows:
-decode tok/s (mean over prompts of mlx-lm's generation tok/s) and, per rank, decode hit rate and MB read
-per decode pass; and whether the tokens equal the one process's.
+page cache: `drop_pages_after_read`, the page cache dropped before each prompt), greedy, the same prompts.
+Rows: decode tok/s (mean over prompts of mlx-lm's generation tok/s) and, per rank, decode hit rate and MB
+read per decode pass; and whether the tokens equal the one process's.
 
     python lab/tools/pipeline_bench.py [--widen 32] [--max-tokens 24] [--fraction 0.25] [--backend nccl]
 
@@ -28,7 +28,7 @@ def run_here(model: str, capacity: float, max_tokens: int) -> dict:
 
     engine = od_moe.load(model, capacity=capacity, prefetch="none", two_tier=False)  # the exact SSD path
     store = engine.runtime.store
-    store.drop_after_read = True
+    store.drop_pages_after_read()
     tokens, tps = [], []
     for prompt in PROMPTS:
         store.drop_page_cache()

@@ -93,7 +93,7 @@ def run_od_moe(path, prompts, max_tokens, cold=False, **load_kwargs):
     engine = load(str(path), **load_kwargs)
     load_peak = engine.load_peak_bytes
     store = engine.runtime.store
-    store.drop_after_read = cold
+    store.drop_pages_after_read(cold)
     tokens, tps = [], []
     for p in prompts:
         if cold:

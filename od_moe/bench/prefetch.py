@@ -85,7 +85,7 @@ def run_policy(
         expert_bytes = engine.caches[0].layout.expert_nbytes
         slot_bytes = engine.caches[0].slot_nbytes
         store = engine.runtime.store
-        store.drop_after_read = cold
+        store.drop_pages_after_read(cold)
         if cold:
             store.use_direct_io(True)  # cold: every read from the device, as when the model exceeds memory
             store.drop_page_cache()

@@ -33,7 +33,7 @@ def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0)
     store, layouts = model_layouts(str(path), packed="auto")  # packed where the engine's reads are
     if cold:
         store.use_direct_io(True)
-        store.drop_after_read = True
+        store.drop_pages_after_read()
     rng = np.random.default_rng(seed)
     by_depth = {}
     for depth in DEPTHS:

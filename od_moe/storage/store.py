@@ -132,9 +132,12 @@ class ExpertStore:
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
         self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
         self._bounce = threading.local()
-        # Benchmarks set this to make every read cold, as on a machine whose page cache cannot hold the
-        # model: the pages just read are dropped again.
-        self.drop_after_read = False
+        self._drop_after_read = False  # `drop_pages_after_read`
+
+    def drop_pages_after_read(self, on: bool = True):
+        """Drop the pages just read from the page cache again (on), so that every read is cold, as on a
+        machine whose page cache cannot hold the model: how benchmarks read cold."""
+        self._drop_after_read = on
 
     def close(self):
         self.use_direct_io(False)
@@ -215,16 +218,16 @@ class ExpertStore:
                             f"the experts of {module_path} are stored as {part.dtype}, which od-moe cannot "
                             "read exactly: convert the model with mlx_lm.convert (MLX layout) first"
                         )
-                layout = BlockLayout(module_path, num_experts, found, kind)
+                packed = None
                 if self._packed:
                     offset, shape = self._packed.get(module_path, (0, None))
-                    if shape != (num_experts, layout.expert_nbytes):
+                    if shape != (num_experts, sum(part.nbytes for part in found)):  # its expert bytes
                         raise UserError(
                             f"the packed experts in {self.packed} do not hold {module_path} as this model "
                             f"has it: {self.repack_advice(self.packed)}"
                         )
-                    layout.packed = (len(self.files) - 1, offset)
-                return layout
+                    packed = (len(self.files) - 1, offset)
+                return BlockLayout(module_path, num_experts, found, kind, packed)
         raise UserError(
             f"cannot find the expert weights of {module_path} in {self.model_dir}: expected stacked tensors "
             f"'{module_path}.<proj>.weight' (MLX layout) or '{parent}.experts.<e>.<proj>.weight' (Hugging "
@@ -340,7 +343,7 @@ class ExpertStore:
             if got <= 0:
                 raise OSError(f"short read at byte {offset + done}: the file is truncated or unreadable")
             done += got
-        if self.drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
+        if self._drop_after_read and self._direct is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, done, os.POSIX_FADV_DONTNEED)
 
     def _pread_aligned(self, fd: int, views: list[memoryview], offset: int):

@@ -39,10 +39,10 @@ def _one_mode(model: str, capacity: float, max_tokens: int, warm: bool, seam: bo
     # the governor's precision check only: its timed checks pause prefetch where it does not pay
     engine.configure_prefetch("next-gate", settings=PrefetchSettings(timed_checks=False))
     store, stage, policy = engine.runtime.store, engine.stage, engine.runtime.policy
-    store.drop_after_read = not warm
+    store.drop_pages_after_read(not warm)
     sender = policy if isinstance(policy, seams.SeamSender) else None
     if sender is not None:
-        sender.on = seam
+        sender.send_predictions(seam)
     seams.watch(engine)
     tokens, tps = [], []
     for prompt in PROMPTS:

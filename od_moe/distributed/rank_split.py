@@ -22,6 +22,7 @@ import hashlib
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -148,8 +149,8 @@ class Seam(nn.Module):
     """One of this rank's layers at an edge of its stage: it receives the hidden state from the rank before
     (`receive`), sends its output to the rank after (`send`), and, the model's last layer, gathers rank 0's
     output to every rank (`gather`). Wrapped after the rank's experts are located: parameter paths below it
-    gain a `layer.` that nothing reads any more. `watch`, if set, is called once the hidden state has been
-    received (it is evaluated there: one more sync, to measure `seams.py`)."""
+    gain a `layer.` that nothing reads any more. `watch_with` a callback: it is called once the hidden state
+    has been received (it is evaluated there: one more sync, to measure `seams.py`)."""
 
     def __init__(self, layer: nn.Module, group, receive: bool, send: bool, gather: bool):
         super().__init__()
@@ -158,14 +159,18 @@ class Seam(nn.Module):
         self.layer = layer
         self._group, self._rank = group, group.rank()
         self._receive, self._send, self._gather = receive, send, gather
-        self.watch = None
+        self._watch = None
+
+    def watch_with(self, callback: Callable[[], None] | None):
+        """Call `callback` once the hidden state has been received (None: nothing, no sync)."""
+        self._watch = callback
 
     def __call__(self, x, *args, **kwargs):
         if self._receive:
             x = mx.distributed.recv_like(x, self._rank + 1, group=self._group)
-            if self.watch is not None:
+            if self._watch is not None:
                 mx.eval(x)
-                self.watch()
+                self._watch()
         out = self.layer(x, *args, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
         if self._send:

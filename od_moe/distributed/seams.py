@@ -39,11 +39,15 @@ class SeamSender:
         self.weights, self.biases = mx.array(router[0]), mx.array(router[1])
         self.last, self.to = last, to
         self._lazy = None
-        self.on = True  # off: the policy alone (to compare)
+        self.on = True  # off: the policy alone, to compare (`send_predictions`)
         self.sent = 0  # predictions sent (one per decode pass that predicted)
 
     def __getattr__(self, name):  # name, optimistic_passes, prompt_start, next_uses...: the policy's
         return getattr(self.policy, name)
+
+    def send_predictions(self, on: bool):
+        """Predict and send across the seam (on) or leave the policy alone (off: to compare)."""
+        self.on = on
 
     def before_layer(self, step: Step) -> list[Prediction]:
         predictions = self.policy.before_layer(step)
@@ -93,8 +97,8 @@ class SeamReceiver:
             self.asked[t] = [int(e) for e in wanted.get(0, ())]
 
     def hidden_state_came(self):
-        """Called where this rank receives the hidden state (`rank_split.Seam.watch`): count the reads asked
-        for this pass that had started (no longer waiting in the reader's queue)."""
+        """Called where this rank receives the hidden state (`rank_split.Seam.watch_with`): count the reads
+        asked for this pass that had started (no longer waiting in the reader's queue)."""
         with self.lock:
             t = self.passes.clock + 1  # the pass about to run its first layer
             self.received = t
@@ -139,4 +143,4 @@ def watch(engine, on: bool = True):
     owner = dict(engine.model.named_modules())[stage.layers_path] if stage.layers_path else engine.model
     seam = owner.layers[stage.start]
     if isinstance(seam, Seam) and engine.seam_receiver is not None:
-        seam.watch = engine.seam_receiver.hidden_state_came if on else None
+        seam.watch_with(engine.seam_receiver.hidden_state_came if on else None)

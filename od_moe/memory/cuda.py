@@ -130,6 +130,11 @@ class DeviceCopies:
                 self._declare()
         return self.on
 
+    def checked(self, seen: bool):
+        """A copy was read back through MLX (`backend.rows_written`): whether the device saw its bytes (not:
+        copies off for good)."""
+        self.trusted = seen
+
     def _declare(self):
         runtime, pointer, size = self.runtime, ctypes.c_void_p, ctypes.c_size_t
         runtime.cudaMemcpyAsync.argtypes = [pointer, pointer, size, ctypes.c_int, pointer]

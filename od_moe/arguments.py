@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of the `od-moe` command and its sub-commands."""
     parser = _OneLineErrors(prog="od-moe", description="Run Mixture-of-Experts models larger than memory.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubParser)
+    sub = parser.add_commands(dest="command", required=True, metavar="COMMAND", parser_class=_SubParser)
     _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)
@@ -122,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_predictor(sub)
     _add_pack(sub)
     _add_inspect(sub)
-    parser.commands = sub.choices  # each command's own parser, for the errors found after parsing
     return parser
 
 
@@ -393,6 +392,13 @@ class _OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"od-moe: error: {message} (see '{self.prog} --help')\n")
+
+    def add_commands(self, **kwargs):
+        """`add_subparsers`, each command's own parser kept in `commands` by name as it is added (for the
+        errors found after parsing)."""
+        sub = self.add_subparsers(**kwargs)
+        self.commands = sub.choices
+        return sub
 
 
 class _SubParser(_OneLineErrors):

@@ -45,6 +45,20 @@ def _packed(args):
     return args.packed if args.packed is not None else "auto"
 
 
+def _draft(args):
+    """--draft-model or --prompt-lookup as `load` and `serve` take them: a model folder or hub id (the
+    embedded draft's folder for 'bundled'), a `PromptLookup`, or None."""
+    if args.prompt_lookup:
+        from .generation.prompt_lookup import PromptLookup
+
+        return PromptLookup()
+    if args.draft_model == "bundled":
+        from .storage.model_files import DEFAULT_DRAFT
+
+        return str(DEFAULT_DRAFT)
+    return args.draft_model
+
+
 def _predictor_arg(value):
     if value == "bundled":
         from .engine import DEFAULT_PREDICTOR
@@ -133,10 +147,9 @@ def cmd_generate(args):
         context_tokens=args.context_tokens,
     )
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
-    if (
-        args.draft_model is not None
-    ):  # speculative decoding (`generation/drafts.py`), the oracle's recording too
-        sampling.update(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
+    draft = _draft(args)
+    if draft is not None:  # speculative decoding (`generation/drafts.py`), the oracle's recording too
+        sampling.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
     # before the model loads; the temperature in OpenAI's range, as the server's OpenAI routes take it
     check_sampling(args.temp, args.top_p, seed=args.seed, max_temperature=OPENAI_MAX_TEMPERATURE)
     prompt, template = _read_prompt(args), _template_options(args)
@@ -250,10 +263,10 @@ def cmd_serve(args):
         "schedule_log",
         "allow_host",
         "allow_origin",
-        "draft_model",
         "num_draft_tokens",
     )
     picked = _pick(args, *names)
+    picked["draft_model"] = _draft(args)
     picked["allow_hosts"], picked["allow_origins"] = picked.pop("allow_host"), picked.pop("allow_origin")
     serve(
         predictor=_predictor_arg(args.predictor),
@@ -318,14 +331,6 @@ def main(argv=None) -> int:
             command.error(f"--num-draft-tokens must be 0 or more, got {args.num_draft_tokens}")
         if args.prompt_lookup and args.draft_model is not None:
             command.error("give --draft-model or --prompt-lookup, not both")
-        if args.draft_model == "bundled":
-            from .storage.model_files import DEFAULT_DRAFT
-
-            args.draft_model = str(DEFAULT_DRAFT)
-        if args.prompt_lookup:
-            from .generation.prompt_lookup import PromptLookup
-
-            args.draft_model = PromptLookup()
     if args.command in ("generate", "serve", "inspect"):
         _check_positive(command, "--context-tokens", args.context_tokens)
     if args.command == "serve":

@@ -5,6 +5,7 @@ two-tier mode against stock mlx-lm and its roofline (`two_tier_grid.py`), which 
 prefetch grid. `--shape` builds a checkpoint of a real model's shapes (`real_shapes.py`) and says where it
 is; with `--two-tier` the two-tier grid runs on it alone."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -121,8 +122,8 @@ def run(args):
     if args.shape or args.shape_layers is not None:
         return _shape(args)
 
-    if args.widen is None:
-        args.widen = 0 if args.batch else 128
+    if args.widen is None:  # its default depends on --batch
+        args = argparse.Namespace(**dict(vars(args), widen=0 if args.batch else 128))
     capacities = _capacities(args)
     rounds = args.rounds if args.rounds is not None else 3 if args.batch else 6
     if rounds < 1:

@@ -24,13 +24,15 @@ class Progress:
         stream=None,
         tty_only: bool = False,
         scale: int = 1,
+        quiet: bool = False,
     ):
-        """`scale`: counts are shown divided by it (bytes counted, MB shown: `scale=units.MB`)."""
+        """`scale`: counts are shown divided by it (bytes counted, MB shown: `scale=units.MB`); `quiet`:
+        nothing is drawn."""
         self.label, self.total, self.unit, self.scale = label, max(int(total), 1), unit, scale
         self.stream = stream or sys.stderr
         self.done, self.start = 0, time.perf_counter()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.silent = tty_only and not self.tty
+        self.silent = quiet or (tty_only and not self.tty)
         self._next_decile = 1
         self.extra = ""
 
@@ -76,6 +78,4 @@ class Progress:
 def byte_progress(label: str, nbytes: int, stream=None) -> Progress:
     """A bar in MB for a step that moves `nbytes` (count bytes with `update`): drawn on a terminal only,
     and only when the step moves at least `LONG_BYTES`."""
-    bar = Progress(label, nbytes, "MB", stream, tty_only=True, scale=MB)
-    bar.silent = bar.silent or nbytes < LONG_BYTES
-    return bar
+    return Progress(label, nbytes, "MB", stream, tty_only=True, scale=MB, quiet=nbytes < LONG_BYTES)

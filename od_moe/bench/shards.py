@@ -37,8 +37,6 @@ class Tensor:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype: "U32", "U8" or "BF16"
     pieces: int = 1
-    file: str = ""
-    offset: int = 0  # of its data in `file`, from the start of the file
     nbytes: int = field(init=False)
 
     def __post_init__(self):
@@ -69,22 +67,23 @@ def write_checkpoint(
     and the tokenizer files of `source`; return `dest`. `produce()` yields (piece or None, {tensor name:
     array}) until every tensor is whole. A folder already complete for `record` is kept as it is."""
     dest = Path(dest)
-    headers = _lay_out(tensors, shard_bytes)
+    headers, places = _lay_out(tensors, shard_bytes)
     record = {**record, "files": sorted(headers)}
     expected = sum(len(h) for h in headers.values()) + sum(t.nbytes for t in tensors)
     if _complete(dest, record, expected):
         return dest
     _clear(dest)
-    _write(dest, tensors, headers, produce(), label)
+    _write(dest, tensors, headers, places, produce(), label)
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, dest / name)
     (dest / "config.json").write_text(json.dumps({**config, RECORD: record}, indent=1))  # last: complete
     return dest
 
 
-def _lay_out(tensors: list[Tensor], shard_bytes: int) -> dict[str, bytes]:
-    """Place `tensors`, in order, into shards of about `shard_bytes` (a tensor is never split): sets each
-    one's file and offset; returns each file's header (its length prefix included)."""
+def _lay_out(tensors: list[Tensor], shard_bytes: int) -> tuple[dict[str, bytes], dict[str, tuple[str, int]]]:
+    """Place `tensors`, in order, into shards of about `shard_bytes` (a tensor is never split): each file's
+    header (its length prefix included), and each tensor's file and the offset of its data there (from the
+    start of the file), by name."""
     groups, size = [[]], 0
     for t in tensors:
         if groups[-1] and size + t.nbytes > shard_bytes:
@@ -92,26 +91,26 @@ def _lay_out(tensors: list[Tensor], shard_bytes: int) -> dict[str, bytes]:
             size = 0
         groups[-1].append(t)
         size += t.nbytes
-    headers = {}
+    headers, places = {}, {}
     for i, group in enumerate(groups):
         file = (
             "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         )
-        entries, at = {"__metadata__": {"format": "mlx"}}, 0
+        entries, starts, at = {"__metadata__": {"format": "mlx"}}, {}, 0
         for t in group:
             entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
-            t.file, t.offset, at = file, at, at + t.nbytes
+            starts[t.name], at = at, at + t.nbytes
         blob = json.dumps(entries).encode()
         blob += b" " * (-len(blob) % 8)
         headers[file] = struct.pack("<Q", len(blob)) + blob
         for t in group:
-            t.offset += len(headers[file])
-    return headers
+            places[t.name] = (file, len(headers[file]) + starts[t.name])
+    return headers, places
 
 
-def _write(dest: Path, tensors: list[Tensor], headers: dict[str, bytes], produced, label: str):
-    """Each produced array where its tensor (its piece of it) lies; files are written beside their final
-    names, then renamed; the index last."""
+def _write(dest: Path, tensors: list[Tensor], headers: dict[str, bytes], places: dict, produced, label: str):
+    """Each produced array where its tensor (its piece of it) lies (`places`: by name, its file and offset);
+    files are written beside their final names, then renamed; the index last."""
     by_name = {t.name: t for t in tensors}
     fds = {}
     try:
@@ -121,17 +120,17 @@ def _write(dest: Path, tensors: list[Tensor], headers: dict[str, bytes], produce
         with byte_progress(label, sum(t.nbytes for t in tensors)) as bar:
             for piece, arrays in produced:
                 for name, array in arrays.items():
-                    t = by_name[name]
+                    t, (file, offset) = by_name[name], places[name]
                     size = t.nbytes if piece is None else t.nbytes // t.pieces
                     assert array.nbytes == size, (name, array.shape, t.shape)
-                    os.pwrite(fds[t.file], np.ascontiguousarray(array).data, t.offset + (piece or 0) * size)
+                    os.pwrite(fds[file], np.ascontiguousarray(array).data, offset + (piece or 0) * size)
                     bar.update(size)
     finally:
         for fd in fds.values():
             os.close(fd)
     for file in headers:
         os.replace(dest / f"{file}.part", dest / file)
-    weight_map = {t.name: t.file for t in sorted(tensors, key=lambda t: t.name)}
+    weight_map = {t.name: places[t.name][0] for t in sorted(tensors, key=lambda t: t.name)}
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
     (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 

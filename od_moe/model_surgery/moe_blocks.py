@@ -33,7 +33,8 @@ class MoEBlock:
 
     def replace_switch(self, module: nn.Module):
         """Put `module` where the switch was."""
-        setattr(self.block if self.parent is None else self.parent, self.attr, module)
+        holder = self.block if self.parent is None else self.parent
+        setattr(holder, self.attr, module)
 
     def replace_block(self, module: nn.Module):
         """Put `module` where the block was (in `owner`)."""
@@ -67,17 +68,17 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     for path, module in modules.items():
         for attr, child in module.children().items():
             if isinstance(child, SWITCH_TYPES):
-                block = MoEBlock(f"{path}.{attr}" if path else attr, module, attr, child)
                 owner = path
                 while router_of(modules[owner]) is None and owner:  # Gemma 4: the router is on the layer
                     owner = owner.rpartition(".")[0]
                 if owner != path and router_of(modules[owner]) is not None:
-                    block.block, block.parent = modules[owner], module
+                    where = dict(block=modules[owner], parent=module)
                 else:  # a block of its own inside its decoder layer
                     holder, _, name = path.rpartition(".")
+                    where = dict(block=module)
                     if path and holder in modules and not name.isdigit():
-                        block.owner, block.owner_attr = modules[holder], name
-                blocks.append(block)
+                        where.update(owner=modules[holder], owner_attr=name)
+                blocks.append(MoEBlock(f"{path}.{attr}" if path else attr, attr=attr, switch=child, **where))
     return sorted(blocks, key=lambda b: _natural_key(b.path))
 
 

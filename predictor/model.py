@@ -71,8 +71,7 @@ class ShadowPredictor(nn.Module):
         ]  # empty at depth 1
         self.heads = [nn.Linear(c.rank, c.num_experts * len(c.targets(i))) for i in sources]
         for head in self.heads:  # start as next-gate speculation (or uniform without it)
-            head.weight = mx.zeros_like(head.weight)
-            head.bias = mx.zeros_like(head.bias)
+            head.update({"weight": mx.zeros_like(head.weight), "bias": mx.zeros_like(head.bias)})
         self.gate_scales = [mx.ones((len(c.targets(i)), c.num_experts)) for i in sources]
         # a learned weight of the previous token's router log-probabilities at each target layer
         self.prev_scales = [mx.zeros((len(c.targets(i)), c.num_experts)) for i in sources]
@@ -133,25 +132,34 @@ class ShadowPredictor(nn.Module):
         c = self.config
         if first == 0 and count == c.num_layers:
             return self
-        E = c.num_experts
         part = ShadowPredictor(replace(c, num_layers=count, lookahead=min(c.lookahead, max(count - 1, 1))))
-        for local in range(count - 1):
-            source, n = first + local, len(part.config.targets(local))
-            part.trunks[local], part.deep[local] = self.trunks[source], self.deep[source]
-            head = nn.Linear(c.rank, n * E)
-            head.weight, head.bias = self.heads[source].weight[: n * E], self.heads[source].bias[: n * E]
-            part.heads[local] = head
-            part.gate_scales[local] = self.gate_scales[source][:n]
-            part.prev_scales[local] = self.prev_scales[source][:n]
-        if c.next_use:
-            for name in ("proj", "proj_bias", "scale", "weights", "bias"):
-                setattr(part.next_use, name, getattr(self.next_use, name)[first : first + count])
+        part._share(self, first)
         return part
+
+    def _share(self, whole: "ShadowPredictor", first: int):
+        """Take `whole`'s weights for MoE layers `first` on, as many as this predictor's (`for_layers`)."""
+        c, E = self.config, self.config.num_experts
+        for local in range(c.num_layers - 1):
+            source, n = first + local, len(c.targets(local))
+            self.trunks[local], self.deep[local] = whole.trunks[source], whole.deep[source]
+            head = nn.Linear(c.rank, n * E)
+            head.update(
+                {"weight": whole.heads[source].weight[: n * E], "bias": whole.heads[source].bias[: n * E]}
+            )
+            self.heads[local] = head
+            self.gate_scales[local] = whole.gate_scales[source][:n]
+            self.prev_scales[local] = whole.prev_scales[source][:n]
+        if c.next_use:
+            self.next_use = whole.next_use.for_layers(first, c.num_layers)
 
     def retarget(self, model_identity: str):
         """Tie the predictor to another model whose hidden states and routing are the same as the one it
         was trained on (the benchmark's widened copy of the bundled model); nothing checks that they are."""
         self.config = replace(self.config, model_identity=model_identity)
+
+    def record_metrics(self, metrics: dict):
+        """Keep the held-out metrics of its training in its configuration (saved with it)."""
+        self.config = replace(self.config, metrics=metrics)
 
     @property
     def identity(self) -> str:

@@ -54,6 +54,13 @@ class NextUseHead(nn.Module):
         self.bias = mx.zeros((num_layers, K, num_experts))
         object.__setattr__(self, "_host", None)  # numpy copies of the small per-layer parameters
 
+    def for_layers(self, first: int, count: int) -> "NextUseHead":
+        """The head of layers first .. first+count-1 alone, indexed from 0 (`ShadowPredictor.for_layers`)."""
+        part = NextUseHead(count, *self.proj.shape[1:])
+        names = ("proj", "proj_bias", "scale", "weights", "bias")
+        part.update({name: getattr(self, name)[first : first + count] for name in names})
+        return part
+
     def x_term(self, layer: int, x: mx.array) -> mx.array:
         """(n, E): W_l x, lazy (run with the layer on the device)."""
         return x.astype(mx.float32) @ self.proj[layer].astype(mx.float32) + self.proj_bias[layer]

@@ -212,10 +212,12 @@ def train_predictor_job(
     report = _report(engine, predictor, heldout, routers, history)
     report["train_data"] = train.manifest["data"]
     report["train_tokens"] = train.tokens
-    config.metrics = {
-        d: {"recall_at_k": v["recall_at_k"], "recall_at_2k": v["recall_at_2k"]}
-        for d, v in report["lookahead"].items()
-    }
+    predictor.record_metrics(
+        {
+            d: {"recall_at_k": v["recall_at_k"], "recall_at_2k": v["recall_at_2k"]}
+            for d, v in report["lookahead"].items()
+        }
+    )
     predictor.save(out)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     if not keep_traces and traces_dir is None:

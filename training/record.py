@@ -77,6 +77,10 @@ class _Taps:
         for parent, attr, switch in self.saved:
             setattr(parent, attr, switch)
 
+    def clear(self):
+        """Forget what the switch taps caught (before a chunk runs)."""
+        self.sink.clear()
+
     def router_output(self, layer: int):
         tap = self.routers[layer]
         return tap.output if tap is not None else None
@@ -171,7 +175,7 @@ def record_traces(
             cache = make_prompt_cache(engine.model)
             for s in range(0, len(seq), chunk):
                 piece = seq[s : s + chunk]
-                taps.sink.clear()
+                taps.clear()
                 try:
                     engine.model(mx.array(piece)[None], cache=cache)
                 except _StopForward:

@@ -21,9 +21,11 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import jinja2
 from flask import Flask, Response, g, jsonify, request
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.serving import WSGIRequestHandler
 
 from ..errors import RankLost, UserError
@@ -51,6 +53,12 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+class ServerApp(Flask):
+    """The server's Flask app, with the worker that generates for it (tests and benches reach it there)."""
+
+    worker: GenerationWorker
+
+
 def create_app(
     engine=None,
     *,
@@ -67,7 +75,7 @@ def create_app(
     schedule=None,
     draft_model=None,
     num_draft_tokens: int = CLI_DRAFT_TOKENS,
-) -> Flask:
+) -> ServerApp:
     """The server app for `engine` (or for a running `worker`, whose thread owns the engine).
 
     max_tokens: the most tokens one request may ask for (default: the model's maximum positions; a
@@ -97,9 +105,9 @@ def create_app(
     )
     hosts = allowed_hosts if allowed_hosts is not None else guard.host_names("127.0.0.1")
     started = time.time()
-    app = Flask("od_moe.server")
+    app = ServerApp("od_moe.server")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    app.json.sort_keys = False
+    cast(DefaultJSONProvider, app.json).sort_keys = False  # Flask's own provider, typed as its base
     guard.register(app, worker, hosts, frozenset(allowed_origins), max_body_bytes)
     _register_generation(app, worker, name, limits)
     _register_information(app, worker, name, started)

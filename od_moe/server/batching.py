@@ -28,8 +28,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
 from ..generation.sampling import make_sampler, vocab_size_of
 from ..memory import backend
@@ -37,6 +39,9 @@ from ..memory.capacity import experts_per_token
 from ..model_surgery.mlx_lm_private import pending_tokens
 from .prompt_cache import PromptCache
 from .schedule import Join, ScheduleLog
+
+if TYPE_CHECKING:  # worker.py imports this module
+    from .worker import Job
 
 FINISHED_KEPT = 16  # completed requests whose figures /health keeps
 log = logging.getLogger("od_moe.server")  # the Flask app's logger: the server's log
@@ -46,10 +51,10 @@ log = logging.getLogger("od_moe.server")  # the Flask app's logger: the server's
 class Sequence:
     """One request in the batch: its job, the text made so far and what has been sent."""
 
-    job: object
+    job: "Job"
     uid: int  # the generator's
     logged: int  # in the schedule log: unique across generators (a failed step starts a new one)
-    detokenizer: object
+    detokenizer: StreamingDetokenizer
     stops: list[str]
     hold: int  # characters held back while a stop string could still be matching
     reused: int = 0  # prompt tokens taken from a kept KV cache

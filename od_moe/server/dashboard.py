@@ -67,8 +67,9 @@ def rates(samples: list[tuple], window_s: float = 2.0, min_decode_s: float = 0.5
     now = samples[-1]
     start = next((s for s in reversed(samples) if now[0] - s[0] >= window_s), samples[0])
     if now[0] - start[0] < 0.5:  # too short a span to mean anything yet
-        start = None
-    recent = _rate_between(start, now, min_decode_s) if start is not None else (now[0], None, None)
+        recent = (now[0], None, None)
+    else:
+        recent = _rate_between(start, now, min_decode_s)
     return {
         "tok_s": recent[2],
         "hit_rate": recent[1],

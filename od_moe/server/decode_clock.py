@@ -18,7 +18,8 @@ class DecodeClock:
     def __init__(self, now: Callable[[], float] = time.monotonic):
         self.now = now
         self.lock = threading.Lock()
-        self.tokens, self.seconds, self.since = 0, 0.0, None
+        self.tokens, self.seconds = 0, 0.0
+        self.since: float | None = None
 
     def tick(self, tokens: int = 1):
         """A token came (or a batch pass gave `tokens`): the first of a request (or of a busy batch)

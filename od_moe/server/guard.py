@@ -16,6 +16,7 @@ import json
 import select
 import socket
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from flask import Flask, Request, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -233,8 +234,10 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):
+        code = e.code
+        assert code is not None  # Flask hands an exception without a code (a proxy's) back unhandled
         kind = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}.get(
-            e.code, "invalid_request_error"
+            code, "invalid_request_error"
         )
         message = {
             404: f"no route {request.method} {request.path}: see GET /v1/models, POST /v1/completions, "
@@ -242,10 +245,10 @@ def register(app: Flask, worker, hosts: frozenset[str], origins: frozenset[str],
             405: f"{request.method} is not a method of {request.path}: use "
             f"{' or '.join(sorted(set(getattr(e, 'valid_methods', None) or ()) - {'HEAD', 'OPTIONS'}))}",
             413: f"the request body is over the limit of {max_body_bytes} bytes: send a shorter prompt",
-        }.get(e.code, e.description)
+        }.get(code, cast(str, e.description))  # every HTTPException with a code that Flask hands here has one
         if is_too_large(e):
             discard_body(request.environ)  # then the 413 goes out and the connection closes
-        return api_error(ApiError(e.code, message, kind=kind))
+        return api_error(ApiError(code, message, kind=kind))
 
     @app.errorhandler(Exception)
     def server_error(e: Exception):

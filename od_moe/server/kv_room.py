@@ -63,7 +63,7 @@ class KvRoom:
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
             self.held += need
-        given = []
+        given: list[bool] = []
 
         def release():
             with self.lock:

@@ -19,6 +19,7 @@ import json
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
+from typing import TextIO
 
 import mlx_lm
 from mlx_lm.generate import BatchGenerator
@@ -57,7 +58,7 @@ class ScheduleLog:
     token_steps: dict[int, list[int]] = field(default_factory=dict)  # the step that gave each token
     model: str | None = None  # the model's folder and end-of-sequence tokens, for a replay from a file
     stop_tokens: list[int] = field(default_factory=list)
-    sink: object = field(default=None, repr=False)  # a text file each event is written to, if any
+    sink: TextIO | None = field(default=None, repr=False)  # a text file each event is written to, if any
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def configure(self, completion: int, prefill: int, step_size: int, model: str, stop_tokens):
@@ -145,7 +146,9 @@ def replay(model, log: ScheduleLog, stop_tokens) -> dict[int, list[int]]:
     last = max([j.step for j in joins] + [s for s, _ in leaves] + list(resets), default=-1)
     out: dict[int, list[int]] = {j.uid: [] for j in joins}
     kept = {}  # logged uid -> (KV cache, tokens) it ended with
-    generator, ours, running = None, {}, set()  # ours: the replaying generator's uid -> the logged uid
+    generator: BatchGenerator | None = None
+    ours: dict[int, int] = {}  # the replaying generator's uid -> the logged uid
+    running: set[int] = set()
     step = 0
     while step <= last or running:
         if generator is None or step in resets:
@@ -202,9 +205,10 @@ def main(argv=None) -> int:
         log = ScheduleLog.read(args.path)
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    if log.model is None and args.model is None:
+    path = args.model or log.model
+    if path is None:
         parser.error(f"{args.path} names no model: pass --model")
-    model = mlx_lm.load(args.model or log.model)[0]
+    model = mlx_lm.load(path)[0]
     dtype = backend.compute_dtype()
     if dtype is not None:  # as od-moe computes on this backend
         model.set_dtype(dtype)

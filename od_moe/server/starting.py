@@ -13,8 +13,10 @@ Not here: the routes once ready (`app.py`), loading itself (`warm_up.py`, `od_mo
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from flask import Flask, jsonify
+from flask.json.provider import DefaultJSONProvider
 
 from ..errors import ExpertReadError, RankLost, StartFailed, UserError
 from ..storage.model_files import DEFAULT_MODEL
@@ -41,7 +43,8 @@ class Switch:
     """The WSGI app `serve` runs: `loading` until it is handed the app (`hand_to`), then that app."""
 
     def __init__(self, loading: Flask):
-        self.loading, self.app = loading, None
+        self.loading = loading
+        self.app: Flask | None = None
 
     def hand_to(self, app: Flask):
         """From now on `app` answers every request."""
@@ -57,7 +60,7 @@ def loading_app(worker, name: str, hosts: frozenset[str], origins) -> Flask:
     with its status ("loading"; "error" once loading has failed) and a 503, every other route a 503 error
     with `Retry-After` (in Anthropic's form on /v1/messages)."""
     app = Flask("od_moe.server")
-    app.json.sort_keys = False
+    cast(DefaultJSONProvider, app.json).sort_keys = False  # Flask's own provider, typed as its base
     guard.register(app, worker, hosts, frozenset(origins), max_body_bytes=0)  # no body is read
 
     @app.get("/health")

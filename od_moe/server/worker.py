@@ -449,6 +449,7 @@ class GenerationWorker:
         if outcome == "completed":
             with self._lock:
                 self._failures_in_a_row = 0
+            assert usage is not None, "a completed job comes with its usage"
             self.count_usage(usage)
         elif outcome == "cancelled" and self._stopping:  # the client is still there: tell it why
             self._tell_stopping(job)
@@ -504,9 +505,9 @@ def _broken(message: str) -> ApiError:
     return ApiError(503, f"{message} (this server generates nothing until then)", kind="server_error")
 
 
-def _drain(jobs: queue.Queue) -> list:
+def _drain(jobs: queue.Queue) -> list[Job]:
     """The jobs waiting in `jobs`, taken out (up to a stop, which stays: the thread still ends there)."""
-    taken = []
+    taken: list[Job] = []
     while True:
         try:
             job = jobs.get_nowait()

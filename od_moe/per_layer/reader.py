@@ -68,6 +68,18 @@ class Read:
     def demand(self) -> bool:
         return self.score == DEMAND
 
+    def hold(self, row: Row | None, staging: ExpertRows | None):
+        """Read into `staging`; `row`: where that is an MLX array's memory (`mlx_rows.py`; `GROW`: one to
+        make first); (None, None): nothing held (its buffers gone back)."""
+        self.row, self.staging = row, staging
+
+    def land(
+        self, raw: dict | None = None, arrays: mx.array | None = None, error: BaseException | None = None
+    ):
+        """The read is done: its bytes by part (`raw`) and, where made, as one flat MLX array; or its
+        error."""
+        self.raw, self.arrays, self.error = raw, arrays, error
+
 
 class Reader:
     def __init__(
@@ -215,7 +227,7 @@ class Reader:
                 if r.row is not None:
                     layer = r.layer if computing else None
                     self.rows.give_back(self.layouts[r.layer], r.row, installed, layer)
-                    r.row = r.staging = None
+                    r.hold(None, None)
                     continue
                 spare = self._spare.setdefault(self.layouts[r.layer].shape_key, [])
                 if r.staging is not None and len(spare) < self._keep_spare:  # batched reads have none
@@ -266,12 +278,12 @@ class Reader:
             self._inflight_bytes += r.nbytes
             self.ledger.reader["issued"] += 1
         layout = self.layouts[r.layer]
-        r.row = self.rows.reserve(layout) if self.rows is not None else None
-        if r.row is None:
+        row = self.rows.reserve(layout) if self.rows is not None else None
+        if row is None:
             spare = self._spare.get(layout.shape_key)
-            r.staging = spare.pop() if spare else ExpertRows(layout, 1)
-        elif r.row is not GROW:
-            r.staging = r.row.staging
+            r.hold(None, spare.pop() if spare else ExpertRows(layout, 1))
+        else:
+            r.hold(row, None if row is GROW else row.staging)
 
     def _read_batch(self, layer: int, batch: list[Read]):
         """Demand reads of one layer in one `ExpertStore.read` (the calling thread, no helpers)."""
@@ -287,8 +299,7 @@ class Reader:
             error = None
         with self._lock:
             for i, r in enumerate(batch):
-                r.error = error
-                r.raw = None if raw is None else raw.rows(i, i + 1)
+                r.land(None if raw is None else raw.rows(i, i + 1), error=error)
                 key = (layer, r.expert)
                 del self._reading[key]
                 self._ready[key] = r
@@ -299,16 +310,18 @@ class Reader:
         layout = self.layouts[r.layer]
         try:
             if r.row is GROW:
-                r.row = None  # until made
-                r.row = self.rows.make(layout)
-                r.staging = r.row.staging if r.row is not None else ExpertRows(layout, 1)
-            r.raw = self.store.read(layout, [r.expert], r.staging)
+                r.hold(None, None)  # until made
+                row = self.rows.make(layout)
+                r.hold(row, row.staging if row is not None else ExpertRows(layout, 1))
+            raw = self.store.read(layout, [r.expert], r.staging)
+            arrays = None
             if r.row is not None:
-                r.arrays = r.row.array  # the bytes were read into it
+                arrays = r.row.array  # the bytes were read into it
             elif self.make_arrays:
-                r.arrays = mx.array(flat_rows(layout, r.raw, 1)[0])  # not advised: MLX recycles it
+                arrays = mx.array(flat_rows(layout, raw, 1)[0])  # not advised: MLX recycles it
+            r.land(raw, arrays)
         except BaseException as e:  # raised on the generation thread when taken
-            r.error = e
+            r.land(error=e)
         with self._lock:
             if not r.demand:
                 self.ledger.reader["reader_s"] += time.perf_counter() - t0

@@ -296,7 +296,7 @@ class PredictorPolicy(OnDemand):
             ids, p = members
             distance = base.copy()
             distance[ids] = np.minimum(distance[ids], p + (1 - p) * distance[ids])
-            distance.flags.writeable = False  # shared by every caller until the inputs change
+            distance.setflags(write=False)  # shared by every caller until the inputs change
         self._estimates[layer] = (base, members, distance)
         return distance
 
@@ -310,7 +310,7 @@ class PredictorPolicy(OnDemand):
         age, uses = cache.history.ages_and_uses(never=AGE_CAP)
         logprobs = np.zeros(cache.num_experts, np.float32) if logprobs is None else logprobs
         distance = self.head.distances(layer, x_term, features(logprobs, age, uses))
-        distance.flags.writeable = False
+        distance.setflags(write=False)
         self._base[layer] = (known, cache.history.version, distance)
         return distance
 

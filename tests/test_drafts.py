@@ -196,7 +196,7 @@ def test_the_ledger_books_verify_passes_as_decode():
     ledger = Ledger(2)
     ledger.count_forward("prefill", 5)
     ledger.add("prefill", 0, lookups=3)
-    ledger.verifying = True
+    ledger.book_verifying(True)
     ledger.count_forward("prefill", 4)  # a verify pass of 3 drafts: shaped as a prompt's
     ledger.count_verify(3)
     ledger.count_lookups("prefill", 1, 8, 6)

@@ -1,8 +1,8 @@
 """Lab (issue #57): how far any prompt lookup could cut the experts read per generated token on the committed
 code-edit prompts, with the bundled model, on this CPU (not product code). Deterministic counts, no timing.
 
-od-moe's lookup loop (`prompt_lookup.lookup_generate_step`) is run with `History.continuation` replaced by
-an oracle that knows the target's undrafted greedy tokens T for the prompt:
+od-moe's lookup loop (`prompt_lookup.lookup_generate_step`) is run with a `PromptLookup` whose
+`continuation` is an oracle that knows the target's undrafted greedy tokens T for the prompt:
 - `lookup`: the longest prefix (up to k) of T's next tokens that occurs anywhere in the text so far (prompt
   and answer): what the best possible lookup, which can only copy runs of earlier text, would draft;
 - `perfect`: T's next k tokens whatever they are (every draft accepted where the verify pass agrees with
@@ -17,7 +17,6 @@ undrafted (the sum over prompts of each).
 import sys
 
 import od_moe
-from od_moe.generation import prompt_lookup
 
 sys.path.insert(0, "benchmarks")
 from code_edits import prompts as code_edit_prompts  # noqa: E402
@@ -30,19 +29,21 @@ def occurs(tokens: list[int], run: list[int]) -> bool:
     return any(tokens[i : i + n] == run for i in range(len(tokens) - n + 1))
 
 
-def oracle(truth: list[int], prompt_len: int, kind: str):
-    """A `History.continuation` that drafts from `truth` (the answer's tokens) as `kind` says."""
+class Oracle(od_moe.PromptLookup):
+    """A prompt lookup that drafts from `truth` (the answer's tokens) as `kind` says."""
 
-    def continuation(history, count, ngram=None, shortest=None):
-        done = len(history.tokens) - prompt_len  # answer tokens in the history (the last one included)
-        ahead = truth[done : done + count]
-        if kind == "lookup":
+    def __init__(self, truth: list[int], prompt_len: int, kind: str):
+        super().__init__()
+        self.truth, self.prompt_len, self.kind = truth, prompt_len, kind
+
+    def continuation(self, history, count):
+        done = len(history.tokens) - self.prompt_len  # answer tokens in the history (the last one included)
+        ahead = self.truth[done : done + count]
+        if self.kind == "lookup":
             while ahead and not occurs(history.tokens, ahead):
                 ahead = ahead[:-1]
-        in_prompt = bool(ahead) and occurs(history.tokens[:prompt_len], ahead)
+        in_prompt = bool(ahead) and occurs(history.tokens[: self.prompt_len], ahead)
         return ahead, in_prompt
-
-    return continuation
 
 
 def main():
@@ -63,37 +64,32 @@ def main():
         "| drafts | k | accepted | tokens a pass | equal undrafted | experts a token, drafted / undrafted |"
     )
     print("|---|---|---|---|---|---|")
-    real = prompt_lookup.History.continuation
-    try:
-        for kind in ("lookup", "perfect"):
-            for k in ks:
-                drafted = accepted = passes = generated = same = 0
-                experts = 0.0
-                for prompt, truth in zip(prompts, truths):
-                    prompt_len = len(engine.tokenizer.encode(prompt))
-                    prompt_lookup.History.continuation = oracle(truth, prompt_len, kind)
-                    lookup = od_moe.PromptLookup()
-                    engine.reset_stats()
-                    got = [
-                        r.token
-                        for r in engine.stream_generate(
-                            prompt, max_tokens=N, draft_model=lookup, num_draft_tokens=k
-                        )
-                    ]
-                    experts += engine.stats()["experts_per_token"]
-                    counts = lookup.counts
-                    drafted += sum(counts.drafted.values())
-                    accepted += sum(counts.accepted.values())
-                    passes += counts.passes
-                    generated += len(got)
-                    same += got == truth
-                print(
-                    f"| {kind} | {k} | {accepted}/{drafted} | {generated / passes:.2f} "
-                    f"| {same}/{len(prompts)} | {experts / plain:.2f}x |",
-                    flush=True,
-                )
-    finally:
-        prompt_lookup.History.continuation = real
+    for kind in ("lookup", "perfect"):
+        for k in ks:
+            drafted = accepted = passes = generated = same = 0
+            experts = 0.0
+            for prompt, truth in zip(prompts, truths):
+                prompt_len = len(engine.tokenizer.encode(prompt))
+                lookup = Oracle(truth, prompt_len, kind)
+                engine.reset_stats()
+                got = [
+                    r.token
+                    for r in engine.stream_generate(
+                        prompt, max_tokens=N, draft_model=lookup, num_draft_tokens=k
+                    )
+                ]
+                experts += engine.stats()["experts_per_token"]
+                counts = lookup.counts
+                drafted += sum(counts.drafted.values())
+                accepted += sum(counts.accepted.values())
+                passes += counts.passes
+                generated += len(got)
+                same += got == truth
+            print(
+                f"| {kind} | {k} | {accepted}/{drafted} | {generated / passes:.2f} "
+                f"| {same}/{len(prompts)} | {experts / plain:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ Drafting (`generation/drafts.py`): `verify_passes`, the passes that verified dra
 tokens they
 verified; `accepted`, the generated tokens that came from a draft (mlx-lm's `from_draft`); `found`, prompt
 lookup's drafts and accepted tokens by where they were found (`FOUND_IN`). While `verifying`
-(set by the engine once a drafted generation's prompt is in), every count booked as prefill is booked as
+(`book_verifying`, once a drafted generation's prompt is in), every count booked as prefill is booked as
 decode: a verify pass runs the last token and its k drafts, k + 1 positions as a prompt's pass does (and the
 runtimes run it so), but it decodes. So with drafting a decode pass gives 1 to k + 1 tokens, its positions
 count every draft verified, and no pass runs ahead of the tokens given.
@@ -91,6 +91,10 @@ class Ledger:
         self.found = {s: {"drafted": 0, "accepted": 0} for s in FOUND_IN}  # prompt lookup's, by source
         self.reader = dict.fromkeys(READER_FIELDS, 0)
 
+    def book_verifying(self, on: bool):
+        """Book every pass as decode (on: passes verify drafts, the module docstring) or by its shape."""
+        self.verifying = on
+
     def add(self, phase: str, layer: int, **counts):
         """Add `counts` (names from `LAYER_FIELDS`) to one layer in one phase."""
         row = self.layers[_PHASE["decode" if self.verifying else phase], layer]
@@ -142,14 +146,18 @@ class Ledger:
     def snapshot(self) -> "Ledger":
         """A copy that no longer changes (safe to read from any thread)."""
         copy = Ledger.__new__(Ledger)
-        copy.num_layers = self.num_layers
-        copy.layers = self.layers.copy()
-        copy.positions, copy.forwards, copy.reader = dict(self.positions), self.forwards, dict(self.reader)
-        copy.generated, copy.passes = self.generated, dict(self.passes)
-        copy.verifying, copy.verify_passes = self.verifying, self.verify_passes
-        copy.drafted, copy.accepted = self.drafted, self.accepted
-        copy.found = {s: dict(v) for s, v in self.found.items()}
+        copy._copy_of(self)
         return copy
+
+    def _copy_of(self, other: "Ledger"):
+        """Become a copy of `other`'s counts (`snapshot`)."""
+        self.num_layers = other.num_layers
+        self.layers = other.layers.copy()
+        self.positions, self.forwards, self.reader = dict(other.positions), other.forwards, dict(other.reader)
+        self.generated, self.passes = other.generated, dict(other.passes)
+        self.verifying, self.verify_passes = other.verifying, other.verify_passes
+        self.drafted, self.accepted = other.drafted, other.accepted
+        self.found = {s: dict(v) for s, v in other.found.items()}
 
     def field(self, name: str) -> np.ndarray:
         """(phases, layers) values of one field."""

@@ -152,9 +152,9 @@ class Verifier:
     """The target as mlx-lm's drafting loop calls it (`model(inputs, cache=...)`): the passes that take
     the prompt's first `prefill` tokens are the prompt's; every later one verifies its drafts (all its
     positions but the first). The first such pass settles the prompt's counts, then the ledger books passes
-    as decode (`Ledger.verifying`) until the engine ends the generation. `counts`: whether its passes count
-    as verify passes (the target's; a draft engine's own passes are only booked as decode). Every other
-    attribute is the model's."""
+    as decode (`Ledger.book_verifying`) until the engine ends the generation. `counts`: whether its passes
+    count as verify passes (the target's; a draft engine's own passes are only booked as decode). Every
+    other attribute is the model's."""
 
     def __init__(self, forward, runtime: Runtime, prefill: int, counts: bool = True):
         object.__setattr__(self, "_forward", forward)
@@ -172,7 +172,7 @@ class Verifier:
         else:
             if not ledger.verifying:
                 self._runtime.settle()  # the prompt's passes, booked as prefill first
-                ledger.verifying = True
+                ledger.book_verifying(True)
             if self._counts and positions > 1:  # prompt lookup's passes with nothing found decode plainly
                 ledger.count_verify(positions - 1)
         return self._forward(inputs, cache=cache, **kwargs)
@@ -196,8 +196,7 @@ def responses(engine, draft: Draft | None, prompt: list[int], max_tokens: int, s
             max_tokens,
             counts,
             sampler=sampler,
-            ngram=lookup.ngram,
-            shortest=lookup.shortest,
+            lookup=lookup,
             **kwargs,
         )
         return _found(stream, counts, lookup, engine.runtime.ledger)
@@ -218,7 +217,7 @@ def _found(stream, counts: LookupCounts, lookup: PromptLookup, ledger):
     try:
         yield from stream
     finally:
-        lookup.counts.add(counts)
+        lookup.count(counts)
         ledger.count_found(counts.drafted, counts.accepted)
 
 
@@ -236,4 +235,4 @@ def stop_verifying(engine, draft: Draft):
     for runtime in (engine.runtime, draft.runtime):
         if runtime is not None:
             runtime.settle()
-            runtime.ledger.verifying = False
+            runtime.ledger.book_verifying(False)

@@ -41,7 +41,7 @@ class History:
     def __init__(self, tokens=()):
         self.tokens: list[int] = []
         self._at: dict[int, list[int]] = {}  # token -> its positions, ascending
-        self.prompt_end = 0  # tokens before this one came with a prompt (`lookup_generate_step` sets it)
+        self.prompt_end = 0  # tokens before this one came with a prompt (`end_prompt`)
         self.extend(tokens)
 
     @property
@@ -59,6 +59,10 @@ class History:
         for token in tokens:
             self._at.setdefault(token, []).append(len(self.tokens))
             self.tokens.append(token)
+
+    def end_prompt(self, end: int):
+        """Tokens before position `end` came with the prompt (`lookup_generate_step`, once it is in)."""
+        self.prompt_end = end
 
     def trim(self, n: int) -> int:
         n = min(n, len(self.tokens))
@@ -99,8 +103,9 @@ class History:
 
 
 class PromptLookup(nn.Module):
-    """A draft for mlx-lm's drafting loop that predicts from the tokens so far (`History.next_token`).
-    `vocab_size`: the target's logits per token (`fit_vocab`, where it is None)."""
+    """A draft for mlx-lm's drafting loop that predicts from the tokens so far (`History.next_token`), and
+    what od-moe's loop drafts (`continuation`). `vocab_size`: the target's logits per token (`fit_vocab`,
+    where it is None)."""
 
     def __init__(self, vocab_size: int | None = None, ngram: int = NGRAM, shortest: int = SHORTEST):
         super().__init__()
@@ -114,6 +119,15 @@ class PromptLookup(nn.Module):
 
     def make_cache(self) -> list:
         return [History()]
+
+    def continuation(self, history: History, count: int) -> tuple[list[int], bool]:
+        """What od-moe's loop drafts after `history`, up to `count` tokens, and whether it was found in the
+        prompt: `History.continuation` with this lookup's `ngram` and `shortest`."""
+        return history.continuation(count, self.ngram, self.shortest)
+
+    def count(self, counts: "LookupCounts"):
+        """Add one generation's `counts` to this lookup's running totals (`self.counts`)."""
+        self.counts.add(counts)
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         history = cache[0]
@@ -141,6 +155,16 @@ class LookupCounts:
         self.passes += other.passes
         self.drafting_passes += other.drafting_passes
 
+    def count_pass(self, source: str, drafted: int):
+        """A target pass after the prompt's that verified `drafted` drafts found in `source` (`FOUND_IN`)."""
+        self.passes += 1
+        self.drafting_passes += bool(drafted)
+        self.drafted[source] += drafted
+
+    def count_given(self, source: str, from_draft: bool):
+        """A token given to the caller: accepted where it came from a draft found in `source`."""
+        self.accepted[source] += from_draft
+
 
 def lookup_generate_step(
     prompt: mx.array,
@@ -155,11 +179,14 @@ def lookup_generate_step(
     ngram: int = NGRAM,
     shortest: int = SHORTEST,
     counts: LookupCounts | None = None,
+    lookup: PromptLookup | None = None,
 ):
     """Yield (token, logprobs, from_draft) as mlx-lm's `speculative_generate_step` does, drafting by prompt
     lookup only where a lookup finds something (see the module's docstring). `prompt_cache`: the target's
     caches, then optionally a `History` (mlx-lm's layout of a target's and its draft's caches); `counts`:
-    filled in as the loop goes."""
+    counted in as the loop goes; `lookup`: what drafts (`PromptLookup.continuation`; None: one with `ngram`
+    and `shortest`, which a `lookup` given overrides)."""
+    lookup = lookup if lookup is not None else PromptLookup(ngram=ngram, shortest=shortest)
     layers = len(model.layers)
     cache = prompt_cache[:layers] if prompt_cache is not None else make_prompt_cache(model)
     history = prompt_cache[layers] if prompt_cache is not None and len(prompt_cache) > layers else History()
@@ -172,26 +199,24 @@ def lookup_generate_step(
         model(mx.array(chunk, mx.uint32)[None], cache=cache)
         mx.eval([c.state for c in cache])
     history.extend(tokens[:-1])
-    history.prompt_end = history.offset + 1
+    history.end_prompt(history.offset + 1)
     last, generated = tokens[-1], 0
     while generated < max_tokens:
         history.extend([last])
         room = min(num_draft_tokens, max_tokens - generated - 1)
-        drafts, in_prompt = history.continuation(room, ngram, shortest)
+        drafts, in_prompt = lookup.continuation(history, room)
         logits = model(mx.array([last, *drafts], mx.uint32)[None], cache=cache)[0]
         chosen, logprobs = _sample(logits, seen, drafts, sampler, logits_processors)
         accepted = 0
         while accepted < len(drafts) and chosen[accepted] == drafts[accepted]:
             accepted += 1
         source = "prompt" if in_prompt else "output"  # `FOUND_IN`
-        counts.passes += 1
-        counts.drafting_passes += bool(drafts)
-        counts.drafted[source] += len(drafts)
+        counts.count_pass(source, len(drafts))
         trim_prompt_cache(cache, len(drafts) - accepted)
         history.extend(drafts[:accepted])
         for i in range(accepted + 1):
             seen.append(chosen[i])
-            counts.accepted[source] += i < accepted  # as given: a caller that stops early took no more
+            counts.count_given(source, i < accepted)  # as given: a caller that stops early took no more
             yield chosen[i], logprobs[i], i < accepted
         generated, last = generated + accepted + 1, chosen[accepted]
 
@@ -225,6 +250,7 @@ _TAKEN = (
     "prefill_step_size",
     "ngram",
     "shortest",
+    "lookup",
 )
 
 

@@ -10,7 +10,6 @@ Not here: the server's queue of requests (`server/`), the per-layer path (`per_l
 """
 
 from collections.abc import Generator, Sequence
-from dataclasses import fields
 from typing import NamedTuple
 
 from mlx_lm.generate import BatchGenerator, BatchResponse, BatchStats
@@ -46,7 +45,8 @@ def stream_batch_generate(
 
     prompts: texts or token ids. max_tokens: for all, or one per prompt (each capped where prompt and
     completion fill the model's positions). seed: one for all, or one per prompt (None: fresh). At most
-    `completion_batch_size` sequences decode at once; `stats`, if given, is filled as mlx-lm's is.
+    `completion_batch_size` sequences decode at once; `stats`, if given, has the batch's statistics added
+    as mlx-lm's add up (`BatchStats +=`).
     """
     ids, limits = _check(engine, prompts, max_tokens)
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(ids)
@@ -71,8 +71,7 @@ def stream_batch_generate(
                 runtime.ledger.count_generated(len(responses))
                 yield [_token(r, index[r.uid], detokenizers[r.uid]) for r in responses]
         if stats is not None:
-            for field in fields(BatchStats):
-                setattr(stats, field.name, getattr(window, field.name))
+            stats += window
     finally:
         generator.close()
         runtime.settle()

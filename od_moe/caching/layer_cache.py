@@ -79,7 +79,11 @@ class LayerCache:
 
     @host_writes.setter
     def host_writes(self, on: bool):
-        self.arrays.host_writes = on
+        self.use_host_writes(on)
+
+    def use_host_writes(self, on: bool):
+        """Write installs from host bytes where the backend allows (on), or always with MLX writes."""
+        self.arrays.use_host_writes(on)
 
     @property
     def pinned_count(self) -> int:

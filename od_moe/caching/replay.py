@@ -16,7 +16,7 @@ text). Not here: the live cache (`caching/layer_cache.py`) or what it counts (`a
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -81,16 +81,16 @@ def replay_layer(
     held_count = sum(held)
     last_use = [-1.0] * num_experts
     frequency = [0.0] * num_experts
-    tally = Tally()
+    reads = lookups = hits = passes = 0
     for t, (ids, counts) in enumerate(uses):
         misses = [e for e in ids if not held[e]]
         if observe is not None:
             observe(t, misses, {e for e, h in enumerate(held) if h})
         if counted is None or counted[t]:
-            tally.reads += len(misses)
-            tally.lookups += routed[t].size
-            tally.hits += sum(c for e, c in zip(ids, counts) if held[e])
-            tally.passes += 1
+            reads += len(misses)
+            lookups += routed[t].size
+            hits += sum(c for e, c in zip(ids, counts) if held[e])
+            passes += 1
         if len(ids) > capacity:  # more than fit: keep those wanted soonest (MIN) or the last ones
             order = _evictable_first(rule, ids, t, last_use, frequency, next_use, horizon)
             held = [False] * num_experts
@@ -112,7 +112,7 @@ def replay_layer(
             age = t - (t if last_use[e] < 0 else last_use[e])
             frequency[e] = frequency[e] * 0.5 ** (age / LFU_HALF_LIFE) + c
             last_use[e] = t
-    return tally
+    return Tally(reads, lookups, hits, passes)
 
 
 def _uses(routed: np.ndarray) -> tuple[list[int], list[int]]:
@@ -175,8 +175,7 @@ def replay_layers(
     for n, steps in enumerate(layers):
         d = None if distances is None else distances[n]
         total = total + replay_layer(steps, capacity, rule, horizon, counted, distances=d)
-    total.passes //= max(len(layers), 1)
-    return total
+    return replace(total, passes=total.passes // max(len(layers), 1))
 
 
 def replay_recording(

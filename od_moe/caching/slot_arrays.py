@@ -64,6 +64,10 @@ class SlotArrays:
         self.host_writes = True  # False once the backend or a dtype rules out writes from host bytes
         self._writers = {}  # (proj, part) -> (stacked array, what writes its rows from host bytes)
 
+    def use_host_writes(self, on: bool):
+        """Write installs from host bytes where the backend allows (on), or always with MLX writes."""
+        self.host_writes = on
+
     @property
     def slot_nbytes(self) -> int:
         """Bytes one slot holds in memory (all parts, in their in-memory dtypes)."""

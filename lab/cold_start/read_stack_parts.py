@@ -1,6 +1,8 @@
-"""Lab: where two-tier mode's load goes on this CPU (not product code): `read_stack` re-timed part by part
-(allocation, reads, dtype conversion, writes into the host rows, the MLX array made from them, the
-byte-for-byte check), then one `od_moe.load(M, capacity=0.25, two_tier=True)`.
+"""Lab: where two-tier mode's load goes on this CPU (not product code): a layer's stack read as the
+two-tier load once read it (`read_stack`, here), timed part by part (allocation, reads, dtype conversion,
+writes into the host rows, the MLX array made from them, the byte-for-byte check) over every layer of the
+model as a per-layer engine lays it out; then one `od_moe.load(M, capacity=0.25, two_tier=True)`, timed
+whole (its reads are `two_tier/mapped.read_stacks` now).
 
   python3 lab/cold_start/read_stack_parts.py [MODEL]   (default /tmp/rs/q30-8: Qwen3-30B-A3B, 8 layers)
 """
@@ -15,7 +17,6 @@ import numpy as np
 import od_moe
 from od_moe.memory import backend, cuda
 from od_moe.storage.layout import ExpertRows
-from od_moe.two_tier import two_tier_runtime as rt
 from od_moe.two_tier.mapped import READ_BATCH_BYTES, _target_bytes, _uint
 
 T = collections.Counter()
@@ -67,7 +68,20 @@ def read_stack(store, layout, targets, slots, progress=None):
     return stacks
 
 
-rt.read_stack = read_stack
-t = time.perf_counter()
-e = od_moe.load(sys.argv[1] if len(sys.argv) > 1 else "/tmp/rs/q30-8", capacity=0.25, two_tier=True)
-print("load", time.perf_counter() - t, {k: round(v, 2) for k, v in T.items()})
+def main():
+    model = sys.argv[1] if len(sys.argv) > 1 else "/tmp/rs/q30-8"
+    plain = od_moe.load(model, capacity=0.25, prefetch="none", two_tier=False)  # its layers' layouts
+    store = plain.runtime.store
+    t = time.perf_counter()
+    for cache in plain.caches:
+        for array in read_stack(store, cache.layout, cache.targets, cache.capacity).values():
+            backend.unmap(array)
+    print("read_stack", time.perf_counter() - t, {k: round(v, 2) for k, v in T.items()})
+    plain.close()
+    t = time.perf_counter()
+    od_moe.load(model, capacity=0.25, two_tier=True)
+    print("load", time.perf_counter() - t)
+
+
+if __name__ == "__main__":
+    main()

@@ -49,6 +49,10 @@ class Peaks:
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
+    def enter(self, phase: str):
+        """Count the lowest free bytes from now on under `phase`."""
+        self.phase = phase
+
     def _poll(self):
         while not self._stop:
             free = _card()[0]
@@ -93,13 +97,13 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     prompt = _prompt(engine.tokenizer, prompt_tokens)
     t1 = time.perf_counter()
     first, n, r = None, 0, None
-    peaks.phase = "prefill"
+    peaks.enter("prefill")
     try:
         for response in engine.stream_generate(prompt, max_tokens=tokens):
             n, r = n + 1, response
             if first is None:
                 first = time.perf_counter() - t1
-                peaks.phase = "decode"
+                peaks.enter("decode")
     except RuntimeError as e:  # out of memory: say where it stood
         out["error"], out["generated"] = str(e), n
         out["mlx_at_error"] = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory()}
@@ -137,7 +141,7 @@ def stock(model: str, tokens: int = 48, prompt_tokens: int = 0):
     out["load_s"] = time.perf_counter() - t0
     out["nvml_after_load"] = _nvml_bytes()
     out["weights"] = mx.get_active_memory()
-    peaks.phase = "generate"
+    peaks.enter("generate")
     prompt = _prompt(tok, prompt_tokens) if prompt_tokens else "def fibonacci(n):"
     responses = list(stream_generate(m, tok, prompt, max_tokens=tokens))
     out["driver_peak_with_context"] = peaks.stop(card0[0], out["nvml_context"])

@@ -22,10 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_time import generator  # noqa: E402  (the same modes and loads)
+from kernel_time import generator  # beside this script, on the path a script runs with: the same modes
 
-from od_moe.bench.foundation import PROMPTS  # noqa: E402
+from od_moe.bench.foundation import PROMPTS
 
 
 def window(library, generate, tokens: int) -> tuple[float, dict]:

@@ -132,23 +132,25 @@ class Governor:
         self.per_layer_max = experts_per_layer
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self.per_layer = self.per_layer_max
-        self.mode, self._mode_since, self.probe = "on", 0, None
-        self._pause_kind = (
-            None  # "gain": little to hide, resumes when the stall grows; "cost": the probe said so;
-            # "baseline": the first tokens after a reset
-        )
-        self.gain = None  # the last check of what prefetch hides
+        self.mode, self._mode_since = "on", 0
+        self.probe: dict | None = None  # the cost probe's token times, on and off
+        # "gain": little to hide, resumes when the stall grows; "cost": the probe said so; "baseline": the
+        # first tokens after a reset
+        self._pause_kind: str | None = None
+        self.gain: dict | None = None  # the last check of what prefetch hides
         self._gain_checked = False  # this stretch with prefetch on has had its gain check
-        self.backoffs, self.backoff_reason = 0, None
-        self.pause = None  # the last pause for gain or cost: at which decode token, why, when it ends
+        self.backoffs = 0
+        self.backoff_reason: str | None = None
+        self.pause: dict | None = None  # the last pause (gain or cost): at which token, why, when it ends
         # the read-bound check's verdict and its measure
-        self.read_bound, self.stall_share = self.settings.read_bound_at_start, None
+        self.read_bound = self.settings.read_bound_at_start
+        self.stall_share: float | None = None
         self.decode_tokens = 0
         self._window_start = (0, 0.0, 0.0)  # (tokens, useful, wasted) at the start of the window
         self._marks: list[_Mark] = []
-        self._quiet = (0.0, 0.0)  # demand experts and seconds in decode with prefetch paused
+        self._quiet: tuple[float, float] = (0.0, 0.0)  # demand experts and seconds in decode, prefetch paused
         self._demand = self._demand_totals()  # ...counted from here
         if self.settings.timed_checks and self.settings.baseline_tokens > 0:
             self._set_mode("paused", "baseline")
@@ -182,7 +184,8 @@ class Governor:
         mode = self.mode if phase == "decode" else phase
         before, self._demand = self._demand, self._demand_totals()
         if mode == "paused":
-            self._quiet = tuple(q + now - was for q, now, was in zip(self._quiet, self._demand, before))
+            (experts, read_s), (experts_now, read_s_now) = self._quiet, self._demand
+            self._quiet = (experts + experts_now - before[0], read_s + read_s_now - before[1])
         self._marks.append(
             _Mark(
                 mode,
@@ -245,9 +248,9 @@ class Governor:
         useful prefetches times a read's price, `_per_read`, and the mean install time) or could have
         saved (paused: the demand stall), what it cost the generation thread, and the token time."""
         marks = self._marks[-tokens - 1 :]
-        if len(marks) < tokens + 1 or any(m.mode != self.mode or m.seconds is None for m in marks[1:]):
+        times = [m.seconds for m in marks[1:] if m.mode == self.mode and m.seconds is not None]
+        if len(marks) < tokens + 1 or len(times) < tokens:
             return None
-        times = [m.seconds for m in marks[1:]]
         if self.mode == "on" and max(times) > ONE_OFF * min(times):
             return None  # a one-off in the window (see ONE_OFF): wait for a clean one
         first, last = marks[0], marks[-1]
@@ -261,7 +264,7 @@ class Governor:
             "read_price_ms": price * 1e3,
             "hidden_ms": hidden * ms,
             "cost_ms": (last.cost_s - first.cost_s) * ms,
-            "token_ms": sum(m.seconds for m in marks[1:]) * ms,
+            "token_ms": sum(times) * ms,
         }
 
     def _check_gain(self):

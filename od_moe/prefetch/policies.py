@@ -60,13 +60,13 @@ class Step:
     forward: int  # forward passes since the prompt started (0: its first prefill chunk)
     layer: int
     phase: str  # "prefill" or "decode"
-    hidden: mx.array  # the MoE block's input (its hidden state)
+    hidden: mx.array | None  # the MoE block's input (its hidden state; None where booked after the pass)
     router: object  # the layer's router logits (None where not tapped or not one projection)
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
 
     @property
-    def x(self) -> mx.array:
+    def x(self) -> mx.array | None:
         """`hidden`, as `distributed/seams.py` still reads it (to go once it reads `hidden`)."""
         return self.hidden
 
@@ -174,7 +174,7 @@ class NextGatePolicy(OnDemand):
 
     def before_layer(self, step: Step) -> list[Prediction]:
         target = step.layer + 1
-        if not step.predict or target >= self.weights.shape[0]:
+        if not step.predict or step.hidden is None or target >= self.weights.shape[0]:
             return []
         scores = next_gate(
             last_row(step.hidden), self.weights[target : target + 1], self.biases[target : target + 1]
@@ -284,7 +284,7 @@ class PredictorPolicy(OnDemand):
         # the runtime asks several times per layer (reads, installs, prefetch requests): the head's answer
         # changes only with the layer's routing and its experts' use history, once a pass, and the
         # predictions for the layer (up to one per source layer ahead of it) only adjust a few experts
-        base = self._head_distances(layer)
+        base = self._head_distances(self.head, layer)
         members = self._members.get(layer)
         kept = self._estimates.get(layer)
         if kept is not None and kept[0] is base and kept[1] is members:
@@ -300,8 +300,8 @@ class PredictorPolicy(OnDemand):
         self._estimates[layer] = (base, members, distance)
         return distance
 
-    def _head_distances(self, layer: int) -> np.ndarray:
-        """The head's expected passes until each expert of `layer` is used again (read-only)."""
+    def _head_distances(self, head, layer: int) -> np.ndarray:
+        """The next-use `head`'s expected passes until each expert of `layer` is used again (read-only)."""
         cache, known = self.caches[layer], self._known[layer]
         kept = self._base.get(layer)
         if kept is not None and kept[0] is known and kept[1] == cache.history.version:
@@ -309,7 +309,7 @@ class PredictorPolicy(OnDemand):
         x_term, logprobs = known
         age, uses = cache.history.ages_and_uses(never=AGE_CAP)
         logprobs = np.zeros(cache.num_experts, np.float32) if logprobs is None else logprobs
-        distance = self.head.distances(layer, x_term, features(logprobs, age, uses))
+        distance = head.distances(layer, x_term, features(logprobs, age, uses))
         distance.setflags(write=False)
         self._base[layer] = (known, cache.history.version, distance)
         return distance
@@ -321,7 +321,7 @@ class PredictorPolicy(OnDemand):
         if self.head is not None and step.hidden is not None and step.prefetching:
             logprobs = _router_logprobs(step.router) if isinstance(step.router, mx.array) else None
             self._fresh[source] = (self.head.x_term(source, last_row(step.hidden))[0], logprobs)
-        if not step.predict:
+        if not step.predict or step.hidden is None:
             return []
         if source == c.num_layers - 1 and self.lens is not None:
             guess = self.lens.predict(step.hidden, self.counts[0])

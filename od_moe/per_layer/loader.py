@@ -17,7 +17,6 @@ bookkeeping and arrays (`caching/layer_cache.py`, `caching/slot_arrays.py`).
 """
 
 import time
-from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +27,7 @@ from ..errors import ExpertReadError
 from ..memory import backend
 from ..prefetch.governor import Governor
 from ..prefetch.policies import Prediction
+from ..runtime import ExpertIds
 from ..storage.layout import ExpertRows, flat_rows
 from ..storage.store import ExpertStore
 from .passes import Passes
@@ -57,7 +57,7 @@ class Loader:
         self._staging: dict[tuple, ExpertRows] = {}  # this thread's buffers for reads it does itself
         self._copy_installs = copy_installs
         for cache in caches:
-            cache.host_writes = copy_installs
+            cache.use_host_writes(copy_installs)
 
     @property
     def reader(self) -> Reader:
@@ -131,22 +131,22 @@ class Loader:
     def load(
         self,
         cache: LayerCache,
-        ids: Sequence[int],
-        protect: Sequence[int] = (),
+        ids: ExpertIds,
+        protect: ExpertIds = (),
         computing: bool = False,
         synchronize: bool = True,
     ):
         """Read experts `ids` of `cache`'s layer and install them, now; prefetches of them already in flight
         are waited for, not read twice. `computing`: the layer computes next in this pass, on these
         installs (the routing path), so their staging rows are free after a later layer's sync.
-        `synchronize=False`: nothing in flight reads the slots these installs may take
-        (`PerLayerRuntime._split`)."""
-        ids = np.asarray(ids, dtype=np.int64)
+        `synchronize=False`: nothing in flight reads the slots these installs may take (a decode layer's
+        second round, `PerLayerSettings.split_on_miss`)."""
+        wanted = np.asarray(ids, dtype=np.int64)
         chunk = self.read_chunk(cache)
-        keep = list(protect) + ids.tolist()
-        for start in range(0, len(ids), chunk):
+        keep = list(protect) + wanted.tolist()
+        for start in range(0, len(wanted), chunk):
             t0 = time.perf_counter()
-            experts, raw, reads = self.read(cache, ids[start : start + chunk], keep, synchronize)
+            experts, raw, reads = self.read(cache, wanted[start : start + chunk], keep, synchronize)
             t1 = time.perf_counter()
             if not experts:
                 continue
@@ -165,7 +165,7 @@ class Loader:
                 self.reader.recycle(reads, computing=computing)
             booked = _install_counts(installed, len(experts), time.perf_counter() - t1, prefetched=False)
             self.ledger.add(self.passes.phase, cache.layer, **booked)
-        refused = ids[cache.slot_of[ids] < 0]  # late prefetches that found no slot: read them as demand
+        refused = wanted[cache.slot_of[wanted] < 0]  # late prefetches that found no slot: read as demand
         if refused.size:
             self.load(cache, refused, protect, computing, synchronize)
 
@@ -199,10 +199,10 @@ class Loader:
         t0 = time.perf_counter()
         reads, late = self.reader.fetch(cache.layer, ids)
         self._take_late(cache.layer, late, 0.0 if reads else time.perf_counter() - t0, keep, synchronize)
-        failed = [r for r in reads if r.error is not None]
-        if failed:
+        errors = [r.error for r in reads if r.error is not None]
+        if errors:
             self.reader.recycle(reads)
-            self._failed(cache.layout, [r.expert for r in failed], failed[0].error)
+            self._failed(cache.layout, [r.expert for r in reads if r.error is not None], errors[0])
         return [r.expert for r in reads], _rows(reads), reads
 
     def _failed(self, layout, ids, error: BaseException):
@@ -222,7 +222,8 @@ class Loader:
         admit = _admitted(cache, uniq, counts, missing, self.passes.future(cache.layer), self.passes.clock)
         if admit.size:
             self.load_missing(cache, admit, uniq, counts)
-        scratch, rows = [], []  # experts read into the scratch stack, in order; their rows by chunk
+        scratch: list[int] = []  # experts read into the scratch stack, in order
+        rows: list[dict] = []  # their rows, by chunk
         chunk = self.read_chunk(cache)
         while (rest := np.setdiff1d(uniq[cache.slot_of[uniq] < 0], scratch)).size:
             # (a late prefetch of one may have gone into a slot instead, or found none: read it then)
@@ -243,14 +244,15 @@ class Loader:
         """Queue the predicted experts that are not resident; the governor says how many per layer, and
         where the policy estimates next uses, only those needed sooner than the experts they would evict.
         Returns the experts asked to be read, by layer."""
-        asked = {}
-        if not predictions:
+        asked: dict[int, list] = {}
+        governor = self.governor
+        if not predictions or governor is None:
             return asked
         t0 = time.perf_counter()
-        floor = self.governor.min_score
+        floor = governor.min_score
         for layer, experts, scores in predictions:
             experts, scores = np.asarray(experts), np.asarray(scores)
-            order = np.argsort(-scores, kind="stable")[: self.governor.take(len(experts))]
+            order = np.argsort(-scores, kind="stable")[: governor.take(len(experts))]
             chosen = {int(experts[n]): float(scores[n]) for n in order}
             cache = self.caches[layer]
             absent = [e for e in chosen if cache.slot_of[e] < 0 and chosen[e] >= floor]
@@ -269,7 +271,7 @@ class Loader:
             self.install_ready({})
         self.install_ready({})
 
-    def install_ready(self, protect: dict[int, Sequence[int]]):
+    def install_ready(self, protect: dict[int, ExpertIds]):
         """Install every finished read, one install per layer."""
         by_layer: dict[int, list[Read]] = {}
         for r in sorted(self.reader.take_ready(), key=lambda r: (-r.score, r.layer, r.expert)):
@@ -292,14 +294,14 @@ class Loader:
         return still
 
     def _take_late(
-        self, layer: int, late: list[Read], waited_s: float, protect: Sequence[int], synchronize: bool = True
+        self, layer: int, late: list[Read], waited_s: float, protect: ExpertIds, synchronize: bool = True
     ):
         """Book and install prefetches a demand miss found in flight (`waited_s` for them)."""
         if late:
             self.ledger.add(self.passes.phase, layer, wait_s=waited_s, prefetch_late=len(late))
             self._install_prefetched(late, protect, synchronize)
 
-    def _install_prefetched(self, reads: list[Read], protect: Sequence[int], synchronize: bool = True):
+    def _install_prefetched(self, reads: list[Read], protect: ExpertIds, synchronize: bool = True):
         """Install finished reads of one layer, best first, as far as unprotected slots allow. A prefetch
         never evicts an expert predicted for the same run of its layer. A failed read is dropped (booked
         as wasted): a layer that needs the expert reads it on demand, and that read's error, if it fails
@@ -396,7 +398,8 @@ def _worth(cache: LayerCache, experts, protect, future: np.ndarray, clock: float
 
 def _rows(reads: list[Read]) -> dict:
     """The finished reads' bytes by part, as per-expert rows (what `LayerCache.install` takes)."""
-    return {key: [r.raw[key][0] for r in reads] for key in reads[0].raw} if reads else {}
+    landed = [r.raw for r in reads if r.raw is not None]  # every one: failed reads never get here
+    return {key: [raw[key][0] for raw in landed] for key in landed[0]} if landed else {}
 
 
 def _arrays(reads: list[Read]) -> list | None:
@@ -451,17 +454,16 @@ def install_rate(store: ExpertStore, cache: LayerCache, make_arrays: bool, repea
     seconds = 0.0
     for n, ids in enumerate(batches):
         raw = raws[n % 2]
-        arrays = None
+        made = []  # as the reader threads make them (their rows)
         if make_arrays:
-            rows = flat_rows(cache.layout, raw, experts)
-            arrays = [backend.stage_for_device(mx.array(row)) for row in rows]
-            mx.eval(arrays)
+            made = [backend.stage_for_device(mx.array(row)) for row in flat_rows(cache.layout, raw, experts)]
+            mx.eval(made)
         cache.restore(np.full(cache.capacity, -1))
         t0 = time.perf_counter()
-        cache.install(ids, raw, clock=n, arrays=arrays)
+        cache.install(ids, raw, clock=n, arrays=[*made] if made else None)
         mx.eval(list(cache.stacked_arrays().values()))  # MLX writes are lazy: the layer would evaluate them
         if n:
             seconds += time.perf_counter() - t0
-        for array in arrays or ():
+        for array in made:
             backend.unstage(array)
     return cache.slot_nbytes * experts * repeats / seconds

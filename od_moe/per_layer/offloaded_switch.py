@@ -29,22 +29,25 @@ class OffloadedSwitch(nn.Module):
         self.layer = layer  # position among the model's MoE blocks
         object.__setattr__(self, "runtime", runtime)  # a plain attribute, not a child module
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        out, lanes = None, []
-        for route in self.runtime.route(self.layer, x, indices):
-            y = (self.inner if route.stacks is None else switch_on(self.inner, route.stacks))(x, route.slots)
+    def __call__(self, hidden: mx.array, indices: mx.array) -> mx.array:
+        whole, lanes = [], []  # a round of every routed expert; rounds of some of them, with their positions
+        for route in self.runtime.route(self.layer, hidden, indices):
+            switch = self.inner if route.stacks is None else switch_on(self.inner, route.stacks)
+            y = switch(hidden, route.slots)
             if route.scale is not None:
                 y = y * route.scale[..., None].astype(y.dtype)
             if route.lanes is not None:  # computes now, while the runtime reads the next round's experts
                 mx.async_eval(y)
                 lanes.append((route.lanes, y))
             else:
-                out = y
+                whole.append(y)
         if lanes:  # each routed expert's output back at its position
             order = np.argsort(np.concatenate([at for at, _ in lanes]))
             out = mx.take(
                 mx.concatenate([y for _, y in lanes], axis=-2), mx.array(order.astype(np.int32)), axis=-2
             )
+        else:
+            (out,) = whole
         if route.launch:  # the device idled while the host synced: it computes while the next layer is built
             mx.async_eval(out)
         return out

@@ -39,9 +39,9 @@ class Passes:
         """Record the routing of every pass from now on (`record`)."""
         self.recording = []
 
-    def stop_recording(self) -> list[dict[int, np.ndarray]]:
-        """The routing recorded since `start_recording`, per pass {layer: ids (tokens, k)}; recording
-        stops."""
+    def stop_recording(self) -> list[dict[int, np.ndarray]] | None:
+        """The routing recorded since `start_recording`, per pass {layer: ids (tokens, k)} (None: nothing
+        was being recorded); recording stops."""
         recording, self.recording = self.recording, None
         return recording
 

@@ -31,7 +31,7 @@ Not here: the forward math (`offloaded_switch.py`), reads and installs (`loader.
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -45,7 +45,7 @@ from ..model_surgery.routing import routing_weights, tap_router
 from ..prefetch import governor as governor_module
 from ..prefetch.governor import Governor, PrefetchSettings
 from ..prefetch.policies import OnDemand, Prediction, Step
-from ..runtime import PathFigures, Runtime, TwoTierMode
+from ..runtime import ExpertIds, PathFigures, Runtime, TwoTierMode
 from ..storage.store import ExpertStore
 from . import optimistic
 from .loader import Loader, install_rate, put_back, read_into_slots
@@ -101,9 +101,8 @@ class PerLayerRuntime(Runtime):
         self.settings = _settled(settings, caches)  # every None settled for this backend and model
         self.ledger = Ledger(len(caches))
         self.passes = Passes()
-        self.loader = Loader(
-            store, caches, self.ledger, self.passes, settings.read_threads, self.settings.copy_installs
-        )
+        copy_installs = bool(self.settings.copy_installs)  # settled: never None
+        self.loader = Loader(store, caches, self.ledger, self.passes, settings.read_threads, copy_installs)
         self._blocks = routers or []  # the MoE blocks whose routers are tapped where outputs are needed
         self._taps: list = [None] * len(caches)  # RouterTaps where router outputs are needed
         if settings.miss_policy == "skip":  # skip mode weighs the resident experts by the router's output
@@ -148,7 +147,7 @@ class PerLayerRuntime(Runtime):
         """The reader threads (`Loader.reader`)."""
         return self.loader.reader
 
-    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = (), **kwargs):
+    def load(self, cache: LayerCache, ids: ExpertIds, protect: ExpertIds = (), **kwargs) -> None:
         """Read experts `ids` of `cache`'s layer and install them, now (`Loader.load`)."""
         self.loader.load(cache, ids, protect, **kwargs)
 
@@ -192,8 +191,9 @@ class PerLayerRuntime(Runtime):
         """Record the routing of every pass from now on."""
         self.passes.start_recording()
 
-    def stop_recording(self) -> list[dict[int, np.ndarray]]:
-        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
+    def stop_recording(self) -> list[dict[int, np.ndarray]] | None:
+        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...] (None where
+        nothing was being recorded)."""
         self.settle()
         return self.passes.stop_recording()
 
@@ -231,7 +231,7 @@ class PerLayerRuntime(Runtime):
         rate = install_rate(self.store, cache, self.loader.makes_arrays, repeats)
         put_back(self.store, cache, held)
         if pinned.size:
-            cache.pin(pinned)
+            cache.pin(pinned.tolist())
         return {"installed": rate, "best": rate}
 
     # -- the per-layer path ----------------------------------------------------------------------
@@ -241,7 +241,8 @@ class PerLayerRuntime(Runtime):
         module docstring)."""
         cache, tokens = self.caches[layer], indices.size // indices.shape[-1]
         phase = "prefill" if hidden.ndim >= 2 and hidden.shape[-2] > 1 else "decode"
-        resumed = self._resume_from is not None  # an optimistic pass run again: its start is booked
+        resume_from = self._resume_from  # an optimistic pass run again from here: its start is booked
+        resumed = resume_from is not None
         new_pass = layer == 0 and not resumed
         # 1. between passes: what the last one left is booked, the governor looks at it
         if new_pass:
@@ -249,7 +250,7 @@ class PerLayerRuntime(Runtime):
         self.passes.at_layer(layer, new_pass)
 
         # 2. routing not needed now: compute at once
-        if resumed and layer < self._resume_from:  # all resident, as the optimistic run found; booked
+        if resume_from is not None and layer < resume_from:  # all resident, as the first run found; booked
             yield Route(cache.routed_slots(indices))
             return
         if cache.is_full() and self._nobody_watches():  # nothing can miss: count, and compute
@@ -306,8 +307,8 @@ class PerLayerRuntime(Runtime):
             # are read and installed (into slots the first round does not read: the routed experts are
             # protected, so no copy waits for the device), then the missing ones compute. Each routed
             # expert's output is computed once, as in one round, so the result is the same
-            absent = np.isin(ids.reshape(-1), missing)
-            here, later = np.flatnonzero(~absent), np.flatnonzero(absent)
+            missed = np.isin(ids.reshape(-1), missing)
+            here, later = np.flatnonzero(~missed), np.flatnonzero(missed)
             yield Route(cache.routed_slots(_take_lanes(indices, here)), lanes=here)
             self.loader.load_missing(cache, missing, uniq, counts, synchronize=False)
             self.loader.submit(predictions)
@@ -329,7 +330,8 @@ class PerLayerRuntime(Runtime):
         """The policy's hook before a layer that may sync: its step, and what it predicts (lazy)."""
         if exact and self._prefetch is not None and self._prefetch.synchronous:
             self.loader.drain()
-        prefetching = exact and self.governor is not None and (self.governor.active or self.reader.busy)
+        governor = self.governor
+        prefetching = exact and governor is not None and (governor.active or self.reader.busy)
         tap = self._taps[layer]
         step = Step(
             self.passes.index,
@@ -337,7 +339,7 @@ class PerLayerRuntime(Runtime):
             phase,
             hidden,
             tap.logits if tap is not None else None,
-            predict=prefetching and phase == "decode" and self.governor.active,
+            predict=prefetching and phase == "decode" and governor is not None and governor.active,
             prefetching=prefetching,
         )
         t0 = time.perf_counter()
@@ -356,7 +358,7 @@ class PerLayerRuntime(Runtime):
         prefetch, a policy that allows it, and recent decode tokens missed rarely (a recording learns the
         pass's routing with its flags)."""
         return (
-            self.settings.optimistic
+            self.settings.optimistic is True
             and self.miss_policy == "load"
             and self.policy.optimistic_passes
             and self.governor is None

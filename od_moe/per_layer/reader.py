@@ -26,12 +26,12 @@ Not here: installing (`loader.py`), what to predict (`prefetch/policies.py`) or 
 import math
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..accounting.ledger import Ledger
+from ..runtime import ExpertIds
 from ..storage.layout import BlockLayout, ExpertRows, flat_rows
 from ..storage.store import ExpertStore
 from .mlx_rows import GROW, MLXRows, Row
@@ -116,7 +116,7 @@ class Reader:
             thread.start()
 
     # -- generation thread: demand ------------------------------------------------------------------
-    def fetch(self, layer: int, experts: Sequence[int], read: bool = True) -> tuple[list[Read], list[Read]]:
+    def fetch(self, layer: int, experts: ExpertIds, read: bool = True) -> tuple[list[Read], list[Read]]:
         """Read `experts` of `layer` now and wait for them: the calling thread reads them itself, the
         reader threads help when there are several (before any prefetch). Returns the demand reads, and the
         prefetches of them that were already being read or were read ("late"). With `read=False` only
@@ -170,7 +170,7 @@ class Reader:
         self.recycle(self.take_ready(), installed=False)
 
     # -- generation thread: prefetch ----------------------------------------------------------------
-    def submit(self, layer: int, wanted: dict[int, float], fetch: Sequence[int]):
+    def submit(self, layer: int, wanted: dict[int, float], fetch: ExpertIds):
         """Request `fetch` (a subset of `wanted`) for `layer`, superseding the layer's earlier requests."""
         with self._lock:
             self._wanted[layer] = set(wanted)
@@ -203,7 +203,7 @@ class Reader:
         with self._lock:
             return sorted(self._wanted.get(layer, ()))
 
-    def started(self, layer: int, experts: Sequence[int]) -> list[bool]:
+    def started(self, layer: int, experts: ExpertIds) -> list[bool]:
         """Whether each of `experts` has left the queue of `layer` (being read or read, or withdrawn)."""
         with self._lock:
             return [(layer, int(e)) not in self._pending for e in experts]
@@ -224,7 +224,7 @@ class Reader:
         `computing`: installed only into their layer, which computes next in this pass)."""
         with self._lock:
             for r in reads:
-                if r.row is not None:
+                if r.row is not None and self.rows is not None:
                     layer = r.layer if computing else None
                     self.rows.give_back(self.layouts[r.layer], r.row, installed, layer)
                     r.hold(None, None)
@@ -291,12 +291,11 @@ class Reader:
         staging = self._batch_staging.get(layout.shape_key)
         if staging is None or staging.size < len(batch):
             staging = self._batch_staging[layout.shape_key] = ExpertRows(layout, max(len(batch), 16))
+        raw, error = None, None
         try:
             raw = self.store.read(layout, [r.expert for r in batch], staging)
         except BaseException as e:  # raised on the generation thread when taken
-            raw, error = None, e
-        else:
-            error = None
+            error = e
         with self._lock:
             for i, r in enumerate(batch):
                 r.land(None if raw is None else raw.rows(i, i + 1), error=error)
@@ -309,11 +308,14 @@ class Reader:
         t0 = time.perf_counter()
         layout = self.layouts[r.layer]
         try:
-            if r.row is GROW:
+            staging = r.staging
+            if r.row is GROW and self.rows is not None:
                 r.hold(None, None)  # until made
                 row = self.rows.make(layout)
-                r.hold(row, row.staging if row is not None else ExpertRows(layout, 1))
-            raw = self.store.read(layout, [r.expert], r.staging)
+                staging = row.staging if row is not None else ExpertRows(layout, 1)
+                r.hold(row, staging)
+            assert staging is not None  # `_start` gave it, or the row made here
+            raw = self.store.read(layout, [r.expert], staging)
             arrays = None
             if r.row is not None:
                 arrays = r.row.array  # the bytes were read into it

@@ -547,7 +547,7 @@ def test_a_prefetch_never_evicts_an_expert_predicted_for_the_same_layer(predicto
     _consistent(cache)
 
 
-def test_next_token_lens_names_the_next_first_layer_experts():
+def test_next_token_lens_names_the_next_first_layer_experts(monkeypatch):
     """At the last layer the logit lens guesses the next token's first-layer experts far better than
     repeating this token's (the bundled predictor's policy; truth from the recorded routing)."""
     engine = od_moe.load(capacity="25%", predictor=od_moe.DEFAULT_PREDICTOR)
@@ -556,7 +556,11 @@ def test_next_token_lens_names_the_next_first_layer_experts():
     )  # predict at every token
     lens, guesses = engine.runtime.policy.lens, []
     real = lens.predict
-    lens.predict = lambda x, k: guesses.append((engine.runtime.ledger.forwards, real(x, k))) or guesses[-1][1]
+    monkeypatch.setattr(
+        lens,
+        "predict",
+        lambda x, k: guesses.append((engine.runtime.ledger.forwards, real(x, k))) or guesses[-1][1],
+    )
     routing = engine.record_routing(PROMPTS[1], max_tokens=48)
     lens_recall, repeat_recall = [], []
     for forward, (ids, _) in guesses:

@@ -77,10 +77,6 @@ class LayerCache:
         """Installs write bytes into the slots from host memory (`SlotArrays.host_writes`)."""
         return self.arrays.host_writes
 
-    @host_writes.setter
-    def host_writes(self, on: bool):
-        self.use_host_writes(on)
-
     def use_host_writes(self, on: bool):
         """Write installs from host bytes where the backend allows (on), or always with MLX writes."""
         self.arrays.use_host_writes(on)

@@ -166,12 +166,12 @@ def _stalled_disk(engine):
     """Reads block until the block ends: the reader thread starts at most one read and holds it."""
     gate = threading.Event()
     real_read = engine.runtime.store.read
-    engine.runtime.store.read = lambda *a: (gate.wait(10), real_read(*a))[1]
-    try:
-        yield
-    finally:
-        gate.set()
-        engine.runtime.store.read = real_read
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.runtime.store, "read", lambda *a: (gate.wait(10), real_read(*a))[1])
+        try:
+            yield
+        finally:
+            gate.set()
 
 
 def _submit(engine, layer, experts, scores):

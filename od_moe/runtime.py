@@ -130,8 +130,9 @@ class Runtime(Protocol):
         """Record the routing of every pass from now on."""
         ...
 
-    def stop_recording(self) -> list[dict[int, np.ndarray]]:
-        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
+    def stop_recording(self) -> list[dict[int, np.ndarray]] | None:
+        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]; None where
+        nothing was recording."""
         ...
 
     def settle(self) -> None:

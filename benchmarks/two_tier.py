@@ -20,16 +20,18 @@ alternating, median of `--rounds` ratios (`stage=P` sets the positions from whic
 `two_tier/staged_passes.py`; `stage=0` stages nothing).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
-`lru:F:decay=D`: by decayed routing counts, not recency); `null=1` (CUDA): one more kernel on each layer's
-path, copying the lanes' rows (`with_null_kernel`);
-`static:F` the same as `tt` with admission frozen after the warm-up;
-`exact:F` the per-layer path (today's default off CUDA). Admission settings may follow, e.g.
-`tt:0.25:margin=8:admit_every=16` (`Admission`'s margin, max_swaps, half_life; the runtime's
-admit_every; `fills=mlx`: slots filled by MLX writes after a wait, not by kernels, on CUDA). Predictions
-into device-kept rows: `ahead=S` rows more a layer (0 with `lru`: into its own rows),
+`lru:F:decay=D`: by decayed routing counts, not recency);
+`static:F` the same as `tt` with admission frozen after the warm-up (a second engine, from the first's
+snapshot, admission off);
+`exact:F` the per-layer path (today's default off CUDA). Settings may follow (`two_tier/settings.py`'s
+`TwoTierSettings`, given to `load` as `path_settings`), e.g. `tt:0.25:margin=8:admit_every=16`
+(`AdmissionSettings`' margin, max_swaps, half_life and every; `fills=mlx`: slots filled by MLX writes after
+a wait, not by kernels, on CUDA; `stage=P`: its stage_positions). Forecasts into device-kept rows
+(`KeptRowsSettings`, `ForecastSettings`): `ahead=S` rows more a layer (0 with `lru`: into its own rows),
 `forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer (default S, or
-all of `lru`'s rows). On the CPU backend every two-tier row runs on host memory: tokens and counts are
-meaningful there, the speeds are the CPU's.
+all of `lru`'s rows), `nocopy` (decide, copy nothing), `demand=0` (no copies of a layer's own misses),
+`blocks=B` (thread blocks a copy). On the CPU backend every two-tier row runs on host memory: tokens and
+counts are meaningful there, the speeds are the CPU's.
 """
 
 import argparse
@@ -38,24 +40,35 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 
 import od_moe
-import od_moe.assembly
 from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.bench.roofline import roofline_ms
-from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, bus_bandwidth, load_stock, moved_per_token
-from od_moe.two_tier import forecast, kept_rows
-from od_moe.two_tier.layer_step import Plan
-from od_moe.two_tier.two_tier_runtime import TwoTierRuntime
+from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock, moved_per_token
+from od_moe.two_tier import kept_rows
+from od_moe.two_tier.settings import (
+    ADMIT_EVERY,
+    BLOCKS,
+    DEMAND_BLOCKS,
+    HALF_LIFE,
+    MARGIN,
+    MAX_SWAPS,
+    AdmissionSettings,
+    ForecastSettings,
+    KeptRowsSettings,
+    TwoTierSettings,
+)
 
-BUS: dict = {}  # the bus bandwidths (`bus_bandwidth`), measured once a process
+BUS: dict = {}  # the bus's transfer rates (`Runtime.transfer_rates`), measured once a process
 
 
 def model_path(args) -> Path:
@@ -66,109 +79,51 @@ def model_path(args) -> Path:
     return widen_model(args.model, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
 
 
-def with_null_kernel(runtime):
-    """Each one-position pass of `runtime` reads its lanes' rows through a CUDA kernel that only copies them
-    (`null=1`): what one more kernel on every layer's path costs, with no bytes and no decisions, against
-    the same row without it (and `lru` rows at nearly every expert, where the kept rows' kernel runs but
-    seldom copies). Tokens are unchanged: the rows are the same."""
-    kernel = mx.fast.cuda_kernel(
-        name="od_moe_null",
-        input_names=["ids"],
-        output_names=["out"],
-        source="out[threadIdx.x] = ids[threadIdx.x];",
+def settings_for(knobs: list[str]) -> TwoTierSettings:
+    """The two-tier settings a row's knobs ask for (see the module's docstring)."""
+    given = dict(k.split("=") if "=" in k else (k, "1") for k in knobs)
+    admission = AdmissionSettings(
+        every=int(given.get("admit_every", ADMIT_EVERY)),
+        margin=float(given.get("margin", MARGIN)),
+        max_swaps=int(given.get("max_swaps", MAX_SWAPS)),
+        half_life=float(given.get("half_life", HALF_LIFE)),
+        by_kernel=False if given.get("fills") == "mlx" else None,
     )
-    planned = runtime.one_position
-
-    def one_position(layer):
-        plan = planned(layer)
-        if plan is None:
-            return None
-
-        def lanes(indices, *state):
-            arrays, read, outputs = plan.lanes(indices, *state)
-            n = read.size
-            (copied,) = kernel(
-                inputs=[read.reshape(-1)],
-                grid=(n, 1, 1),
-                threadgroup=(n, 1, 1),
-                output_shapes=[(n,)],
-                output_dtypes=[read.dtype],
-            )
-            return arrays, copied.reshape(read.shape), outputs
-
-        return Plan((*plan.key, "null"), lanes, plan.state, plan.finish)
-
-    runtime.one_position = one_position
+    rows = KeptRowsSettings(
+        rows=int(given.get("ahead", 0)),
+        predicted=int(given["per"]) if "per" in given else None,
+        copy="nocopy" not in given,
+        demand=given.get("demand", "1") == "1",
+        decay=float(given["decay"]) if "decay" in given else None,
+        blocks=int(given.get("blocks", BLOCKS)),
+        # over a top-8 layer's candidates
+        demand_blocks=int(given["blocks"]) * 8 if "blocks" in given else DEMAND_BLOCKS,
+    )
+    forecast = ForecastSettings()
+    kind = {"shadow": "shadow", "gate": "next-gate", "none": "none"}[given.get("forecast", "shadow")]
+    if "ahead" in given and kind != "none":
+        predictor = _predictor_for("benchmark") if kind == "shadow" else None
+        forecast = ForecastSettings(kind=kind, distance=int(given.get("distance", 1)), predictor=predictor)
+    stage = int(given["stage"]) or 2**31 if "stage" in given else None  # 0: nothing staged
+    return TwoTierSettings(stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast)
 
 
 def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     kind, fraction, *knobs = spec.split(":")
     label = " ".join([kind, f"{float(fraction):.1%}", *knobs])
     fraction = float(fraction)
-    ahead = dict(
-        k.split("=")
-        for k in knobs
-        if k.split("=")[0] in ("ahead", "forecast", "distance", "blocks", "nocopy", "demand", "per")
-    )
-    knobs = [k for k in knobs if k.split("=")[0] not in ahead]
-    build = od_moe.assembly.build_two_tier
-    if "ahead" in ahead:
-        od_moe.assembly.build_two_tier = functools.partial(build, lookahead_rows=int(ahead["ahead"]))
+    settings = None if kind == "exact" else settings_for(knobs)
+    two_tier = {"exact": False, "lru": "lru"}.get(kind, True)
     t0 = time.perf_counter()
-    try:
-        engine = od_moe.load(
-            str(path), capacity=fraction, two_tier={"exact": False, "lru": "lru"}.get(kind, True)
-        )
-    finally:
-        od_moe.assembly.build_two_tier = build
+    engine = od_moe.load(str(path), capacity=fraction, two_tier=two_tier, path_settings=settings)
     load_s = time.perf_counter() - t0
     two_tier = engine.mode.tiered
     if two_tier and not BUS:  # once a process, on its first two-tier engine
-        BUS.update(bus_bandwidth(engine))
-    if "ahead" in ahead:
-        distance = int(ahead.get("distance", 1))
-        if ahead.get("forecast", "shadow") == "none":
-            pass
-        elif ahead.get("forecast", "shadow") == "shadow":
-            predictor = _predictor_for(engine.identity)
-            predictor.attach_routers(*engine.routers())
-            engine.runtime.forecast = forecast.shadow_forecast(predictor, distance)
-        else:
-            engine.runtime.forecast = forecast.next_gate_forecast(engine.routers(), distance)
-        engine.runtime.kept_rows.copy = "nocopy" not in ahead
-        engine.runtime.kept_rows.demand = ahead.get("demand", "1") == "1"
-        engine.runtime.kept_rows.predicted = int(
-            ahead.get("per", engine.runtime.kept_rows.predicted)
-        )  # predicted a layer
-    if "blocks" in ahead:  # thread blocks per (expert, array) of a row copy, predicted or the layer's own
-        engine.runtime.kept_rows.blocks = int(ahead["blocks"])
-        engine.runtime.kept_rows.demand_blocks = int(ahead["blocks"]) * 8  # over a top-8 layer's candidates
-    for knob in knobs:  # admission settings: admit_every (the runtime's), margin, max_swaps, half_life
-        name, value = knob.split("=")
-        if name == "stage":  # positions from which a pass is staged (0: none)
-            engine.runtime.stage_positions = int(value) or 2**31
-            continue
-        if name == "fills":  # mlx: MLX writes after a wait, where kernels would fill (CUDA)
-            engine.runtime.kernel_fills = None if value == "mlx" else engine.runtime.kernel_fills
-            continue
-        if name == "decay":  # device rows by decayed routing counts (`two_tier/kept_rows.py`), `lru` rows
-            engine.runtime.kept_rows.decay = float(value)
-            continue
-        if name == "null":  # a kernel that copies the lanes' rows, on each layer's path (CUDA)
-            with_null_kernel(engine.runtime)
-            continue
-        if name == "admit_every":
-            engine.runtime.admit_every = int(value)
-        elif name == "margin":
-            engine.runtime.admission.margin = float(value)
-        elif name == "max_swaps":
-            engine.runtime.admission.max_swaps = int(value)
-        else:
-            engine.runtime.admission.half_life = float(value)
+        BUS.update(engine.runtime.transfer_rates())
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
         list(engine.stream_generate(WARM_PROMPT, max_tokens=args.tokens))
-    if kind == "static":
-        engine.runtime.admissions = False
+    if kind == "static":  # the slots as the warm-up left them, admission off from now on
+        engine = frozen(engine, path, fraction, settings, args.tokens)
     engine.reset_stats()
     gaps: dict = {}
     ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds, gaps)
@@ -192,8 +147,10 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         "copies_per_token": stats["total"]["experts_loaded"] / tokens,
         "same_tokens": f"{same}/{args.rounds * len(PROMPTS)}",
         "load_s": load_s,
-        "stack_moves": engine.runtime.stack_moves if isinstance(engine.runtime, TwoTierRuntime) else 0,
-        "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.kept_rows) if "ahead" in ahead else 0,
+        "stack_moves": engine.runtime.figures().stack_moves,
+        "wrong_lookahead_rows": kept_rows.wrong_rows(engine.runtime.kept_rows)
+        if settings_ahead(knobs)
+        else 0,
         # MLX past its limit waits after every operation, stock's too (docs/GPU.md, "MLX's memory limit")
         "mlx_active_gb": mx.get_active_memory() / 1e9,
         "mlx_limit_gb": mx.get_memory_limit() / 1e9,
@@ -213,6 +170,22 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     gc.collect()
     mx.clear_cache()
     return row
+
+
+def settings_ahead(knobs: list[str]) -> bool:
+    return any(k.startswith("ahead=") for k in knobs)
+
+
+def frozen(engine, path: Path, fraction: float, settings: TwoTierSettings, tokens: int):
+    """A second engine whose slots are `engine`'s (through a snapshot) and whose admission is off, warmed up
+    as `engine` was (its kernels)."""
+    with tempfile.TemporaryDirectory() as folder:
+        engine.save_snapshot(folder)
+        off = replace(settings, admission=replace(settings.admission, enabled=False))
+        engine = od_moe.load(str(path), capacity=fraction, two_tier=True, snapshot=folder, path_settings=off)
+    for _ in range(2):
+        list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
+    return engine
 
 
 def prefill_ratios(engine, stock, tokenizer, length: int, rounds: int) -> list[tuple[float, float]]:

@@ -21,12 +21,13 @@ on, timing (`lab/tools/kept_rows_check.py`, on a device).
 import ctypes
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from od_moe.two_tier import kept_rows, tally
+from od_moe.two_tier import kept_rows
 from od_moe.two_tier.kernels import (
     FUSED_OUTPUTS,
     KEPT_ROWS_INPUTS,
@@ -35,6 +36,7 @@ from od_moe.two_tier.kernels import (
     kept_rows_source,
     row_units,
 )
+from od_moe.two_tier.settings import KeptRowsSettings
 
 # CUDA's names a kernel's body uses, for one compiled as C++; `PRELUDE` adds its threads' synchronisation
 _NAMES = r"""
@@ -251,10 +253,8 @@ def cuda_kernel(name, input_names, output_names, source, header="", **options) -
 class EmulatedRows(kept_rows.KeptRows):
     """`KeptRows` as on a device, its kernel emulated: the stacks' bytes live in numpy copies (`memory`)."""
 
-    def __init__(self, stacks, *args):
-        super().__init__(stacks, *args)
-        self.on_device = True
-        self.counts = tally.RunningCounts(len(stacks), device=True)
+    def __init__(self, stacks, num_experts, slots, rows, settings):
+        super().__init__(stacks, num_experts, slots, rows, replace(settings, by_kernel=True))
         self.memory = [[np.array(a) for a in stack.values()] for stack in stacks]
 
     def _launch(self, layer, cand, base, ahead):
@@ -320,11 +320,9 @@ def differences(
     kernel), one in `kept_rows.plan`: what differed after each call (tables, each lane's row and hit, the rows
     held, their ages and scores, copies, hit lanes), and at the end in the stacks' bytes."""
     rng = np.random.default_rng(seed)
-    device = (deciding or EmulatedRows)(stacks(E, C + S, sizes, seed), E, [C], S, P)
-    host = kept_rows.KeptRows(stacks(E, C + S, sizes, seed), E, [C], S, P)
-    host.on_device = False
-    host.counts = tally.RunningCounts(len(host.stacks), device=False)  # on a device, made there by __init__
-    device.decay = host.decay = decay
+    settings = KeptRowsSettings(predicted=P, decay=decay)
+    device = (deciding or EmulatedRows)(stacks(E, C + S, sizes, seed), E, [C], S, settings)
+    host = kept_rows.KeptRows(stacks(E, C + S, sizes, seed), E, [C], S, replace(settings, by_kernel=False))
     base = np.arange(E)
     base[rng.choice(E, C, replace=False)] = E + np.arange(C)  # C experts in slots
     base_mx = mx.array(base.astype(np.uint32))
@@ -338,11 +336,11 @@ def differences(
             n = int(rng.choice([1, 2, 8, 8, 8, 16, 40, 64]))
             ids = np.where(rng.random(n) < 0.8, rng.choice(popular, n), rng.integers(0, E, n))
             cand = kept_rows.padded(mx.array(ids.astype(np.uint32)), E)
-        fused = not ahead and rng.random() < 0.5  # as a decode pass calls it (`plan`): no tables
+        fused = not ahead and rng.random() < 0.5  # as a decode pass calls it (`fused_lanes`): no tables
         if fused:
-            plan = device.plan(0, base_mx)
-            _, read, state = plan.lanes(mx.array(ids.astype(np.uint32)), *plan.state)
-            plan.finish(0, state)
+            lanes = device.fused_lanes(0, base_mx)
+            _, read, outputs = lanes.read(mx.array(ids.astype(np.uint32)), *lanes.inputs)
+            device.keep(0, outputs["rows"])
             lanes = host._call(0, cand, base_mx, ahead)[2][:n]
             bad = [] if np.array_equal(np.array(read), np.array(lanes)) else ["lane_rows"]
         else:

@@ -14,7 +14,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.bench.prefetch import _predictor_for
 from od_moe.errors import UserError
 from od_moe.two_tier import forecast, kept_rows
-from od_moe.two_tier import two_tier_runtime as two_tier
+from od_moe.two_tier.settings import ADMIT_EVERY, ForecastSettings, KeptRowsSettings, TwoTierSettings
 from tiny_models import FAMILIES, write_mlx_model
 
 E, C, EMPTY = 16, 2, kept_rows.AGE_EMPTY
@@ -94,11 +94,13 @@ def test_a_demand_call_takes_a_batch_of_any_size():
     into its rows, as many as it has, and each lane reads its expert's row; the rest read in place."""
     S = 4
     stack = {("p", "w"): mx.array(np.arange((E + S) * 8, dtype=np.uint8).reshape(E + S, 8))}
-    rows = kept_rows.KeptRows([stack], E, [0], S, S)
+    rows = kept_rows.KeptRows([stack], E, [0], S, KeptRowsSettings())
     ids = mx.array(np.resize([3, 5, 7, 9, 11], 72).astype(np.uint32).reshape(9, 8))
-    table, read, hit = rows.lanes(0, mx.arange(E, dtype=mx.uint32), ids)
+    lanes = rows.lanes(0, mx.arange(E, dtype=mx.uint32))
+    arrays, read, outputs = lanes.read(ids, *lanes.inputs)
     copied, hits = rows.read()
-    assert hit is None and copied.tolist() == [4] and hits.tolist() == [0]  # all missed; 4 rows filled
+    assert not lanes.traced and arrays == (stack["p", "w"],)
+    assert outputs == {} and copied.tolist() == [4] and hits.tolist() == [0]  # all missed; 4 rows filled
     want = {3: E, 5: E + 1, 7: E + 2, 9: E + 3, 11: 11}
     assert read.tolist() == [[want[e] for e in row] for row in ids.tolist()]
     assert kept_rows.wrong_rows(rows) == 0
@@ -110,24 +112,24 @@ def test_a_fused_pass_gives_the_kernel_and_the_products_the_stack_once(monkeypat
     asked for no tables and given the routed ids as they are (compiled for their padded count)."""
     S = 4
     stack = {("p", "w"): mx.array(np.arange((E + S) * 8, dtype=np.uint8).reshape(E + S, 8))}
-    rows = kept_rows.KeptRows([stack], E, [0], S, S)
+    rows = kept_rows.KeptRows([stack], E, [0], S, KeptRowsSettings())
     given = []
 
     def stand_in(layer, count, ahead, tables=True, lanes=None):
         def launch(*inputs):
             given.append((inputs[0], tables, inputs[1].tolist(), count, lanes))
             lane_rows = mx.arange(count, dtype=mx.uint32)
-            state = [rows.held[0], rows.age[0], rows.counts.on_device[0], rows.score[0]]
+            state = [rows.held[0], rows.age[0], rows.counts.of(0), rows.score[0]]
             return [*state, lane_rows]  # a fused pass's kernel: the rows' state, the lanes' rows
 
         return launch
 
     monkeypatch.setattr(rows, "_kernel_call", stand_in)
-    plan = rows.plan(0, mx.arange(E, dtype=mx.uint32))
+    lanes = rows.fused_lanes(0, mx.arange(E, dtype=mx.uint32))
     ids = mx.array([[3, 5]], mx.uint32)
-    arrays, read, outputs = plan.lanes(ids, *plan.state)
-    assert arrays == (stack["p", "w"],) and read.tolist() == [[0, 1]] and len(outputs) == 4
-    assert len(plan.state) == 1 + 5 + 1  # the table, the rows' state, the stack's one array
+    arrays, read, outputs = lanes.read(ids, *lanes.inputs)
+    assert arrays == (stack["p", "w"],) and read.tolist() == [[0, 1]] and len(outputs["rows"]) == 4
+    assert lanes.traced and len(lanes.inputs) == 1 + 5 + 1  # the table, the rows' state, the stack's array
     ((kernel_array, tables, cand, count, lanes),) = given
     assert kernel_array is stack["p", "w"] and not tables  # the products read only the lanes' rows
     assert cand == [3, 5] and (count, lanes) == (kept_rows.padded_size(2), 2)
@@ -155,7 +157,7 @@ def test_a_long_generation_books_the_rows_counts_as_it_goes():
     shows its hits; the request's end books the rest."""
     engine = od_moe.load(capacity=0.25, two_tier="lru")
     seen = []
-    for _ in engine.stream_generate(PROMPTS[0], max_tokens=two_tier.ADMIT_EVERY + 16):
+    for _ in engine.stream_generate(PROMPTS[0], max_tokens=ADMIT_EVERY + 16):
         seen.append(engine.stats(settle=False)["total"]["decode"]["hits"])
     assert seen[8] == 0 and seen[-1] > 0  # booked mid-generation, before the request ended
     total = engine.stats()["total"]
@@ -187,13 +189,13 @@ def test_device_lru_matches_mlx_lm(bundled_reference, fraction):
 
 
 def test_device_rows_by_decayed_counts_match_mlx_lm_and_copy_fewer_experts(bundled_reference):
-    """Rows kept by decayed routing counts (`KeptRows.decay`) give stock's tokens; a miss that does
+    """Rows kept by decayed routing counts (`KeptRowsSettings.decay`) give stock's tokens; a miss that does
     not earn a row is read in place, so fewer experts are copied than under least recently used for the
     same prompts, and every row holds the expert it is said to."""
     copied = {}
     for decay in (None, 0.9):
-        engine = od_moe.load(capacity=0.25, two_tier="lru")
-        engine.runtime.kept_rows.decay = decay
+        by_counts = TwoTierSettings(kept_rows=KeptRowsSettings(decay=decay))
+        engine = od_moe.load(capacity=0.25, two_tier="lru", path_settings=by_counts)
         assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
         total = engine.stats()["total"]
         copied[decay] = total["experts_loaded"]
@@ -217,23 +219,34 @@ def test_device_lru_other_families(tmp_path, name):
 
 
 @pytest.mark.parametrize("kind", ["shadow", "next-gate"])
-def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, monkeypatch, kind):
-    """Slots kept by the host (admission) plus 8 rows per layer filled from predictions one layer ahead:
-    hits rise above the slots' own, every copy is booked, tokens stay stock's."""
-    monkeypatch.setattr(od_moe.assembly, "build_two_tier", _with_rows(8))
-    engine = od_moe.load(capacity=0.125, two_tier=True)
-    runtime = engine.runtime
-    runtime.kept_rows.demand = False
-    if kind == "shadow":
-        predictor = _predictor_for(engine.identity)
-        predictor.attach_routers(*engine.routers())
-        runtime.forecast = forecast.shadow_forecast(predictor, 1)
-    else:
-        runtime.forecast = forecast.next_gate_forecast(engine.routers(), 1)
+def test_rows_filled_by_prediction_ahead_stay_exact(bundled_reference, kind):
+    """Slots kept by the host (admission) plus 8 rows per layer filled from forecasts one layer ahead
+    (`ForecastSettings`): hits rise above the slots' own, every copy is booked, tokens stay stock's."""
+    predictor = _predictor_for("bundled") if kind == "shadow" else None
+    ahead = TwoTierSettings(
+        kept_rows=KeptRowsSettings(rows=8, demand=False),
+        forecast=ForecastSettings(kind=kind, distance=1, predictor=predictor),
+    )
+    engine = od_moe.load(capacity=0.125, two_tier=True, path_settings=ahead)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     total = engine.stats()["total"]
     assert total["decode"]["hit_rate"] > 0.5 and total["experts_loaded"] > 0
-    assert kept_rows.wrong_rows(runtime.kept_rows) == 0
+    assert kept_rows.wrong_rows(engine.runtime.kept_rows) == 0
+
+
+def test_forecasts_need_rows_and_a_known_kind():
+    """A forecast copies into device-kept rows: asked for with none, or of a kind that does not exist, the
+    load says so; by default none runs."""
+    with pytest.raises(UserError, match="rows the device keeps"):
+        od_moe.load(
+            capacity=0.25,
+            two_tier=True,
+            path_settings=TwoTierSettings(forecast=ForecastSettings("next-gate")),
+        )
+    unknown = TwoTierSettings(kept_rows=KeptRowsSettings(rows=4), forecast=ForecastSettings("oracle"))
+    with pytest.raises(UserError, match="forecast kind must be one of"):
+        od_moe.load(capacity=0.25, two_tier=True, path_settings=unknown)
+    assert od_moe.load(capacity=0.25, two_tier="lru").runtime.forecast is None
 
 
 def test_the_folded_shadow_network_scores_as_the_network():
@@ -242,7 +255,7 @@ def test_the_folded_shadow_network_scores_as_the_network():
     predictor.attach_routers(*engine.routers())
     weights, biases = (mx.array(a) for a in engine.routers())
     x = mx.random.normal((3, weights.shape[-1]), key=mx.random.key(0))
-    folded = forecast.shadow_forecast(predictor, 2)
+    folded = forecast.shadow_forecast(predictor, 2, engine.routers())
     for source in (0, 4):
         reference = predictor(source, x, x @ weights[source].T + biases[source])
         for target, scores in folded(source, x):
@@ -252,13 +265,6 @@ def test_the_folded_shadow_network_scores_as_the_network():
 def test_a_bad_two_tier_value_is_refused():
     with pytest.raises(UserError, match="'lru'"):
         od_moe.load(capacity=0.25, two_tier="sometimes")
-
-
-def _with_rows(rows: int):
-    def build(store, blocks, caches, progress=None, device_lru=False):
-        return two_tier.build(store, blocks, caches, progress, lookahead_rows=rows)
-
-    return build
 
 
 @pytest.mark.skipif(

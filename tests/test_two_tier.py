@@ -2,8 +2,8 @@
 selects run as on CUDA. Exact tokens at every capacity and in other families, admission that moves experts
 between passes, the ledger, and no host sync inside a pass."""
 
+import functools
 import io
-import types
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,7 +21,15 @@ from od_moe.runtime import TwoTierMode
 from od_moe.two_tier import slot_fill, staged_passes, tally
 from od_moe.two_tier import two_tier_runtime as two_tier
 from od_moe.two_tier.admission import Admission
-from od_moe.two_tier.layer_step import CompiledBlock, CompileVerdict, LayerSteps, Trace
+from od_moe.two_tier.layer_step import (
+    CompiledBlock,
+    CompileVerdict,
+    Lanes,
+    LanesSwitch,
+    LayerSteps,
+    TwoTierSwitch,
+)
+from od_moe.two_tier.settings import AdmissionSettings, TwoTierSettings
 from tiny_models import FAMILIES, write_hf_per_expert, write_mlx_model
 
 
@@ -184,7 +192,7 @@ def test_hugging_face_per_expert_checkpoint(tmp_path):
     assert od_moe_tokens(engine, prompts, 12) == reference_tokens(path, prompts, 12)
 
 
-def test_admission_moves_experts_and_stays_exact(bundled_reference):
+def test_admission_moves_experts_and_stays_exact(bundled_reference, tmp_path):
     engine = od_moe.load(capacity=0.25, two_tier=True)
     assert all(c.resident_count == 0 for c in engine.caches)  # nothing known before the first prompt
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
@@ -194,21 +202,25 @@ def test_admission_moves_experts_and_stays_exact(bundled_reference):
     moved = sum(len(set(f) - set(c.expert_in_slot)) for f, c in zip(first, engine.caches))
     assert moved > 0
     slots_hold_their_experts(engine)
-    # frozen slots compute the same tokens, and hit less than admission did on the same prompts
+    # frozen slots (a warm-up's, admission off) compute the same tokens, and hit less than admission did on
+    # the same prompts
     engine.reset_stats()
     od_moe_tokens(engine, PROMPTS, NEW_TOKENS)
     learned = engine.stats()["total"]["decode"]["hit_rate"]
-    frozen = od_moe.load(capacity=0.25, two_tier=True)
-    od_moe_tokens(frozen, PROMPTS[:1], 8)
-    frozen.runtime.admissions = False
+    warm = od_moe.load(capacity=0.25, two_tier=True)
+    od_moe_tokens(warm, PROMPTS[:1], 8)
+    warm.save_snapshot(tmp_path / "warm")
+    off = TwoTierSettings(admission=AdmissionSettings(enabled=False))
+    frozen = od_moe.load(capacity=0.25, two_tier=True, snapshot=tmp_path / "warm", path_settings=off)
     held = [c.expert_in_slot.copy() for c in frozen.caches]
+    assert all(np.array_equal(h, c.expert_in_slot) for h, c in zip(held, warm.caches))
     assert od_moe_tokens(frozen, PROMPTS, NEW_TOKENS) == bundled_reference
     assert all(np.array_equal(h, c.expert_in_slot) for h, c in zip(held, frozen.caches))
     assert frozen.stats()["total"]["decode"]["hit_rate"] < learned
 
 
 def test_swaps_need_a_margin_and_fill_free_slots_first():
-    admission = Admission(1, 8, half_life=1e9, margin=2.0, max_swaps=1)
+    admission = Admission(1, 8, AdmissionSettings(half_life=1e9, margin=2.0, max_swaps=1))
     admission.add(np.array([[5, 0, 4, 9, 1, 0, 3, 0]]))
     ids, slots = admission.swaps(0, np.array([1, -1, 5]))  # experts 1 and 5 resident, slot 1 free
     assert ids.tolist() == [3, 0] and slots.tolist() == [1, 0]  # the best into the free slot; 0 over 1
@@ -226,10 +238,10 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     first layer), launches no evaluation of its counts (its token's computes them), and the host reads
     only counts of passes at least `LAG` passes back (done, in mlx-lm's pipelined loop); the stacks are
     written in place; tokens stay exact."""
-    engine = od_moe.load(capacity=0.25, two_tier=True)
+    every_4 = TwoTierSettings(admission=AdmissionSettings(every=4))
+    engine = od_moe.load(capacity=0.25, two_tier=True, path_settings=every_4)
     list(engine.stream_generate(PROMPTS[0], max_tokens=16))  # slots filled, admission running
     runtime = engine.runtime
-    runtime.admit_every = 4
     calls, ages, fills, launches = [], [], [], []
     fill = runtime._fill
     monkeypatch.setattr(runtime, "_fill", lambda *a: (fills.append(runtime.clock), fill(*a)))
@@ -274,7 +286,7 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
         y = following
         if step == 0:  # the first decode pass read the prompt's counts (the prompt was waited for)
             del ages[:]
-    assert 1 <= len(fills) <= 24 // runtime.admit_every + 1
+    assert 1 <= len(fills) <= 24 // 4 + 1
     assert {clock for _, clock in calls} <= set(fills)
     # a decode pass's counts are computed with its token (`DeviceTally.tie`): the prompt's alone are
     # evaluated on their own, when the first decode pass starts
@@ -287,24 +299,28 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
 
 
 def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference, monkeypatch):
-    """A decode pass of one position runs each MoE block as one compiled call: traced once per plan, then
-    replayed with none of the block's Python (no switch call), with stock's tokens and the same hits as the
-    blocks run operation by operation. A block that cannot be traced (it waits for an array) runs as it is."""
+    """A decode pass of one position runs each MoE block as one compiled call: traced once per lanes' kind,
+    then replayed with none of the block's Python (no switch call), with stock's tokens and the same hits as
+    the blocks run operation by operation. A block that cannot be traced (it waits for an array) runs as it
+    is."""
     engine = od_moe.load(capacity=0.25, two_tier=True)
-    runtime, layers = engine.runtime, engine.model.model.layers
-    assert runtime.by_block and all(isinstance(layer.mlp, CompiledBlock) for layer in layers)
-    calls, switch = [], two_tier.TwoTierRuntime.switch
+    layers = engine.model.model.layers
+    assert all(isinstance(layer.mlp, CompiledBlock) for layer in layers)
+    calls, entered, traced = [], TwoTierSwitch.__call__, LanesSwitch.__call__
 
-    def counted(self, layer, *args):
-        calls.append((self.phase, isinstance(self.open, Trace)))
-        return switch(self, layer, *args)
+    def counted(call, kind):
+        return lambda self, x, indices: (calls.append((x.size == x.shape[-1], kind)), call(self, x, indices))[
+            1
+        ]
 
-    monkeypatch.setattr(two_tier.TwoTierRuntime, "switch", counted)
+    monkeypatch.setattr(TwoTierSwitch, "__call__", counted(entered, "switch"))
+    monkeypatch.setattr(LanesSwitch, "__call__", counted(traced, "traced"))
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     decode_passes = engine.stats()["positions"]["decode"]
-    in_decode = [traced for phase, traced in calls if phase == "decode"]
-    # a layer's switch is called by its exactness check (traced, then op by op) and by each plan's trace
-    assert all(in_decode) and 0 < len(in_decode) <= 4 * len(layers) < decode_passes * len(layers) // 4
+    in_decode = [kind for one, kind in calls if one]
+    # a layer's switch is called by its exactness check (traced, then op by op) and by each lanes' trace
+    assert set(in_decode) == {"traced"}
+    assert 0 < len(in_decode) <= 4 * len(layers) < decode_passes * len(layers) // 4
     hits = engine.stats()["total"]["decode"]["hits"]
 
     class Waits(nn.Module):  # a block whose code reads an array on the host
@@ -318,7 +334,7 @@ def test_each_moe_block_of_a_decode_pass_is_one_compiled_call(bundled_reference,
 
     eager = od_moe.load(capacity=0.25, two_tier=True)
     for layer in eager.model.model.layers:
-        layer.mlp.inner = Waits(layer.mlp.inner)
+        monkeypatch.setattr(layer.mlp, "inner", Waits(layer.mlp.inner))
     assert od_moe_tokens(eager, PROMPTS, NEW_TOKENS) == bundled_reference
     assert not any(layer.mlp.traceable for layer in eager.model.model.layers)
     assert eager.stats()["total"]["decode"]["hits"] == hits > 0
@@ -339,9 +355,8 @@ def test_a_compiled_pass_makes_no_batch_indices_of_its_own(bundled_reference):
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     block, runtime = engine.model.model.layers[1].mlp, engine.runtime
     x = engine.model.model.embed_tokens(mx.array([[1]]))  # a decode pass's input, in the model's dtype
-    runtime.phase = "decode"
-    plan = runtime.one_position(1)
-    graph = _operations(block._compiled[plan.key](x, plan.state)[0])
+    lanes = runtime._lanes(1, positions=1)  # as the last pass, a decoded token's, found them
+    graph = _operations(block._compiled[lanes.key](x, lanes.inputs)[0])
     assert "GatherQMM" in graph and "Arange" not in graph
 
 
@@ -397,6 +412,12 @@ def test_blocks_that_compile_otherwise_run_op_by_op(bundled_reference, monkeypat
     assert asked == [0] and not any(layer.mlp._compiled for layer in otherwise.model.model.layers)
     assert all(otherwise.runtime.steps[i]._compiled for i in range(len(blocks)))  # the switches are
     assert otherwise.stats()["total"]["decode"]["hits"] == hits > 0
+    # the same where the settings ask for blocks op by op: no block asked, none compiled
+    eager = od_moe.load(capacity=0.25, two_tier=True, path_settings=TwoTierSettings(compile_blocks=False))
+    assert od_moe_tokens(eager, PROMPTS, NEW_TOKENS) == bundled_reference
+    assert asked == [0] and not any(layer.mlp._compiled for layer in eager.model.model.layers)
+    assert all(eager.runtime.steps[i]._compiled for i in range(len(blocks)))
+    assert eager.stats()["total"]["decode"]["hits"] == hits
 
 
 class _TracedOtherwise(nn.Module):
@@ -429,30 +450,57 @@ def test_each_block_is_asked_and_one_that_compiles_otherwise_never_runs_compiled
     engine = od_moe.load(capacity=0.25, two_tier=True)
     blocks = [layer.mlp for layer in engine.model.model.layers]
     last = blocks[-1]
-    last.inner = _TracedOtherwise(last.inner)
+    monkeypatch.setattr(last, "inner", _TracedOtherwise(last.inner))
     assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
     assert asked == list(range(len(blocks))) and last.verdict.exact is False and not last._compiled
 
 
+class _Weights(nn.Module):
+    def __init__(self, rows: mx.array):
+        super().__init__()
+        self.weight = rows
+
+
+class _RowsSwitch(nn.Module):
+    """A switch whose output is each lane's row (plus its input), noting in `seen` the rows it was given."""
+
+    def __init__(self, rows: mx.array, seen: list):
+        super().__init__()
+        self.p = _Weights(rows)
+        object.__setattr__(self, "seen", seen)
+
+    def __call__(self, x, indices):
+        self.seen.append(self.p.weight)
+        return self.p.weight[indices] + x
+
+
 def test_compiles_exactly_compares_the_bits():
-    """The check itself: a block whose compiled trace differs from its op-by-op run is caught."""
+    """The check itself: a block whose compiled trace differs from its op-by-op run is caught; the block's
+    own switch is left where it was (the check computes on a copy)."""
+    rows = mx.random.normal((4, 8))
+    steps = LayerSteps(_RowsSwitch(rows, []), [("p", "weight")])
 
     class Counts(nn.Module):  # each call adds its count: a trace freezes the count it saw
         calls = 0
 
+        def __init__(self):
+            super().__init__()
+            self.switch_mlp = TwoTierSwitch(None, None, 0)
+
         def __call__(self, x):
             Counts.calls += 1
-            return x * 2 + Counts.calls
+            return self.switch_mlp(x, mx.array([[3]], mx.uint32)) * 2 + Counts.calls
 
-    class Pure(nn.Module):
+    class Pure(Counts):
         def __call__(self, x):
-            return mx.sigmoid(x) * x + x
+            y = self.switch_mlp(x, mx.array([[3]], mx.uint32))
+            return mx.sigmoid(y) * y + y
 
-    runtime = types.SimpleNamespace(open=None)
     x = mx.random.normal((1, 1, 8))
     for inner, exact in ((Counts(), False), (Pure(), True)):
-        block = CompiledBlock(inner, runtime, 0, (), CompileVerdict())
-        assert block.compiles_exactly(x) is exact and runtime.open is None
+        switch = inner.switch_mlp
+        block = CompiledBlock(inner, None, 0, steps, (rows,), CompileVerdict())
+        assert block.compiles_exactly(x) is exact and inner.switch_mlp is switch
 
 
 @pytest.mark.parametrize("stage_positions", [1, 10**9])
@@ -460,8 +508,8 @@ def test_staged_passes_match_mlx_lm(bundled_reference, stage_positions):
     """Every layer pass staged (decode's too) or none: stock's tokens. A staged pass books its distinct
     experts and those in device rows from the device; with one sequence a decode pass's 8 lanes are 8
     distinct experts, so those counts equal the lanes' lookups and hits."""
-    engine = od_moe.load(capacity=0.25, two_tier=True)
-    engine.runtime.stage_positions = stage_positions
+    staged = TwoTierSettings(stage_positions=stage_positions)
+    engine = od_moe.load(capacity=0.25, two_tier=True, path_settings=staged)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     led, layers = engine.runtime.ledger, engine.stats()["moe_layers"]
     prefill, decode = stats.per_pass(led, "prefill"), stats.per_pass(led, "decode")
@@ -500,46 +548,34 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
 
 
 def test_a_staged_copy_holds_each_routed_expert_once_in_expert_order():
-    """`staged_switch`'s copy: min(E, lanes) rows, the routed experts' rows (from their slot where the
+    """`staged_passes.union`'s copy: min(E, lanes) rows, the routed experts' rows (from their slot where the
     table says so) in expert order, the rest copies of the device row; each lane reads its expert's row;
     the counts are the union's; the switch keeps no copy after the call. One position's pass (compiled):
-    lane i's expert in row i."""
+    lane i's expert in row i, and which lanes were hits."""
     E, C = 8, 2
     rows = mx.arange((E + C) * 3, dtype=mx.float32).reshape(E + C, 3)
     table = mx.array([0, 1, E + 1, 3, 4, 5, E, 7], dtype=mx.uint32)  # experts 2 and 6 in slots
     host, seen = np.array(rows), []
-
-    class Proj(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = rows
-
-    class Stacked(nn.Module):  # a switch whose output is each lane's row, and which rows it was given
-        def __init__(self):
-            super().__init__()
-            self.p = Proj()
-
-        def __call__(self, x, indices):
-            seen.append(self.p.weight)
-            return self.p.weight[indices] + x
-
-    stack = {("p", "weight"): rows}
-    steps = LayerSteps(Stacked(), stack)
+    steps = LayerSteps(_RowsSwitch(rows, seen), [("p", "weight")])
     indices = mx.array([[6, 1], [1, 3], [6, 6]], dtype=mx.uint32)  # 3 positions, top-2: 6 lanes
     x = mx.zeros((1,))
-    y, counts = staged_passes.staged_switch(steps, stack, table, x, indices, E)
+    copies, places, outputs = staged_passes.union(indices, table, rows)
+    y = steps.compute(copies, x, places)
     copy = np.array(seen[0])
     assert copy.shape == (6, 3)  # min(E, lanes)
     assert np.array_equal(copy[:3], host[[1, 3, E]])  # experts 1, 3, 6 (6 from its slot)
     assert np.array_equal(copy[3:], host[[E] * 3])  # the device row
     assert np.array_equal(np.array(y), host[np.array(table)[np.array(indices)]])  # each lane its expert's
-    assert np.array(counts).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
+    assert np.array(outputs["staged"]).tolist() == [3, 1, 1, 3]  # lanes of 1, 3, 1: in no device row
     assert steps.switch["p"]["weight"] is None  # the copy is not kept alive by the switch
     # one position (a decode pass): lane i's expert in row i, no union to find
+    read = functools.partial(staged_passes.one_position, False, True)
+    lanes = Lanes(("staged",), read, (table, rows))
     for _ in range(2):  # traced, then replayed
-        y, counts = staged_passes.staged_switch(steps, stack, table, x, indices[:1, None], E)
+        y, outputs = steps.on_lanes(lanes, x, indices[:1, None])
         assert np.array_equal(np.array(y), host[[[[E, 1]]]])  # 6 from its slot, then 1
-        assert np.array(counts).tolist() == [2, 1, 1, 1]
+        assert np.array(outputs["staged"]).tolist() == [2, 1, 1, 1]
+        assert np.array(outputs["hit"]).tolist() == [[[True, False]]]
     assert len(seen) == 2 and steps.switch["p"]["weight"] is None  # traced once
 
 
@@ -547,13 +583,13 @@ def test_admission_decays_by_every_pass_once(monkeypatch):
     """The tally's reads give admission the passes they cover (its counts decay by them): through a batch
     whose passes are staged while two sequences decode and not once one is left, they add up to the
     passes run."""
-    engine = od_moe.load(capacity=0.25, two_tier=True)
+    every_8 = TwoTierSettings(admission=AdmissionSettings(every=8))  # a read every 8 passes (`ADMIT_PASSES`)
+    engine = od_moe.load(capacity=0.25, two_tier=True, path_settings=every_8)
     runtime, covered = engine.runtime, []
     add = runtime.admission.add
     monkeypatch.setattr(
         runtime.admission, "add", lambda counts, passes: (covered.append(passes), add(counts, passes))
     )
-    runtime.admit_every = 8  # positions: a read every 8 passes (`ADMIT_PASSES`)
     engine.batch_generate(PROMPTS[:2], max_tokens=[6, 40])
     runtime.settle()
     decode = stats.per_pass(runtime.ledger, "decode")
@@ -674,23 +710,24 @@ def test_a_stack_copied_instead_of_written_in_place_is_found():
     slots_hold_their_experts(engine)
 
 
-def test_fills_as_kernels_are_booked_and_ordered_before_the_pass_that_reads_them(bundled_reference):
+def test_fills_as_kernels_are_booked_and_ordered_before_the_pass_that_reads_them(
+    bundled_reference, monkeypatch
+):
     """The CUDA route (`two_tier/slot_fill.py`) copies in kernels and makes the tables depend on them. Here a
     stand-in copies with MLX and records what it was asked: every admission's fills go that way, after the
     last pass's last MoE output, and tokens stay exact."""
-    engine = od_moe.load(capacity=0.25, two_tier=True)
-    runtime = engine.runtime
     asked = []
 
-    class Copies(slot_fill.KernelFills):  # the kernels' copies as MLX writes (no CUDA here)
-        def fill(self, stack, moves, count, after):
-            asked.append((count, after.shape))
-            sources, rows = mx.array(np.array(moves)[: 2 * count].reshape(count, 2).T)
-            for array in stack.values():
-                array[rows] = array[sources]
-            return mx.array(count, dtype=mx.uint32)
+    def fill(self, stack, moves, count, after):  # the kernels' copies as MLX writes (no CUDA here)
+        asked.append((count, after.shape))
+        sources, rows = mx.array(np.array(moves)[: 2 * count].reshape(count, 2).T)
+        for array in stack.values():
+            array[rows] = array[sources]
+        return mx.array(count, dtype=mx.uint32)
 
-    runtime.kernel_fills, runtime.admit_every = Copies(), 4
+    monkeypatch.setattr(slot_fill.KernelFills, "fill", fill)
+    by_kernels = TwoTierSettings(admission=AdmissionSettings(every=4, by_kernel=True))
+    engine = od_moe.load(capacity=0.25, two_tier=True, path_settings=by_kernels)
     assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
     loaded = engine.stats()["total"]["experts_loaded"]
     assert asked and sum(n for n, _ in asked) == loaded  # every fill went this way

@@ -15,6 +15,7 @@ import cProfile
 import pstats
 import statistics
 import sys
+from unittest import mock
 
 import host_time
 import mlx.core as mx
@@ -23,8 +24,8 @@ import mlx_lm
 import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.two_tier_grid import WARM_PROMPT
-from od_moe.two_tier import kept_rows
 from od_moe.two_tier.kernels import FUSED_OUTPUTS, KEPT_ROWS_INPUTS, KEPT_ROWS_OUTPUTS
+from od_moe.two_tier.settings import KeptRowsSettings, TwoTierSettings
 
 ROUNDS = 3
 
@@ -51,22 +52,28 @@ def stand_in(tables: bool):
     return call
 
 
-def on_device_path(engine):
-    """Turn the engine's kept rows onto the device path, their kernel the stand-in."""
-    rows = engine.runtime.kept_rows
-    rows.on_device = True
-    rows.counts = kept_rows.RunningCounts(len(rows.stacks), True)
-    rows._kernel = lambda layer, tables=True: stand_in(tables)
+def kernel_stand_in(name: str, **_):
+    """`mx.fast.cuda_kernel` while the row runs: the kept rows' kernel (a fused pass's or one with tables, by
+    its name) as `stand_in` (the kept rows make their kernels at their first call)."""
+    return stand_in(tables="fused" not in name)
+
+
+DEVICE_PATH = TwoTierSettings(kept_rows=KeptRowsSettings(by_kernel=True))  # the kept rows' device path
 
 
 def main():
+    with mock.patch.object(mx.fast, "cuda_kernel", kernel_stand_in):  # the kept rows' kernels, stood in
+        measure()
+
+
+def measure():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     path = args[0] if args else od_moe.DEFAULT_MODEL
     tokens = int(args[1]) if len(args) > 1 else 32
     stock, tokenizer = mlx_lm.load(str(path))
     stock = host_time._TimedModel(stock)
-    engine = od_moe.load(str(path), capacity=0.25, two_tier="lru", dtype="model")  # stock's dtype: its tokens
-    on_device_path(engine)
+    # stock's dtype: its tokens
+    engine = od_moe.load(str(path), capacity=0.25, two_tier="lru", dtype="model", path_settings=DEVICE_PATH)
     engine.forward = host_time._TimedModel(engine.forward)
     for _ in range(2):
         list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))

@@ -13,7 +13,7 @@ ages, counts, copies and hit lanes must be equal, and at the end both stacks' by
 and six 49,152-byte scale and bias arrays an expert, 128 experts, 32 rows), over CALLS chained demand calls
 of 8 lanes built, then evaluated at once (the evaluation's wall time: their launches and kernels): every
 lane held (nothing copied), then one expert not held a call; each as the eager path calls it (with tables)
-and as a fused decode pass does (`KeptRows.plan`: no tables).
+and as a fused decode pass does (`KeptRows.fused_lanes`: no tables).
 
 Not a test (CI has no GPU); what it printed for a commit goes into docs/GPU.md ("Device-kept rows").
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from od_moe.two_tier import kept_rows
+from od_moe.two_tier.settings import KeptRowsSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from cuda_emulation import differences, stacks  # noqa: E402  (the suite's twin comparison)
@@ -52,15 +53,15 @@ def on_device(*args) -> kept_rows.KeptRows:
 def time_calls(calls: int):
     E, S = 128, 32
     sizes = [786432] * 3 + [49152] * 6
-    rows = kept_rows.KeptRows(stacks(E, S, sizes, 2), E, [0], S, 8)
+    rows = kept_rows.KeptRows(stacks(E, S, sizes, 2), E, [0], S, KeptRowsSettings(predicted=8))
     base = mx.arange(E, dtype=mx.uint32)
     held = mx.arange(8, dtype=mx.uint32)
     rows._call(0, held, base, False)  # rows 0-7 hold experts 0-7; compiles
     mx.eval(rows.held)
 
-    def fused(c):  # as a decode pass calls it (`KeptRows.plan`): lanes' rows, no tables
-        plan = rows.plan(0, base)
-        plan.finish(0, plan.lanes(c, *plan.state)[2])
+    def fused(c):  # as a decode pass calls it (`KeptRows.fused_lanes`): lanes' rows, no tables
+        lanes = rows.fused_lanes(0, base)
+        rows.keep(0, lanes.read(c, *lanes.inputs)[2]["rows"])
 
     for label, cand in (
         ("every lane held", lambda i: held),

@@ -21,36 +21,33 @@ import od_moe
 from od_moe.bench.foundation import PROMPTS
 from od_moe.caching.replay import replay_layer
 from od_moe.two_tier import forecast
-from od_moe.two_tier import two_tier_runtime as two_tier
+from od_moe.two_tier.settings import ForecastSettings, TwoTierSettings
 
 TOPS = (1, 2, 4, 8)
 
 
 def record(tokens: int):
-    """{(pass, layer): routed ids} of decode passes and {(pass, layer): next-gate scores from layer - 1}."""
-    engine = od_moe.load(capacity="25%", two_tier="lru")
-    runtime, scores, routed = engine.runtime, {}, {}
-    next_gate = forecast.next_gate_forecast(engine.routers(), 1)
+    """{(pass, layer): routed ids} of decode passes and {(pass, layer): next-gate scores from layer - 1},
+    passes counted from the first decode pass: the scores come from a forecast of the lab's own
+    (`ForecastSettings(kind="custom")`), which the runtime calls at every layer of a decode pass and which
+    predicts nothing into the rows; the routing from `record_routing`."""
+    scores, decoded = {}, [0]
+    next_gate = []  # made once the engine's routers are known
 
     def kept(source, x):  # recorded, nothing predicted into the rows
-        for target, s in next_gate(source, x):
-            scores[(runtime.clock, target)] = np.array(s.astype(mx.float32))[0]
+        if source == 0:
+            decoded[0] += 1
+        for target, s in next_gate[0](source, x):
+            scores[(decoded[0] - 1, target)] = np.array(s.astype(mx.float32))[0]
         return []
 
-    runtime.forecast = kept
-    book = two_tier.TwoTierRuntime.book_lookups
-
-    def recorded(self, layer, plan, indices, outputs):
-        book(self, layer, plan, indices, outputs)
-        if self.phase == "decode":
-            routed[(self.clock, layer)] = np.array(indices).reshape(-1)
-
-    two_tier.TwoTierRuntime.book_lookups = recorded
-    try:
-        for prompt in PROMPTS:
-            list(engine.stream_generate(prompt, max_tokens=tokens))
-    finally:
-        two_tier.TwoTierRuntime.book_lookups = book
+    recorded = TwoTierSettings(forecast=ForecastSettings(kind="custom", custom=kept))
+    engine = od_moe.load(capacity="25%", two_tier="lru", path_settings=recorded)
+    next_gate.append(forecast.next_gate_forecast(engine.routers(), 1))
+    passes = []
+    for prompt in PROMPTS:
+        passes += [p for p in engine.record_routing(prompt, tokens) if next(iter(p.values())).shape[0] == 1]
+    routed = {(c, layer): ids.reshape(-1) for c, p in enumerate(passes) for layer, ids in p.items()}
     return routed, scores, len(engine.caches)
 
 

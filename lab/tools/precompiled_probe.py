@@ -26,6 +26,7 @@ from nvrtc_check import PRELUDE, check
 
 from od_moe.two_tier import kept_rows
 from od_moe.two_tier.kernels import kept_rows_source, row_units
+from od_moe.two_tier.settings import KeptRowsSettings
 
 PTX = Path("/tmp/od-moe-probe.ptx")
 E, S, COUNT = 128, 32, 8
@@ -38,11 +39,12 @@ def setup():
         ("p", f"a{i}"): mx.array(rng.integers(0, 255, (E + S, n), dtype=np.uint8))
         for i, n in enumerate(SIZES)
     }
-    rows = kept_rows.KeptRows([stack], E, [0], S, COUNT)
+    # decide only, copy nothing: every call sees the same state
+    rows = kept_rows.KeptRows([stack], E, [0], S, KeptRowsSettings(predicted=COUNT, copy=False))
     cand = mx.array(np.arange(COUNT, dtype=np.uint32) * 3)
     base = mx.arange(E, dtype=mx.uint32)
     inputs = [*stack.values(), cand, base, rows.held[0], rows.age[0], rows.score[0], rows._decay_input]
-    inputs.append(rows.counts.on_device[0])
+    inputs.append(rows.counts.of(0))
     mx.eval(inputs)
     return rows, cand, base, inputs
 
@@ -113,7 +115,6 @@ def timed(label: str, call):
 
 def main():
     rows, cand, base, inputs = setup()
-    rows.copy = False  # decide only: every call sees the same state
     if sys.argv[1] == "load":
         timed("precompiled, first call in a new process", lambda: precompiled(rows, inputs, PTX.read_bytes()))
         timed("precompiled, second call", lambda: precompiled(rows, inputs, PTX.read_bytes()))

@@ -25,6 +25,7 @@ import mlx_lm
 import od_moe
 from od_moe.accounting import ledger as stats
 from od_moe.bench.widen import widen_model
+from od_moe.two_tier.settings import ADMIT_EVERY, AdmissionSettings, TwoTierSettings
 
 NAMES = [
     "parse_args",
@@ -36,6 +37,17 @@ NAMES = [
     "memoize",
     "to_snake_case",
 ]
+
+
+def settings(knobs: list[str]) -> TwoTierSettings:
+    """The two-tier settings a spec's knobs (`stage=P`, `admit=N`) ask for."""
+    given = dict(knob.split("=") for knob in knobs)
+    unknown = set(given) - {"stage", "admit"}
+    if unknown:
+        raise KeyError(", ".join(sorted(unknown)))
+    admission = AdmissionSettings(every=int(given.get("admit", ADMIT_EVERY)))
+    stage = int(given["stage"]) if "stage" in given else None
+    return TwoTierSettings(stage_positions=stage, admission=admission)
 
 
 def prompt_tps(generate, prompt) -> float:
@@ -54,7 +66,9 @@ def main():
     if args.widen:
         path = widen_model(args.model, Path("/tmp/odb") / f"widened-x{args.widen}", args.widen)
     stock, tokenizer = mlx_lm.load(str(path))
-    ids = tokenizer.encode(Path(od_moe.__file__).with_name("two_tier.py").read_text() * 3)
+    ids = tokenizer.encode(
+        (Path(od_moe.__file__).parent / "two_tier" / "two_tier_runtime.py").read_text() * 3
+    )
     prompts = [f"def {n}(" for n in NAMES]
 
     def stock_run(prompt, max_tokens):
@@ -63,15 +77,8 @@ def main():
     for spec in args.specs.split(","):
         kind, fraction, *knobs = spec.split(":")
         two_tier = {"lru": "lru", "tt": True, "exact": False}[kind]
-        engine = od_moe.load(str(path), capacity=float(fraction), two_tier=two_tier)
-        for knob in knobs:
-            name, value = knob.split("=")
-            if name == "stage":
-                engine.runtime.stage_positions = int(value)
-            elif name == "admit":
-                engine.runtime.admit_every = int(value)
-            else:
-                raise KeyError(name)
+        given = settings(knobs) if two_tier is not False else None  # the per-layer path takes none of these
+        engine = od_moe.load(str(path), capacity=float(fraction), two_tier=two_tier, path_settings=given)
         for n in [int(n) for n in args.lengths.split(",")]:
             prompt_tps(engine.stream_generate, ids[:n]), prompt_tps(stock_run, ids[:n])
             pairs = [

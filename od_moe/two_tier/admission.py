@@ -1,42 +1,35 @@
 """Which experts deserve a device slot in two-tier mode: decayed routing counts and the swaps they justify.
 
-In two-tier mode (`two_tier_runtime.py`) a miss is read in place from host memory and costs about a third of
-what
-copying the expert into a slot costs (docs/GPU.md, "Slots and admission"). So a slot is worth filling only for
-an expert used a few more times while it stays than the expert it replaces: the cache is an admission problem,
-not an eviction one.
+In two-tier mode (`two_tier_runtime.py`) a miss is read in place from host memory and costs about a third
+of what copying the expert into a slot costs (docs/GPU.md, "Slots and admission"). So a slot is worth filling
+only for an expert used a few more times while it stays than the expert it replaces: the cache is an
+admission problem, not an eviction one.
 `Admission` keeps, per MoE layer, each expert's routing count decayed per forward pass (a prefill pass
 counts all its tokens, so the prompt's own routing seeds the slots: router discovery for free), and
 `swaps` names the experts to copy in and the slots they go to: free slots first, then a replacement only
-where the newcomer's count beats the resident's by `margin`, at most `max_swaps` per layer each time.
-Pure numpy on the host; the counts come from the device lazily. Not here: the copies or the counting.
+where the newcomer's count beats the resident's by a margin, at most so many per layer each time
+(`settings.AdmissionSettings`).
+Pure numpy on the host; the counts come from the device lazily. Not here: when admission runs (every
+`AdmissionSettings.every` positions: `two_tier_runtime.py`), the copies or the counting.
 """
 
 import numpy as np
 
-HALF_LIFE = 32.0  # forward passes after which a routing count weighs half
-MARGIN = 2.0  # decayed uses a newcomer must have over the expert it replaces (a copy costs ~3 reads)
-MAX_SWAPS = 8  # replacements per layer per admission (filling free slots is not limited)
+from .settings import AdmissionSettings
 
 
 class Admission:
-    """Decayed routing counts of every expert of every MoE layer."""
+    """Decayed routing counts of every expert of every MoE layer, and the swaps they justify by
+    `settings` (its half-life, margin and swaps a layer)."""
 
-    def __init__(
-        self,
-        layers: int,
-        num_experts: int,
-        half_life: float = HALF_LIFE,
-        margin: float = MARGIN,
-        max_swaps: int = MAX_SWAPS,
-    ):
+    def __init__(self, layers: int, num_experts: int, settings: AdmissionSettings):
         self.scores = np.zeros((layers, num_experts))
-        self.half_life, self.margin, self.max_swaps = half_life, margin, max_swaps
+        self.settings = settings
 
     def add(self, counts: np.ndarray, passes: int = 1):
         """The routing of `passes` forward passes: `counts` (layers, experts), how often each expert was
         routed (the older counts decay by those passes; the new ones count in full)."""
-        self.scores *= 0.5 ** (passes / self.half_life)
+        self.scores *= 0.5 ** (passes / self.settings.half_life)
         self.scores += counts
 
     def seed(self, layer: int, counts: np.ndarray):
@@ -56,8 +49,8 @@ class Admission:
         ids, slots = list(absent[:n]), list(free[:n])
         occupied = np.flatnonzero(expert_in_slot >= 0)
         victims = occupied[np.argsort(scores[expert_in_slot[occupied]], kind="stable")]
-        for newcomer, victim in zip(absent[n : n + self.max_swaps], victims):
-            if scores[newcomer] < scores[expert_in_slot[victim]] + self.margin:
+        for newcomer, victim in zip(absent[n : n + self.settings.max_swaps], victims):
+            if scores[newcomer] < scores[expert_in_slot[victim]] + self.settings.margin:
                 break
             ids.append(newcomer)
             slots.append(victim)

@@ -1,8 +1,10 @@
 """Forecasts of a later layer's routing from an earlier layer's hidden state, for the rows the device
 keeps (`kept_rows.py`): `forecast(source, x)` -> [(target layer, scores (n, E))], built lazily as MLX ops
 of the pass. Two kinds: next-gate (the target's router applied to the source's state) and the shadow
-network folded into a few matmuls. Not here: what is done with the scores (`kept_rows.KeptRows`), or
-the network's training (`predictor/`).
+network folded into a few matmuls. A decode pass runs one where `ForecastSettings.kind` asks for it (off by
+default: forecasts copied ahead did not pay on the GPU measured, docs/GPU.md, "Also measured and not
+kept"). Not here: what is done with the scores (`kept_rows.KeptRows`), choosing the kind
+(`two_tier_runtime.forecast_of`), or the network's training (`predictor/`).
 """
 
 import functools
@@ -29,15 +31,17 @@ def next_gate_forecast(routers: tuple, distance: int):
     return forecast
 
 
-def shadow_forecast(predictor, distance: int):
-    """Predictions from the shadow network (`predictor/model.py`, its routers attached) at `distance`
-    layers ahead (at most its lookahead), from the source layer's hidden state. The network is folded
+def shadow_forecast(predictor, distance: int, routers: tuple):
+    """Predictions from the shadow network (`predictor/model.py`) at `distance` layers ahead (at most its
+    lookahead), from the source layer's hidden state; `routers`: the model's router weights (L, E, H) and
+    biases (L, E), which its input and the next-gate term are made of. The network is folded
     for inference (the router logits it reads are a linear map of the same state, so they fold into its
     first layer; the next-gate term folds into its head): two or three matmuls per source layer."""
     c = predictor.config
     distance = min(distance, c.lookahead)
     made = {
-        source: _Matrices(functools.partial(_folded, predictor, source)) for source in range(c.num_layers - 1)
+        source: _Matrices(functools.partial(_folded, predictor, routers, source))
+        for source in range(c.num_layers - 1)
     }
 
     def forecast(source: int, x: mx.array) -> list[tuple[int, mx.array]]:
@@ -75,13 +79,13 @@ class _Matrices:
         return self._by_dtype[dtype]
 
 
-def _folded(predictor, source: int):
+def _folded(predictor, routers: tuple, source: int):
     """The shadow network at `source` as plain matrices (float32 numpy): first layer (H, R) and bias with
     the router logits folded in, the deep layers [(R, R), bias], and per target the head (R, E), its bias
     with the next-gate bias scaled, and the next-gate weights scaled (H, E)."""
     c = predictor.config
     f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
-    weights, biases = (f32(a) for a in predictor._routers)
+    weights, biases = (np.asarray(a, np.float32) for a in routers)
     trunk_w, trunk_b = f32(predictor.trunks[source].weight), f32(predictor.trunks[source].bias)
     H = c.hidden_size
     tx, tl = trunk_w[:, :H], trunk_w[:, H:]  # (R, H), (R, E)

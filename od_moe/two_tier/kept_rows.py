@@ -1,45 +1,43 @@
 """Rows kept by the device in two-tier mode: a layer's misses copied into its least recently used rows
-before it reads them, and experts predicted for a layer copied there while earlier layers compute.
+before it reads them, and experts forecast for a layer copied there while earlier layers compute.
 
 Two-tier mode (`two_tier_runtime.py`) reads a miss in place, from host memory, inside the kernel that needs
-it,
-so its bytes cross PCIe after the layers before it and add to the pass's time. Here each MoE layer has
-S more device rows after its C slots (stack rows E+C .. E+C+S-1). During a decode pass, at a source
-layer some layers before a target, the predictor (the shadow network, or next-gate: the target's router
-applied to the source's hidden state) scores the target's experts on the device; the top P not in a slot
-are copied into lookahead rows by one kernel, and the target's expert->row table for this pass is that
-kernel's output. The copy depends only on the prediction, so on CUDA it runs beside the layers in between
-(MLX's CUDA graphs order kernels by the buffers they read and write, not one after another), and the
-target reads the experts it was predicted from device memory. Nothing waits for the host. The layer itself
-(`demand`) copies its routed experts not yet in a row the same way, just before it reads them
-(`two_tier="lru"`: the slots are all such rows): one copy per miss, the bytes a read in place would cross,
-and the expert stays for the next tokens.
+it, so its bytes cross PCIe after the layers before it and add to the pass's time. Here each MoE layer has
+`rows` more device rows after its slots (stack rows E+C .. E+C+S-1, in the kernel's names: E experts, C
+slots, S rows, P candidates). During a decode pass, at a source layer some layers before a target, a
+forecast (`forecast.py`: the shadow network, or next-gate: the target's router applied to the source's
+hidden state) scores the target's experts on the device; the top `predicted` not in a slot are copied into
+the rows by one kernel, and the target's expert->row table for this pass is that kernel's output. The copy
+depends only on the forecast, so on CUDA it runs beside the layers in between (MLX's CUDA graphs order
+kernels by the buffers they read and write, not one after another), and the target reads the experts it
+was forecast from device memory. Nothing waits for the host. The layer itself (`demand`) copies its routed
+experts not yet in a row the same way, just before it reads them (`two_tier="lru"`: the slots are all such
+rows): one copy per miss, the bytes a read in place would cross, and the expert stays for the next tokens.
+A decode pass of one position makes that call part of its layer's compiled call (`fused_lanes`); other
+passes call it op by op (`lanes`). How the rows are kept is `settings.KeptRowsSettings`.
 
-What a lookahead row holds is known only on the device (`held`, an output of each copy that the next
-pass's copy takes as input). A row is rewritten only by a pass whose prediction depends on every earlier
-pass's output, so no read of the old contents can still be in flight; a prediction that misses costs PCIe
-bytes, never a wrong token (an expert not copied is read in place, as before).
+What a row holds is known only on the device (`held`, an output of each copy that the next pass's copy
+takes as input). A row is rewritten only by a pass whose forecast depends on every earlier pass's output,
+so no read of the old contents can still be in flight; a forecast that misses costs PCIe bytes, never a
+wrong token (an expert not copied is read in place, as before).
 
 On the CPU (and Metal) the stacks are host memory and no kernel runs: `plan` decides in numpy what the
-kernel decides, after waiting for the prediction, and writes the rows through numpy views, so the same
+kernel decides, after waiting for the candidates, and writes the rows through numpy views, so the same
 tables and rows are exercised by the tests. Not here: the kernel's CUDA source (`kernels.py`), the slots
 and their admission (`two_tier_runtime.py`), the forecasts (`forecast.py`).
 """
+
+import functools
 
 import mlx.core as mx
 import numpy as np
 
 from ..memory import cuda
-from . import slot_fill
+from . import slot_fill, staged_passes
 from .kernels import FUSED_OUTPUTS, KEPT_ROWS_INPUTS, KEPT_ROWS_OUTPUTS, THREADS, kept_rows_source, row_units
-from .layer_step import Plan
+from .layer_step import Lanes
+from .settings import KeptRowsSettings
 from .tally import RunningCounts
-
-BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
-# Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
-# are on the pass's path, with no layer to share the SMs with, and more loads in flight move them sooner,
-# up to a plateau past 16 blocks an (expert, array) (`docs/GPU.md`, "Device-kept rows").
-DEMAND_BLOCKS = 128
 
 AGE_EMPTY = 1 << 30  # the age of an empty row: it goes first
 
@@ -131,23 +129,24 @@ def top(scores: np.ndarray, count: int) -> list[int]:
 
 
 class KeptRows:
-    """S rows per layer after its C slots (`stacks` must have E + C + S rows), least recently used first,
-    filled on the device: by predictions of the layer's experts made some layers before it (`expect`,
-    `per_layer` experts each) and, where `demand` is on, by the layer's own routing (copied, then read)."""
+    """`rows` rows per layer after its slots (`slots[layer]` of them: `stacks` have num_experts + slots +
+    rows rows), least recently used first (or by decayed counts: `settings.decay`), filled on the device:
+    by forecasts of the layer's experts made some layers before it (`expect`, `predicted` experts each)
+    and, where `settings.demand` is on, by the layer's own routing (copied, then read). `settings.by_kernel`:
+    decided by the CUDA kernel (None: where MLX runs on CUDA), else in numpy on the host."""
 
-    def __init__(self, stacks: list[dict], num_experts: int, slots: list[int], rows: int, per_layer: int):
-        self.stacks, self.num_experts, self.slots, self.rows, self.predicted = (
-            stacks,
-            num_experts,
-            slots,
-            rows,
-            per_layer,
-        )
-        self.on_device = slot_fill.available()
-        self.blocks, self.copy = BLOCKS, True  # (copy False: predict and decide, copy nothing: for profiling)
-        self.demand_blocks = DEMAND_BLOCKS
-        self.demand = True
-        self.decay = None  # demand rows by decayed routing counts (`plan`), else by recency
+    def __init__(
+        self,
+        stacks: list[dict],
+        num_experts: int,
+        slots: list[int],
+        rows: int,
+        settings: KeptRowsSettings,
+    ):
+        self.stacks, self.num_experts, self.slots, self.rows = stacks, num_experts, slots, rows
+        self.settings = settings
+        self.predicted = rows if settings.predicted is None else settings.predicted
+        self.on_device = slot_fill.available() if settings.by_kernel is None else settings.by_kernel
         self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row, tables)
         self._by_layer: dict[tuple, object] = {}  # (layer, tables) -> its kernel
         self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
@@ -155,63 +154,61 @@ class KeptRows:
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
         self.counts = RunningCounts(len(stacks), self.on_device)
-        mx.eval(self.held, self.age, self.score)
+        # the decay as the kernel's input, made once: an array made from host bytes in a pass costs the GPU
+        # a wait (`host_ring.py`)
+        self._decay_input = mx.array([settings.decay or 0.0], mx.float32)
+        mx.eval(self.held, self.age, self.score, self._decay_input)
         self._held_host = [np.full(rows, -1, np.int64) for _ in stacks]  # host path
         self._age_host = [np.full(rows, AGE_EMPTY, np.int64) for _ in stacks]
         self._score_host = [np.zeros(num_experts, np.float32) for _ in stacks]
         self._predicted: dict[int, mx.array] = {}
 
-    @property
-    def decay(self) -> float | None:
-        return self._decay
-
-    @decay.setter
-    def decay(self, value: float | None):
-        """Also made once as the kernel's input: an array made from host bytes in a pass costs the GPU a
-        wait (`host_ring.py`)."""
-        self._decay = value
-        self._decay_input = mx.array([value or 0.0], mx.float32)
-        mx.eval(self._decay_input)
-
     def expect(self, target: int, scores: mx.array):
-        """Scores (n, E) for layer `target`'s experts in this pass (lazy): its top `per_layer` (for several
+        """Scores (n, E) for layer `target`'s experts in this pass (lazy): its top `predicted` (for several
         tokens, by summed probability) are copied ahead of it."""
         if scores.shape[0] > 1:
             scores = mx.softmax(scores.astype(mx.float32), axis=-1).sum(axis=0)
         self._predicted[target] = scores.reshape(-1)  # the kernel ranks them: no sort of its own
 
-    def lanes(
-        self, layer: int, base: mx.array, indices: mx.array, copy: bool = True
-    ) -> tuple[mx.array, mx.array, mx.array | None]:
-        """Layer `layer`'s expert->row table for this pass (`base`, the slots', with the experts in its rows
-        after the routed ones are copied, where `demand` is on), each lane's row to read and whether its
-        expert was in a slot or row before (a hit; what the layer copied for itself crossed PCIe when
-        needed: a miss), both shaped as `indices`. The kernel writes the lanes' rows and hits itself: no
-        gathers of its tables. Where the layer's own call ran, it counts its hits itself (`read`) and None
-        is returned for them. `copy` False (a prompt's pass): the rows as they are, nothing copied."""
-        rows = self._copy_predicted(layer, base, copy)
-        if copy and self.demand:
-            _, rows, read, _ = self._call(
-                layer, padded(indices.reshape(-1), self.num_experts), base, ahead=False
-            )
-            return rows, read[: indices.size].reshape(indices.shape), None
-        rows = self.current(layer, base) if rows is None else rows
-        read = rows[indices]
-        return rows, read, read >= self.num_experts
-
     def fuses(self) -> bool:
-        """Whether a decode pass's layer call and the products after it can be one compiled call (`plan`):
-        on the device, with `demand` on."""
-        return self.on_device and self.demand
+        """Whether a decode pass's layer call and the products after it can be one compiled call
+        (`fused_lanes`): on the device, with `demand` on."""
+        return self.on_device and self.settings.demand
 
-    def plan(self, layer: int, base: mx.array) -> Plan:
-        """A decode pass of `layer` as one compiled call (`layer_step.Plan`): the layer's own kernel call
-        (`lanes`, copying), each lane reading the row it gives; it counts its copies and hits, as `lanes`'
-        call does. What predictions for the layer copy is called first, on its own."""
+    def fused_lanes(self, layer: int, base: mx.array) -> Lanes:
+        """A decode pass of `layer`'s lanes as part of one compiled call (`layer_step.Lanes`): the layer's
+        own kernel call on its routed experts, copying its misses, each lane reading the row it gives; the
+        other output, "rows": the rows' state after (`keep` it), with its running counts of copies and hits.
+        What forecasts predicted for the layer is copied first, by a call of its own."""
         self._copy_predicted(layer, base)
         key = ("rows", layer, *self._settings())
         arrays = tuple(self.stacks[layer].values())
-        return Plan(key, self._demand_lanes(layer), (base, *self._rows_state(layer), *arrays), self._keep)
+        return Lanes(key, self._demand_lanes(layer), (base, *self._rows_state(layer), *arrays))
+
+    def lanes(self, layer: int, base: mx.array, copy: bool = True, staged: bool = False) -> Lanes:
+        """A pass of `layer`'s lanes op by op (several positions, or rows the host decides): the table
+        (`base`, the slots', with the experts in its rows after what forecasts predicted and, with `demand`,
+        the routed ones are copied), each lane's row and, where no call of the layer's own counted them, its
+        hits ("hit": its expert in a slot or row before; what the layer copied for itself crossed PCIe when
+        needed, a miss). `copy` False (a prompt's pass): the rows as they are, nothing copied. `staged`: the
+        pass computes on a device copy of its experts from that table (`staged_passes.union`)."""
+        read = functools.partial(self._read, layer, base, copy, staged)
+        return Lanes(("rows op by op", layer), read, tuple(self.stacks[layer].values()), traced=False)
+
+    def _read(self, layer: int, base: mx.array, copy: bool, staged: bool, indices: mx.array, *arrays):
+        table = self._copy_predicted(layer, base, copy)
+        if copy and self.settings.demand:  # the kernel writes the lanes' rows and counts their hits itself
+            cand = padded(indices.reshape(-1), self.num_experts)
+            _, table, read, _ = self._call(layer, cand, base, ahead=False)
+            read, outputs = read[: indices.size].reshape(indices.shape), {}
+        else:
+            table = self.current(layer, base) if table is None else table
+            read = table[indices]
+            outputs = {"hit": read >= self.num_experts}
+        if staged:
+            copies, places, counted = staged_passes.union(indices, table, *arrays)
+            return copies, places, {**outputs, **counted}
+        return arrays, read, outputs
 
     def _copy_predicted(self, layer: int, base: mx.array, copy: bool = True) -> mx.array | None:
         """Copy what was predicted for `layer` (`expect`), before its own call, so that it is there when the
@@ -219,21 +216,24 @@ class KeptRows:
         scores = self._predicted.pop(layer, None)
         return self._call(layer, scores, base, ahead=True)[1] if copy and scores is not None else None
 
-    def _keep(self, layer: int, outputs: tuple):
-        self.held[layer], self.age[layer], self.score[layer], self.counts.on_device[layer] = outputs
+    def keep(self, layer: int, state: tuple):
+        """The rows' state a fused pass gave (`fused_lanes`'s "rows"): the next call of the layer takes it."""
+        self.held[layer], self.age[layer], self.score[layer], counted = state
+        self.counts.set(layer, counted)
 
     def _demand_lanes(self, layer: int):
-        """The lanes of `plan`: the layer's kernel on its routed experts (as they are, the kernel compiled for
-        their padded count), each lane reading the row it gives; the kernel writes no tables
+        """The lanes of `fused_lanes`: the layer's kernel on its routed experts (as they are, the kernel
+        compiled for their padded count), each lane reading the row it gives; the kernel writes no tables
         (`launch_settings`): a pass of one position never reads them."""
+        by_counts = self.settings.decay is not None
 
         def lanes(indices, base, held, age, score, decay, counted, *arrays):
             n = indices.size
             launch = self._kernel_call(layer, padded_size(n), ahead=False, tables=False, lanes=n)
             cand = indices.reshape(-1)
             held, age, counted, scores, read = launch(*arrays, cand, base, held, age, score, decay, counted)
-            score = score if self.decay is None else scores  # by recency the scores stay as they were
-            return arrays, read[:n].reshape(indices.shape), (held, age, score, counted)
+            score = scores if by_counts else score  # by recency the scores stay as they were
+            return arrays, read[:n].reshape(indices.shape), {"rows": (held, age, score, counted)}
 
         return lanes
 
@@ -266,7 +266,7 @@ class KeptRows:
             return self._on_host(layer, cand, base, ahead)
         rows, found, held, age, counted, score, lane_rows, lane_hit = self._launch(layer, cand, base, ahead)
         self.held[layer], self.age[layer], self.score[layer] = held, age, score
-        self.counts.on_device[layer] = counted
+        self.counts.set(layer, counted)
         return found, rows, lane_rows, lane_hit
 
     def _launch(self, layer: int, cand: mx.array, base: mx.array, ahead: bool) -> list[mx.array]:
@@ -281,11 +281,12 @@ class KeptRows:
     def _rows_state(self, layer: int) -> tuple[mx.array, ...]:
         """The kernel's inputs after the candidates and the table, in its order: the rows held, their ages,
         the scores, the decay and the running counts."""
-        counted = self.counts.on_device[layer]
+        counted = self.counts.of(layer)
         return self.held[layer], self.age[layer], self.score[layer], self._decay_input, counted
 
     def _settings(self) -> tuple:
-        return self.copy, self.decay is not None, self.blocks, self.demand_blocks
+        settings = self.settings
+        return settings.copy, settings.decay is not None, settings.blocks, settings.demand_blocks
 
     def _kernel_call(
         self, layer: int, count: int, ahead: bool, tables: bool = True, lanes: int | None = None
@@ -303,10 +304,11 @@ class KeptRows:
         only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane hits), whose
         scores are one element long where they do not change."""
         units = max(row_units(self.stacks[layer].values())[1])
-        blocks = self.blocks if ahead else max(1, self.demand_blocks // count)
+        settings = self.settings
+        blocks = settings.blocks if ahead else max(1, settings.demand_blocks // count)
         threads = min(units, THREADS * blocks)
         E, S = self.num_experts, self.rows
-        counts = int(self.decay is not None and not ahead)
+        counts = int(settings.decay is not None and not ahead)
         scores = (E,) if tables or counts else (1,)
         shapes = dict(rows=(E,), found=(E,), held_out=(S,), age_out=(S,), counted_out=(2,), score_out=scores)
         shapes.update(lane_rows=(count,), lane_hit=(count,))
@@ -320,7 +322,7 @@ class KeptRows:
                 ("N", count if lanes is None else lanes),
                 ("SCORES", int(ahead)),
                 ("DEMAND", int(not ahead)),
-                ("COPY", int(self.copy)),
+                ("COPY", int(settings.copy)),
                 ("COUNTS", counts),
                 ("TABLES", int(tables)),
             ],
@@ -373,7 +375,7 @@ class KeptRows:
         held, age, score = self._held_host[layer], self._age_host[layer], self._score_host[layer]
         found = _overlay(np.array(base), held, E, C)
         rows, held, age, copies, score = plan(
-            want, np.array(base), held, age, E, C, not ahead, score, self.decay
+            want, np.array(base), held, age, E, C, not ahead, score, self.settings.decay
         )
         for array in self.stacks[layer].values():
             view = cuda.numpy_view(array)
@@ -384,7 +386,7 @@ class KeptRows:
         valid = (ids >= 0) & (ids < E)
         at = np.where(valid, ids, 0)
         lane_rows, lane_hit = np.where(valid, rows[at], E), valid & (found[at] >= E)
-        self.counts.on_host[layer] += (len(copies), 0 if ahead else int(lane_hit.sum()))
+        self.counts.add(layer, len(copies), 0 if ahead else int(lane_hit.sum()))
         tables = (found, rows, lane_rows)
         return (*(mx.array(t.astype(np.uint32)) for t in tables), mx.array(lane_hit))
 

@@ -18,14 +18,13 @@ CUDA; elsewhere the same work is MLX operations or numpy, which the CPU tests ru
 
 MLX's host pays for every operation of a pass when it encodes it, and where the device finishes first that is
 the token's time: even stock mlx-lm's decoded token takes longer in wall time than its kernels do
-(docs/GPU.md, "The 0% row's floor"). A staged pass of one position
-looked up each lane's row in the table, copied the rows, and counted its hits in several operations besides
-the copy; here the copy kernel does it all: its blocks each copy one (lane, array) row, and its first block
-writes the lane's hit and, for the first lane, the pass's counts. The bytes copied are the rows `copy_rows`
-copies, so the layer's products and tokens are unchanged.
+(docs/GPU.md, "The 0% row's floor"). A staged pass of one position looked up each lane's row in the table,
+copied the rows, and counted its hits in several operations besides the copy; here the copy kernel does it
+all: its blocks each copy one (lane, array) row, and its first block writes the lane's hit and, for the first
+lane, the pass's counts. The bytes copied are the rows `copy_rows` copies, so the layer's products and tokens
+are unchanged.
 Not here: when each kernel runs and what its copies are for (`two_tier_runtime.py`, `slot_fill.py`,
-`kept_rows.py`,
-`staged_passes.py`).
+`kept_rows.py`, `staged_passes.py`).
 """
 
 import mlx.core as mx

@@ -1,22 +1,96 @@
-"""How the two-tier path runs (`TwoTierSettings`): given to `two_tier.build` once, never written into its
-runtime afterwards.
+"""How the two-tier path runs (`TwoTierSettings`, with its groups `AdmissionSettings`, `KeptRowsSettings` and
+`ForecastSettings`), and each setting's default with why it is that: given to `two_tier.build` once, never
+written into its runtime afterwards.
 
-`engine.load` fills in the kind of slots it chose (`two_tier="lru"`: kept by the device) and why; benchmarks
-and tests pass the rest as `load(path_settings=TwoTierSettings(...))`. Not here: the runtime these settle
+`engine.load` fills in the kind of slots it chose (`two_tier="lru"`: kept by the device) and why; benchmarks,
+the lab and tests pass the rest as `load(path_settings=TwoTierSettings(...))`. A setting `None` where the
+path decides (from the experts' size, or from where MLX runs). Not here: the runtime these settle
 (`two_tier_runtime.py`), choosing the path (`assembly.py`).
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# positions decoded between admissions (a prompt's prefill is admitted at once), and at least ADMIT_PASSES
+# passes. Even with slots filled by kernels and tables written into host rings, a pass that fills costs
+# more than another, and admitting more often buys hit rate but no speed that holds, so admissions stay
+# rare. A batch's pass brings the routing of all its sequences, so admission counts positions: counting
+# passes, a batch would admit too rarely and miss more; admitting every few passes decoded slower
+# (`docs/GPU.md`, "Slots and admission")
+ADMIT_EVERY, ADMIT_PASSES = 64, 8
+HALF_LIFE = 32.0  # forward passes after which a routing count weighs half
+MARGIN = 2.0  # decayed uses a newcomer must have over the expert it replaces (a copy costs ~3 reads)
+MAX_SWAPS = 8  # replacements per layer per admission (filling free slots is not limited)
+
+BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that wait hold SMs the layers need
+# Blocks per array for a layer's own misses, spread over its candidates (16 each at top-8): those copies
+# are on the pass's path, with no layer to share the SMs with, and more loads in flight move them sooner,
+# up to a plateau past 16 blocks an (expert, array) (`docs/GPU.md`, "Device-kept rows").
+DEMAND_BLOCKS = 128
+
+FORECASTS = ("none", "next-gate", "shadow", "custom")
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """Slots admitted by routing counts (`admission.py`): how often, which experts earn one, and how they
+    are copied in. Off where the device keeps the slots (`TwoTierSettings.kept_by_device`)."""
+
+    enabled: bool = True  # fill slots between passes (off: they stay as loaded, seeded or restored)
+    every: int = ADMIT_EVERY  # positions between admissions
+    half_life: float = HALF_LIFE
+    margin: float = MARGIN
+    max_swaps: int = MAX_SWAPS
+    # fills as CUDA kernels with no wait (`slot_fill.py`); False: MLX writes after a wait; None: where MLX
+    # runs on CUDA (elsewhere True needs a stand-in for the kernel, as the tests give)
+    by_kernel: bool | None = None
+
+
+@dataclass(frozen=True)
+class KeptRowsSettings:
+    """Rows the device keeps after a layer's slots (`kept_rows.py`), least recently used (or by decayed
+    routing counts), filled by the layer's own misses and by forecasts (`ForecastSettings`). With
+    `TwoTierSettings.kept_by_device` the slots themselves are such rows."""
+
+    rows: int = 0  # per layer, past the slots
+    predicted: int | None = None  # experts a forecast copies ahead into a layer's rows; None: one per row
+    demand: bool = True  # a layer's misses copied into its rows before it reads them
+    copy: bool = True  # False: decide and count, copy nothing (profiling the decision alone)
+    # rows by decayed routing counts (each pass's counts times `decay`, plus one where routed); a miss
+    # takes a row only where its count beats the row's; None: least recently used
+    decay: float | None = None
+    blocks: int = BLOCKS  # thread blocks per (expert, array) of a forecast's copy
+    demand_blocks: int = DEMAND_BLOCKS  # thread blocks per array of a layer's own copies, over its candidates
+    # decided by the CUDA kernel; False: on the host, in numpy; None: where MLX runs on CUDA (elsewhere True
+    # needs a stand-in for `mx.fast.cuda_kernel`, as the tests and the lab give)
+    by_kernel: bool | None = None
+
+
+@dataclass(frozen=True)
+class ForecastSettings:
+    """Forecasts of a later layer's routing from an earlier layer's hidden state (`forecast.py`), whose top
+    experts decode passes copy into that layer's device-kept rows ahead of it: the target's router
+    applied to the source's state ("next-gate"), the shadow network (`predictor`, "shadow"), or one of
+    the caller's own (`custom(source layer, x)` -> [(target layer, scores (n, E))], "custom": the lab's)."""
+
+    kind: str = "none"  # one of `FORECASTS`
+    distance: int = 1  # layers ahead
+    predictor: Any = field(default=None, compare=False)  # the shadow network (`predictor/model.py`)
+    custom: Callable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class TwoTierSettings:
-    """The two-tier path's settings; None: the default each field names."""
+    """The two-tier path's settings."""
 
-    kept_by_device: bool = False  # the slots are rows the device keeps, least recently used (`kept_rows.py`)
-    lookahead_rows: int = 0  # device rows per layer after the slots, filled by misses and predictions
-    admissions: bool = True  # fill slots between passes from routing counts (off: they stay as seeded)
-    admit_every: int | None = None  # positions between admissions; None: `two_tier_runtime.ADMIT_EVERY`
+    kept_by_device: bool = False  # the slots are rows the device keeps (`kept_rows.py`), not admitted
+    mode_reason: str = ""  # why two tiers run (`Runtime.mode_reason`)
     # a pass of this many positions or more is staged (`staged_passes.py`); None: from the experts' size
     stage_positions: int | None = None
-    mode_reason: str = ""  # why two tiers run (`Runtime.mode_reason`)
+    # a decoded token's MoE blocks each one compiled call where that is exact (`layer_step.CompiledBlock`);
+    # False: every block op by op, its switch compiled (as where a block compiles otherwise)
+    compile_blocks: bool = True
+    admission: AdmissionSettings = AdmissionSettings()
+    kept_rows: KeptRowsSettings = KeptRowsSettings()
+    forecast: ForecastSettings = ForecastSettings()

@@ -2,17 +2,16 @@
 into slot rows of the same stack.
 
 Two-tier mode (`two_tier_runtime.py`) keeps a layer's slots as the last rows of its stack. MLX writes an array
-in
-place only when nothing else holds it, so its own slice update must first wait for the passes in flight
+in place only when nothing else holds it, so its own slice update must first wait for the passes in flight
 (`mx.synchronize`) and then costs two operations per weight array. Here one custom kernel per weight array
-(`mx.fast.cuda_kernel`, its source in `kernels.py`) reads each expert's host row over PCIe and writes its
-slot row, through the stack's own pointer, where MLX would not write. What makes that safe is the order MLX's
-CUDA backend keeps, which follows data: each kernel takes the hidden state entering the pass's first MoE layer
-as an input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
-state), and the layer's expert-to-row table for this pass is made from the kernels' outputs, so no
-computation reads a slot before its copy landed.
-Only where MLX runs on CUDA; elsewhere (and before the first pass) MLX writes the stacks after a wait
-(`write_after_wait`).
+(`mx.fast.cuda_kernel`, its source in `kernels.py`) reads each expert's host row over PCIe and writes its slot
+row, through the stack's own pointer, where MLX would not write. What makes that safe is the order MLX's CUDA
+backend keeps, which follows data: each kernel takes the hidden state entering the pass's first MoE layer as
+an input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
+state), and the layer's expert-to-row table for this pass is made from the kernels' outputs, so no computation
+reads a slot before its copy landed.
+Only where MLX runs on CUDA (`AdmissionSettings.by_kernel`); elsewhere (and before the first pass) MLX writes
+the stacks after a wait (`write_after_wait`).
 Not here: which experts to copy (`admission.py`), the tables and the caches' bookkeeping
 (`two_tier_runtime.py`).
 """

@@ -1,18 +1,16 @@
 """Routing counts kept on the device in two-tier mode, read by the host a few passes late, never waited for.
 
 A two-tier pass (`two_tier_runtime.py`) never learns its routing on the host. What the host needs of it, how
-often
-each expert was routed (admission) and how many routed lanes found their expert in a slot (the ledger's
-hits), is added up on the device by each pass: one scatter-add of the pass's expert ids into a
-(layers x experts) count and one of its hit lanes into a (phases x layers) count, both lazy, built into the
-pass's graph. A decode pass's are computed with its token (`tie`). A prompt pass's output is not
-evaluated, so `launch` starts its counts between passes (after that pass, on the same stream). `read`
-hands the host the counts as of an earlier pass, one that is sure to be done when the caller says so
-(`runtime.LAG`), with no wait; `read(wait=True)` waits (settling the ledger for `stats()`).
-Lookups need no device data (a layer's lane count is its ids' shape) and are booked by the caller.
-`record_routing`'s routing is kept the same way (`RoutingRecord`): each pass's ids stacked on the device,
-read by the host when the ledger is settled; and the device-kept rows' copies and hit lanes
-(`RunningCounts`), running sums each of their kernel calls carries on.
+often each expert was routed (admission) and how many routed lanes found their expert in a slot (the ledger's
+hits), is added up on the device by each pass: one scatter-add of the pass's expert ids into a (layers x
+experts) count and one of its hit lanes into a (phases x layers) count, both lazy, built into the pass's
+graph. A decode pass's are computed with its token (`tie`). A prompt pass's output is not evaluated, so
+`launch` starts its counts between passes (after that pass, on the same stream). `read` hands the host the
+counts as of an earlier pass, one that is sure to be done when the caller says so (`LAG`), with no wait;
+`read()` waits (settling the ledger for `stats()`). Lookups need no device data (a layer's lane count is its
+ids' shape) and are booked by the caller. `record_routing`'s routing is kept the same way (`RoutingRecord`):
+each pass's ids stacked on the device, read by the host when the ledger is settled; and the device-kept rows'
+copies and hit lanes (`RunningCounts`), running sums each of their kernel calls carries on.
 Not here: what the counts decide (`admission.py`), the ledger itself (`accounting/ledger.py`).
 """
 
@@ -185,6 +183,18 @@ class RunningCounts:
         self.on_host = np.zeros((layers, 2), np.int64)
         self._read = np.zeros((layers, 2), np.int64)  # the counts as of the last `read`
         self._passes: deque = deque(maxlen=LAG + 1)  # the counts as of each of the last passes
+
+    def of(self, layer: int) -> mx.array:
+        """The layer's running counts on the device, as its next kernel call takes them."""
+        return self.on_device[layer]
+
+    def set(self, layer: int, counted: mx.array):
+        """The layer's running counts as its last kernel call gave them."""
+        self.on_device[layer] = counted
+
+    def add(self, layer: int, copies: int, hits: int):
+        """Copies and hit lanes the host path made for the layer."""
+        self.on_host[layer] += (copies, hits)
 
     def end_pass(self):
         """Keep the counts as of this pass, for `read(lagged=True)`."""

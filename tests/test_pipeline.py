@@ -83,7 +83,8 @@ def test_a_seam_prediction_is_taken_for_the_next_pass_and_booked_late_after_its_
     reader = SimpleNamespace(started=lambda layer, experts: [e not in pending for e in experts])
     passes = Passes()
     receiver = SeamReceiver(passes, SimpleNamespace(governor=object(), submit=submit, reader=reader))
-    passes.clock = 4  # pass 4 ran: 5 is next
+    for _ in range(4):  # pass 4 ran: 5 is next
+        passes.start("decode")
     receiver.on_message(1, {"pass": 5, "ids": [1, 2, 3], "scores": [0.9, 0.5, 0.2]})
     receiver.hidden_state_came()  # pass 5's: expert 3 still waits in the reader's queue
     receiver.on_message(1, {"pass": 5, "ids": [4], "scores": [0.9]})  # too late for pass 5

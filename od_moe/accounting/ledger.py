@@ -91,6 +91,15 @@ class Ledger:
         self.found = {s: {"drafted": 0, "accepted": 0} for s in FOUND_IN}  # prompt lookup's, by source
         self.reader = dict.fromkeys(READER_FIELDS, 0)
 
+    def count_reader(self, **counts: float):
+        """Add to the reader threads' counts (`READER_FIELDS`: issued, completed, dropped, seconds busy)."""
+        for field, value in counts.items():
+            self.reader[field] += value
+
+    def set_reader_issued(self, issued: int):
+        """Reads issued and not yet landed, as the reader counts them after a reset (`Loader.reset_counts`)."""
+        self.reader["issued"] = issued
+
     def book_verifying(self, on: bool):
         """Book every pass as decode (on: passes verify drafts, the module docstring) or by its shape."""
         self.verifying = on

@@ -120,6 +120,15 @@ class Supervisor:
         threading.Thread(target=self._beat, daemon=True, name="od-moe-heartbeat").start()
         atexit.register(self.close)
 
+    def when_lost(self, callback):
+        """Call `callback(message)` once, from a reader thread, when a rank is found gone (instead of
+        stopping the process where it is stuck)."""
+        self.on_lost = callback
+
+    def send_with_beats(self, payload):
+        """Send `payload()`'s dict with every beat (the server's statistics, `payloads` on rank 0)."""
+        self.payload = payload
+
     def handle(self, kind: str, handler):
         """Call `handler(rank, message)` on the reader thread for each message of `kind`, instead of
         putting it in `inbox`."""

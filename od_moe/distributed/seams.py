@@ -52,7 +52,7 @@ class SeamSender:
     def before_layer(self, step: Step) -> list[Prediction]:
         predictions = self.policy.before_layer(step)
         if step.layer == self.last and step.predict and self.on:
-            scores = next_gate(last_row(step.x), self.weights, self.biases)
+            scores = next_gate(last_row(step.hidden), self.weights, self.biases)
             ids, probs = softmax_topk(scores[:, 0], self.policy.per_layer)
             self._lazy = (ids[0], mx.minimum(probs[0] * self.policy.top_k, 1.0))
         return predictions

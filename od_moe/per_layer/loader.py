@@ -118,7 +118,7 @@ class Loader:
         """The ledger was zeroed: reads still in flight count as issued, so the prefetch invariant holds."""
         if self.governor is not None:
             counts = self.reader.counts()
-            self.ledger.reader["issued"] = counts["reading"] + counts["ready"]
+            self.ledger.set_reader_issued(counts["reading"] + counts["ready"])
             self.governor.reset()
 
     def touch(self, cache: LayerCache, ids: np.ndarray, uses: np.ndarray):
@@ -262,7 +262,7 @@ class Loader:
                 absent = _worth(cache, absent, protect, future, self.passes.clock, strict=True)
             self.reader.submit(layer, chosen, absent)
             asked[layer] = absent
-        self.ledger.reader["busy_s"] += time.perf_counter() - t0
+        self.ledger.count_reader(busy_s=time.perf_counter() - t0)
         return asked
 
     def drain(self):
@@ -337,7 +337,7 @@ class Loader:
         self.reader.recycle(reads)
         # choosing what goes in is prefetch's cost too; the install itself is booked apart (a demand read
         # of the same expert would have cost it as well)
-        self.ledger.reader["busy_s"] += (t0 - start) + (time.perf_counter() - t1)
+        self.ledger.count_reader(busy_s=(t0 - start) + (time.perf_counter() - t1))
 
 
 def _read_counts(cache: LayerCache, count: int, seconds: float) -> dict:

@@ -345,7 +345,7 @@ class PerLayerRuntime(Runtime):
         t0 = time.perf_counter()
         predictions = self.policy.before_layer(step)
         if step.predict:
-            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+            self.ledger.count_reader(busy_s=time.perf_counter() - t0)
         return step, predictions
 
     def _nobody_watches(self) -> bool:
@@ -470,7 +470,7 @@ class PerLayerRuntime(Runtime):
             mx.eval(indices)
             t0 = time.perf_counter()
             mx.eval(lazy)
-            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+            self.ledger.count_reader(busy_s=time.perf_counter() - t0)
             self.host_syncs += 2
         else:
             mx.eval(indices, lazy)
@@ -482,7 +482,7 @@ class PerLayerRuntime(Runtime):
         t0 = time.perf_counter()
         self.policy.after_routing(step, ids)
         if step.prefetching:  # the policy's bookkeeping for prefetch: part of what prefetch costs
-            self.ledger.reader["busy_s"] += time.perf_counter() - t0
+            self.ledger.count_reader(busy_s=time.perf_counter() - t0)
 
 
 def _settled(settings: PerLayerSettings, caches: list[LayerCache]) -> PerLayerSettings:

@@ -179,7 +179,7 @@ class Reader:
             ]
             for k in superseded:
                 del self._pending[k]
-            self.ledger.reader["dropped"] += len(superseded)
+            self.ledger.count_reader(dropped=len(superseded))
             for e in fetch:
                 key, score = (layer, int(e)), wanted[int(e)]
                 if key in self._reading or key in self._ready:
@@ -196,7 +196,7 @@ class Reader:
             stale = [k for k, r in self._pending.items() if k[0] == layer and not r.demand]
             for k in stale:
                 del self._pending[k]
-            self.ledger.reader["dropped"] += len(stale)
+            self.ledger.count_reader(dropped=len(stale))
 
     def wanted(self, layer: int) -> list[int]:
         """The experts last predicted for the layer's next run (kept from eviction by prefetch installs)."""
@@ -276,7 +276,7 @@ class Reader:
         self._reading[key] = r
         if not r.demand:
             self._inflight_bytes += r.nbytes
-            self.ledger.reader["issued"] += 1
+            self.ledger.count_reader(issued=1)
         layout = self.layouts[r.layer]
         row = self.rows.reserve(layout) if self.rows is not None else None
         if row is None:
@@ -326,8 +326,8 @@ class Reader:
             r.land(error=e)
         with self._lock:
             if not r.demand:
-                self.ledger.reader["reader_s"] += time.perf_counter() - t0
-                self.ledger.reader["completed"] += 1
+                self.ledger.count_reader(reader_s=time.perf_counter() - t0)
+                self.ledger.count_reader(completed=1)
             del self._reading[key]
             self._ready[key] = r
             self._done.notify_all()

@@ -65,11 +65,6 @@ class Step:
     predict: bool  # predictions are wanted now (exact mode, decode, prefetch on)
     prefetching: bool  # prefetch is engaged: on, or reads still in flight
 
-    @property
-    def x(self) -> mx.array | None:
-        """`hidden`, as `distributed/seams.py` still reads it (to go once it reads `hidden`)."""
-        return self.hidden
-
 
 def softmax_topk(scores: mx.array, k: int):
     """Top-k ids and probabilities of each row of `scores` (lazy)."""

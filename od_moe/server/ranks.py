@@ -59,7 +59,7 @@ class Leader:
         self.worker, self.log = worker, log
         self.supervisor = worker.engine.stage.supervisor
         self.ending = False
-        self.supervisor.on_lost = self.lost
+        self.supervisor.when_lost(self.lost)
         if self.supervisor.lost is not None:  # lost before serving started
             self.lost(self.supervisor.message)
 
@@ -135,7 +135,7 @@ def follow(engine, log=print):
     work: if rank 0 (or another rank) is gone, this process ends with one line
     (`distributed/heartbeat.py`)."""
     supervisor = engine.stage.supervisor
-    supervisor.payload = lambda: rank_figures(engine)
+    supervisor.send_with_beats(lambda: rank_figures(engine))
     follower = Follower(engine.stage.rank)
     worker = GenerationWorker(engine, max_batch=1, across_ranks=lambda _worker: follower)
     log(

@@ -21,7 +21,6 @@ from .accounting.ledger import Ledger
 from .caching.layer_cache import LayerCache
 from .storage.store import ExpertStore
 
-
 # experts of one MoE layer by id: a list, or the numpy array the caches and policies keep them in
 ExpertIds = Sequence[int] | np.ndarray
 

@@ -97,7 +97,8 @@ class Ledger:
             self.reader[field] += value
 
     def set_reader_issued(self, issued: int):
-        """Reads issued and not yet landed, as the reader counts them after a reset (`Loader.reset_counts`)."""
+        """Reads issued and not yet landed, as the reader counts them after a reset
+        (`Loader.reset_counts`)."""
         self.reader["issued"] = issued
 
     def book_verifying(self, on: bool):

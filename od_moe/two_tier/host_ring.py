@@ -17,7 +17,8 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from ..memory import backend, cuda
+from ..memory import backend
+from .mapped import host_view
 
 
 class HostRing:
@@ -29,7 +30,7 @@ class HostRing:
         mx.eval(self.arrays)
         for array in self.arrays:
             backend.map_for_device(array, 0)
-        self._views = [cuda.numpy_view(array) for array in self.arrays]  # the host writes through these
+        self._views = [host_view(array) for array in self.arrays]  # the host writes through these
         weakref.finalize(self, _release, list(self.arrays))
         self._users: list[mx.array | None] = [None] * depth
         self._next = 0

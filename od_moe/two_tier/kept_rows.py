@@ -28,14 +28,24 @@ and their admission (`two_tier_runtime.py`), the forecasts (`forecast.py`).
 """
 
 import functools
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from ..memory import cuda
 from . import slot_fill, staged_passes
-from .kernels import FUSED_OUTPUTS, KEPT_ROWS_INPUTS, KEPT_ROWS_OUTPUTS, THREADS, kept_rows_source, row_units
+from .kernels import (
+    FUSED_OUTPUTS,
+    KEPT_ROWS_INPUTS,
+    KEPT_ROWS_OUTPUTS,
+    THREADS,
+    Kernel,
+    cuda_kernel,
+    kept_rows_source,
+    row_units,
+)
 from .layer_step import Lanes
+from .mapped import host_view
 from .settings import KeptRowsSettings
 from .tally import RunningCounts
 
@@ -147,9 +157,9 @@ class KeptRows:
         self.settings = settings
         self.predicted = rows if settings.predicted is None else settings.predicted
         self.on_device = slot_fill.available() if settings.by_kernel is None else settings.by_kernel
-        self._kernels: dict[tuple, object] = {}  # by (unit, units of each array's row, tables)
-        self._by_layer: dict[tuple, object] = {}  # (layer, tables) -> its kernel
-        self._launches: dict[tuple, object] = {}  # compiled kernel calls, by layer and call shape
+        self._kernels: dict[tuple, Kernel] = {}  # by (unit, units of each array's row, tables)
+        self._by_layer: dict[tuple, Kernel] = {}  # (layer, tables) -> its kernel
+        self._launches: dict[tuple, Callable] = {}  # compiled kernel calls, by layer and call shape
         self.held = [mx.full((rows,), -1, mx.int32) for _ in stacks]  # device: the last call's outputs
         self.age = [mx.full((rows,), AGE_EMPTY, mx.int32) for _ in stacks]
         self.score = [mx.zeros((num_experts,), mx.float32) for _ in stacks]
@@ -357,7 +367,7 @@ class KeptRows:
             key = (unit, units, tables)
             if key not in self._kernels:
                 kind = "lookahead" if tables else "fused"
-                self._kernels[key] = mx.fast.cuda_kernel(
+                self._kernels[key] = cuda_kernel(
                     name=f"od_moe_{kind}_{len(self._kernels)}",
                     input_names=[*(f"a{i}" for i in range(len(units))), *KEPT_ROWS_INPUTS],
                     output_names=list(KEPT_ROWS_OUTPUTS if tables else FUSED_OUTPUTS),
@@ -378,7 +388,7 @@ class KeptRows:
             want, np.array(base), held, age, E, C, not ahead, score, self.settings.decay
         )
         for array in self.stacks[layer].values():
-            view = cuda.numpy_view(array)
+            view = host_view(array)
             for expert, row in copies:
                 view[row] = view[expert]
         self._held_host[layer], self._age_host[layer], self._score_host[layer] = held, age, score
@@ -399,7 +409,7 @@ def wrong_rows(kept: KeptRows) -> int:
         held = np.array(kept.held[layer]) if kept.on_device else kept._held_host[layer]
         first = kept.num_experts + kept.slots[layer]
         for array in stack.values():
-            view = cuda.numpy_view(array)
+            view = host_view(array)
             wrong += sum(
                 int(not np.array_equal(view[first + s], view[e])) for s, e in enumerate(held) if e >= 0
             )

@@ -27,9 +27,30 @@ Not here: when each kernel runs and what its copies are for (`two_tier_runtime.p
 `kept_rows.py`, `staged_passes.py`).
 """
 
+from collections.abc import Sequence
+from typing import Protocol, cast
+
 import mlx.core as mx
 
 THREADS = 256  # per block, in every kernel here
+
+
+class Kernel(Protocol):
+    """What `mx.fast.cuda_kernel` makes (MLX types it as an object): called with its inputs and launch, it
+    gives its outputs."""
+
+    def __call__(
+        self, *, inputs: list, output_shapes: list, output_dtypes: list, **launch
+    ) -> list[mx.array]: ...
+
+
+def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str) -> Kernel:
+    """`mx.fast.cuda_kernel` (looked up at each call: the tests stand in for it), typed as a `Kernel`."""
+    return cast(
+        Kernel,
+        mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names, source=source),
+    )
+
 
 _ROW_UNIT_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}
 
@@ -332,7 +353,7 @@ def kept_rows_parameters(tables: bool, cand: str = C_TYPES[mx.uint32]) -> list[s
     return inputs + [f"{C_TYPES[KEPT_ROWS_OUTPUTS[n]]}* {n}" for n in outputs]
 
 
-def kept_rows_source(unit: str, units: list[int], empty: int, tables: bool = True) -> str:
+def kept_rows_source(unit: str, units: Sequence[int], empty: int, tables: bool = True) -> str:
     """The body of the device-kept rows' kernel for stacks whose rows are `units[i]` elements of type `unit`
     (array i), `empty` the age of an empty row; `tables` False: the fused pass's kernel (`FUSED_OUTPUTS`),
     compiled with `TABLES` off."""
@@ -387,7 +408,7 @@ _CASE = """        case {i}: {{
             for (size_t u = first; u < {units}; u += step) o[u] = a[u];
             break;
         }}"""
-_kernels: dict[tuple, object] = {}
+_kernels: dict[tuple, Kernel] = {}
 
 
 def staged_lanes(indices: mx.array, table: mx.array, arrays: list, blocks: int) -> tuple:
@@ -400,7 +421,7 @@ def staged_lanes(indices: mx.array, table: mx.array, arrays: list, blocks: int) 
     key = ("lanes", unit, units, k, E)
     if key not in _kernels:
         cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = cuda_kernel(
             name=f"od_moe_lanes_{len(_kernels)}",
             input_names=["indices", "table", *(f"a{i}" for i in range(len(units)))],
             output_names=[*(f"o{i}" for i in range(len(units))), "hit", "counts"],
@@ -425,7 +446,7 @@ def copy_rows(arrays: list, sources: mx.array, count: mx.array, rows: int, block
     key = ("rows", unit, units)
     if key not in _kernels:
         cases = "\n".join(_CASE.format(i=i, units=n) for i, n in enumerate(units))
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = cuda_kernel(
             name=f"od_moe_stage_{len(_kernels)}",
             input_names=[*(f"a{i}" for i in range(len(units))), "sources", "count"],
             output_names=[f"o{i}" for i in range(len(units))],

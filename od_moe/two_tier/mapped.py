@@ -66,7 +66,8 @@ def read_stacks(
         for layout, targets, _ in layers
         for p in layout.parts
     )
-    stacks = [None] * len(layers)  # each layer's, once advised: taken back if the load fails
+    # each layer's, once advised: taken back if the load fails
+    stacks: list[dict[tuple[str, str], mx.array] | None] = [None] * len(layers)
     try:
         with backend.host_arrays_ahead(host_nbytes):  # map_for_device counts them as each layer is finished
             return _read_stacks(store, layers, progress, stacks)
@@ -75,7 +76,9 @@ def read_stacks(
         raise
 
 
-def _read_stacks(store: ExpertStore, layers, progress, stacks: list) -> list[dict[tuple[str, str], mx.array]]:
+def _read_stacks(
+    store: ExpertStore, layers, progress, stacks: list[dict[tuple[str, str], mx.array] | None]
+) -> list[dict[tuple[str, str], mx.array]]:
     hosts = _host_stacks(layers)
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending = []
@@ -84,12 +87,16 @@ def _read_stacks(store: ExpertStore, layers, progress, stacks: list) -> list[dic
                 if _in_place(layout, targets, rows):
                     for ids in _batches(layout):
                         into = slice(ids[0], ids[-1] + 1)
-                        views = {key: [_bytes_of(r) for r in view[into]] for key, (_, view) in rows.items()}
+                        views = {
+                            key: [_bytes_of(r) for r in view[into]]
+                            for key, (_, view) in rows.items()
+                            if view is not None  # every one (`_in_place`)
+                        }
                         pending.append((pool.submit(store.read_parts, layout, ids, views), ids, layout))
                 else:
                     _read_staged(store, layout, targets, rows, progress)
-                    stacks[i] = _finish(layout, targets, slots, rows)  # its numpy arrays, if any, go now
-                    hosts[i] = None
+                    stacks[i] = _finish(layout, targets, slots, rows)
+                    rows.clear()  # its numpy arrays, if any, go now
             for future, ids, layout in pending:
                 future.result()
                 if progress is not None:
@@ -101,8 +108,9 @@ def _read_stacks(store: ExpertStore, layers, progress, stacks: list) -> list[dic
     for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
         if stacks[i] is None:
             stacks[i] = _finish(layout, targets, slots, rows)
-    mx.eval([list(stack.values()) for stack in stacks])
-    return stacks
+    finished = [stack for stack in stacks if stack is not None]  # every layer's by now
+    mx.eval([list(stack.values()) for stack in finished])
+    return finished
 
 
 def _in_place(layout: BlockLayout, targets: dict, rows: dict) -> bool:
@@ -123,7 +131,7 @@ def _batches(layout: BlockLayout) -> list[np.ndarray]:
 
 
 def _bytes_of(row: np.ndarray) -> memoryview:
-    return memoryview(row.reshape(-1).view(np.uint8))
+    return row.reshape(-1).view(np.uint8).data
 
 
 def _read_staged(store: ExpertStore, layout: BlockLayout, targets: dict, rows: dict, progress):
@@ -204,6 +212,15 @@ def _copied_into_mlx(rows: np.ndarray, name: str) -> mx.array:
     if seen is None or not np.array_equal(seen, rows):
         raise RuntimeError(f"{name}: the mapped stack differs from the store")
     return array
+
+
+def host_view(array: mx.array) -> np.ndarray:
+    """`array`'s memory as numpy (`cuda.numpy_view`), which the host reads and writes through; a
+    RuntimeError where MLX gives none (the stacks' arrays and the host rings always have one)."""
+    view = cuda.numpy_view(array)
+    if view is None:
+        raise RuntimeError(f"MLX gives no view of a {array.dtype} array of {array.shape}")
+    return view
 
 
 def release_stack(stack: dict[tuple[str, str], mx.array]):

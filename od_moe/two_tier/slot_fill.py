@@ -21,7 +21,7 @@ import numpy as np
 
 from ..memory import backend
 from .host_ring import HostRing
-from .kernels import THREADS, slot_fill_source, slot_fill_unit
+from .kernels import THREADS, Kernel, cuda_kernel, slot_fill_source, slot_fill_unit
 
 MAX_BLOCKS = 64  # per expert row: enough loads in flight to keep PCIe busy
 
@@ -37,6 +37,8 @@ def write_after_wait(stacks: list[dict], fills: list, E: int):
     MLX writes each in place)."""
     copies = []
     for cache, ids, slots in fills:
+        source: int | mx.array
+        to: int | mx.array
         if len(ids) == 1:
             source, to = int(ids[0]), E + int(slots[0])
         else:
@@ -53,7 +55,7 @@ class KernelFills:
     """The copy kernels, one per row unit (16, 4 or 1 bytes), compiled on first use."""
 
     def __init__(self):
-        self._kernels = {}
+        self._kernels: dict[int, Kernel] = {}
         self._moves_ring: HostRing | None = None  # (layer, 2 x rows past E) int32, made at the first fill
 
     def fill_layers(self, stacks: list[dict], fills: list, E: int, after: mx.array) -> dict:
@@ -75,7 +77,7 @@ class KernelFills:
 
     def _kernel(self, unit: int):
         if unit not in self._kernels:
-            self._kernels[unit] = mx.fast.cuda_kernel(
+            self._kernels[unit] = cuda_kernel(
                 name=f"od_moe_slot_fill_{unit}",
                 input_names=["stack", "moves", "after"],
                 output_names=["done"],

@@ -70,9 +70,8 @@ def union(indices: mx.array, table: mx.array, *arrays, by_kernel: bool | None = 
     sources = sources.at[mx.where(used, place, rows)].add(mx.where(used, table.astype(mx.int32) - E, 0))
     copies = take_rows(list(arrays), sources[:rows], distinct, by_kernel)
     held = table >= E
-    counts = [distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()]
-    counts = mx.stack(counts).astype(mx.int32)
-    return copies, place[indices].astype(indices.dtype), {"staged": counts}
+    counts = mx.stack([distinct, (used & held).sum(), mx.array(1), flat.size - held[flat].sum()])
+    return copies, place[indices].astype(indices.dtype), {"staged": counts.astype(mx.int32)}
 
 
 def one_position(by_kernel: bool, hits: bool, indices: mx.array, table: mx.array, *arrays):

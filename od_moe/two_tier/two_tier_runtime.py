@@ -32,7 +32,7 @@ prefetch (`per_layer/per_layer_runtime.py`).
 import functools
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +43,7 @@ from ..errors import UserError
 from ..model_surgery.routing import router_matrices
 from ..model_surgery.switch_over import switch_on
 from ..prefetch import governor
-from ..runtime import PathFigures, Runtime, TwoTierMode
+from ..runtime import ExpertIds, PathFigures, Runtime, TwoTierMode
 from ..storage.store import ExpertStore
 from . import bus_probe, forecast, slot_fill, staged_passes
 from .admission import Admission
@@ -117,7 +117,9 @@ class TwoTierRuntime(Runtime):
         self._last_output: mx.array | None = None  # the last MoE layer's output in the last pass
         self._table_ring = HostRing((len(caches), self.num_experts), np.uint32)
         # this pass's routed ids, hit lanes, staged layers' counts (`staged_passes`), by layer
-        self._routed, self._hit, self._union = {}, {}, {}
+        self._routed: dict[int, mx.array] = {}
+        self._hit: dict[int, mx.array] = {}
+        self._union: dict[int, mx.array] = {}
         self._recording: RoutingRecord | None = None
         self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
@@ -152,8 +154,9 @@ class TwoTierRuntime(Runtime):
     def start_recording(self):
         self._recording = RoutingRecord()
 
-    def stop_recording(self) -> list[dict[int, np.ndarray]]:
-        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]."""
+    def stop_recording(self) -> list[dict[int, np.ndarray]] | None:
+        """The routing of every pass since `start_recording`: [{layer: ids (tokens, k)}, ...]; None where
+        nothing was recording."""
         self.settle()
         recording, self._recording = self._recording, None
         return None if recording is None else recording.passes
@@ -166,16 +169,16 @@ class TwoTierRuntime(Runtime):
         if self.kept_rows is not None:
             self.kept_rows.book(self.ledger)
 
-    def load(self, cache: LayerCache, ids: Sequence[int], protect: Sequence[int] = ()):
+    def load(self, cache: LayerCache, ids: ExpertIds, protect: ExpertIds = ()):
         """Copy experts `ids` of `cache`'s layer from the mapped stack into slots now (profile seeding,
         snapshots, a fully resident start), free slots first, then the most evictable."""
         if self.device_lru:  # the device fills its slots from the routing; the host places nothing
             return
-        ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[cache.slot_of[ids] < 0]
-        if ids.size:
-            slots = cache.choose_slots(len(ids), protect=list(protect) + ids.tolist(), clock=self.clock)
-            self._fill([(cache, ids, slots)])
+        wanted = np.asarray(ids, dtype=np.int64)
+        wanted = wanted[cache.slot_of[wanted] < 0]
+        if wanted.size:
+            slots = cache.choose_slots(len(wanted), protect=list(protect) + wanted.tolist(), clock=self.clock)
+            self._fill([(cache, wanted, slots)])
 
     def place(self, cache: LayerCache, expert_in_slot: np.ndarray, arrays: dict | None = None):
         """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's), empty the rest:
@@ -236,17 +239,20 @@ class TwoTierRuntime(Runtime):
             self._begin_pass(x)
         positions = x.size // x.shape[-1]
         # 2. forecasts of later layers' experts, copied into their device-kept rows ahead of them
-        if self.forecast is not None and self.phase == "decode":
+        kept = self.kept_rows
+        if self.forecast is not None and kept is not None and self.phase == "decode":
             for target, scores in self.forecast(layer, x):
-                self.kept_rows.expect(target, scores)
+                kept.expect(target, scores)
         # 3. where each routed expert is read this pass: its row in the table (host tier, device slot, or
         # a device-kept row after the layer's own copies), each lane finding its row (`Lanes`)
         lanes = self._lanes(layer, positions)
         # 4. routing (in the block), each lane's row, the expert products: one compiled call where it can be
         if block is not None:
             y, indices, found = block.on_lanes(lanes, x)
-        else:
+        elif indices is not None:
             y, found = self.steps[layer].on_lanes(lanes, x, indices)
+        else:
+            raise TypeError("a layer's pass is entered by its block, or by its switch with the routed ids")
         # 5. bookkeeping on what the call gave, nothing waited for: lookups from the ids' shape (a full
         # layer's are all hits), the rest added up on the device at the pass's end (`_end_pass`)
         full = self._full[layer]
@@ -257,8 +263,8 @@ class TwoTierRuntime(Runtime):
             self._hit[layer] = found["hit"]
         if "staged" in found:
             self._union[layer] = found["staged"]
-        if "rows" in found:
-            self.kept_rows.keep(layer, found["rows"])
+        if "rows" in found and kept is not None:
+            kept.keep(layer, found["rows"])
         # 6. at the last layer the pass ends, its counts tied to its output
         if layer == len(self.caches) - 1:
             y = self._end_pass(y)
@@ -364,16 +370,21 @@ class TwoTierRuntime(Runtime):
         ]
         fills = [f for f in fills if f[1].size]
         if fills and self._kernel_fills is not None and self._last_output is not None:
-            self._fill_by_kernels(fills, self._last_output)
+            self._fill_by_kernels(self._kernel_fills, fills, self._last_output)
         elif fills:
             self._fill(fills)
 
-    def _fill_by_kernels(self, fills: list[tuple[LayerCache, np.ndarray, np.ndarray]], after: mx.array):
-        """`_fill` with no wait (CUDA, `slot_fill.py`): the copies run on MLX's stream after `after`, the
-        last pass's last MoE output (so after every read of the slots they overwrite), and the tables of
-        the layers filled are made from them (`_refresh`)."""
+    def _fill_by_kernels(
+        self,
+        kernels: slot_fill.KernelFills,
+        fills: list[tuple[LayerCache, np.ndarray, np.ndarray]],
+        after: mx.array,
+    ):
+        """`_fill` with no wait (CUDA, `slot_fill.py`), by `kernels`: the copies run on MLX's stream after
+        `after`, the last pass's last MoE output (so after every read of the slots they overwrite), and the
+        tables of the layers filled are made from them (`_refresh`)."""
         t0 = time.perf_counter()
-        self._landed.update(self._kernel_fills.fill_layers(self.stacks, fills, self.num_experts, after))
+        self._landed.update(kernels.fill_layers(self.stacks, fills, self.num_experts, after))
         _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
         self._dirty = True  # the tables are out of date
 
@@ -452,8 +463,8 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
             block.replace_block(
                 CompiledBlock(block.block, runtime, i, steps[i], tuple(stack.values()), verdict)
             )
-        for part in cache.layout.parts:  # the slots are the stack's rows: the cache's own arrays go
-            cache.projections[part.proj][part.name] = mx.zeros(
+        for part in cache.layout.parts:  # the slots are the stack's rows: mlx-lm's own arrays go
+            block.switch[part.proj][part.name] = mx.zeros(
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype
             )
     return runtime

@@ -310,9 +310,9 @@ class KeptRows:
     ) -> dict:
         """The layer's kernel call for `count` candidates (`mx.fast.cuda_kernel`'s keywords but its inputs):
         its template constants, grid (in threads), block and outputs. `lanes`: how many of them the call is
-        given (the rest are none; default all `count`). `tables` False (a fused pass, `plan`, which reads
-        only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane hits), whose
-        scores are one element long where they do not change."""
+        given (the rest are none; default all `count`). `tables` False (a fused pass, `fused_lanes`, which
+        reads only its lanes' rows): the fused kernel (`FUSED_OUTPUTS`: no expert->row tables or lane hits),
+        whose scores are one element long where they do not change."""
         units = max(row_units(self.stacks[layer].values())[1])
         settings = self.settings
         blocks = settings.blocks if ahead else max(1, settings.demand_blocks // count)
@@ -402,7 +402,7 @@ class KeptRows:
 
 
 def wrong_rows(kept: KeptRows) -> int:
-    """Lookahead rows whose bytes differ from the expert they are said to hold (want 0): a check for the
+    """Device-kept rows whose bytes differ from the expert they are said to hold (want 0): a check for the
     benches, which waits for every pass."""
     wrong = 0
     for layer, stack in enumerate(kept.stacks):

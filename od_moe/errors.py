@@ -28,3 +28,7 @@ class RankLost(RuntimeError):
 class StartFailed(RuntimeError):
     """The server could not get ready: its model failed to load or warm up, or its batch to build (not a
     user's mistake, which stays a `UserError`); the message names the error it wraps."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.__cause__ = cause  # as `raise ... from cause` would: the error it wraps, shown under it

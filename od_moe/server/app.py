@@ -21,11 +21,9 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import cast
 
 import jinja2
 from flask import Flask, Response, g, jsonify, request
-from flask.json.provider import DefaultJSONProvider
 from werkzeug.serving import WSGIRequestHandler
 
 from ..errors import RankLost, UserError
@@ -35,6 +33,7 @@ from ..memory.preflight import engine_capabilities
 from ..units import MB
 from . import anthropic, dashboard, guard, openai, ranks
 from .drafting import ServerDraft
+from .flask_app import ServerApp
 from .health import health_body, prometheus_text
 from .kv_room import KvRoom
 from .requests import ApiError, check_draft, check_model, parse_messages, parse_params, parse_prompt
@@ -51,12 +50,6 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}# {{ m['content'] | replace('\\n', '\\n# ') }}"
     "{% else %}{{ m['content'] }}{% endif %}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
 )
-
-
-class ServerApp(Flask):
-    """The server's Flask app, with the worker that generates for it (tests and benches reach it there)."""
-
-    worker: GenerationWorker
 
 
 def create_app(
@@ -105,14 +98,11 @@ def create_app(
     )
     hosts = allowed_hosts if allowed_hosts is not None else guard.host_names("127.0.0.1")
     started = time.time()
-    app = ServerApp("od_moe.server")
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    cast(DefaultJSONProvider, app.json).sort_keys = False  # Flask's own provider, typed as its base
+    app = ServerApp(worker, max_body_bytes)
     guard.register(app, worker, hosts, frozenset(allowed_origins), max_body_bytes)
     _register_generation(app, worker, name, limits)
     _register_information(app, worker, name, started)
     dashboard.register(app, worker, name, started)
-    app.worker = worker
     return app
 
 

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
@@ -37,11 +36,9 @@ from ..generation.sampling import make_sampler, vocab_size_of
 from ..memory import backend
 from ..memory.capacity import experts_per_token
 from ..model_surgery.mlx_lm_private import pending_tokens
+from .job import Job
 from .prompt_cache import PromptCache
 from .schedule import Join, ScheduleLog
-
-if TYPE_CHECKING:  # worker.py imports this module
-    from .worker import Job
 
 FINISHED_KEPT = 16  # completed requests whose figures /health keeps
 log = logging.getLogger("od_moe.server")  # the Flask app's logger: the server's log

@@ -22,8 +22,9 @@ import sys
 import time
 from dataclasses import asdict
 
+from .job import Job
 from .requests import GenerationParams
-from .worker import GenerationWorker, Job
+from .worker import GenerationWorker
 
 
 def rank_figures(engine) -> dict:

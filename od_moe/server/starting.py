@@ -13,14 +13,13 @@ Not here: the routes once ready (`app.py`), loading itself (`warm_up.py`, `od_mo
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 from flask import Flask, jsonify
-from flask.json.provider import DefaultJSONProvider
 
 from ..errors import ExpertReadError, RankLost, StartFailed, UserError
 from ..storage.model_files import DEFAULT_MODEL
 from . import guard
+from .flask_app import ServerApp
 from .requests import ApiError
 
 RETRY_AFTER_S = 5  # a loading model takes seconds to minutes: a client asks again at this pace
@@ -59,8 +58,7 @@ def loading_app(worker, name: str, hosts: frozenset[str], origins) -> Flask:
     """What answers while `worker` loads, after the Host and Origin checks every request gets: `/health`
     with its status ("loading"; "error" once loading has failed) and a 503, every other route a 503 error
     with `Retry-After` (in Anthropic's form on /v1/messages)."""
-    app = Flask("od_moe.server")
-    cast(DefaultJSONProvider, app.json).sort_keys = False  # Flask's own provider, typed as its base
+    app = ServerApp(worker)
     guard.register(app, worker, hosts, frozenset(origins), max_body_bytes=0)  # no body is read
 
     @app.get("/health")
@@ -116,6 +114,4 @@ class Starter:
         error = self.error
         if error is None or isinstance(error, (UserError, ExpertReadError, RankLost)):
             return error
-        failed = StartFailed(f"the server could not start: {type(error).__name__}: {error}")
-        failed.__cause__ = error
-        return failed
+        return StartFailed(f"the server could not start: {type(error).__name__}: {error}", cause=error)

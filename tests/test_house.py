@@ -369,3 +369,175 @@ def test_only_assembly_and_its_own_folder_import_a_path():
     assert path_imports({"od_moe.engine": {"od_moe.two_tier.two_tier_runtime"}}) == [
         "od_moe.engine -> od_moe.two_tier.two_tier_runtime"
     ]
+
+
+# Methods that change the list, dict or set they are called on.
+MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add"}
+MUTATORS |= {"discard", "sort", "reverse"}
+WRITE_FOLDERS = ("od_moe", "predictor", "training", "benchmarks", "lab")
+# (path, the target as `ast.unparse` writes it): writes into another object that stay, each with its reason
+WRITES_ALLOWED: dict[tuple[str, str], str] = {
+    # lab scripts import helpers from benchmarks/ or tests/: Python leaves sys.path to the program that runs
+    ("lab/drafts/cpu_equality.py", "sys.path.insert"): "imports benchmarks/code_edits.py",
+    ("lab/drafts/lookup_ceiling.py", "sys.path.insert"): "imports benchmarks/code_edits.py",
+    ("lab/tools/pipeline_families.py", "sys.path.insert"): "imports tests/tiny_models.py on each rank",
+    ("lab/drafts/held_out_loss.py", "layer.mlp.gate"): "surgery: an mlx-lm router wrapped to record logits",
+    ("lab/drafts/train_draft.py", "optimizer.learning_rate"): "MLX's own setter: the rate follows the clock",
+    ("lab/tools/nvrtc_check.py", "nvrtc.nvrtcGetErrorString.restype"): "ctypes: a C return type",
+    ("od_moe/distributed/rank_split.py", "cache.keys"): "mlx-lm's KV cache tied to a send: it has no method",
+    ("od_moe/memory/backend.py", "os.environ[CUDNN_ATTENTION]"): "MLX takes the setting from the environment",
+    # ctypes is told a C function's signature by setting it on the function
+    ("od_moe/memory/cuda.py", "runtime.cudaDeviceSynchronize.argtypes"): "ctypes: a C signature",
+    ("od_moe/memory/cuda.py", "runtime.cudaHostRegister.argtypes"): "ctypes: a C signature",
+    ("od_moe/memory/cuda.py", "runtime.cudaHostUnregister.argtypes"): "ctypes: a C signature",
+    ("od_moe/memory/cuda.py", "runtime.cudaMemAdvise.argtypes"): "ctypes: a C signature",
+    ("od_moe/memory/cuda.py", "runtime.cudaMemPrefetchAsync.argtypes"): "ctypes: a C signature",
+    ("od_moe/memory/cuda.py", "runtime.cudaMemcpyAsync.argtypes"): "ctypes: a C signature",
+    ("od_moe/memory/cuda.py", "runtime.cudaStreamSynchronize.argtypes"): "ctypes: a C signature",
+    # model surgery: swapping an mlx-lm model's modules for od-moe's is what surgery is
+    ("od_moe/model_surgery/moe_blocks.py", "holder.self.attr"): "surgery: mlx-lm's switch swapped",
+    ("od_moe/model_surgery/moe_blocks.py", "self.owner.self.owner_attr"): "surgery: an mlx-lm block swapped",
+    ("od_moe/model_surgery/routing.py", "block.name"): "surgery: an mlx-lm router wrapped in a tap",
+    ("od_moe/model_surgery/switch_over.py", "module.__class__"): "a copy it made a line before, subclassed",
+    ("od_moe/storage/store.py", "self._bounce.buffer"): "its own threading.local, set by attribute (its API)",
+    ("training/record.py", "parent.attr"): "surgery: taps before the MoE switches, taken off after",
+    ("od_moe/two_tier/two_tier_runtime.py", "block.switch[part.proj][part.name]"): (
+        "surgery: mlx-lm's expert arrays given back empty; the slots are the stacks' rows"
+    ),
+    # Flask: `g` is its per-request namespace, and an after_request hook is handed the response to finish
+    ("od_moe/server/app.py", "g.arrival"): "Flask's per-request namespace",
+    ("od_moe/server/guard.py", "g.cors_origin"): "Flask's per-request namespace",
+    (
+        "od_moe/server/guard.py",
+        "response.headers['Access-Control-Allow-Headers']",
+    ): "Flask's after_request hook",
+    (
+        "od_moe/server/guard.py",
+        "response.headers['Access-Control-Allow-Methods']",
+    ): "Flask's after_request hook",
+    (
+        "od_moe/server/guard.py",
+        "response.headers['Access-Control-Allow-Origin']",
+    ): "Flask's after_request hook",
+    ("od_moe/server/guard.py", "response.headers['Vary']"): "Flask's after_request hook",
+    # lab probes that time or count what mlx-lm's loop does: they wrap its calls, in their own process only
+    ("lab/tools/ab_host_time.py", "engine.forward"): "probe: the engine's forward wrapped to time it",
+    ("lab/tools/forward_host_cpu.py", "engine.forward"): "probe: the engine's forward wrapped to time it",
+    ("lab/tools/host_time.py", "engine.forward"): "probe: the engine's forward wrapped to time it",
+    ("lab/tools/ab_host_time.py", "sys.modules['mlx_lm.generate'].mx"): "probe: mlx-lm's async_eval counted",
+    ("lab/tools/host_time.py", "sys.modules['mlx_lm.generate'].mx"): "probe: mlx-lm's async_eval timed",
+    (
+        "lab/tools/op_count.py",
+        "sys.modules['mlx_lm.generate'].mx",
+    ): "probe: the graph mlx-lm evaluates counted",
+    ("lab/tools/ab_host_time.py", "switch._ROWS_GIVEN.clear"): "A/B in one process: traced constants off",
+    ("lab/tools/ab_host_time.py", "switch._ROWS_GIVEN.update"): "A/B in one process: traced constants on",
+    ("lab/tools/kept_rows_check.py", "sys.path.insert"): "imports tests/cuda_emulation.py",
+    ("lab/tools/precompiled_probe.py", "nvrtc.nvrtcGetErrorString.restype"): "ctypes: a C return type",
+}
+
+
+def _own(node: ast.AST) -> bool:
+    """Whether an expression is the code's own to change: a local name, `self.x` (or `cls.x`), or an item
+    or a method's result reached from them (`self.rows[i]`, `buffer.setdefault(k, [])`)."""
+    if isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.Attribute):
+        return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+    if isinstance(node, ast.Subscript | ast.Starred):
+        return _own(node.value)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return _own(node.func.value)
+    return False
+
+
+def _functional(node: ast.AST) -> bool:
+    """MLX's functional update, `x.at[ids].add(y)`: it returns a new array and changes nothing."""
+    return (
+        isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "at"
+    )
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign | ast.Delete):
+        found = list(node.targets)
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        found = [node.target]
+    else:
+        return []
+    flat = []
+    while found:
+        target = found.pop()
+        found.extend(target.elts) if isinstance(target, ast.Tuple | ast.List) else flat.append(target)
+    return flat
+
+
+def foreign_writes(source: str) -> list[tuple[int, str]]:
+    """(line, target) of every write into another object's state: an assignment, `del` or augmented
+    assignment to `x.attr` (but `self.attr`) or to an item of something not the code's own (`_own`),
+    `setattr`/`delattr`/`object.__setattr__` on anything but `self`, and a mutating method (`MUTATORS`)
+    called on a list, dict or set not the code's own (`other.items.append(...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        for target in _targets(node):
+            if isinstance(target, ast.Attribute) and not _own(target):
+                found.append((node.lineno, ast.unparse(target)))
+            elif isinstance(target, ast.Subscript) and not _own(target.value):
+                found.append((node.lineno, ast.unparse(target)))
+        if not isinstance(node, ast.Call):
+            continue
+        func, first = node.func, node.args[0] if node.args else None
+        on_other = first is not None and not (isinstance(first, ast.Name) and first.id in ("self", "cls"))
+        named = isinstance(func, ast.Name) and func.id in ("setattr", "delattr")
+        dunder = isinstance(func, ast.Attribute) and func.attr == "__setattr__"
+        if (named or dunder) and on_other:
+            found.append((node.lineno, ast.unparse(first) + "." + ast.unparse(node.args[1])))
+        elif isinstance(func, ast.Attribute) and func.attr in MUTATORS and not _own(func.value):
+            if not _functional(func.value):
+                found.append((node.lineno, ast.unparse(func)))
+    return found
+
+
+def all_foreign_writes(root: Path = ROOT) -> dict[tuple[str, str], list[int]]:
+    """(path, target) -> lines, over the package, `benchmarks/` and `lab/` (its raw runs left out)."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for folder in WRITE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            name = path.relative_to(root).as_posix()
+            if name.startswith("lab/runs/"):
+                continue
+            for line, target in foreign_writes(path.read_text()):
+                found.setdefault((name, target), []).append(line)
+    return found
+
+
+def test_nothing_writes_into_another_objects_state():
+    """Objects are configured by what their constructors take (a path's settings, the worker's) and changed
+    by their own methods: no code writes into another object's attributes, lists, dicts or counters, but
+    where `WRITES_ALLOWED` says why (model surgery on mlx-lm's modules, ctypes' signatures, ...)."""
+    found = all_foreign_writes()
+    assert len({path for path, _ in found} | {path for path, _ in WRITES_ALLOWED}) > 10  # the walk found code
+    unexplained = sorted(
+        f"{path}:{lines[0]}: {target}"
+        for (path, target), lines in found.items()
+        if (path, target) not in WRITES_ALLOWED
+    )
+    assert unexplained == []
+    assert sorted(set(WRITES_ALLOWED) - set(found)) == []  # an entry for a write that is gone goes too
+
+
+def test_the_write_check_can_fail():
+    source = (
+        "engine.runtime.optimistic = True\n"
+        "self.loader.governor = None\n"
+        "setattr(runtime, 'taps', [])\n"
+        "worker.counts['done'] += 1\n"
+        "other.items.append(1)\n"
+        "self.rows[0] = 1\n"
+        "self.ready = True\n"
+        "local = {}\n"
+        "local['a'] = 1\n"
+        "buffer.setdefault(key, []).append(value)\n"
+        "counts = counts.at[ids].add(1)\n"
+    )
+    assert sorted(line for line, _ in foreign_writes(source)) == [1, 2, 3, 4, 5]

@@ -37,7 +37,11 @@ def all_at_once(client, count: int) -> float:
     return time.perf_counter() - started
 
 
-def first_token_s(base: str, body: dict) -> tuple[float | None, str, int, float]:
+# (seconds until the first chunk carrying text or None, the whole text, the tokens, seconds until the end)
+FirstToken = tuple[float | None, str, int, float]
+
+
+def first_token_s(base: str, body: dict) -> FirstToken:
     """Send one streamed completion request and read it to its end: (seconds until the first chunk
     carrying text, None when no text came; the whole text; the tokens generated; seconds until the end)."""
     req = completion_request(base, dict(body, stream=True, stream_options={"include_usage": True}))
@@ -56,12 +60,13 @@ def first_token_s(base: str, body: dict) -> tuple[float | None, str, int, float]
     return first, text, tokens, time.perf_counter() - started
 
 
-def first_tokens(base: str, bodies: list[dict], together: bool) -> list[tuple]:
+def first_tokens(base: str, bodies: list[dict], together: bool) -> list[FirstToken | None]:
     """`first_token_s` of each request, sent one after another, or on threads released by one
-    barrier."""
+    barrier (None for a request whose thread raised)."""
     if not together:
         return [first_token_s(base, body) for body in bodies]
-    got, barrier = [None] * len(bodies), threading.Barrier(len(bodies))
+    got: list[FirstToken | None] = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
 
     def client(i):
         barrier.wait()

@@ -87,7 +87,8 @@ def _server_row(
         sys.setswitchinterval(interval)
     clients.first_tokens(base, [{"prompt": texts[0], "max_tokens": 2, "temperature": 0}], False)  # warm up
     bodies = [{"prompt": t, "max_tokens": max_tokens, "temperature": 0} for t in texts]
-    seconds, answers = {"alone": [], "together": []}, {"alone": {}, "together": {}}
+    seconds: dict[str, list[float]] = {"alone": [], "together": []}
+    answers: dict[str, dict[int, str]] = {"alone": {}, "together": {}}
     groups, steps, throughput = [], [], []
     for r in range(rounds):
         for how in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
@@ -133,19 +134,22 @@ def stock_floor(
     answers, as the server's rows compare)."""
     model, tokenizer = stock_model(model)
     prompts = [tokenizer.encode(t) for t in texts]
-    settings = {
-        "stop_tokens": [[t] for t in tokenizer.eos_token_ids],
-        "completion_batch_size": max_batch,
-        "prefill_batch_size": min(max_batch, 8),
-        "prefill_step_size": prefill_step,
-    }
+    stop_tokens = [[t] for t in tokenizer.eos_token_ids]
 
     def generate(group: list[list[int]], limit: int) -> tuple[list[float], list[list[int]]]:
         """Each sequence's seconds to its first token, and its tokens, in `group`'s order."""
-        generator = BatchGenerator(model, **settings)
+        generator = BatchGenerator(
+            model,
+            stop_tokens=stop_tokens,
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(max_batch, 8),
+            prefill_step_size=prefill_step,
+        )
         started = time.perf_counter()
-        uids, first, done = generator.insert(group, [limit] * len(group)), {}, set()
-        tokens = {uid: [] for uid in uids}
+        uids: list[int] = generator.insert(group, [limit] * len(group))
+        first: dict[int, float] = {}
+        done: set[int] = set()
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
         while len(done) < len(uids):
             for r in generator.next()[1]:
                 first.setdefault(r.uid, time.perf_counter() - started)
@@ -156,7 +160,8 @@ def stock_floor(
         return [first[uid] for uid in uids], [tokens[uid] for uid in uids]
 
     generate(prompts[:1], 2)  # warm up
-    seconds, answers = {"alone": [], "together": []}, {"alone": [], "together": []}
+    seconds: dict[str, list[float]] = {"alone": [], "together": []}
+    answers: dict[str, list[list[int]]] = {"alone": [], "together": []}
     for r in range(rounds):
         for how in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
             groups = [[p] for p in prompts] if how == "alone" else [prompts]

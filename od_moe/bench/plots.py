@@ -43,7 +43,8 @@ def check_path(path) -> Path:
 def series(rows: list[dict]) -> dict:
     """{(model, reads, miss policy): {"lines": {panel: {policy: [(capacity, value), ...]}}, "stock": tok/s,
     "min": [(capacity, kB)]}} from the grid's rows, capacities in increasing order."""
-    groups, stock = {}, {}
+    groups: dict[tuple[str, str, str], dict[str, dict]] = {}
+    stock: dict[str, float] = {}
     for r in rows:
         if r.get("policy") == "stock mlx-lm":
             stock[r["model"]] = r["tok_s"]
@@ -58,9 +59,9 @@ def series(rows: list[dict]) -> dict:
             "tok_s": r["tok_s"],
             "kb_per_token": r["bytes_per_token"] / KB,
         }
-        for key, value in values.items():
+        for panel, value in values.items():
             if value is not None:
-                group["lines"][key].setdefault(r["policy"], []).append((r["capacity"], value))
+                group["lines"][panel].setdefault(r["policy"], []).append((r["capacity"], value))
         if r["experts_read_per_token"]:  # MIN's experts in bytes: the bytes of one expert read
             expert_kb = r["bytes_per_token"] / KB / r["experts_read_per_token"]
             group["min"].setdefault(r["capacity"], r["min_experts_read_per_token"] * expert_kb)

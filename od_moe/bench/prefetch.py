@@ -66,7 +66,7 @@ def run_policy(
     cold=False,
     miss_policy="load",
     predictor_dir=None,
-    settings: PrefetchSettings = None,
+    settings: PrefetchSettings | None = None,
 ):
     """One configuration over all prompts, each from an empty cache: tokens, decode tok/s, statistics.
     `settings`: how prefetch runs (deterministic runs: `DETERMINISTIC`)."""
@@ -97,9 +97,15 @@ def run_policy(
         for last in engine.stream_generate(prompt, max_tokens=max_tokens):
             out.append(last.token)
         tokens.append(out)
+        assert last is not None  # at least one response: every prompt asks for max_tokens >= 1
         tps.append(last.generation_tps)
         stats.append(engine.stats())
-        minimum.append(replay_recording(engine.runtime.stop_recording(), slots, "min") if watch else Tally())
+        if watch:
+            recording = engine.runtime.stop_recording()
+            assert recording is not None  # recording since `start_recording` above
+            minimum.append(replay_recording(recording, slots, "min"))
+        else:
+            minimum.append(Tally())
         engine.close()
     return {
         "tokens": tokens,
@@ -188,7 +194,9 @@ def _plan(grid: str, max_tokens: int, wide, widened_tokens: int) -> list[tuple]:
     quick: warm bundled and cold widened reads at 12.5/25/50%; full: both models x 12.5/25/50% x cold/warm
     x load/skip; gpu: both models x 100/50/25% x warm/cold with none/predictor/oracle (one 10-minute
     command on a fast accelerator)."""
-    plan = []
+    plan: list[tuple] = []
+    temps: tuple[str, ...]
+    policies: tuple[str, ...]
     if grid == "gpu":
         temps, policies = ("warm", "cold"), ("none", "predictor", "oracle")
         plan.append(("bundled", DEFAULT_MODEL, max_tokens, (1.0, 0.5, 0.25), temps, ("load",), policies))
@@ -390,11 +398,12 @@ COLUMNS = (
 def _machine(path, temps, say) -> dict:
     """This machine's read bandwidth (per read temperature, best depth) and install bandwidth."""
     read = {temp: read_bandwidth(path, cold=temp == "cold") for temp in temps}
-    machine = {"read": read, "install_bw": install_bandwidth(path)}
+    install_bw = install_bandwidth(path)
+    machine = {"read": read, "install_bw": install_bw}
     for temp, bw in read.items():
         depths = ", ".join(f"{d}: {b / 1e9:.2f}" for d, b in bw["by_depth"].items())
         say(f"  {temp} reads by the engine's reader, GB/s at depth {depths}")
-    say(f"  installs: {machine['install_bw'] / 1e9:.2f} GB/s")
+    say(f"  installs: {install_bw / 1e9:.2f} GB/s")
     return machine
 
 

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, cast
 
 import mlx.core as mx
 import numpy as np
@@ -41,13 +42,35 @@ from ..storage.model_files import DEFAULT_MODEL
 from .real_widths import PADDED, Padding, pad_bundled
 from .shards import SHARD_BYTES, Tensor, raw, safetensors_dtype, write_checkpoint
 
+
+class _Quantization(TypedDict):
+    """`RECIPE["quantization"]`: how mlx-lm quantizes the weights."""
+
+    group_size: int
+    bits: int
+    mode: str
+
+
+class _RecipeValues(TypedDict):
+    """`RECIPE`'s entries (a plain dict, recorded in each checkpoint's config.json)."""
+
+    version: int
+    seed: int
+    draw: str
+    std: float
+    router_std: float
+    norm_weight: float
+    dtype: str
+    quantization: _Quantization
+
+
 # Pinned: changing any value changes every checkpoint built from it (a recorded recipe then no longer
 # matches, and the next build rewrites the files). The draws are numpy's PCG64 normals, one stream per
 # tensor (per expert of a stacked weight) seeded from (seed, crc32 of the tensor's name, expert): a tensor's
 # values depend on its name alone, not on the order of writing, the shards or the number of layers. numpy
 # rather than mx.random.normal: numpy draws faster (MLX goes through its erfinv), and the draws are most
 # of a build (docs/GPU.md, "A card smaller than the model").
-RECIPE = {
+RECIPE: _RecipeValues = {
     "version": 1,
     "seed": 0,
     "draw": "numpy PCG64 standard_normal float32, stream per tensor/expert from (seed, crc32(name), expert)",
@@ -179,9 +202,10 @@ class _Recipe:
         self.quantized = {
             p: (m.group_size, m.bits, m.mode) for p, m in model.named_modules() if hasattr(m, "group_size")
         }
+        # tree_flatten without a destination gives a list of (name, value) pairs; its type also admits a dict
+        parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
         self.tensors = [
-            Tensor(n, tuple(v.shape), safetensors_dtype(v), self._pieces(n, v))
-            for n, v in tree_flatten(model.parameters())
+            Tensor(n, tuple(v.shape), safetensors_dtype(v), self._pieces(n, v)) for n, v in parameters
         ]
 
     def _pieces(self, name: str, value: mx.array) -> int:
@@ -226,6 +250,7 @@ class _Recipe:
         if module not in self.quantized or not name.endswith(".weight"):
             return {name: raw(weight)}
         group_size, bits, mode = self.quantized[module]
+        parts: tuple[mx.array, ...]
         if mode == "mxfp4":
             parts = mxfp4_quantize(weight.astype(mx.float32))
         else:
@@ -260,9 +285,13 @@ def mxfp4_quantize(w: mx.array) -> tuple[mx.array, mx.array]:
     exponent = (amax.view(mx.int32) >> 23) - 127 - 2  # floor(log2) of a normal float32, less E2M1's emax
     exponent = mx.clip(mx.where(amax > 0, exponent, -127), -127, 127)
     magnitude = mx.abs(groups) * ((127 - exponent) << 23).view(mx.float32)  # divided by 2^exponent, exactly
-    code = sum(
-        ((magnitude > edge) if tie == "down" else (magnitude >= edge)).astype(mx.uint32)
-        for edge, tie in _E2M1_MIDPOINTS
+    # an array: 0 plus the first of the (non-empty) midpoints' arrays
+    code = cast(
+        mx.array,
+        sum(
+            ((magnitude > edge) if tie == "down" else (magnitude >= edge)).astype(mx.uint32)
+            for edge, tie in _E2M1_MIDPOINTS
+        ),
     )
     code = code | ((groups.view(mx.uint32) >> 31) << 3)  # the sign bit
     packed = mx.sum(code.reshape(-1, 8) << (mx.arange(8, dtype=mx.uint32) * 4), axis=-1)

@@ -13,6 +13,7 @@ import json
 import math
 import zlib
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -54,9 +55,10 @@ class Padding:
                 f"pad to a hidden size that is a multiple of 64 (>= {self.old[0]}) and an expert width that "
                 f"is a multiple of {self.old[1]}"
             )
-        self.arrays = {}
+        self.arrays: dict[str, mx.array] = {}
         for file in sorted(self.source.glob("model*.safetensors")):
-            self.arrays.update(mx.load(str(file)))
+            # a .safetensors file without return_metadata loads as a dict; mx.load's type covers every format
+            self.arrays.update(cast(dict[str, mx.array], mx.load(str(file))))
         experts = self.config["num_experts"]
         self.tensors = [
             Tensor(n, self._shape(n, a.shape), safetensors_dtype(a), experts if ".switch_mlp." in n else 1)

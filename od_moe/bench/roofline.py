@@ -58,7 +58,7 @@ def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0)
         reader.close()
         by_depth[depth] = nbytes / seconds
     store.close()
-    best = max(by_depth, key=by_depth.get)
+    best = max(by_depth, key=by_depth.__getitem__)
     return {"bytes_per_s": by_depth[best], "depth": best, "by_depth": by_depth}
 
 
@@ -103,5 +103,5 @@ def roofline_ms(
         "read": 1e3 * read_bytes / read_bw,
         "install": 1e3 * install_bytes / install_bw,
     }
-    bound = max(bounds, key=bounds.get)
+    bound = max(bounds, key=bounds.__getitem__)
     return bounds[bound], bound

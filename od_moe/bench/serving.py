@@ -48,7 +48,7 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
     texts = batch_prompts(prompts)
     base, log, server, app = start_server(capacity, max_batch)
     engine = app.worker.engine
-    replies = [None] * len(texts)
+    replies: list[tuple[int, dict] | None] = [None] * len(texts)  # None where a client's thread raised
 
     def client(i):
         replies[i] = post(base, {"prompt": texts[i], "max_tokens": max_tokens, "temperature": 0})
@@ -61,7 +61,9 @@ def agreement(prompts: int, max_tokens: int, capacity, max_batch: int) -> dict:
     per_pass = {"served": engine.stats()["per_pass"]["decode"]}
     engine.runtime.ledger.reset()  # from here: each prompt alone
     rows, same_alone, same_replay = [], 0, 0
-    for text, (status, reply) in zip(texts, replies):
+    for text, answer in zip(texts, replies):
+        assert answer is not None  # every client's thread posted its request and got an answer
+        status, reply = answer
         ids = engine.encode(text)
         batched = served[tuple(ids)]
         alone = [r.token for r in engine.stream_generate(ids, max_tokens=max_tokens)]
@@ -136,7 +138,7 @@ def soak(clients: int, requests: int, capacity, max_batch: int, seed: int = 0) -
 def alone(rounds: int, max_tokens: int, capacity, max_batch: int) -> dict:
     """Seconds per lone request on the one-at-a-time path and on the batch path, rounds alternating."""
     servers = {1: start_server(capacity, 1), max_batch: start_server(capacity, max_batch)}
-    seconds = {n: [] for n in servers}
+    seconds: dict[int, list[float]] = {n: [] for n in servers}
     texts = batch_prompts(rounds)
     for text in texts:
         answers = set()

@@ -84,7 +84,8 @@ def _lay_out(tensors: list[Tensor], shard_bytes: int) -> tuple[dict[str, bytes],
     """Place `tensors`, in order, into shards of about `shard_bytes` (a tensor is never split): each file's
     header (its length prefix included), and each tensor's file and the offset of its data there (from the
     start of the file), by name."""
-    groups, size = [[]], 0
+    groups: list[list[Tensor]] = [[]]
+    size = 0
     for t in tensors:
         if groups[-1] and size + t.nbytes > shard_bytes:
             groups.append([])
@@ -96,7 +97,9 @@ def _lay_out(tensors: list[Tensor], shard_bytes: int) -> tuple[dict[str, bytes],
         file = (
             "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         )
-        entries, starts, at = {"__metadata__": {"format": "mlx"}}, {}, 0
+        entries: dict[str, dict[str, object]] = {"__metadata__": {"format": "mlx"}}
+        starts: dict[str, int] = {}
+        at = 0
         for t in group:
             entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
             starts[t.name], at = at, at + t.nbytes

@@ -249,6 +249,7 @@ def run_two_tier_grid(models: list[tuple[str, Path, int]], fractions, rounds: in
             bw = row["bus_bw"]
             model_rows.append({"model": name, **row})
             say(f"  {name} {fraction:.1%}: x stock {row['x_stock']:.3f}, x roofline {row['x_roofline']:.3f}")
+        assert bw is not None  # the first row measured it: `fractions` is never empty (`_capacities`)
         title = (
             f"\n{name} model, two-tier mode on {mx.default_device()}, {len(PROMPTS)} prompts x {tokens} "
             f"greedy tokens, {rounds} rounds alternating with stock mlx-lm; experts cross the bus at "

@@ -50,7 +50,9 @@ def widen_model(source, dest, factor: int) -> Path:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     names = sorted(store.tensors)
-    shapes, header, offset = {}, {"__metadata__": {"format": "mlx"}}, 0
+    shapes: dict[str, list[int]] = {}
+    header: dict[str, dict[str, object]] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
     for name in names:
         entry = store.tensors[name]
         shape = list(entry.shape)
@@ -72,7 +74,7 @@ def widen_model(source, dest, factor: int) -> Path:
         out.write(blob)
         for name in names:
             entry = store.tensors[name]
-            raw = np.fromfile(
+            raw: np.ndarray = np.fromfile(
                 store.files[entry.file],
                 dtype=RAW_NUMPY_DTYPES[entry.dtype],
                 count=int(np.prod(entry.shape)),

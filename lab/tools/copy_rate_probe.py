@@ -24,9 +24,9 @@ import mlx_lm
 from kernel_time import decode, stacks_to_device  # a tool beside this one
 
 import od_moe
-from od_moe.bench.two_tier_grid import best_seconds
 from od_moe.bench.widen import widen_model
 from od_moe.two_tier import kernels as two_tier_kernels
+from od_moe.two_tier.bus_probe import best_seconds
 
 REPEATS = 20
 LANES = 8

@@ -15,7 +15,6 @@ Not here: running the rows (`prefetch.py`).
 
 import time
 
-import mlx.core as mx
 import numpy as np
 
 from .. import load
@@ -23,7 +22,6 @@ from ..accounting.ledger import Ledger
 from ..engine import model_layouts
 from ..memory import backend
 from ..per_layer.reader import Reader
-from ..storage.layout import ExpertRows, flat_rows
 
 DEPTHS = (1, 2, 4, 8)
 
@@ -63,35 +61,12 @@ def read_bandwidth(path, cold: bool, experts_per_depth: int = 32, seed: int = 0)
 
 
 def install_bandwidth(path, experts: int = 8, repeats: int = 4) -> float:
-    """Bytes per second the backend installs read experts into a layer's slots."""
-    engine = load(str(path), capacity=experts, prefetch="none")
-    cache, store = engine.caches[0], engine.runtime.store
-    batches = [np.arange(experts) + experts * (n % 2) for n in range(repeats + 1)]  # alternate: always fresh
-    raws = {}
-    for ids in batches[:2]:
-        staging = ExpertRows(cache.layout, experts)
-        raws[int(ids[0])] = store.read(cache.layout, ids, staging)
-    copied = backend.arrays_in_host_memory()  # installs copy into the slots where arrays are host memory
-    made = not copied  # MLX writes from arrays the reader threads make (CUDA)
-    seconds = 0.0
-    for n, ids in enumerate(batches):
-        raw = raws[int(ids[0])]
-        arrays = None
-        if made:  # as the reader threads make them (their rows)
-            arrays = [
-                backend.stage_for_device(mx.array(row)) for row in flat_rows(cache.layout, raw, experts)
-            ]
-        mx.eval(arrays)
-        t0 = time.perf_counter()
-        cache.install(ids, raw, clock=n, arrays=arrays)
-        mx.eval(list(cache.stacked_arrays().values()))  # MLX writes are lazy: the layer would evaluate them
-        if n:  # the first install warms the path up
-            seconds += time.perf_counter() - t0
-        for array in arrays or ():
-            backend.unstage(array)
-    nbytes = cache.slot_nbytes * experts * repeats
+    """Bytes per second the backend installs read experts into a layer's slots: the per-layer path's
+    `transfer_rates` on an engine of `experts` slots a layer (`per_layer_runtime.PerLayerRuntime`)."""
+    engine = load(str(path), capacity=experts, prefetch="none", two_tier=False)
+    rate = engine.runtime.transfer_rates(repeats)["installed"]
     engine.close()
-    return nbytes / seconds
+    return rate
 
 
 def roofline_ms(

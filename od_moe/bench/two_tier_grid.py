@@ -16,13 +16,12 @@ those copied into slots (with device-kept slots, each miss is one copy), against
 number of slots (from empty caches at each prompt, decode passes only: the fewest experts a cache that
 holds what it computes on must take in; a miss read in place takes nothing in, so a policy could move
 fewer). The roofline is a bound: max(the resident step, stock's ms per token; moved bytes / the faster of
-two bandwidths measured here: one layer's computation reading every expert of the mapped stack in place,
-and a staged pass's copy of them to the device). On the CPU and
+two bandwidths the runtime measures (`Runtime.transfer_rates`): one layer's computation reading every expert
+of the mapped stack in place, and a staged pass's copy of them to the device). On the CPU and
 Metal the stack is plain memory: the counts and tokens hold, the speeds are that machine's.
 Not here: the two-tier runtime (`two_tier/two_tier_runtime.py`), the per-layer path's grid (`prefetch.py`).
 """
 
-import functools
 import gc
 import statistics
 import time
@@ -37,60 +36,12 @@ from ..assembly import auto_tiers
 from ..caching.replay import replay_recording
 from ..memory.preflight import inspect_model
 from ..runtime import TwoTierMode
-from ..two_tier import slot_fill, staged_passes
-from ..two_tier.layer_step import TwoTierSwitch
 from ..units import MB
 from .foundation import PROMPTS, decoded, stock_decode, stock_model
 from .roofline import roofline_ms
 
 WARM_PROMPT = "from collections import defaultdict\n\n\ndef group(items, key):\n    "
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)
-
-
-def best_seconds(run, repeats: int) -> float:
-    """The fastest of `repeats` evaluations of `run()`, after one to warm up."""
-    mx.eval(run())
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(run())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _first_switch(engine) -> TwoTierSwitch:
-    return next(m for _, m in engine.model.named_modules() if isinstance(m, TwoTierSwitch))
-
-
-def mapped_read_bandwidth(engine, repeats: int = 5) -> float:
-    """Bytes per second at which the first MoE layer's computation reads experts in place: one token routed
-    to every expert of the layer's mapped stack (every lane a miss), the best of `repeats` after a warm-up."""
-    switch = _first_switch(engine)
-    cache = engine.caches[switch.layer]
-    x = engine.model.model.embed_tokens(mx.array([[1]]))
-    indices = mx.arange(cache.num_experts, dtype=mx.uint32)[None, None]
-    best = best_seconds(lambda: switch.stacked(x, indices), repeats)
-    return cache.num_experts * cache.layout.expert_nbytes / best
-
-
-def staged_read_bandwidth(engine, repeats: int = 5) -> float:
-    """Bytes per second at which a staged pass's copy (`two_tier/staged_passes.py`: a kernel of 16-byte loads
-    on CUDA) brings every expert of the first MoE layer's mapped stack to the device, the best of `repeats`
-    after a warm-up: the other way bytes cross the bus, so the roofline takes the faster of the two."""
-    switch = _first_switch(engine)
-    stack, cache = engine.runtime.stacks[switch.layer], engine.caches[switch.layer]
-    rows, E = mx.arange(cache.num_experts, dtype=mx.int32), cache.num_experts
-    copy = functools.partial(
-        staged_passes.take_rows, list(stack.values()), rows, mx.array(E), slot_fill.available()
-    )
-    return E * cache.layout.expert_nbytes / best_seconds(copy, repeats)
-
-
-def bus_bandwidth(engine) -> dict:
-    """The two measured ways experts cross the bus (read in place by the layer's kernel, copied by a
-    staged pass), in bytes per second, and the best: the roofline's."""
-    found = {"in_place": mapped_read_bandwidth(engine), "copied": staged_read_bandwidth(engine)}
-    return {**found, "best": max(found.values())}
 
 
 def experts_across_bus(engine, phase: str | None = None) -> float:
@@ -160,12 +111,12 @@ def run_row(
     bw=None,
 ):
     """One fraction of experts in slots, of `slot_nbytes` each (which slots "auto" keeps); `bw`: the bus
-    bandwidths (`bus_bandwidth`, measured here where None)."""
+    bandwidths (`Runtime.transfer_rates`: read in place, copied, the best; measured here where None)."""
     two_tier = auto_tiers("auto", TwoTierMode.ON, "", slot_nbytes, fraction)[0].argument  # "lru", or True
     t0 = time.perf_counter()
     engine = load(str(path), capacity=fraction, two_tier=two_tier)
     load_s = time.perf_counter() - t0
-    bw = bw or bus_bandwidth(engine)
+    bw = bw or engine.runtime.transfer_rates()
     for _ in range(2):  # kernels, then admission settles on the warm prompt's experts
         list(engine.stream_generate(WARM_PROMPT, max_tokens=tokens))
     engine.reset_stats()

@@ -9,7 +9,6 @@ either path (`per_layer/`, `two_tier/`), or how the mode is chosen (`assembly.py
 """
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,10 +18,8 @@ import numpy as np
 
 from .accounting.ledger import Ledger
 from .caching.layer_cache import LayerCache
+from .storage.layout import ExpertIds
 from .storage.store import ExpertStore
-
-# experts of one MoE layer by id: a list, or the numpy array the caches and policies keep them in
-ExpertIds = Sequence[int] | np.ndarray
 
 
 class TwoTierMode(enum.Enum):

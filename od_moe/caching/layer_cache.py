@@ -15,13 +15,14 @@ here: deciding when to read (`per_layer/per_layer_runtime.py`, `per_layer/loader
 come off disk (`storage/store.py`).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
-from ..storage.layout import BlockLayout
+from ..storage.layout import BlockLayout, ExpertIds
 from .slot_arrays import SlotArrays
 
 EVICTION_POLICIES = ("lru", "lfu")
@@ -38,10 +39,16 @@ class Installed(NamedTuple):
 class LayerCache:
     """The resident experts of one MoE layer."""
 
+    # made when first asked for, dropped when the slots change (`_changed`)
+    _full: bool | None
+    _identity: bool | None
+    _lookup: mx.array | None
+    _resident: mx.array | None
+
     def __init__(
         self,
         layer: int,
-        projections: dict[str, object],
+        projections: Mapping[str, nn.Module],
         layout: BlockLayout,
         capacity: int,
         eviction: str = "lru",
@@ -155,19 +162,19 @@ class LayerCache:
         """The use counts of experts `ids` as of `clock`."""
         return self.uses[ids] * 0.5 ** ((clock - self.used_at[ids]) / LFU_HALF_LIFE)
 
-    def _blocked(self, protect: Sequence[int]) -> np.ndarray:
+    def _blocked(self, protect: ExpertIds) -> np.ndarray:
         """Slots that may not be evicted: pinned ones and those holding `protect`."""
         blocked = self.pinned.copy()
         held = self.slot_of[np.asarray(protect, dtype=np.int64)] if len(protect) else np.empty(0, np.int64)
         blocked[held[held >= 0]] = True
         return blocked
 
-    def room(self, protect: Sequence[int] = ()) -> int:
+    def room(self, protect: ExpertIds = ()) -> int:
         """How many experts can be installed without evicting pinned slots or `protect`."""
         return int((~self._blocked(protect)).sum())
 
     def choose_slots(
-        self, n: int, protect: Sequence[int], clock: float, next_use: np.ndarray | None = None
+        self, n: int, protect: ExpertIds, clock: float, next_use: np.ndarray | None = None
     ) -> np.ndarray:
         """n slots to install into: free ones first, then the most evictable unpinned, unprotected ones.
         `next_use`: passes until each expert is needed again (inf: not as far as is known), where the
@@ -184,7 +191,7 @@ class LayerCache:
             )
         return chosen
 
-    def evictable(self, clock: float, protect: Sequence[int] = (), next_use: np.ndarray | None = None):
+    def evictable(self, clock: float, protect: ExpertIds = (), next_use: np.ndarray | None = None):
         """Occupied slots that may be evicted, the first to go first (see `choose_slots`)."""
         blocked = self._blocked(protect)
         order = np.array(
@@ -199,12 +206,12 @@ class LayerCache:
     # -- installing ----------------------------------------------------------------------------
     def install(
         self,
-        ids: Sequence[int],
+        ids: ExpertIds,
         raw: dict[tuple[str, str], np.ndarray],
         prefetched: bool = False,
-        protect: Sequence[int] = (),
+        protect: ExpertIds = (),
         clock: float = 0.0,
-        arrays: list[mx.array | None] | None = None,
+        arrays: Sequence[mx.array | None] | None = None,
         next_use: np.ndarray | None = None,
         synchronize: bool = True,
     ) -> "Installed":
@@ -252,7 +259,7 @@ class LayerCache:
         """Count every resident expert as used (statistics restart; the experts stay)."""
         self.unused_prefetch[:] = False
 
-    def pin(self, ids: Sequence[int]):
+    def pin(self, ids: ExpertIds):
         """Make resident experts `ids` unevictable. At least one slot must stay evictable."""
         slots = self.slot_of[np.asarray(ids, dtype=np.int64)]
         if np.any(slots < 0):

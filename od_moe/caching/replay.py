@@ -16,10 +16,12 @@ text). Not here: the live cache (`caching/layer_cache.py`) or what it counts (`a
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..storage.layout import ExpertIds
 from .layer_cache import LFU_HALF_LIFE
 
 RULES = ("lru", "lfu", "min", "next-use")
@@ -125,7 +127,7 @@ def _uses(routed: np.ndarray) -> tuple[list[int], list[int]]:
     return ids, [counts[e] for e in ids]
 
 
-def first_uses(needed: list[np.ndarray], num_experts: int) -> np.ndarray:
+def first_uses(needed: Sequence[ExpertIds], num_experts: int) -> np.ndarray:
     """(passes + 1, E): row r holds the first pass >= r that uses each expert (inf: none), so the next
     use after pass t is row t + 1. `needed[t]`: the experts pass t uses. Also the oracle's future."""
     table = np.full((len(needed) + 1, num_experts), np.inf)

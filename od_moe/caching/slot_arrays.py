@@ -9,11 +9,14 @@ experts do not fit computes once on the slots and a scratch stack (`with_scratch
 sits in which slot, or eviction (`caching/layer_cache.py`); reading the bytes (`storage/store.py`).
 """
 
+from collections.abc import Mapping
+
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..memory import backend, cuda
-from ..storage.layout import BlockLayout, flat_rows
+from ..storage.layout import BlockLayout, ExpertPart, flat_rows
 
 # safetensors dtypes whose bytes are already the in-memory representation of an MLX dtype
 SAME_BYTES = {
@@ -47,7 +50,7 @@ def host_bits(raw: np.ndarray, disk_dtype: str, target: mx.Dtype):
 class SlotArrays:
     """The slots' arrays of one MoE layer, by part, inside its switch projections."""
 
-    def __init__(self, layer: int, projections: dict[str, object], layout: BlockLayout, capacity: int):
+    def __init__(self, layer: int, projections: Mapping[str, nn.Module], layout: BlockLayout, capacity: int):
         self.layer, self.layout, self.projections = layer, layout, projections
         self.targets = {}  # (proj, part) -> the in-memory dtype the model computes with
         for part in layout.parts:
@@ -62,7 +65,8 @@ class SlotArrays:
             module[part.name] = mx.zeros((capacity, *part.shape), dtype=original.dtype)
         mx.eval([projections[p.proj][p.name] for p in layout.parts])
         self.host_writes = True  # False once the backend or a dtype rules out writes from host bytes
-        self._writers = {}  # (proj, part) -> (stacked array, what writes its rows from host bytes)
+        # (proj, part) -> (stacked array, what writes its rows from host bytes)
+        self._writers: dict[tuple[str, str], tuple[mx.array, np.ndarray | cuda.RowWriter | None]] = {}
 
     def use_host_writes(self, on: bool):
         """Write installs from host bytes where the backend allows (on), or always with MLX writes."""
@@ -82,7 +86,7 @@ class SlotArrays:
             self.host_writes = False
             self._write_mlx(slots, raw, arrays)
 
-    def _row_writer(self, part):
+    def _row_writer(self, part: ExpertPart) -> np.ndarray | cuda.RowWriter | None:
         """What writes a part's stacked array from host bytes (`backend.row_writer`), kept while that array
         stays the module's."""
         array = self.projections[part.proj][part.name]

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -93,9 +94,9 @@ def save_snapshot(engine, path, weights: bool = False):
                 mx.save_safetensors(str(tmp), arrays)
                 _fsync(tmp)
                 bar.update(nbytes)
-                body["experts_sha256"] = file_sha256(tmp, bar)
-            body["experts_file"] = f"experts-{body['experts_sha256'][:16]}.safetensors"
-            tmp.replace(path / body["experts_file"])
+                body["experts_sha256"] = digest = file_sha256(tmp, bar)
+            body["experts_file"] = experts_file = f"experts-{digest[:16]}.safetensors"
+            tmp.replace(path / experts_file)
         meta_tmp.write_text(json.dumps(body))
         _fsync(meta_tmp)
         meta_tmp.replace(path / META)  # the commit point: before it, the previous snapshot is intact
@@ -117,7 +118,7 @@ def _experts_file(path: Path) -> str | None:
         return None
 
 
-def _load_experts(path: Path, body: dict, bar=None) -> dict:
+def _load_experts(path: Path, body: dict, bar=None) -> dict[str, mx.array]:
     """The packed slot arrays of a snapshot, after checking the file is the one its json was saved with."""
     name, expected = body.get("experts_file"), body.get("experts_sha256")
     if not isinstance(name, str) or not isinstance(expected, str) or Path(name).name != name:
@@ -131,7 +132,9 @@ def _load_experts(path: Path, body: dict, bar=None) -> dict:
             "differs: truncated, or copied from another snapshot); save a new snapshot"
         )
     try:
-        return mx.load(str(file))
+        # a .safetensors file, no metadata asked for: mx.load returns its arrays by name (its annotation is
+        # the union over every format)
+        return cast(dict[str, mx.array], mx.load(str(file)))
     except (RuntimeError, ValueError) as e:
         raise UserError(f"snapshot {path}: {name} cannot be read ({e}): save a new snapshot")
 

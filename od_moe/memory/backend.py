@@ -330,7 +330,7 @@ def copies_into_arrays() -> bool:
     return arrays_in_host_memory() or (_copies.available() and _copies.trusted is not False)
 
 
-def row_writer(array: mx.array):
+def row_writer(array: mx.array) -> np.ndarray | cuda.RowWriter | None:
     """What writes rows of an evaluated, row-contiguous array from host bytes (`writer[i] = row`, rows as
     unsigned integers of the array's item size, so bfloat16 works too): a numpy view of its memory where
     that is host memory, a `cuda.RowWriter` on CUDA, else None.

@@ -7,6 +7,7 @@ Not here: the modules that replace `switch_mlp` (`per_layer/offloaded_switch.py`
 """
 
 import copy
+from collections.abc import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,11 +16,12 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 
 def switch_on(
-    switch: nn.Module, stacks: dict[tuple[str, str], mx.array], rows_given: bool = False
+    switch: nn.Module, stacks: Mapping[tuple[str, str], mx.array | None], rows_given: bool = False
 ) -> nn.Module:
     """A shallow copy of mlx-lm's `switch` whose projections hold `stacks` ((projection, array name) ->
     array) instead of their own: the same code computes on other rows; `switch` is left as it is (a
-    layer's overflow here, the two-tier mode's mapped stack).
+    layer's overflow here, the two-tier mode's mapped stack). None for an array: the copy holds none
+    (`two_tier/layer_step.py` gives the arrays at each call).
 
     rows_given: the copied projections call their products with `batch_rows` for lhs indices, the values
     MLX makes when given none. In a trace for `mx.compile` those are constants of the compiled call, where
@@ -99,4 +101,7 @@ def _rows_for(x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array 
 
 
 # mlx-lm's projection classes and their twins that give the batch indices (`switch_on(rows_given=True)`)
-_ROWS_GIVEN = {QuantizedSwitchLinear: _QuantizedRowsGiven, SwitchLinear: _RowsGiven}
+_ROWS_GIVEN: dict[type[nn.Module], type[nn.Module]] = {
+    QuantizedSwitchLinear: _QuantizedRowsGiven,
+    SwitchLinear: _RowsGiven,
+}

@@ -4,10 +4,14 @@ its arrays back to back, which is also what an install copies from and what `od-
 Not here: finding the bytes in a model's files or reading them (`storage/store.py`).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
+# experts of one MoE layer by id: a list, or the numpy array the caches and policies keep them in
+ExpertIds = Sequence[int] | np.ndarray
 
 # safetensors dtype -> numpy dtype holding the raw bytes (bfloat16 is read as uint16 and viewed later)
 RAW_NUMPY_DTYPES = {
@@ -64,12 +68,12 @@ class BlockLayout:
         return sum(p.nbytes for p in self.parts)
 
 
-class ExpertBytes(dict):
+class ExpertBytes(dict[tuple[str, str], np.ndarray]):
     """Experts read: per part (`(proj, name)`), their rows (row i = the i-th expert asked for); `flat`:
     the same bytes as one (experts, expert bytes) uint8 array, each row an expert's parts back to back
     in `layout.parts` order (staging holds them that way)."""
 
-    def __init__(self, parts: dict, flat: np.ndarray):
+    def __init__(self, parts: dict[tuple[str, str], np.ndarray], flat: np.ndarray):
         super().__init__(parts)
         self.flat = flat
 
@@ -119,7 +123,9 @@ class ExpertRows:
         directly: `per_layer/mlx_rows.py`)."""
         self.size = size
         self.flat = host_rows(size, layout.expert_nbytes) if flat is None else flat
-        self.buffers, self.row_views, start = {}, {}, 0
+        self.buffers: dict[tuple[str, str], np.ndarray] = {}
+        self.row_views: dict[tuple[str, str], list[memoryview]] = {}
+        start = 0
         for p in layout.parts:
             columns = self.flat[:, start : start + p.nbytes]
             self.buffers[(p.proj, p.name)] = columns.view(RAW_NUMPY_DTYPES[p.dtype]).reshape(size, *p.shape)

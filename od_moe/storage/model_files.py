@@ -87,7 +87,8 @@ def open_model(path: Path, dtype: str):
     """mlx-lm's model (lazy: nothing read yet) and tokenizer, cast to the compute dtype."""
     target_dtype = backend.compute_dtype(dtype)
     try:
-        mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)
+        # mlx_lm.load's annotation is a union over `return_config`, with no overload: two items here
+        mlx_model, tokenizer = mlx_lm.load(str(path), lazy=True)  # type: ignore[misc]
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         raise UserError(f"mlx-lm cannot load {path}: {e}")
     if len(tokenizer.get_vocab()) < 2:  # transformers falls back to an empty tokenizer without files

@@ -62,7 +62,8 @@ def pack(store: ExpertStore, layouts: list[BlockLayout], out=None, progress=None
                 staging = ExpertRows(layout, min(batch, layout.num_experts))
                 for start in range(0, layout.num_experts, staging.size):
                     ids = range(start, min(start + staging.size, layout.num_experts))
-                    f.write(store.read(layout, list(ids), staging).flat)
+                    # numpy's stubs give ndarray the buffer protocol only for Python 3.12+; it has it on all
+                    f.write(store.read(layout, list(ids), staging).flat)  # type: ignore[arg-type]
                     if progress is not None:
                         progress(len(ids) * layout.expert_nbytes)
         os.replace(partial, out)

@@ -22,14 +22,14 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ExpertReadError, UserError
-from .layout import RAW_NUMPY_DTYPES, BlockLayout, ExpertBytes, ExpertPart, ExpertRows
+from .layout import RAW_NUMPY_DTYPES, BlockLayout, ExpertBytes, ExpertIds, ExpertPart, ExpertRows
 
 # Names a projection of mlx-lm's SwitchGLU / SwitchMLP has in per-expert Hugging Face checkpoints.
 HF_PROJECTION_NAMES = {
@@ -200,7 +200,7 @@ class ExpertStore:
             pass
 
     def block_layout(
-        self, module_path: str, parts: dict[str, Sequence[str]], num_experts: int
+        self, module_path: str, parts: Mapping[str, Sequence[str]], num_experts: int
     ) -> BlockLayout:
         """Locate the experts of the switch module at `module_path` (e.g. `model.layers.3.mlp.switch_mlp`).
 
@@ -267,9 +267,7 @@ class ExpertStore:
                 )
         return None
 
-    def read(
-        self, layout: BlockLayout, ids: Sequence[int], staging: ExpertRows
-    ) -> dict[tuple[str, str], np.ndarray]:
+    def read(self, layout: BlockLayout, ids: ExpertIds, staging: ExpertRows) -> ExpertBytes:
         """Read the experts `ids` (at most `staging.size`) into `staging`; returns views, row i = ids[i].
 
         Consecutive experts that lie back to back in a file are read with one `preadv`; from packed
@@ -284,14 +282,15 @@ class ExpertStore:
             file_index, base = layout.packed
             size = layout.expert_nbytes
             for start, end in _runs([file_index] * n, (base + ids * size).tolist(), size):
-                views = [memoryview(staging.flat[start:end].reshape(-1))]
+                # numpy's stubs give ndarray the buffer protocol only for Python 3.12+; it has it on all
+                views = [memoryview(staging.flat[start:end].reshape(-1))]  # type: ignore[arg-type]
                 self._read_run(layout, ids[start:end], file_index, views, base + int(ids[start]) * size)
         else:  # one request per run of experts per array
             self.read_parts(layout, ids, staging.row_views)
         parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
         return ExpertBytes(parts, staging.flat[:n])
 
-    def read_parts(self, layout: BlockLayout, ids: Sequence[int], row_views: dict[tuple[str, str], list]):
+    def read_parts(self, layout: BlockLayout, ids: ExpertIds, row_views: dict[tuple[str, str], list]):
         """Read each part of the experts `ids` (not packed) into `row_views[(proj, name)][i]`, memory of that
         part's bytes for expert ids[i], anywhere (a staging row, a row of an array): one request per run
         of experts that lie back to back in a file. Raises `ExpertReadError` as `read` does."""
@@ -310,7 +309,7 @@ class ExpertStore:
             raise self.read_error(layout, ids, e, file_index) from e
 
     def read_error(
-        self, layout: BlockLayout, ids: Sequence[int], error: BaseException, file_index: int | None = None
+        self, layout: BlockLayout, ids: ExpertIds, error: BaseException, file_index: int | None = None
     ) -> ExpertReadError:
         """The one-line error for a failed read of experts `ids` of `layout` (from `file_index`, else
         from the files that hold them): which experts, which file, why, and what to do."""
@@ -352,7 +351,8 @@ class ExpertStore:
         if bounce is None:
             raw = np.empty(BOUNCE_BYTES + DIRECT_ALIGN, dtype=np.uint8)
             start = -raw.ctypes.data % DIRECT_ALIGN
-            bounce = self._bounce.buffer = memoryview(raw[start : start + BOUNCE_BYTES])
+            # numpy's stubs give ndarray the buffer protocol only for Python 3.12+; it has it on all
+            bounce = self._bounce.buffer = memoryview(raw[start : start + BOUNCE_BYTES])  # type: ignore[arg-type]
         end = offset + sum(len(v) for v in views)
         pos = offset - offset % DIRECT_ALIGN
         while pos < end:

@@ -110,7 +110,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> "_OneLineErrors":
     """The parser of the `od-moe` command and its sub-commands."""
     parser = _OneLineErrors(prog="od-moe", description="Run Mixture-of-Experts models larger than memory.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -389,6 +389,8 @@ def _add_inspect(sub):
 class _OneLineErrors(argparse.ArgumentParser):
     """A parser whose mistakes are one line, `od-moe: error: ...`, naming the command's own help (argparse
     would print the top-level usage first, even for a sub-command's flag), and exit with code 2."""
+
+    commands: dict[str, argparse.ArgumentParser]  # each command's own parser, by name (`add_commands`)
 
     def error(self, message):
         self.exit(2, f"od-moe: error: {message} (see '{self.prog} --help')\n")

@@ -260,6 +260,7 @@ class Engine:
                 pass
         finally:
             recording = self.runtime.stop_recording()
+        assert recording is not None  # recording since `start_recording` above
         return recording
 
     def close(self):

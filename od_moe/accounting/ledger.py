@@ -231,8 +231,8 @@ def layer_rows(led: Ledger, caches) -> list[dict]:
 
 def totals(rows: list[dict]) -> dict:
     """The per-layer rows added up."""
-    keys = ("lookups", "hits", "misses", "experts_read", "experts_loaded", "bytes_read", "stall_s")
-    keys += ("install_s", "evictions")
+    keys: tuple[str, ...] = ("lookups", "hits", "misses", "experts_read", "experts_loaded", "bytes_read")
+    keys += ("stall_s", "install_s", "evictions")
     out = {k: sum(r[k] for r in rows) for k in keys + ("resident", "pinned", "capacity")}
     out["hit_rate"] = _rate(out["hits"], out["lookups"])
     for phase in PHASES:

@@ -234,7 +234,9 @@ class Supervisor:
             for other, link in list(self.links.items()):
                 if other != peer:
                     link.send({"k": "lost", "rank": peer, "why": why})
-        self.on_lost(self.message)
+        message = self.message
+        assert message is not None  # `lost` was set above, and is never unset
+        self.on_lost(message)
 
     def _stop_if_stuck(self, message: str):
         """The default `on_lost`: end the process if this rank stays inside the same pipeline work."""
@@ -271,7 +273,8 @@ def supervise(group) -> Supervisor:
                 "OD_MOE_HEARTBEAT_HOST to an address of rank 0 that every rank reaches"
             )
     mine = listener.getsockname()[1] if listener is not None else 0
-    port = int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item())
+    summed = mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group)
+    port = int(summed.item())  # type: ignore[arg-type]  # mlx types item() as any scalar: int32 gives an int
     if listener is not None:
         with listener:
             links = _accept(listener, group.size(), timeout, f"{host}:{port}")
@@ -282,13 +285,15 @@ def supervise(group) -> Supervisor:
 
 
 def _accept(listener: socket.socket, size: int, timeout: float, where: str) -> dict:
-    links, deadline = {}, time.monotonic() + CONNECT_S
+    links: dict[int, _Link] = {}
+    deadline = time.monotonic() + CONNECT_S
     while len(links) < size - 1:
         listener.settimeout(max(deadline - time.monotonic(), 0.01))
         try:
             sock, _ = listener.accept()
             link = _Link(sock, timeout)
-            links[int(link.receive()["rank"])] = link
+            # a peer that closed before saying its rank (None) fails as a message without one does
+            links[int((link.receive() or {})["rank"])] = link
         except (OSError, ValueError, TypeError, KeyError):
             if time.monotonic() < deadline:
                 continue

@@ -24,6 +24,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,6 +71,13 @@ def layers_of(model: nn.Module, block_paths: list[str]) -> tuple[str, list[int]]
             f"MoE blocks sit in several layer lists ({sorted(prefixes)}): cannot split this model"
         )
     return prefixes.pop(), sorted(moe)
+
+
+def _layer_number(block_path: str) -> int:
+    """The decoder layer of the MoE block at `block_path`, one `layers_of` found inside a `layers` list."""
+    m = _LAYER_PATH.match(block_path)
+    assert m is not None  # `layers_of` refused the model otherwise
+    return int(m.group(2))
 
 
 def stage_ranges(moe_layers: list[int], num_layers: int, size: int) -> list[tuple[int, int]]:
@@ -159,7 +167,7 @@ class Seam(nn.Module):
         self.layer = layer
         self._group, self._rank = group, group.rank()
         self._receive, self._send, self._gather = receive, send, gather
-        self._watch = None
+        self._watch: Callable[[], None] | None = None
 
     def watch_with(self, callback: Callable[[], None] | None):
         """Call `callback` once the hidden state has been received (None: nothing, no sync)."""
@@ -219,7 +227,7 @@ class _Probe:
 def _outputs_of(model: nn.Module, layers: list) -> int:
     """How many outputs the decoder layers return (0: the hidden state alone), from one lazy forward pass
     (a graph is built, nothing is computed or read)."""
-    seen = []
+    seen: list[int] = []
     originals = list(layers)
     layers[:] = [_Probe(layer, seen) for layer in originals]
     try:
@@ -268,10 +276,12 @@ class Stage:
         """Every rank's `values` (the same count on each), rank by rank."""
         mine = mx.array(values, dtype=mx.float32)
         with self.supervisor.busy():
-            return mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1).tolist()
+            gathered = mx.distributed.all_gather(mine, group=self.group).reshape(self.size, -1)
+            return gathered.tolist()  # type: ignore[return-value]  # mlx types tolist() for any shape
 
     def _sum(self, values: list[int]) -> list[int]:
-        return mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group).tolist()
+        summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
+        return summed.tolist()  # type: ignore[return-value]  # mlx types tolist() for any shape
 
 
 def rank_lines(engine) -> list[str]:
@@ -305,8 +315,9 @@ def check_same(group, what: dict):
     """Refuse to start where another rank was started with another model, budget or settings: every rank
     compares a digest of `what` with rank 0's (one all_gather) and raises the same one-line UserError."""
     digest = hashlib.sha256(repr(sorted(what.items())).encode()).digest()[:16]
-    every = mx.distributed.all_gather(mx.array(list(digest), dtype=mx.int32), group=group)
-    every = every.reshape(group.size(), -1).tolist()
+    gathered = mx.distributed.all_gather(mx.array(list(digest), dtype=mx.int32), group=group)
+    # a 2-D int32 array: a list of lists of ints (mlx types tolist() for any shape)
+    every = cast(list[list[int]], gathered.reshape(group.size(), -1).tolist())
     others = [r for r, d in enumerate(every) if d != every[0]]
     if others:
         raise UserError(
@@ -327,7 +338,7 @@ def split(model: nn.Module, group, blocks: list) -> Stage:
     ranges = stage_ranges(moe_layers, len(layers), group.size())
     start, end = ranges[group.rank()]
     last = len(layers) - 1
-    after = [b.block for b in blocks if int(_LAYER_PATH.match(b.path).group(2)) == end]  # the next rank's
+    after = [b.block for b in blocks if _layer_number(b.path) == end]  # the next rank's
     next_router = _router(after[0]) if after and group.rank() > 0 else None
     for i, layer in enumerate(layers):
         if not start <= i < end:

@@ -38,7 +38,7 @@ class SeamSender:
         self.policy, self.passes, self.supervisor = policy, passes, supervisor
         self.weights, self.biases = mx.array(router[0]), mx.array(router[1])
         self.last, self.to = last, to
-        self._lazy = None
+        self._lazy: tuple[mx.array, mx.array] | None = None  # this pass's prediction (ids, scores), lazy
         self.on = True  # off: the policy alone, to compare (`send_predictions`)
         self.sent = 0  # predictions sent (one per decode pass that predicted)
 
@@ -51,7 +51,8 @@ class SeamSender:
 
     def before_layer(self, step: Step) -> list[Prediction]:
         predictions = self.policy.before_layer(step)
-        if step.layer == self.last and step.predict and self.on:
+        # a step that predicts carries its hidden state (`Step.hidden`)
+        if step.layer == self.last and step.predict and self.on and step.hidden is not None:
             scores = next_gate(last_row(step.hidden), self.weights, self.biases)
             ids, probs = softmax_topk(scores[:, 0], self.policy.per_layer)
             self._lazy = (ids[0], mx.minimum(probs[0] * self.policy.top_k, 1.0))

@@ -21,7 +21,9 @@ from .sampling import make_sampler, vocab_size_of
 class BatchToken(NamedTuple):
     """One sequence's new token in a batch pass."""
 
-    index: int  # the prompt's position in the list given
+    # the prompt's position in the list given; the public field hides tuple's `index` method, which mypy
+    # reads as an incompatible override
+    index: int  # type: ignore[assignment]
     token: int
     text: str  # the text this token completes (empty for a stop token, which is not part of the output)
     finish_reason: str | None  # "stop" or "length" on the sequence's last response
@@ -83,7 +85,8 @@ def batch_generate(
     """The completions of `prompts` decoded together, as `mlx_lm.batch_generate` returns them (texts in the
     prompts' order, the batch's statistics, and each completion's token ids); arguments as
     `stream_batch_generate`."""
-    stats, tokens = BatchStats(), [[] for _ in prompts]
+    stats = BatchStats()
+    tokens: list[list[int]] = [[] for _ in prompts]
     for step in stream_batch_generate(engine, prompts, max_tokens, stats=stats, **kwargs):
         for t in step:
             if t.finish_reason != "stop":

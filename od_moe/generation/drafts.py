@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import UserError
 from ..runtime import Runtime
@@ -45,8 +46,8 @@ class Draft:
     """A draft model ready to draft for one target: what mlx-lm calls, its tokenizer (None: not known, an
     `nn.Module` given alone), a name for messages and /health, and its runtime where it is an engine."""
 
-    model: object
-    tokenizer: object | None
+    model: nn.Module  # an engine's `forward` is what its runtime gives as one (`Runtime.generation_model`)
+    tokenizer: TokenizerWrapper | None
     name: str
     runtime: Runtime | None = None
 
@@ -200,13 +201,15 @@ def responses(engine, draft: Draft | None, prompt: list[int], max_tokens: int, s
             **kwargs,
         )
         return _found(stream, counts, lookup, engine.runtime.ledger)
+    # mlx-lm annotates its models as `nn.Module`; its loop only calls them and reads their attributes, which
+    # a `Verifier` forwards to the model it wraps
     return mlx_lm.stream_generate(
-        target,
+        target,  # type: ignore[arg-type]
         engine.tokenizer,
         prompt,
         max_tokens=max_tokens,
         sampler=sampler,
-        draft_model=drafter,
+        draft_model=drafter,  # type: ignore[arg-type]
         **kwargs,
     )
 
@@ -221,7 +224,7 @@ def _found(stream, counts: LookupCounts, lookup: PromptLookup, ledger):
         ledger.count_found(counts.drafted, counts.accepted)
 
 
-def verifying(engine, draft: Draft, prompt: list[int]) -> tuple[Verifier, object]:
+def verifying(engine, draft: Draft, prompt: list[int]) -> tuple[Verifier, nn.Module | Verifier]:
     """The target and the draft as mlx-lm's loop is to call them for `prompt` (a draft engine's passes
     booked as decode in its own ledger once the prompt is in)."""
     target = Verifier(engine.forward, engine.runtime, len(prompt) - 1)

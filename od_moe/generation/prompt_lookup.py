@@ -18,6 +18,7 @@ Not here: model drafts and the ledger's drafting counts (`generation/drafts.py`)
 
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -112,8 +113,9 @@ class PromptLookup(nn.Module):
         self.vocab_size, self.ngram, self.shortest = vocab_size, ngram, shortest
         self.counts = LookupCounts()  # what od-moe's loop drafted with it, by source (`lookup_generate_step`)
 
-    def fit_vocab(self, vocab_size: int):
-        """Draft over `vocab_size` logits, the target's, where no size was given (`drafts.prepare`)."""
+    def fit_vocab(self, vocab_size: int | None):
+        """Draft over `vocab_size` logits, the target's, where no size was given (`drafts.prepare`; None:
+        the target's config does not say)."""
         if self.vocab_size is None:
             self.vocab_size = vocab_size
 
@@ -133,6 +135,11 @@ class PromptLookup(nn.Module):
         history = cache[0]
         history.extend(inputs.reshape(-1).tolist())
         token = history.next_token(self.ngram)
+        if self.vocab_size is None:  # else mx.full fails with no word of why
+            raise ValueError(
+                "PromptLookup needs the target's vocabulary size before mlx-lm's drafting loop calls it: "
+                "give vocab_size"
+            )
         logits = mx.full((1, 1, self.vocab_size), -float("inf"))
         logits[..., token] = 0.0
         return logits
@@ -192,7 +199,8 @@ def lookup_generate_step(
     history = prompt_cache[layers] if prompt_cache is not None and len(prompt_cache) > layers else History()
     sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
     counts = counts if counts is not None else LookupCounts()
-    tokens = prompt.astype(mx.uint32).tolist()
+    # a 1-D array: a list of ints (mlx types tolist() for any shape)
+    tokens = cast(list[int], prompt.astype(mx.uint32).tolist())
     seen = list(history.tokens) + tokens  # what logits processors are given, as mlx-lm gives its tokens
     for start in range(0, len(tokens) - 1, prefill_step_size):
         chunk = tokens[start : min(start + prefill_step_size, len(tokens) - 1)]

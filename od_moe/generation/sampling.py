@@ -34,11 +34,10 @@ def out_of_range(name: str, shown: str, low, high, low_open: bool = False) -> st
 def vocab_size_of(model) -> int | None:
     """The number of logits the model produces per token, from its config (None when it does not say)."""
     args = getattr(model, "args", None)
-    size = getattr(args, "vocab_size", None) or getattr(
-        getattr(args, "text_config", None), "vocab_size", None
-    )
-    if size is None and isinstance(getattr(args, "text_config", None), dict):
-        size = args.text_config.get("vocab_size")
+    text_config = getattr(args, "text_config", None)
+    size = getattr(args, "vocab_size", None) or getattr(text_config, "vocab_size", None)
+    if size is None and isinstance(text_config, dict):
+        size = text_config.get("vocab_size")
     return int(size) if size else None
 
 
@@ -67,11 +66,11 @@ def check_sampling(
         isinstance(top_k, bool)
         or not isinstance(top_k, numbers.Integral)
         or top_k < 0
-        or (vocab_size and top_k >= vocab_size)
+        or (vocab_size and int(top_k) >= vocab_size)  # `numbers.Integral` declares only < and <=
     ):
         raise UserError(f"top_k must be an integer >= 0 (0: off){limit}, got {top_k!r}")
     if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED
+        isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) <= MAX_SEED
     ):
         raise UserError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
 

@@ -24,6 +24,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -164,7 +165,13 @@ def _cache_nbytes(model, tokens: int) -> int:
     """Bytes the states of fresh caches hold after a lazy run of `tokens` tokens (shapes only)."""
     caches = make_prompt_cache(model)
     model(mx.zeros((1, tokens), mx.int32), cache=caches)
-    return sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if isinstance(v, mx.array))
+    # tree_flatten without a destination gives a list of (name, value) pairs; its type also admits a dict
+    return sum(
+        v.nbytes
+        for c in caches
+        for _, v in cast(list[tuple[str, object]], tree_flatten(c.state))
+        if isinstance(v, mx.array)
+    )
 
 
 def _projected_kv_nbytes_per_token(model) -> int:
@@ -181,7 +188,9 @@ def _projected_kv_nbytes_per_token(model) -> int:
 
 def _itemsize(model) -> int:
     """Bytes per activation: the compute dtype's (that of the model's floating weights)."""
-    floating = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    # tree_flatten without a destination gives a list of (name, value) pairs; its type also admits a dict
+    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    floating = [v.dtype for _, v in parameters if mx.issubdtype(v.dtype, mx.floating)]
     return floating[0].size if floating else 4
 
 
@@ -192,7 +201,7 @@ def activation_nbytes_per_token(model, context: int = RESERVED_CONTEXT) -> int:
     intermediate (3 x moe intermediate); and a row of attention scores per head over the `context`."""
     args = getattr(model, "args", None)
     hidden = getattr(args, "hidden_size", 0)
-    inter = getattr(args, "moe_intermediate_size", None) or getattr(args, "intermediate_size", hidden)
+    inter = getattr(args, "moe_intermediate_size", 0) or getattr(args, "intermediate_size", hidden)
     heads = getattr(args, "num_attention_heads", 1)
     return (experts_per_token(model) * (2 * hidden + 3 * inter) + heads * context) * _itemsize(model)
 

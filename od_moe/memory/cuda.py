@@ -216,9 +216,13 @@ class HostPreferredHints:
     class Location(ctypes.Structure):
         _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
+    # the host and the GPU as `cudaMemAdvise` takes them: a location (CUDA 13) or a device number (CUDA 12)
+    host: "HostPreferredHints.Location | int"
+    gpu: "HostPreferredHints.Location | int"
+
     def __init__(self, runtime=None, version: int = 13000, device: int = 0):
         self.device = device  # MLX computes on the first GPU
-        self.on = None  # None: the runtime not looked for yet
+        self.on: bool | None = None  # None: the runtime not looked for yet
         self.advised: dict[int, int] = {}  # buffer address -> bytes advised
         self.lock = threading.Lock()
         if runtime is not None:
@@ -283,7 +287,7 @@ class HostMapping:
 
     def __init__(self, device: int = 0):
         self.device = device
-        self.on = None  # None: the runtime not looked for yet
+        self.on: bool | None = None  # None: the runtime not looked for yet
         self.advised: dict[int, int] = {}  # buffer address -> bytes advised
         self.lock = threading.Lock()
 

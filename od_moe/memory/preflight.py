@@ -15,7 +15,9 @@ import re
 import threading
 import weakref
 from pathlib import Path
+from typing import cast
 
+import mlx.core as mx
 import mlx_lm.utils
 from mlx.utils import tree_flatten
 
@@ -189,7 +191,9 @@ def _device_report(
     if plan is None:
         return None
     (budget, where), context = plan
-    free, total = backend.device_memory()
+    card = backend.device_memory()
+    assert card is not None  # a plan is made only where the device has memory of its own
+    free, total = card
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     staged = slot_nbytes if tiered else 0
     working = working_nbytes(mlx_model, moe_layers, num_experts, staged, context, kv)
@@ -263,8 +267,10 @@ def _rank_rows(mlx_model, blocks, slot_nbytes: int, kv: int, ranks: int) -> list
     layers_path, moe = layers_of(mlx_model, [b.path for b in blocks])
     num_layers = len((dict(mlx_model.named_modules())[layers_path] if layers_path else mlx_model).layers)
     prefix = re.compile(rf"^{re.escape(layers_path + '.' if layers_path else '')}layers\.(\d+)\.")
-    per_layer, shared = {}, 0
-    for name, value in tree_flatten(mlx_model.parameters()):
+    per_layer: dict[int, int] = {}
+    shared = 0
+    # tree_flatten without a destination gives a list of (name, value) pairs; its type also admits a dict
+    for name, value in cast(list[tuple[str, mx.array]], tree_flatten(mlx_model.parameters())):
         m = prefix.match(name)
         if m is None:
             shared += value.nbytes
@@ -294,7 +300,7 @@ def _rank_rows(mlx_model, blocks, slot_nbytes: int, kv: int, ranks: int) -> list
     return rows
 
 
-_computed = weakref.WeakKeyDictionary()  # engine -> its capabilities
+_computed: weakref.WeakKeyDictionary[object, dict] = weakref.WeakKeyDictionary()  # engine -> its capabilities
 _lock = threading.Lock()
 
 

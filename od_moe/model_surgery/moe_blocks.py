@@ -8,6 +8,7 @@ Routers, shared experts, attention and norms are left alone. Not here: cache pol
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -125,7 +126,8 @@ def weight_nbytes(model: nn.Module, blocks: list[MoEBlock]) -> tuple[int, int]:
     """(bytes of one expert slot, bytes of every non-expert weight) in memory, from the arrays' shapes and
     dtypes (nothing is evaluated): what capacity and memory-budget arithmetic counts."""
     experts = expert_nbytes(blocks)
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    # tree_flatten without a destination gives a list of (name, value) pairs; its type also admits a dict
+    total = sum(v.nbytes for _, v in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
     return experts // (blocks[0].num_experts * len(blocks)), total - experts
 
 

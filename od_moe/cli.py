@@ -281,7 +281,7 @@ def cmd_serve(args):
 def cmd_inspect(args):
     import json
 
-    from .memory.preflight import format_inspection, inspect_model
+    from .preflight import format_inspection, inspect_model
 
     if args.ranks < 1:
         raise UserError(f"--ranks must be a positive integer, got {args.ranks}")

@@ -100,7 +100,7 @@ def test_inspect_says_what_the_card_holds_and_an_idle_engine_gives_mlx_s_cache_b
     assert limits == [int(10**12 * DEVICE_BUDGET_FRACTION) - DEVICE_LIBRARY_NBYTES]
     engine.generate("def add(a, b):", max_tokens=3)
     assert released == [1]
-    from od_moe.memory.preflight import format_inspection, inspect_model
+    from od_moe.preflight import format_inspection, inspect_model
 
     report = inspect_model(capacity=10)
     device = report["device"]

@@ -310,7 +310,7 @@ LAYERS = [
 def unit_of(module: str) -> str:
     """The folder or root module a dotted module belongs to (`od_moe.per_layer.loader` -> "per_layer")."""
     parts = module.split(".")
-    if module == "od_moe.memory.preflight" or module == "od_moe.preflight":
+    if module == "od_moe.preflight" or module == "od_moe.preflight":
         return "preflight"  # what a load would do: above the engine, whatever folder holds it
     return parts[1] if len(parts) > 1 else parts[0]
 

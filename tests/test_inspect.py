@@ -1,4 +1,4 @@
-"""`od-moe inspect` (od_moe.memory.preflight): figures equal what loading then reports, nothing is loaded,
+"""`od-moe inspect` (od_moe.preflight): figures equal what loading then reports, nothing is loaded,
 refusals
 are reported, and the server's /v1/capabilities says the same."""
 
@@ -9,7 +9,7 @@ import pytest
 import od_moe
 from od_moe.cli import main
 from od_moe.memory import backend
-from od_moe.memory.preflight import inspect_model
+from od_moe.preflight import inspect_model
 from od_moe.server import create_app
 from tiny_models import DBRX, FAMILIES, write_hf_per_expert, write_mlx_model
 

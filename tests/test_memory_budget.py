@@ -12,7 +12,7 @@ from conftest import PROMPTS
 from od_moe.cli import main
 from od_moe.memory import backend
 from od_moe.memory.capacity import budget_for, working_nbytes
-from od_moe.memory.preflight import inspect_model
+from od_moe.preflight import inspect_model
 
 LONG = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(9))  # ~170 tokens, one prefill chunk
 

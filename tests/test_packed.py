@@ -120,7 +120,7 @@ def test_commands_read_a_packed_file_made_elsewhere(tmp_path, capsys):
 
 
 def test_inspect_reports_packed_experts(packed_model):
-    from od_moe.memory.preflight import format_inspection, inspect_model
+    from od_moe.preflight import format_inspection, inspect_model
 
     report = inspect_model(str(packed_model))
     assert report["packed"] == str(packed_model / "od-moe-packed" / "experts.safetensors")

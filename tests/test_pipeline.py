@@ -218,7 +218,7 @@ def test_a_snapshot_of_one_rank_is_refused_elsewhere(tmp_path):
 
 def test_inspect_ranks_gives_each_rank_its_layers_and_memory(capsys):
     from od_moe.cli import main
-    from od_moe.memory.preflight import inspect_model
+    from od_moe.preflight import inspect_model
 
     whole = inspect_model(ranks=1)
     report = inspect_model(ranks=2)

@@ -529,7 +529,8 @@ def test_with_no_slots_large_experts_are_staged_at_every_pass(monkeypatch, bundl
     """Experts of `STAGE_DECODE_NBYTES` or more, no expert in a device row: decode passes are staged too
     (each lane's expert copied to the device, then computed there), with stock's tokens, and `inspect`
     says so; with slots, or with small experts, a decode pass is read in place."""
-    from od_moe.memory import backend, preflight
+    from od_moe import preflight
+    from od_moe.memory import backend
 
     assert od_moe.load(capacity=0, two_tier=True).runtime.stage_positions == staged_passes.STAGE_POSITIONS
     # the bundled model's 20 KB experts count large
@@ -617,8 +618,8 @@ def test_auto_keeps_the_slots_of_large_experts_on_the_device(monkeypatch, bundle
     """Where "auto" turns two-tier mode on (CUDA, the host holds the experts), experts of 1 MB or more get
     slots kept by the device (`lru`) where some but not all have slots, smaller ones slots admitted by
     counts; predictive prefetch still keeps the per-layer path; `od-moe inspect` says which."""
-    from od_moe import assembly
-    from od_moe.memory import backend, preflight
+    from od_moe import assembly, preflight
+    from od_moe.memory import backend
 
     monkeypatch.setattr(
         backend, "two_tier_choice", lambda asked, nbytes, host=None: (asked is not False, "on")

@@ -69,7 +69,7 @@ def run(model: str, capacity: str, tokens: int, prompt_tokens: int):
     import mlx.core as mx
 
     import od_moe
-    from od_moe.memory.preflight import inspect_model
+    from od_moe.preflight import inspect_model
 
     t0 = time.perf_counter()
     card0 = _card()  # makes the context

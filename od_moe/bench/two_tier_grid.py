@@ -34,7 +34,7 @@ from ..accounting.ledger import experts_moved
 from ..accounting.report import table
 from ..assembly import auto_tiers
 from ..caching.replay import replay_recording
-from ..memory.preflight import inspect_model
+from ..preflight import inspect_model
 from ..runtime import TwoTierMode
 from ..units import MB
 from .foundation import PROMPTS, decoded, stock_decode, stock_model

@@ -29,7 +29,7 @@ from werkzeug.serving import WSGIRequestHandler
 from ..errors import RankLost, UserError
 from ..generation.drafts import CLI_DRAFT_TOKENS
 from ..generation.sampling import vocab_size_of
-from ..memory.preflight import engine_capabilities
+from ..preflight import engine_capabilities
 from ..units import MB
 from . import anthropic, dashboard, guard, openai, ranks
 from .drafting import ServerDraft

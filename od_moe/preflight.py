@@ -21,16 +21,11 @@ import mlx.core as mx
 import mlx_lm.utils
 from mlx.utils import tree_flatten
 
-from ..assembly import auto_tiers
-from ..distributed.rank_split import layers_of, stage_ranges
-from ..errors import UserError
-from ..model_surgery.moe_blocks import offloadable_blocks, top_k_of, weight_nbytes
-from ..predictor.model import CONFIG_FILE, WEIGHTS_FILE
-from ..runtime import TwoTierMode
-from ..storage.store import ExpertStore
-from ..units import format_bytes as _size
-from . import backend
-from .capacity import (
+from .assembly import auto_tiers
+from .distributed.rank_split import layers_of, stage_ranges
+from .errors import UserError
+from .memory import backend
+from .memory.capacity import (
     AUTO_BUDGET_FRACTION,
     DEVICE_LIBRARY_NBYTES,
     RESERVED_CONTEXT,
@@ -43,12 +38,17 @@ from .capacity import (
     resolve_capacity,
     working_nbytes,
 )
+from .model_surgery.moe_blocks import offloadable_blocks, top_k_of, weight_nbytes
+from .predictor.model import CONFIG_FILE, WEIGHTS_FILE
+from .runtime import TwoTierMode
+from .storage.store import ExpertStore
+from .units import format_bytes as _size
 
 FRACTIONS = (0.125, 0.25, 0.5, 1.0)  # the capacities whose budgets every report lists
 
 
 def _predictor_candidates(path: Path, predictor) -> list[Path]:
-    from ..engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
+    from .engine import DEFAULT_MODEL, DEFAULT_PREDICTOR
 
     if predictor is not None:
         return [Path(predictor).expanduser()]
@@ -98,7 +98,7 @@ def inspect_model(
     memory_budget, packed, `device` (device_memory, context_tokens): as `load` takes them; capacity: a
     count, fraction or "25%" whose budget to report; predictor: a folder to check (None: `<model>-predictor`
     beside it, or the bundled one); ranks: processes to split the layers over (each rank's memory)."""
-    from ..storage.model_files import model_identity, resolve_model_path
+    from .storage.model_files import model_identity, resolve_model_path
 
     path = resolve_model_path(model)
     config = json.loads((path / "config.json").read_text())
@@ -184,8 +184,8 @@ def _device_report(
     """Where the device has memory of its own (CUDA): what the card has free, the device budget and the
     slots `load` would give with no capacity (`assembly.expert_slots`), or why none fit, and what the card
     holds for the process at each of `FRACTIONS` (`card_bytes`: `capacity.card_nbytes`); None elsewhere."""
-    from ..assembly import device_plan, expert_slots
-    from ..storage.model_files import max_positions
+    from .assembly import device_plan, expert_slots
+    from .storage.model_files import max_positions
 
     plan = device_plan(device_memory, context_tokens, 1, max_positions(path))
     if plan is None:
@@ -244,7 +244,7 @@ def _two_tier_report(slot_nbytes: int, host_bytes: int, memory_budget) -> dict:
     `two_tier/two_tier_runtime.py`): whether it is on, and why; where the device has memory of its own, a
     memory budget
     is the host's, as `load` takes it (`assembly.host_budget`)."""
-    from ..assembly import host_budget
+    from .assembly import host_budget
 
     device = backend.device_memory()
     on, why = backend.two_tier_choice("auto", host_bytes, host_budget(memory_budget, device))
@@ -306,7 +306,7 @@ _lock = threading.Lock()
 
 def _packed_file(path, store, packed) -> str | None:
     """The packed experts `load(packed=packed)` would read, if any (checked as `load` checks them)."""
-    from ..storage.model_files import use_packed_experts
+    from .storage.model_files import use_packed_experts
 
     use_packed_experts(store, path, packed)
     return str(store.packed) if store.packed else None

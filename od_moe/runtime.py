@@ -9,7 +9,7 @@ either path (`per_layer/`, `two_tier/`), or how the mode is chosen (`assembly.py
 """
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -65,8 +65,6 @@ class PathFigures:
     kept_by_device: bool = False
     # slot fills that found a stack copied instead of written in place (want 0; two tiers)
     stack_moves: int = 0
-    # more the path reports in its own terms (the bench's grids), by name
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ReadAhead(Protocol):

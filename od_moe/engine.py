@@ -340,6 +340,7 @@ class Engine:
             "io": io_by_phase(ledger),
             "per_pass": {phase: per_pass(ledger, phase) for phase in PHASES},
             "direct_io": runtime.store.direct_io,
+            "direct_io_refused": runtime.store.direct_io_refused,  # why reads go through the page cache
             "packed_experts": str(runtime.store.packed) if runtime.store.packed else None,
             "forwards": ledger.forwards,
             "layers": layers,

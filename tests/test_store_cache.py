@@ -1,6 +1,8 @@
 """Expert store reads and the resident cache's invariants."""
 
+import errno
 import gc
+import os
 import shutil
 
 import mlx.core as mx
@@ -11,6 +13,7 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens
 from conftest import consistent as _consistent
 from od_moe.accounting.ledger import Ledger
+from od_moe.accounting.report import format_stats
 from od_moe.errors import UserError
 from od_moe.memory.capacity import budget_for, parse_capacity, parse_size, resolve_capacity, working_nbytes
 from od_moe.per_layer.reader import Reader
@@ -331,6 +334,32 @@ def test_direct_reads_bypass_the_page_cache_and_read_the_same_bytes(bundled_refe
     assert not od_moe.load(capacity="25%").stats()["direct_io"]  # "auto": the bundled model fits in memory
     with pytest.raises(UserError, match="direct_io"):
         od_moe.load(capacity=8, direct_io="yes")
+    assert engine.stats()["direct_io_refused"] is None
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's; macOS reads past the cache by fcntl"
+)
+def test_direct_io_refused_is_said_in_one_line_and_in_the_stats(monkeypatch, capsys, bundled_reference):
+    """Where the file system refuses direct I/O (tmpfs, some overlays: EINVAL on O_DIRECT), reads go through
+    the page cache, exactly, and `load` says so once on stderr, in the stats and in `--stats`' table."""
+    real_open = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    engine = od_moe.load(capacity="25%", direct_io=True)
+    monkeypatch.undo()
+    said = [line for line in capsys.readouterr().err.splitlines() if "direct I/O" in line]
+    assert len(said) == 1
+    assert said[0].endswith("(Invalid argument): reads go through the page cache")
+    stats = engine.stats()
+    assert not stats["direct_io"] and "od-moe: " + stats["direct_io_refused"] == said[0]
+    assert stats["direct_io_refused"] in format_stats(stats)
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
 
 
 def test_mlx_rows_are_read_into_again_only_after_two_decode_passes_and_a_sync():

@@ -69,6 +69,8 @@ def format_stats(stats: dict, response=None) -> str:
     out.append(memory_line(stats["memory"]))
     if stats.get("packed_experts"):
         out.append(f"experts read from the packed copy {stats['packed_experts']}")
+    if stats.get("direct_io_refused"):
+        out.append(stats["direct_io_refused"])
     if response is not None:
         out.append(
             f"prompt {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s, "

@@ -5,6 +5,7 @@ and mlx-lm's lazy model and tokenizer. Not here: the engine built on them (`engi
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import mlx_lm
@@ -79,7 +80,8 @@ def open_store(path: Path, packed, direct_io) -> ExpertStore:
     if direct_io not in (True, False, "auto"):
         raise UserError(f"direct_io must be True, False or 'auto', got {direct_io!r}")
     if direct_io is True or direct_io == "auto" and store.nbytes > backend.available_memory_bytes():
-        store.use_direct_io(True)
+        if not store.use_direct_io(True):  # never silently: the page cache then holds what is read
+            print(f"od-moe: {store.direct_io_refused}", file=sys.stderr)
     return store
 
 

@@ -16,6 +16,7 @@ thread may call it. Not here: what to read, where it goes (`caching/layer_cache.
 (`accounting/ledger.py`).
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -44,14 +45,11 @@ DIRECT_ALIGN = 4096  # O_DIRECT wants aligned offsets, lengths and buffers; 4 Ki
 BOUNCE_BYTES = 4 * 2**20  # per-thread aligned buffer for O_DIRECT reads
 
 
-def _open_direct(path: Path):
-    """(fd, needs alignment) for reads that bypass the page cache, or None where the OS or the file
-    system offers no such reads (tmpfs refuses O_DIRECT, for example)."""
+def _open_direct(path: Path) -> tuple[int, bool]:
+    """(fd, needs alignment) for reads that bypass the page cache; an OSError saying why where the OS or
+    the file system offers no such reads (tmpfs refuses O_DIRECT, for example)."""
     if hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-        except OSError:
-            return None
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
     if sys.platform == "darwin":
         import fcntl
 
@@ -60,9 +58,13 @@ def _open_direct(path: Path):
             fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
         except OSError:
             os.close(fd)
-            return None
+            raise
         return fd, False
-    return None
+    raise OSError(errno.ENOTSUP, "this OS offers no reads past the page cache")
+
+
+def _why(error: OSError) -> str:
+    return error.strerror or str(error)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ class ExpertStore:
         self.weights_digest = digest.hexdigest()
         self._packed: dict[str, tuple] = {}  # module path -> (offset, shape) of its packed rows (last file)
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
-        self._direct = None  # [(fd, needs alignment)] per file while direct I/O is on
+        self._direct: list[tuple[int, bool]] | None = None  # (fd, needs alignment) per file while it is on
+        self._refused: str | None = None  # why direct I/O asked for is off (`direct_io_refused`)
         self._bounce = threading.local()
         self._drop_after_read = False  # `drop_pages_after_read`
 
@@ -184,14 +187,25 @@ class ExpertStore:
                 os.close(fd)
             self._direct = None
         elif on and self._direct is None:
-            opened = [_open_direct(p) for p in self.files]
-            if all(opened):
-                self._direct = opened
-            else:
-                for o in opened:
-                    if o:
-                        os.close(o[0])
+            opened: list[tuple[int, bool]] = []
+            try:
+                for path in self.files:
+                    opened.append(_open_direct(path))
+            except OSError as e:
+                for fd, _ in opened:
+                    os.close(fd)
+                self._refused = (
+                    f"direct I/O is not possible for {path} ({_why(e)}): reads go through the page cache"
+                )
+                return False
+            self._direct, self._refused = opened, None
         return self.direct_io
+
+    @property
+    def direct_io_refused(self) -> str | None:
+        """Why reads go through the page cache after direct I/O was asked for (the file system refused it,
+        as tmpfs and some overlays do), in one line; None where it was not refused."""
+        return self._refused
 
     def __del__(self):
         try:

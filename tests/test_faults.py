@@ -4,6 +4,7 @@ prefetch only costs its read, no read stays in flight, and the next request give
 through the Python API, the command line and the server."""
 
 import json
+import os
 import shutil
 import threading
 import urllib.request
@@ -58,7 +59,10 @@ def test_a_failed_demand_read_fails_the_request_and_the_next_one_is_exact(monkey
     slots_hold_their_experts(engine)
 
 
-def test_a_truncated_file_fails_the_request_and_serves_again_once_restored(tmp_path, bundled_reference):
+def test_a_file_changed_since_load_is_refused_and_the_engine_stays_exact(tmp_path, bundled_reference):
+    """A checkpoint truncated, rewritten in place or replaced under a running engine is not read again: the
+    request that needs it fails with one line saying how it changed and what to do, no slot is corrupted,
+    and loading the model again reads the new files exactly."""
     model = tmp_path / "model"
     shutil.copytree(od_moe.DEFAULT_MODEL, model)
     data = model / "model.safetensors"
@@ -68,14 +72,26 @@ def test_a_truncated_file_fails_the_request_and_serves_again_once_restored(tmp_p
     engine.generate(PROMPTS[0], max_tokens=4)
     with open(data, "r+b") as f:  # shrunk under the running engine: the later experts are gone
         f.truncate(len(original) // 3)
-    with pytest.raises(ExpertReadError, match=f"from {data} \\(short read at byte [0-9]+: the file is trunc"):
+    shrunk = f"{len(original)} bytes when loaded, {len(original) // 3} now"
+    with pytest.raises(
+        ExpertReadError, match=f"^{data} changed since od-moe loaded it \\({shrunk}\\): .*restart"
+    ):
         engine.generate(PROMPTS[1], max_tokens=TOKENS)
     slots_hold_their_experts(engine, od_moe.DEFAULT_MODEL)
-    with open(data, "r+b") as f:  # restored in place (the engine keeps its file open)
+    with open(data, "r+b") as f:  # the same bytes written back in place: still not the file loaded
         f.write(original)
-    assert od_moe_tokens(engine, [PROMPTS[1]], TOKENS)[0] == bundled_reference[1][:TOKENS]
-    slots_hold_their_experts(engine)
+    with pytest.raises(ExpertReadError, match="modified since it was loaded"):
+        engine.generate(PROMPTS[1], max_tokens=TOKENS)
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(original)
+    os.replace(copy, data)  # another file under the same name
+    with pytest.raises(ExpertReadError, match="replaced by another file"):
+        engine.generate(PROMPTS[1], max_tokens=TOKENS)
+    slots_hold_their_experts(engine, od_moe.DEFAULT_MODEL)
     invariants(engine.stats())
+    again = od_moe.load(str(model), capacity="25%", prefetch="next-gate")  # loaded again: the new files
+    assert od_moe_tokens(again, [PROMPTS[1]], TOKENS)[0] == bundled_reference[1][:TOKENS]
+    slots_hold_their_experts(again)
 
 
 def test_failed_prefetch_reads_cost_only_their_reads(monkeypatch, bundled_reference):

@@ -63,6 +63,12 @@ def _open_direct(path: Path) -> tuple[int, bool]:
     raise OSError(errno.ENOTSUP, "this OS offers no reads past the page cache")
 
 
+def _stamp(path: Path) -> tuple[int, int, int]:
+    """(size, modification time in ns, inode) of the file at `path`."""
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+
 def _why(error: OSError) -> str:
     return error.strerror or str(error)
 
@@ -132,6 +138,9 @@ class ExpertStore:
         self.weights_digest = digest.hexdigest()
         self._packed: dict[str, tuple] = {}  # module path -> (offset, shape) of its packed rows (last file)
         self._fds = [os.open(p, os.O_RDONLY) for p in self.files]
+        # each file as it was loaded (size, modification time, inode): a read from a file changed since is
+        # refused (`_unchanged`), since its bytes may no longer be those its header and the slots describe
+        self._stamps = [_stamp(p) for p in self.files]
         self._direct: list[tuple[int, bool]] | None = None  # (fd, needs alignment) per file while it is on
         self._refused: str | None = None  # why direct I/O asked for is off (`direct_io_refused`)
         self._bounce = threading.local()
@@ -168,6 +177,7 @@ class ExpertStore:
         self.use_direct_io(False)  # reopened below with the packed file among them
         self.files.append(Path(path))
         self._fds.append(os.open(path, os.O_RDONLY))
+        self._stamps.append(_stamp(Path(path)))
         self._packed = dict(rows)
         self.use_direct_io(direct)
 
@@ -316,11 +326,32 @@ class ExpertStore:
                 self._read_run(layout, ids[start:end], files[start], views[start:end], offsets[start])
 
     def _read_run(self, layout: BlockLayout, ids: np.ndarray, file_index: int, views: list, offset: int):
-        """One request: the bytes at `offset` into `views`, a failure named as `read_error` names it."""
+        """One request: the bytes at `offset` into `views`, a failure named as `read_error` names it; a
+        file changed since it was loaded is not read (`changed_error`)."""
         try:
-            self._pread_exact(file_index, views, offset)
+            changed = self._changed(file_index)
+            if changed is None:
+                self._pread_exact(file_index, views, offset)
         except OSError as e:
             raise self.read_error(layout, ids, e, file_index) from e
+        if changed is not None:
+            raise self.changed_error(file_index, changed)
+
+    def _changed(self, file_index: int) -> str | None:
+        """How the file differs from the file loaded (its size, modification time or inode), or None."""
+        was, now = self._stamps[file_index], _stamp(self.files[file_index])
+        if now == was:
+            return None
+        if now[0] != was[0]:
+            return f"{was[0]} bytes when loaded, {now[0]} now"
+        return "modified since it was loaded" if now[2] == was[2] else "replaced by another file"
+
+    def changed_error(self, file_index: int, how: str) -> ExpertReadError:
+        """The one-line error for a read refused because the file changed since load: what to do."""
+        return ExpertReadError(
+            f"{self.files[file_index]} changed since od-moe loaded it ({how}): its experts are no longer "
+            "read; load the model again (restart od-moe) to use the new files"
+        )
 
     def read_error(
         self, layout: BlockLayout, ids: ExpertIds, error: BaseException, file_index: int | None = None

@@ -181,3 +181,21 @@ def test_each_decoded_tokens_time_is_the_gap_between_two_responses(monkeypatch):
     tokens, last = foundation.decoded((SimpleNamespace(token=t) for t in (7, 8, 9, 3)), gaps)
     assert tokens == [7, 8, 9, 3] and last.token == 3
     assert gaps == [0.125, 0.5, 0.25, 1.25]
+
+
+def test_the_disk_probe_reads_n_experts_at_a_time_for_its_seconds():
+    """`disk_rate` reads for `seconds` by its clock at each number of reads in flight: on a clock that moves
+    one second a look, 3 s are three fetches of n whole experts, over the 4 s the last look saw; the best
+    count of reads in flight is the rate's."""
+    from od_moe.bench.roofline import disk_rate
+    from od_moe.engine import model_layouts
+
+    store, layouts = model_layouts(DEFAULT_MODEL)
+    store.close()
+    expert = layouts[0].expert_nbytes
+    ticks = iter(range(1000))
+    found = disk_rate(DEFAULT_MODEL, seconds=3, threads=(1, 4), clock=lambda: float(next(ticks)))
+    assert found["by_threads"] == {1: 3 * expert / 4, 4: 3 * 4 * expert / 4}
+    assert found["threads"] == 4 and found["bytes_per_s"] == 3 * expert
+    # past the page cache, or the line saying why not (a file system that refuses direct I/O)
+    assert found["direct_io"] == (found["direct_io_refused"] is None)

@@ -305,6 +305,7 @@ class ExpertStore:
         if layout.packed is not None:  # expert i's row is staging row i: a run of experts is one span
             file_index, base = layout.packed
             size = layout.expert_nbytes
+            self._refuse_changed(layout, ids, [file_index])
             for start, end in _runs([file_index] * n, (base + ids * size).tolist(), size):
                 # numpy's stubs give ndarray the buffer protocol only for Python 3.12+; it has it on all
                 views = [memoryview(staging.flat[start:end].reshape(-1))]  # type: ignore[arg-type]
@@ -319,6 +320,7 @@ class ExpertStore:
         part's bytes for expert ids[i], anywhere (a staging row, a row of an array): one request per run
         of experts that lie back to back in a file. Raises `ExpertReadError` as `read` does."""
         ids = np.asarray(ids, dtype=np.int64)
+        self._refuse_changed(layout, ids, np.unique([p.files[ids] for p in layout.parts]).tolist())
         for part in layout.parts:
             views = row_views[(part.proj, part.name)]
             files, offsets = part.files[ids].tolist(), part.offsets[ids].tolist()
@@ -326,16 +328,22 @@ class ExpertStore:
                 self._read_run(layout, ids[start:end], files[start], views[start:end], offsets[start])
 
     def _read_run(self, layout: BlockLayout, ids: np.ndarray, file_index: int, views: list, offset: int):
-        """One request: the bytes at `offset` into `views`, a failure named as `read_error` names it; a
-        file changed since it was loaded is not read (`changed_error`)."""
+        """One request: the bytes at `offset` into `views`, a failure named as `read_error` names it."""
         try:
-            changed = self._changed(file_index)
-            if changed is None:
-                self._pread_exact(file_index, views, offset)
+            self._pread_exact(file_index, views, offset)
         except OSError as e:
             raise self.read_error(layout, ids, e, file_index) from e
-        if changed is not None:
-            raise self.changed_error(file_index, changed)
+
+    def _refuse_changed(self, layout: BlockLayout, ids: np.ndarray, file_indices: list[int]):
+        """Before a read of experts `ids`: a file it reads that changed since it was loaded is not read
+        (`changed_error`), one look a file and a read."""
+        for file_index in file_indices:
+            try:
+                how = self._changed(file_index)
+            except OSError as e:  # gone, or no longer readable
+                raise self.read_error(layout, ids, e, file_index) from e
+            if how is not None:
+                raise self.changed_error(file_index, how)
 
     def _changed(self, file_index: int) -> str | None:
         """How the file differs from the file loaded (its size, modification time or inode), or None."""

@@ -1,6 +1,7 @@
 """Split the lines ruff finds too long (E501) in comments and docstrings at the last space that fits, the
 rest carried to a line of its own with the same indent (and `# ` in a comment). After a move lengthened a
-path.
+path. It does not tell a docstring from a string literal: a long string in code comes out broken, so check
+ruff's parse afterwards and join such lines by hand.
 
     python3 lab/refactor/wrap_long_lines.py
 """

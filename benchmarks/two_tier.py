@@ -22,16 +22,15 @@ alternating, median of `--rounds` ratios (`stage=P` sets the positions from whic
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
 `lru:F:decay=D`: by decayed routing counts, not recency);
 `static:F` the same as `tt` with admission frozen after the warm-up (a second engine, from the first's
-snapshot, admission off);
-`exact:F` the per-layer path (today's default off CUDA). Settings may follow (`two_tier/settings.py`'s
-`TwoTierSettings`, given to `load` as `path_settings`), e.g. `tt:0.25:margin=8:admit_every=16`
-(`AdmissionSettings`' margin, max_swaps, half_life and every; `fills=mlx`: slots filled by MLX writes after
-a wait, not by kernels, on CUDA; `stage=P`: its stage_positions). Forecasts into device-kept rows
-(`KeptRowsSettings`, `ForecastSettings`): `ahead=S` rows more a layer (0 with `lru`: into its own rows),
-`forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer (default S, or
-all of `lru`'s rows), `nocopy` (decide, copy nothing), `demand=0` (no copies of a layer's own misses),
-`blocks=B` (thread blocks a copy). On the CPU backend every two-tier row runs on host memory: tokens and
-counts are meaningful there, the speeds are the CPU's.
+snapshot, admission off); `exact:F` the per-layer path (today's default off CUDA). Settings may follow
+(`two_tier/settings.py`'s `TwoTierSettings`, given to `load` as `path_settings`), e.g.
+`tt:0.25:margin=8:admit_every=16` (`AdmissionSettings`' margin, max_swaps, half_life and every; `fills=mlx`:
+slots filled by MLX writes after a wait, not by kernels, on CUDA; `stage=P`: its stage_positions). Forecasts
+into device-kept rows (`KeptRowsSettings`, `ForecastSettings`): `ahead=S` rows more a layer (0 with `lru`:
+into its own rows), `forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer
+(default S, or all of `lru`'s rows), `nocopy` (decide, copy nothing), `demand=0` (no copies of a layer's own
+misses), `blocks=B` (thread blocks a copy). On the CPU backend every two-tier row runs on host memory: tokens
+and counts are meaningful there, the speeds are the CPU's.
 """
 
 import argparse

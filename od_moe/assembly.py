@@ -1,12 +1,11 @@
 """Putting an opened model together for offloading: which path runs, the caches, the runtime, the predictor.
 
 `engine.load` opens a model's files (`storage/model_files.py`) and then, here: decides between the two-tier
-mode
-and the per-layer path (and says why), sizes the caches from a capacity or a memory budget, makes a
+mode and the per-layer path (and says why), sizes the caches from a capacity or a memory budget, makes a
 `LayerCache` per MoE block, builds the runtime behind every block's new switch, and checks a shadow
 predictor against the model. Not here: the files themselves (`storage/model_files.py`), generation
-(`engine.py`),
-what either runtime does per layer (`per_layer/per_layer_runtime.py`, `two_tier/two_tier_runtime.py`).
+(`engine.py`), what either runtime does per layer (`per_layer/per_layer_runtime.py`,
+`two_tier/two_tier_runtime.py`).
 """
 
 import sys

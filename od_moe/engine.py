@@ -1,11 +1,11 @@
 """The engine: load an MoE model with a bounded expert cache and generate with it.
 
 `load()` resolves and opens the model (`storage/model_files.py`: embedded default, local folder or hub id),
-swaps
-every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`assembly.py`), and materialises only
-the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so responses
-are mlx-lm `GenerationResponse`s and exact mode's tokens are mlx-lm's. It also picks the prefetch policy,
-reports the ledger (`stats`) and saves snapshots. Not here: the CLI, the server, the runtimes, reading bytes.
+swaps every MoE block's experts for an `OffloadedSwitch` over a `LayerCache` (`assembly.py`), and materialises
+only the non-expert weights. `Engine.stream_generate` runs mlx-lm's own generation loop on that model, so
+responses are mlx-lm `GenerationResponse`s and exact mode's tokens are mlx-lm's. It also picks the prefetch
+policy, reports the ledger (`stats`) and saves snapshots. Not here: the CLI, the server, the runtimes, reading
+bytes.
 """
 
 import contextlib
@@ -163,8 +163,7 @@ class Engine:
         kwargs go to `mlx_lm.generate_step` (for example `prompt_cache`, `logits_processors`). `draft_model`
         (a model folder, loaded resident; an mlx-lm model; another engine) drafts `num_draft_tokens` a pass
         (None: mlx-lm's default) for mlx-lm's speculative decoding (`generation/drafts.py`; `from_draft` per
-        response).
-        Generation stops at the model's maximum positions (`max_positions`, prompt and reused cache
+        response). Generation stops at the model's maximum positions (`max_positions`, prompt and reused cache
         included), with finish reason "length"; a prompt that leaves no room is a `UserError`.
         An expert that cannot be read fails the request with `ExpertReadError`; the engine stays usable,
         and a `prompt_cache` passed in is trimmed back to what it held before (where its caches can be
@@ -412,8 +411,7 @@ def load(
         folder has them), True (required), False, or the path of a packed file.
     two_tier: every expert in host memory, read in place by the device on a miss, `capacity` experts per
         layer in device slots, no host sync per layer (`two_tier/two_tier_runtime.py`): "auto" (on CUDA where
-        host
-        memory holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by
+        host memory holds the experts, no prediction or skip mode asked), True, False, or "lru" (slots kept by
         the device: `two_tier/kept_rows.py`); then capacity may be 0. `Engine.mode` tells the path,
         `Engine.mode_reason` why.
     ranks: "auto" splits the decoder layers over the `mlx.launch` processes (`distributed/rank_split.py`:

@@ -242,8 +242,7 @@ def _capacity_report(capacity, tiered: bool, report: dict, budget) -> dict:
 def _two_tier_report(slot_nbytes: int, host_bytes: int, memory_budget) -> dict:
     """Two-tier mode by "auto" (every expert in host memory, the budget's slots on the device:
     `two_tier/two_tier_runtime.py`): whether it is on, and why; where the device has memory of its own, a
-    memory budget
-    is the host's, as `load` takes it (`assembly.host_budget`)."""
+    memory budget is the host's, as `load` takes it (`assembly.host_budget`)."""
     from .assembly import host_budget
 
     device = backend.device_memory()

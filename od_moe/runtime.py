@@ -58,8 +58,8 @@ class PathFigures:
 
     # prefetch reads queued and not yet started, and the governor's state (`prefetch/governor.py`)
     prefetch: dict[str, Any]
-    # decode passes run with one host sync (`per_layer/optimistic.py`): enabled, passes, missed, token miss
-    # rate
+    # decode passes run with one host sync (`per_layer/optimistic.py`): enabled, passes, missed and the
+    # token miss rate
     optimistic: dict[str, Any]
     # the device keeps its slots itself (two tiers' `lru`): experts moved are counted from its rows
     kept_by_device: bool = False

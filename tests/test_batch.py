@@ -1,8 +1,7 @@
 """Batched decoding (`od_moe/generation/batch_generate.py`): several prompts in one pass give the tokens of
-stock mlx-lm's own
-`batch_generate` (every expert resident) on the embedded model and on another family's tiny model; a
-batch reads each missing expert once for all its sequences; the ledger keeps passes, positions and tokens
-apart; mistakes are UserErrors."""
+stock mlx-lm's own `batch_generate` (every expert resident) on the embedded model and on another family's tiny
+model; a batch reads each missing expert once for all its sequences; the ledger keeps passes, positions and
+tokens apart; mistakes are UserErrors."""
 
 import mlx_lm
 import pytest

@@ -1,7 +1,6 @@
 """od_moe/memory/cuda.py, the CUDA runtime calls od-moe makes, through recording fakes on this CPU: copies
-into
-an array's rows (the CPU backend's arrays are host memory, so a fake copying with `memmove` writes where a
-real one writes device memory), pinned staging, the check that the device sees the copies, and the memory
+into an array's rows (the CPU backend's arrays are host memory, so a fake copying with `memmove` writes where
+a real one writes device memory), pinned staging, the check that the device sees the copies, and the memory
 advice of the fallback path; then the engine with its installs done by those copies."""
 
 import ctypes

@@ -1,6 +1,5 @@
 """mlx-lm's private names od-moe relies on (`od_moe/model_surgery/mlx_lm_private.py`) are still where it reads
-them: an
-mlx-lm release that moves one fails here by name."""
+them: an mlx-lm release that moves one fails here by name."""
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator

@@ -53,8 +53,7 @@ def record(tokens: int):
 
 def replay(routed, scores, layers: int, rows: int) -> collections.Counter:
     """LRU over `rows` a layer (`od_moe.caching.replay`'s rule) on the recorded passes, and what the forecast
-    of
-    each pass names among the experts not held before it."""
+    of each pass names among the experts not held before it."""
     counts = collections.Counter()
     passes = sorted({c for c, _ in routed})
     for layer in range(layers):

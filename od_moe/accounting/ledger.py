@@ -30,9 +30,8 @@ reads are booked like any other's. The reader's own counters (`READER_FIELDS`): 
 completed and their seconds, requests dropped, and the generation thread's time spent on prefetch work
 other than installs (`busy_s`: predicting, queueing, choosing what to install, the policy's bookkeeping).
 Drafting (`generation/drafts.py`): `verify_passes`, the passes that verified drafts; `drafted`, the draft
-tokens they
-verified; `accepted`, the generated tokens that came from a draft (mlx-lm's `from_draft`); `found`, prompt
-lookup's drafts and accepted tokens by where they were found (`FOUND_IN`). While `verifying`
+tokens they verified; `accepted`, the generated tokens that came from a draft (mlx-lm's `from_draft`);
+`found`, prompt lookup's drafts and accepted tokens by where they were found (`FOUND_IN`). While `verifying`
 (`book_verifying`, once a drafted generation's prompt is in), every count booked as prefill is booked as
 decode: a verify pass runs the last token and its k drafts, k + 1 positions as a prompt's pass does (and the
 runtimes run it so), but it decodes. So with drafting a decode pass gives 1 to k + 1 tokens, its positions

@@ -4,8 +4,7 @@ For each model, capacity, read temperature (cold: page cache dropped and every r
 policy and prefetch policy, one run over the same prompts gives the decode demand hit rate, stall and
 bytes read per decoded token (demand and prefetch reads alike) next to what Belady's MIN would read for
 the same routing and capacity (`caching/replay.py`, from the routing recorded in that run), decode tok/s and
-its
-ratio to the fully resident model (stock mlx-lm, measured in the same process), prefetch precision and
+its ratio to the fully resident model (stock mlx-lm, measured in the same process), prefetch precision and
 back-offs, and for skip mode the share of tokens that equal the exact output. The oracle replays the
 routing recorded from an exact run of the same prompt. `--deterministic` makes every prefetch read land
 before it is needed and turns the timed self-checks off: hit counts, bytes read and tokens are then the

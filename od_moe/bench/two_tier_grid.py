@@ -1,7 +1,6 @@
 """The two-tier grid of `od-moe bench` (`--two-tier` alone, and after the prefetch grid with `--gpu`): how
 close to stock mlx-lm decoding gets when misses are read in place from host memory
-(`two_tier/two_tier_runtime.py`),
-and how close to the bound the machine sets.
+(`two_tier/two_tier_runtime.py`), and how close to the bound the machine sets.
 
 Per model (the bundled one, and the widened copy unless `--widen 0`) and per fraction of experts in device
 slots (0 / 25 / 50 / 100%), one engine in two-tier mode, with the slots "auto" would keep there (the

@@ -11,8 +11,7 @@ remapped to slots. Bookkeeping is numpy on the generation thread:
 Eviction never touches pinned slots or the experts the running layer needs. Methods return what happened
 (slots used, evictions, first uses of prefetched experts) and the runtime books it in the ledger. Not
 here: deciding when to read (`per_layer/per_layer_runtime.py`, `per_layer/loader.py`), counting
-(`accounting/ledger.py`), how bytes
-come off disk (`storage/store.py`).
+(`accounting/ledger.py`), how bytes come off disk (`storage/store.py`).
 """
 
 from collections.abc import Mapping, Sequence

@@ -14,11 +14,9 @@ in its own ledger); or a `Draft` already made. It refuses, with a `UserError`, a
 not the target's, a target or draft whose KV cache cannot be rewound (Qwen3-Next's linear-attention layers,
 as mlx-lm refuses them) and drafting across ranks. `Verifier` is the target as mlx-lm's loop calls it: the
 passes after the prompt's are verify passes, counted so (`accounting/ledger.py`: drafted, accepted, verify
-passes) and
-booked as decode.
-`responses` picks the loop: mlx-lm's for a draft model, prompt lookup's own (`generation/prompt_lookup.py`)
-for
-drafts from the text so far. Not here: either loop, a draft offloaded in the target's own budget.
+passes) and booked as decode. `responses` picks the loop: mlx-lm's for a draft model, prompt lookup's own
+(`generation/prompt_lookup.py`) for drafts from the text so far. Not here: either loop, a draft offloaded in
+the target's own budget.
 """
 
 from dataclasses import dataclass

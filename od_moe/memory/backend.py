@@ -14,11 +14,10 @@ MLX runs on Metal (macOS), CUDA and the CPU. They differ in what is fast and wha
   on), also with no MLX op; where that is unavailable, the cache falls back to MLX slice updates, from
   arrays the reader threads make.
 - Two-tier mode (`two_tier/two_tier_runtime.py`) keeps every expert in host memory for the GPU to read in
-place where
-  the GPU has memory of its own (CUDA) and the host holds the experts (`two_tier_choice`); `map_for_device`
-  advises such a stack (`cuda.HostMapping`). On the CPU and Metal the same code runs on plain memory. MLX
-  counts a mapped stack as active memory against its memory limit (on CUDA 0.95 of the device's memory), so
-  the limit is raised by the bytes kept in host memory (`map_for_device`, `unmap`).
+  place where the GPU has memory of its own (CUDA) and the host holds the experts (`two_tier_choice`);
+  `map_for_device` advises such a stack (`cuda.HostMapping`). On the CPU and Metal the same code runs on plain
+  memory. MLX counts a mapped stack as active memory against its memory limit (on CUDA 0.95 of the device's
+  memory), so the limit is raised by the bytes kept in host memory (`map_for_device`, `unmap`).
 - That fallback's arrays are managed memory made from host bytes, which migrates page by page on first
   touch: `stage_for_device` asks the driver to keep such an array's pages in host memory, mapped for the
   GPU, so neither side faults. The advice stays with the memory when MLX recycles the buffer, so only

@@ -277,9 +277,8 @@ class HostPreferredHints:
 class HostMapping:
     """CUDA managed-memory advice for an expert stack that stays in host memory and that the GPU reads in
     place (two-tier mode, `two_tier/two_tier_runtime.py`): preferred location the host and accessed by the
-    device over
-    the whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its last
-    `device_tail` bytes (the layer's slots) preferred on the device and moved there, so that a hit reads
+    device over the whole array, so `gather_qmm` reads the rows it needs over PCIe with no page migration; its
+    last `device_tail` bytes (the layer's slots) preferred on the device and moved there, so that a hit reads
     device memory (a slot left on the host is read over PCIe like a miss, so hits would save nothing:
     docs/GPU.md, "One computation per lane"). `release_at` takes
     the advice back before MLX may recycle the buffer. An error turns the advice off for good and clears the

@@ -1,7 +1,6 @@
 """mlx-lm's switch over other arrays (`switch_on`), for both paths: the per-layer path's overflow stack
 (`per_layer/offloaded_switch.py`) and two tiers' mapped stacks (`two_tier/`); and its products traced with
-their
-batch indices given (`switch_on(rows_given=True)`), for the compiled passes of `two_tier/layer_step.py`:
+their batch indices given (`switch_on(rows_given=True)`), for the compiled passes of `two_tier/layer_step.py`:
 od-moe's own twins of mlx-lm's projection classes, so nothing of mlx's or mlx-lm's is replaced.
 Not here: the modules that replace `switch_mlp` (`per_layer/offloaded_switch.py`, `two_tier/layer_step.py`).
 """

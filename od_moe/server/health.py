@@ -129,8 +129,8 @@ def health_body(worker, name: str, started: float) -> dict:
             "experts_loaded": total.get("experts_loaded", 0),
             "evictions": total.get("evictions", 0),
             "miss_policy": stats.get("miss_policy"),
-            # decode passes run one ahead of the tokens given out (accounting/ledger.py): never add one to the
-            # other
+            # decode passes run one ahead of the tokens given out (accounting/ledger.py): never add one
+            # to the other
             "prefill_positions": stats["positions"]["prefill"],
             "decode_passes": stats["passes"]["decode"],
             "decode_positions": stats["positions"]["decode"],

@@ -7,8 +7,7 @@ slice. Two layouts:
 - MLX: stacked `(E, ...)` tensors (`...switch_mlp.gate_proj.weight`); expert e is row e, contiguous.
 - Hugging Face: one tensor per expert (`...experts.{e}.gate_proj.weight`, Mixtral's `w1/w3/w2`).
 Where the model's experts were packed (`storage/packed.py`), an expert is instead one row of a packed file,
-read
-with one request. Reads go straight from the file into caller-owned staging rows; a whole stacked tensor
+read with one request. Reads go straight from the file into caller-owned staging rows; a whole stacked tensor
 is never loaded. With direct I/O on (`use_direct_io`) reads bypass the OS page cache, as they must when the
 model is larger than memory: Linux `O_DIRECT` (aligned spans through a per-thread bounce buffer; the
 device copies, not the CPU) or macOS `F_NOCACHE`. This module does file I/O only (no MLX), so a reader
@@ -170,9 +169,8 @@ class ExpertStore:
 
     def use_packed(self, path, rows: dict[str, tuple[int, tuple]]):
         """Read experts from packed rows (`storage/packed.py`): `rows` maps a block's module path to the
-        offset of
-        its expert 0 in the file at `path` and the shape (experts, expert bytes) of its rows. Layouts made
-        before this call keep reading the checkpoint."""
+        offset of its expert 0 in the file at `path` and the shape (experts, expert bytes) of its rows.
+        Layouts made before this call keep reading the checkpoint."""
         direct = self.direct_io
         self.use_direct_io(False)  # reopened below with the packed file among them
         self.files.append(Path(path))

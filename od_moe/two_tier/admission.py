@@ -8,9 +8,8 @@ admission problem, not an eviction one.
 counts all its tokens, so the prompt's own routing seeds the slots: router discovery for free), and
 `swaps` names the experts to copy in and the slots they go to: free slots first, then a replacement only
 where the newcomer's count beats the resident's by a margin, at most so many per layer each time
-(`settings.AdmissionSettings`).
-Pure numpy on the host; the counts come from the device lazily. Not here: when admission runs (every
-`AdmissionSettings.every` positions: `two_tier_runtime.py`), the copies or the counting.
+(`settings.AdmissionSettings`). Pure numpy on the host; the counts come from the device lazily. Not here: when
+admission runs (every `AdmissionSettings.every` positions: `two_tier_runtime.py`), the copies or the counting.
 """
 
 import numpy as np

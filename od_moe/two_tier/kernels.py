@@ -22,9 +22,8 @@ the token's time: even stock mlx-lm's decoded token takes longer in wall time th
 copied the rows, and counted its hits in several operations besides the copy; here the copy kernel does it
 all: its blocks each copy one (lane, array) row, and its first block writes the lane's hit and, for the first
 lane, the pass's counts. The bytes copied are the rows `copy_rows` copies, so the layer's products and tokens
-are unchanged.
-Not here: when each kernel runs and what its copies are for (`two_tier_runtime.py`, `slot_fill.py`,
-`kept_rows.py`, `staged_passes.py`).
+are unchanged. Not here: when each kernel runs and what its copies are for (`two_tier_runtime.py`,
+`slot_fill.py`, `kept_rows.py`, `staged_passes.py`).
 """
 
 from collections.abc import Sequence

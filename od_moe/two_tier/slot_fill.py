@@ -9,9 +9,8 @@ row, through the stack's own pointer, where MLX would not write. What makes that
 backend keeps, which follows data: each kernel takes the hidden state entering the pass's first MoE layer as
 an input, so it runs after every earlier pass (whose readers of the slot being overwritten came before that
 state), and the layer's expert-to-row table for this pass is made from the kernels' outputs, so no computation
-reads a slot before its copy landed.
-Only where MLX runs on CUDA (`AdmissionSettings.by_kernel`); elsewhere (and before the first pass) MLX writes
-the stacks after a wait (`write_after_wait`).
+reads a slot before its copy landed. Only where MLX runs on CUDA (`AdmissionSettings.by_kernel`); elsewhere
+(and before the first pass) MLX writes the stacks after a wait (`write_after_wait`).
 Not here: which experts to copy (`admission.py`), the tables and the caches' bookkeeping
 (`two_tier_runtime.py`).
 """

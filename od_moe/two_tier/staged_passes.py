@@ -14,9 +14,8 @@ union and the places are found on the device, so nothing waits for the host. Row
 experts are large (`positions_to_stage`); a pass of one position copies lane i's expert into row i
 (`one_position`: its lanes route to distinct experts). Both are a pass's lanes (`layer_step.Lanes`: the copy,
 each lane's place in it). The copy lives until the layer's products are computed: min(E, lanes) experts of
-device memory at a time, beyond the slots.
-Not here: the tables and slots the rows come from (`two_tier_runtime.py`), the copies' CUDA kernels
-(`kernels.py`), the products' own reads (mlx-lm).
+device memory at a time, beyond the slots. Not here: the tables and slots the rows come from
+(`two_tier_runtime.py`), the copies' CUDA kernels (`kernels.py`), the products' own reads (mlx-lm).
 """
 
 import mlx.core as mx

@@ -9,7 +9,7 @@ either path (`per_layer/`, `two_tier/`), or how the mode is chosen (`assembly.py
 """
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -18,6 +18,7 @@ import numpy as np
 
 from .accounting.ledger import Ledger
 from .caching.layer_cache import LayerCache
+from .prefetch import governor
 from .storage.layout import ExpertIds
 from .storage.store import ExpertStore
 
@@ -51,16 +52,24 @@ class TwoTierMode(enum.Enum):
         return "two-tier" if self.tiered else "per-layer"
 
 
+def _no_prefetch() -> dict[str, Any]:
+    return dict(pending=0, **governor.OFF)
+
+
+def _no_optimistic_passes() -> dict[str, Any]:
+    return {"enabled": False, "passes": 0, "missed": 0, "token_miss_rate": 0.0}
+
+
 @dataclass(frozen=True)
 class PathFigures:
     """What a path reports beside the ledger (`Engine.stats`), the same keys on both paths: zeros and
-    "off" where a path has no such thing."""
+    "off" where a path has no such thing (the defaults)."""
 
     # prefetch reads queued and not yet started, and the governor's state (`prefetch/governor.py`)
-    prefetch: dict[str, Any]
+    prefetch: dict[str, Any] = field(default_factory=_no_prefetch)
     # decode passes run with one host sync (`per_layer/optimistic.py`): enabled, passes, missed and the
     # token miss rate
-    optimistic: dict[str, Any]
+    optimistic: dict[str, Any] = field(default_factory=_no_optimistic_passes)
     # the device keeps its slots itself (two tiers' `lru`): experts moved are counted from its rows
     kept_by_device: bool = False
     # slot fills that found a stack copied instead of written in place (want 0; two tiers)

@@ -42,7 +42,6 @@ from ..accounting.ledger import Ledger
 from ..caching.layer_cache import LayerCache
 from ..memory import backend
 from ..model_surgery.routing import routing_weights, tap_router
-from ..prefetch import governor as governor_module
 from ..prefetch.governor import Governor, PrefetchSettings
 from ..prefetch.policies import OnDemand, Prediction, Step
 from ..runtime import ExpertIds, PathFigures, Runtime, TwoTierMode
@@ -208,16 +207,15 @@ class PerLayerRuntime(Runtime):
 
     def figures(self) -> PathFigures:
         """Prefetch reads pending and the governor's state; optimistic passes."""
-        if self.governor is None:
-            prefetch = dict(pending=0, **governor_module.OFF)
-        else:
-            prefetch = dict(pending=self.reader.counts()["pending"], **self.governor.stats())
         passes = {
             "enabled": self.settings.optimistic,
             "passes": self._optimistic_passes,
             "missed": self._optimistic_misses,
             "token_miss_rate": self._token_miss_rate,
         }
+        if self.governor is None:  # no prefetch: its figures "off"
+            return PathFigures(optimistic=passes)
+        prefetch = dict(pending=self.reader.counts()["pending"], **self.governor.stats())
         return PathFigures(prefetch=prefetch, optimistic=passes)
 
     def transfer_rates(self, repeats: int = 5) -> dict[str, float]:

@@ -42,7 +42,6 @@ from ..caching.layer_cache import LayerCache
 from ..errors import UserError
 from ..model_surgery.routing import router_matrices
 from ..model_surgery.switch_over import switch_on
-from ..prefetch import governor
 from ..runtime import ExpertIds, PathFigures, Runtime, TwoTierMode
 from ..storage.store import ExpertStore
 from . import bus_probe, forecast, slot_fill, staged_passes
@@ -212,12 +211,7 @@ class TwoTierRuntime(Runtime):
 
     def figures(self) -> PathFigures:
         """No prefetch and no optimistic passes; whether the device keeps the slots; stacks moved."""
-        return PathFigures(
-            prefetch=dict(pending=0, **governor.OFF),
-            optimistic={"enabled": False, "passes": 0, "missed": 0, "token_miss_rate": 0.0},
-            kept_by_device=self.device_lru,
-            stack_moves=self.stack_moves,
-        )
+        return PathFigures(kept_by_device=self.device_lru, stack_moves=self.stack_moves)
 
     def transfer_rates(self, repeats: int = 5) -> dict[str, float]:
         """Bytes a second at which experts cross the bus on the first MoE layer (`bus_probe.py`): read in
@@ -448,9 +442,8 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     `settings.kept_by_device`: the slots themselves are such rows (the host's caches stay empty, admission
     off), unless every expert fits in them."""
     predicted = forecast_of(settings, blocks, kept_by_device(settings, caches))
-    rows = [
-        max(1, cache.capacity + settings.kept_rows.rows) for cache in caches
-    ]  # one on the device at least
+    # the slots and kept rows of each layer, one on the device at least
+    rows = [max(1, cache.capacity + settings.kept_rows.rows) for cache in caches]
     stacks = read_stacks(store, [(c.layout, c.targets, n) for c, n in zip(caches, rows)], progress)
     switches = [switch_on(block.switch, stack) for block, stack in zip(blocks, stacks)]
     steps = [LayerSteps(switch, stack) for switch, stack in zip(switches, stacks)]

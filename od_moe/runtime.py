@@ -74,6 +74,9 @@ class PathFigures:
     kept_by_device: bool = False
     # slot fills that found a stack copied instead of written in place (want 0; two tiers)
     stack_moves: int = 0
+    # experts a layer each tier holds at most: "device" (slots and kept rows), "host" (read in place from
+    # host memory: two tiers), "disk" (the rest, read when needed)
+    tiers: dict[str, int] = field(default_factory=dict)
 
 
 class ReadAhead(Protocol):

@@ -22,6 +22,12 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
 - two-tier mode's staged passes (`two_tier/staged_passes.py`): `staged_misses`, their lanes whose expert was
   in no device row (among the misses, but each such expert crossed PCIe once a pass: `experts` -
   `expert_hits`).
+- past the host's memory (`two_tier/host_tier.py`): `disk_lanes`, lanes whose expert was on disk when its
+  layer learned its routing (read before it computed); `reruns`, decode passes run again from this layer,
+  their first with an expert on disk; every read from disk is in `experts_read` and `bytes_read` (its
+  seconds on a reader thread in `disk_read_s`; the pass's wait for reads in `wait_s`), `prefetch_reads`
+  those read ahead of need, whose outcome is counted as the per-layer path's prefetch is. A lane in
+  neither a device slot (`hits`) nor on disk was read in place from the host tier (`tier_figures`).
 Per phase: passes of the model, and positions they ran (a prefill chunk's prompt positions; a decode
 pass one per sequence it decodes, so a batch of 8 runs 8). In all: forward passes, and tokens generated
 (given to the caller). mlx-lm computes one token ahead of the
@@ -63,6 +69,10 @@ LAYER_FIELDS = (
     "prefetch_wasted",
     "prefetch_late",
     "staged_misses",
+    "disk_lanes",
+    "reruns",
+    "prefetch_reads",
+    "disk_read_s",
 )
 READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
 FOUND_IN = ("prompt", "output")  # where prompt lookup found a draft: in the prompt, or in the answer so far
@@ -268,6 +278,31 @@ def per_pass(led: Ledger, phase: str = "decode") -> dict:
         "experts_read_per_layer_pass": read / (passes * layers) if passes and layers else None,
         "sequence_hit_rate": _rate(f("hits"), lookups),
         "experts_read_per_sequence": read / positions if positions else None,
+    }
+
+
+def tier_figures(led: Ledger, tiers: dict[str, int]) -> dict:
+    """Where routed lanes found their experts and what the disk did: experts a layer each tier holds at
+    most (`tiers`, the path's), lanes by tier (device slots, read in place from host memory, on disk when
+    the layer learned its routing), and the disk's reads, bytes, seconds on the reader threads, the
+    passes' wait for them, passes run again, and reads ahead of need with their outcome."""
+    lookups, hits, disk_lanes = (int(led.total(name)) for name in ("lookups", "hits", "disk_lanes"))
+    on_disk = disk_lanes if tiers.get("host") else lookups - hits  # the per-layer path reads every miss
+    read_s = float(led.total("disk_read_s") + led.total("read_s"))
+    return {
+        "experts_per_layer": dict(tiers),
+        "lanes": {"device": hits, "host": lookups - hits - on_disk, "disk": on_disk},
+        "disk": {
+            "experts_read": int(led.total("experts_read") + led.total("prefetch_taken")),
+            "bytes_read": int(led.total("bytes_read") + led.total("prefetch_bytes")),
+            "read_s": read_s,
+            "wait_s": float(led.total("wait_s")),
+            "reruns": int(led.total("reruns")),
+            "prefetch_reads": int(led.total("prefetch_reads")),
+            "prefetch_useful": int(led.total("prefetch_useful")),
+            "prefetch_wasted": int(led.total("prefetch_wasted")),
+            "prefetch_late": int(led.total("prefetch_late")),
+        },
     }
 
 

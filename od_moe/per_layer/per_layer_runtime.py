@@ -213,10 +213,12 @@ class PerLayerRuntime(Runtime):
             "missed": self._optimistic_misses,
             "token_miss_rate": self._token_miss_rate,
         }
+        slots, experts = self.caches[0].capacity, self.caches[0].num_experts
+        tiers = {"device": slots, "host": 0, "disk": experts - slots}
         if self.governor is None:  # no prefetch: its figures "off"
-            return PathFigures(optimistic=passes)
+            return PathFigures(optimistic=passes, tiers=tiers)
         prefetch = dict(pending=self.reader.counts()["pending"], **self.governor.stats())
-        return PathFigures(prefetch=prefetch, optimistic=passes)
+        return PathFigures(prefetch=prefetch, optimistic=passes, tiers=tiers)
 
     def transfer_rates(self, repeats: int = 5) -> dict[str, float]:
         """Bytes a second at which this path installs read experts into a layer's slots ("installed", and

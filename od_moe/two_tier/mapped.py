@@ -47,12 +47,13 @@ def _mx_uint(size: int) -> mx.Dtype:
 
 def read_stacks(
     store: ExpertStore,
-    layers: Sequence[tuple[BlockLayout, dict[tuple[str, str], mx.Dtype], int]],
+    layers: Sequence[tuple[BlockLayout, dict[tuple[str, str], mx.Dtype], int, np.ndarray]],
     progress=None,
 ) -> list[dict[tuple[str, str], mx.array]]:
-    """Per (layout, targets, slots) in `layers`, per part (`(proj, name)`), an `(E + slots, ...)` array: every
-    expert of the layout in `targets`' dtype (rows 0..E-1, in host memory mapped for the device), then
-    `slots` rows of zeros (the slots, in device memory). `progress.update(bytes)` as reads finish.
+    """Per (layout, targets, slots, host ids) in `layers`, per part (`(proj, name)`), an `(H + slots, ...)`
+    array: the experts `host ids` (H of them: every expert in expert order where the host holds all) in
+    `targets`' dtype (rows 0..H-1, in host memory mapped for the device), then `slots` rows of zeros (the
+    slots, in device memory). `progress.update(bytes)` as reads finish.
 
     Every array is made at once, its zeros written by several CPU streams in parallel (`_host_stacks`:
     first-touching managed memory took 12.5 of a 31 s load on CUDA when one stream wrote it, docs/GPU.md,
@@ -62,8 +63,8 @@ def read_stacks(
     into numpy arrays copied into MLX once, then checked (a RuntimeError where an array does not hold the
     bytes read), one layer at a time."""
     host_nbytes = sum(
-        layout.num_experts * math.prod(p.shape) * targets[(p.proj, p.name)].size
-        for layout, targets, _ in layers
+        len(ids) * math.prod(p.shape) * targets[(p.proj, p.name)].size
+        for layout, targets, _, ids in layers
         for p in layout.parts
     )
     # each layer's, once advised: taken back if the load fails
@@ -83,10 +84,9 @@ def _read_stacks(
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
         pending = []
         try:
-            for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
+            for i, ((layout, targets, slots, host_ids), rows) in enumerate(zip(layers, hosts)):
                 if _in_place(layout, targets, rows):
-                    for ids in _batches(layout):
-                        into = slice(ids[0], ids[-1] + 1)
+                    for into, ids in _batches(layout, host_ids):
                         views = {
                             key: [_bytes_of(r) for r in view[into]]
                             for key, (_, view) in rows.items()
@@ -94,8 +94,8 @@ def _read_stacks(
                         }
                         pending.append((pool.submit(store.read_parts, layout, ids, views), ids, layout))
                 else:
-                    _read_staged(store, layout, targets, rows, progress)
-                    stacks[i] = _finish(layout, targets, slots, rows)
+                    _read_staged(store, layout, host_ids, targets, rows, progress)
+                    stacks[i] = _finish(layout, len(host_ids), targets, slots, rows)
                     rows.clear()  # its numpy arrays, if any, go now
             for future, ids, layout in pending:
                 future.result()
@@ -105,9 +105,9 @@ def _read_stacks(
             for future, _, _ in pending:  # a failed read fails the load: the reads not started are dropped
                 future.cancel()
             raise
-    for i, ((layout, targets, slots), rows) in enumerate(zip(layers, hosts)):
+    for i, ((layout, targets, slots, host_ids), rows) in enumerate(zip(layers, hosts)):
         if stacks[i] is None:
-            stacks[i] = _finish(layout, targets, slots, rows)
+            stacks[i] = _finish(layout, len(host_ids), targets, slots, rows)
     finished = [stack for stack in stacks if stack is not None]  # every layer's by now
     mx.eval([list(stack.values()) for stack in finished])
     return finished
@@ -123,38 +123,43 @@ def _in_place(layout: BlockLayout, targets: dict, rows: dict) -> bool:
     )
 
 
-def _batches(layout: BlockLayout) -> list[np.ndarray]:
-    """The layout's expert ids in batches of about `READ_BATCH_BYTES`."""
-    E = layout.num_experts
-    batch = max(1, min(E, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
-    return [np.arange(start, min(E, start + batch)) for start in range(0, E, batch)]
+def _batches(layout: BlockLayout, host_ids: np.ndarray) -> list[tuple[slice, np.ndarray]]:
+    """(host rows, the experts `host_ids` they hold) in batches of about `READ_BATCH_BYTES`."""
+    H = len(host_ids)
+    batch = max(1, min(H, READ_BATCH_BYTES // max(1, layout.expert_nbytes)))
+    return [
+        (slice(start, min(H, start + batch)), host_ids[start : start + batch]) for start in range(0, H, batch)
+    ]
 
 
 def _bytes_of(row: np.ndarray) -> memoryview:
     return row.reshape(-1).view(np.uint8).data
 
 
-def _read_staged(store: ExpertStore, layout: BlockLayout, targets: dict, rows: dict, progress):
-    """A layer's experts read into staging, then cast (`_target_bytes`) into its arrays' rows (into numpy
-    arrays made here where an array has no view)."""
+def _read_staged(
+    store: ExpertStore, layout: BlockLayout, host_ids: np.ndarray, targets: dict, rows: dict, progress
+):
+    """A layer's experts `host_ids` read into staging, then cast (`_target_bytes`) into its arrays' rows
+    (into numpy arrays made here where an array has no view)."""
     for key, (array, view) in rows.items():
         if view is None:
             rows[key] = (None, np.zeros(array.shape, dtype=_uint(array.dtype.size)))
-    batches = _batches(layout)
-    staging = ExpertRows(layout, len(batches[0]))
-    for batch in batches:
+    batches = _batches(layout, host_ids)
+    staging = ExpertRows(layout, len(batches[0][1]))
+    for into, batch in batches:
         raw = store.read(layout, batch, staging)
         for p in layout.parts:
             key = (p.proj, p.name)
-            rows[key][1][batch[0] : batch[-1] + 1] = _target_bytes(raw[key], p.dtype, targets[key])
+            rows[key][1][into] = _target_bytes(raw[key], p.dtype, targets[key])
         if progress is not None:
             progress.update(len(batch) * layout.expert_nbytes)
 
 
-def _finish(layout: BlockLayout, targets: dict, slots: int, rows: dict) -> dict[tuple[str, str], mx.array]:
-    """A layer's arrays, filled, as the stack: copied into MLX where they were numpy's, advised for the
-    device (`backend.map_for_device`), viewed as their targets' dtypes."""
-    E = layout.num_experts
+def _finish(
+    layout: BlockLayout, E: int, targets: dict, slots: int, rows: dict
+) -> dict[tuple[str, str], mx.array]:
+    """A layer's arrays (`E` host rows, then `slots`), filled, as the stack: copied into MLX where they were
+    numpy's, advised for the device (`backend.map_for_device`), viewed as their targets' dtypes."""
     arrays = {  # every copy made (and checked) before any is advised: a failed one leaves none advised
         key: _copied_into_mlx(written, f"{layout.module_path}.{key[0]}.{key[1]}") if array is None else array
         for key, (array, written) in rows.items()
@@ -175,14 +180,12 @@ def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array, np.ndarra
     streams = _fill_streams()
     load = [0] * len(streams)
     arrays = []
-    for layout, targets, slots in layers:
+    for layout, targets, slots, host_ids in layers:
         layer = {}
         for p in layout.parts:
             key, size = (p.proj, p.name), targets[(p.proj, p.name)].size
             i = load.index(min(load))
-            layer[key] = mx.zeros(
-                (layout.num_experts + slots, *p.shape), dtype=_mx_uint(size), stream=streams[i]
-            )
+            layer[key] = mx.zeros((len(host_ids) + slots, *p.shape), dtype=_mx_uint(size), stream=streams[i])
             load[i] += layer[key].nbytes
         arrays.append(layer)
     mx.eval([list(layer.values()) for layer in arrays])

@@ -30,6 +30,10 @@ BLOCKS = 1  # per (expert, array): a copy's loads wait on PCIe, and blocks that 
 DEMAND_BLOCKS = 128
 
 FORECASTS = ("none", "next-gate", "shadow", "custom")
+DISK_PREFETCH = ("none", "routed")
+# reads in flight from disk into the host tier: an NVMe disk serves several at once faster than one
+# (`od_moe.bench.roofline.disk_rate` measures the best count on a machine)
+DISK_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,9 @@ class TwoTierSettings:
     admission: AdmissionSettings = AdmissionSettings()
     kept_rows: KeptRowsSettings = KeptRowsSettings()
     forecast: ForecastSettings = ForecastSettings()
+    # past the host's memory (`host_tier.py`): experts a layer in host memory, the rest on disk; None: all
+    host_experts: int | None = None
+    disk_threads: int = DISK_THREADS  # reader threads reading experts from disk into the host tier
+    # what a decode pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`):
+    # "routed": the experts it routed to past its first miss; "none": each layer reads its own (demand)
+    disk_prefetch: str = "routed"

@@ -30,19 +30,19 @@ def available() -> bool:
     return mx.cuda.is_available() and not backend.arrays_in_host_memory()
 
 
-def write_after_wait(stacks: list[dict], fills: list, E: int):
-    """For each (cache, ids, slots) of `fills`: copy experts `ids` from their host rows into the rows of
-    `slots` (E + slot) of the same stacks, with MLX writes made once no pass in flight holds a stack (so
+def write_after_wait(stacks: list[dict], moves: list[tuple[int, np.ndarray, np.ndarray]]):
+    """For each (layer, source rows, slot rows) of `moves`: copy the source rows (experts' host rows) of
+    that layer's stack into its slot rows, with MLX writes made once no pass in flight holds a stack (so
     MLX writes each in place)."""
     copies = []
-    for cache, ids, slots in fills:
+    for layer, sources, targets in moves:
         source: int | mx.array
         to: int | mx.array
-        if len(ids) == 1:
-            source, to = int(ids[0]), E + int(slots[0])
+        if len(sources) == 1:
+            source, to = int(sources[0]), int(targets[0])
         else:
-            source, to = mx.array(ids.astype(np.int32)), mx.array((E + slots).astype(np.int32))
-        copies += [(rows, to, rows[source]) for rows in stacks[cache.layer].values()]
+            source, to = mx.array(sources.astype(np.int32)), mx.array(targets.astype(np.int32))
+        copies += [(rows, to, rows[source]) for rows in stacks[layer].values()]
     mx.eval([copied for *_, copied in copies])
     mx.synchronize()
     for rows, to, copied in copies:
@@ -55,21 +55,21 @@ class KernelFills:
 
     def __init__(self):
         self._kernels: dict[int, Kernel] = {}
-        self._moves_ring: HostRing | None = None  # (layer, 2 x rows past E) int32, made at the first fill
+        self._moves_ring: HostRing | None = None  # (layer, 2 x slot rows) int32, made at the first fill
 
-    def fill_layers(self, stacks: list[dict], fills: list, E: int, after: mx.array) -> dict:
-        """`write_after_wait` with no wait: the copies of each layer of `fills` run on MLX's stream after
-        `after`; per layer filled, a scalar computed once its copies landed (`fill`)."""
-        if self._moves_ring is None:  # room for a move into every row past the experts' own
-            most = max(next(iter(stack.values())).shape[0] for stack in stacks) - E
+    def fill_layers(self, stacks: list[dict], moves: list, first_slot: int, after: mx.array) -> dict:
+        """`write_after_wait` with no wait: the copies of each layer of `moves` run on MLX's stream after
+        `after`; per layer filled, a scalar computed once its copies landed (`fill`). `first_slot`: the
+        stacks' first slot row."""
+        if self._moves_ring is None:  # room for a move into every row from the first slot's
+            most = max(next(iter(stack.values())).shape[0] for stack in stacks) - first_slot
             self._moves_ring = HostRing((len(stacks), 2 * most), np.int32)
-        moves = np.zeros(self._moves_ring.arrays[0].shape, np.int32)
-        for cache, ids, slots in fills:
-            moves[cache.layer, : 2 * len(ids)] = np.stack([ids, E + slots], axis=1).reshape(-1)
-        staged = self._moves_ring.write(moves)
+        pairs = np.zeros(self._moves_ring.arrays[0].shape, np.int32)
+        for layer, sources, targets in moves:
+            pairs[layer, : 2 * len(sources)] = np.stack([sources, targets], axis=1).reshape(-1)
+        staged = self._moves_ring.write(pairs)
         landed = {
-            cache.layer: self.fill(stacks[cache.layer], staged[cache.layer], len(ids), after)
-            for cache, ids, _ in fills
+            layer: self.fill(stacks[layer], staged[layer], len(sources), after) for layer, sources, _ in moves
         }
         self._moves_ring.used_by(mx.stack(list(landed.values())))
         return landed

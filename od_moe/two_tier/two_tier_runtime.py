@@ -33,6 +33,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -40,13 +41,15 @@ import numpy as np
 from ..accounting.ledger import PHASES, Ledger
 from ..caching.layer_cache import LayerCache
 from ..errors import UserError
+from ..model_surgery.moe_blocks import top_k_of
 from ..model_surgery.routing import router_matrices
 from ..model_surgery.switch_over import switch_on
 from ..runtime import ExpertIds, PathFigures, Runtime, TwoTierMode
 from ..storage.store import ExpertStore
-from . import bus_probe, forecast, slot_fill, staged_passes
+from . import bus_probe, disk_passes, forecast, slot_fill, staged_passes
 from .admission import Admission
 from .host_ring import HostRing
+from .host_tier import HostTier, NoRoomError, flagged_through_table, table_rows
 from .kept_rows import KeptRows
 from .layer_step import (
     CompiledBlock,
@@ -78,18 +81,29 @@ class TwoTierRuntime(Runtime):
         steps: list[LayerSteps],
         settings: TwoTierSettings,
         forecast: Callable | None = None,
+        host_ids: list[np.ndarray] | None = None,
     ):
         self.store, self.caches, self.stacks, self.steps = store, caches, stacks, steps
         self.num_experts = caches[0].num_experts
         self.settings = settings
+        # rows 0..host_rows-1 of each stack are the host tier: every expert in expert order, or past the
+        # host's memory (`host_tier.py`) a bounded number of rows, the other experts on disk
+        self.host_rows = next(iter(stacks[0].values())).shape[0] - _device_rows(caches, settings)
         self.ledger = Ledger(len(caches))
+        self.phase = "prefill"
+        self.bounded = host_ids is not None
+        self.host_tier = (
+            HostTier(store, caches, stacks, self.host_rows, host_ids, self._book_disk, settings.disk_threads)
+            if host_ids is not None
+            else None
+        )
         self.admission = Admission(len(caches), self.num_experts, settings.admission)
         self.mode = TwoTierMode.LRU if settings.kept_by_device else TwoTierMode.ON
         self.mode_reason, self.miss_policy = settings.mode_reason, "load"
         # the slots are kept on the device (`kept_rows.py`), none by the host, and admission is off
         self.device_lru = kept_by_device(settings, caches)
         self.admissions = settings.admission.enabled and not self.device_lru
-        device_rows = next(iter(stacks[0].values())).shape[0] - self.num_experts
+        device_rows = next(iter(stacks[0].values())).shape[0] - self.host_rows
         if self.device_lru:  # every device row kept by the device
             slots, kept = [0] * len(caches), device_rows
         else:
@@ -106,7 +120,8 @@ class TwoTierRuntime(Runtime):
         fills = settings.admission.by_kernel
         by_kernel = slot_fill.available() if fills is None else fills
         # fills between passes as kernels that need no wait (CUDA), else MLX writes after a wait
-        self._kernel_fills = slot_fill.KernelFills() if by_kernel else None
+        # (past the host's memory fills wait: the host rows they copy from are free once they are done)
+        self._kernel_fills = slot_fill.KernelFills() if by_kernel and host_ids is None else None
         self.policy = None  # whose prompt hooks run (`set_policy`)
         self.host_syncs, self.clock, self.phase = 0, 0, "prefill"
         self.tally = DeviceTally(len(caches), self.num_experts, len(PHASES))
@@ -122,6 +137,16 @@ class TwoTierRuntime(Runtime):
         self._recording: RoutingRecord | None = None
         self._since_admission, self._admitted_at = 0, 0
         self._prompt_done = False  # a prompt's prefill was counted: admit from it before decoding
+        self._lookups: dict[int, tuple[int, int]] = {}  # this pass's (lookups, hits known) by layer
+        # past the host's memory (`disk_passes.py`): layers from `_exact_from` on learn their routing and
+        # read what is on disk before they compute (None: none, the pass flagged); a flagged pass's
+        # absent lanes by layer, its booking until its flags are read, and what a pass run again keeps
+        self._exact_from: int | None = 0
+        self._flagged = self._resumed = False
+        self._missing: dict[int, mx.array] = {}
+        self._unbooked: PassBooking | None = None
+        self._carried: PassBooking | None = None
+        self._last_y: mx.array | None = None  # the last pass's output, computed before host rows change
         weakref.finalize(self, release_stacks, stacks)
         self._refresh()
         mx.eval(self._tables)  # before another thread
@@ -138,6 +163,8 @@ class TwoTierRuntime(Runtime):
 
     def close(self):
         self.policy = None
+        if self.host_tier is not None:
+            self.host_tier.close()
 
     def reset_counts(self):
         """Zero the ledger (the slots and admission's counts stay)."""
@@ -177,7 +204,7 @@ class TwoTierRuntime(Runtime):
         wanted = wanted[cache.slot_of[wanted] < 0]
         if wanted.size:
             slots = cache.choose_slots(len(wanted), protect=list(protect) + wanted.tolist(), clock=self.clock)
-            self._fill([(cache, wanted, slots)])
+            self._fill_from_anywhere(cache, wanted, slots)
 
     def place(self, cache: LayerCache, expert_in_slot: np.ndarray, arrays: dict | None = None):
         """Put each expert of `expert_in_slot` (-1: empty) into that slot (a snapshot's), empty the rest:
@@ -188,11 +215,11 @@ class TwoTierRuntime(Runtime):
         held = np.asarray(expert_in_slot, dtype=np.int64)
         slots = np.flatnonzero(held >= 0)
         if slots.size:
-            self._fill([(cache, held[slots], slots)])
+            self._fill_from_anywhere(cache, held[slots], slots)
 
     def slot_arrays(self, cache: LayerCache) -> dict[str, mx.array]:
         """The slot rows of `cache`'s layer by `proj.part` name, as `LayerCache.stacked_arrays` names them."""
-        first, last = self.num_experts, self.num_experts + cache.capacity
+        first, last = self.host_rows, self.host_rows + cache.capacity
         return {f"{proj}.{name}": rows[first:last] for (proj, name), rows in self.stacks[cache.layer].items()}
 
     def prepare_batches(self, lanes: int):
@@ -202,16 +229,23 @@ class TwoTierRuntime(Runtime):
             self.kept_rows.compile(lanes)
 
     def generation_model(self, model):
-        """`model` itself: a two-tier pass never waits for the host, so nothing wraps it."""
-        return model
+        """`model` itself where every expert is in host memory (a two-tier pass never waits for the host);
+        past it, decode passes flagged and run again where they met an expert on disk (`disk_passes.py`)."""
+        if self.host_tier is None:
+            return model
+        return disk_passes.DiskPasses(model, self, self.settings.disk_prefetch)
 
     def read_ahead(self):
         """None: two tiers read nothing ahead (every expert is in host memory)."""
         return None
 
     def figures(self) -> PathFigures:
-        """No prefetch and no optimistic passes; whether the device keeps the slots; stacks moved."""
-        return PathFigures(kept_by_device=self.device_lru, stack_moves=self.stack_moves)
+        """No prefetch and no optimistic passes; whether the device keeps the slots; stacks moved; the
+        tiers (past the host's memory the tiers do not overlap: an expert is in one)."""
+        device = next(iter(self.stacks[0].values())).shape[0] - self.host_rows
+        disk = max(0, self.num_experts - device - self.host_rows) if self.bounded else 0
+        tiers = {"device": device, "host": self.host_rows, "disk": disk}
+        return PathFigures(kept_by_device=self.device_lru, stack_moves=self.stack_moves, tiers=tiers)
 
     def transfer_rates(self, repeats: int = 5) -> dict[str, float]:
         """Bytes a second at which experts cross the bus on the first MoE layer (`bus_probe.py`): read in
@@ -219,7 +253,7 @@ class TwoTierRuntime(Runtime):
         faster ("best"). Nothing is written: the slots hold what they held."""
         cache = self.caches[0]
         nbytes = cache.layout.expert_nbytes
-        return bus_probe.transfer_rates(self.steps[0], self.stacks[0], self.num_experts, nbytes, repeats)
+        return bus_probe.transfer_rates(self.steps[0], self.stacks[0], self.host_rows, nbytes, repeats)
 
     # -- a layer's pass ----------------------------------------------------------------------------
     def layer_pass(
@@ -239,18 +273,26 @@ class TwoTierRuntime(Runtime):
                 kept.expect(target, scores)
         # 3. where each routed expert is read this pass: its row in the table (host tier, device slot, or
         # a device-kept row after the layer's own copies), each lane finding its row (`Lanes`)
-        lanes = self._lanes(layer, positions)
+        exact = self.bounded and self._exact_from is not None and layer >= self._exact_from
+        lanes = self._exact_lanes(layer) if exact else self._lanes(layer, positions)
         # 4. routing (in the block), each lane's row, the expert products: one compiled call where it can be
         if block is not None:
             y, indices, found = block.on_lanes(lanes, x)
+        elif indices is not None and exact:  # past the host's memory, in as many rounds as rows allow
+            y, found = self._exact_switch(layer, x, indices)
         elif indices is not None:
             y, found = self.steps[layer].on_lanes(lanes, x, indices)
         else:
             raise TypeError("a layer's pass is entered by its block, or by its switch with the routed ids")
         # 5. bookkeeping on what the call gave, nothing waited for: lookups from the ids' shape (a full
-        # layer's are all hits), the rest added up on the device at the pass's end (`_end_pass`)
+        # layer's are all hits), the rest added up on the device at the pass's end (`_end_pass`); none for
+        # the layers of a pass run again before its first miss (booked by `first_missing_layer`)
+        if "missing" in found:
+            self._missing[layer] = found["missing"]
+        if self._resumed and not exact:
+            return self._end_pass(y) if layer == len(self.caches) - 1 else y
         full = self._full[layer]
-        self.ledger.count_lookups(self.phase, layer, indices.size, indices.size if full else 0)
+        self._lookups[layer] = (indices.size, indices.size if full else 0)
         if not full or self._recording is not None:
             self._routed[layer] = indices
         if "hit" in found:
@@ -273,6 +315,9 @@ class TwoTierRuntime(Runtime):
             return Lanes(("routed",), as_routed, self._direct[layer])
         if self._full[layer]:  # every expert in a slot: every lane a hit
             return Lanes(("slots",), all_in_slots, (table, *stack))
+        if self.host_tier is not None:  # absent experts' lanes flagged (`host_tier.py`)
+            flagged = functools.partial(flagged_through_table, self.host_rows)
+            return Lanes(("flagged", self.host_rows), flagged, (table, *stack))
         decode = self.phase == "decode"
         staged = positions >= self.stage_positions
         if self.kept_rows is not None:  # the rows' own call: copies, each lane's row, its hits
@@ -291,7 +336,153 @@ class TwoTierRuntime(Runtime):
             return Lanes(("table",), through_table, (table, *stack))
         return Lanes(("routed",), as_routed, stack)  # no expert in a slot: every lane mapped
 
+    # -- past the host's memory: passes that read from disk (`disk_passes.py` drives them) -----------
+    def _book_disk(self, layer: int, **counts):
+        self.ledger.add(self.phase, layer, **counts)
+
+    def begin_flagged_pass(self):
+        """The next pass runs flagged: no layer waits for its routing, a lane whose expert is on disk reads
+        a wrong row and is counted, until `first_missing_layer` reads the counts."""
+        self._exact_from, self._flagged = None, True
+
+    def cancel_flagged_pass(self):
+        """The flagged pass did not finish (it raised): passes run exactly again."""
+        self._exact_from, self._flagged, self._resumed = 0, False, False
+        self._unbooked = self._carried = None
+        self._missing = {}
+
+    def first_missing_layer(self, logits: mx.array) -> "disk_passes.Missed | None":
+        """End a flagged pass: wait for its `logits` with its flags (its one sync) and book it where no
+        lane was absent (None); else what it missed (`disk_passes.Missed`: the first layer with an absent
+        lane, and what the pass routed from there on, exact at that layer), the layers before it kept for
+        the pass run again."""
+        flagged = sorted(self._missing)
+        counts = mx.stack([self._missing[i] for i in flagged]) if flagged else None
+        booked = self._unbooked
+        assert booked is not None, "first_missing_layer without a flagged pass"
+        if self._carried is not None:  # a pass run again: the layers before its first miss as first run
+            booked = self._carried.merged(booked)
+        mx.eval(logits, [] if counts is None else counts, list(booked.routed.values()))
+        absent = dict(zip(flagged, np.array(counts).tolist())) if counts is not None else {}
+        first = next((i for i in flagged if absent[i] > 0), None)
+        self._missing, self._unbooked = {}, None
+        routed = {i: np.array(ids).reshape(-1).astype(np.int64) for i, ids in booked.routed.items()}
+        if self.host_tier is not None:  # the host tier's least recently used rows go first
+            for i, ids in routed.items():
+                if first is None or i < first:
+                    self.host_tier.touch(i, ids, self.clock)
+        if first is None:
+            self._carried = None
+            self._flagged = self._resumed = False
+            self._exact_from = 0
+            self._book(booked)
+            return None
+        self.ledger.add(self.phase, first, reruns=1)
+        self._carried = booked.before(first)
+        return disk_passes.Missed(first, {i: ids for i, ids in routed.items() if i >= first})
+
+    def resume(self, first: int):
+        """The pass that missed at `first` runs again (its KV caches trimmed by the caller): the layers
+        before `first` as they ran (same inputs, no booking), from `first` on each learning its routing and
+        reading what is on disk first; flagged again, so that `first_missing_layer` closes it."""
+        self._exact_from, self._flagged, self._resumed = first, True, True
+
+    def fetch_ahead(self, layer: int, ids: np.ndarray) -> int:
+        """Start reading from disk the experts `ids` of `layer` that are in neither a slot nor the host tier
+        (as many as free rows allow, on the reader threads); how many reads were started."""
+        tier = self.host_tier
+        assert tier is not None
+        cache = self.caches[layer]
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        wanted = ids[(cache.slot_of[ids] < 0) & (tier.in_host(layer)[ids] < 0)]
+        try:
+            return len(tier.fetch(layer, wanted, protect=wanted, clock=self.clock, ahead=True))
+        except NoRoomError:
+            return 0
+
+    def _exact_lanes(self, layer: int) -> Lanes:
+        """Lanes that learn their routing (a host sync) and find each expert a row, reading those on disk
+        into the host tier first (`_present`)."""
+        return Lanes(("exact", layer), functools.partial(self._exact_read, layer), (), traced=False)
+
+    def _exact_read(self, layer: int, indices: mx.array):
+        ids = np.array(indices).astype(np.int64)  # the sync
+        self.host_syncs += 1
+        rows = self._present(layer, ids)
+        read = mx.array(rows[ids].astype(np.uint32))
+        return tuple(self.stacks[layer].values()), read, {"hit": read >= self.host_rows}
+
+    def _exact_switch(self, layer: int, x: mx.array, indices: mx.array) -> tuple[mx.array, dict]:
+        """The switch of `layer` on `x`, its routed experts read from disk first, in rounds of positions
+        whose experts fit the host tier where they do not all fit at once (each round computed before the
+        next reads). Exact: each lane computed on its expert's bytes as in one round."""
+        ids = np.array(indices).astype(np.int64)  # the sync
+        self.host_syncs += 1
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        arrays = tuple(self.stacks[layer].values())
+        rounds = self._rounds(layer, flat)
+        if len(rounds) == 1:
+            rows = self._present(layer, flat)
+            read = mx.array(rows[ids].astype(np.uint32))
+            return self.steps[layer].compute(arrays, x, read), {"hit": read >= self.host_rows}
+        xs = x.reshape(-1, x.shape[-1])
+        outputs, hits = [], []
+        for start, stop in rounds:
+            rows = self._present(layer, flat[start:stop])
+            read = mx.array(rows[flat[start:stop]].astype(np.uint32))
+            y = self.steps[layer].compute(arrays, xs[start:stop], read)
+            mx.eval(y)  # before the next round's reads take its rows
+            outputs.append(y)
+            hits.append(read >= self.host_rows)
+        y = mx.concatenate(outputs, axis=0)
+        return y.reshape(*ids.shape, *y.shape[2:]), {"hit": mx.concatenate(hits, axis=0).reshape(ids.shape)}
+
+    def _rounds(self, layer: int, flat: np.ndarray) -> list[tuple[int, int]]:
+        """Runs of positions (start, stop) whose experts outside the slots fit the host tier's rows."""
+        in_slot = self.caches[layer].slot_of >= 0
+        rounds: list[tuple[int, int]] = []
+        start, seen = 0, set[int]()
+        for position, ids in enumerate(flat.tolist()):
+            outside = {i for i in ids if not in_slot[i]}
+            if len(seen | outside) > self.host_rows and position > start:
+                rounds.append((start, position))
+                start, seen = position, set()
+            seen |= outside
+        rounds.append((start, len(flat)))
+        return rounds
+
+    def _present(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Every expert of `ids` in a slot or a host row (those on disk read now, on the reader threads):
+        the layer's rows per expert (`host_tier.table_rows`)."""
+        tier, cache = self.host_tier, self.caches[layer]
+        assert tier is not None
+        needed = np.unique(ids)
+        outside = needed[cache.slot_of[needed] < 0]
+        on_disk = outside[tier.in_host(layer)[outside] < 0]
+        lanes_on_disk = int(np.isin(ids, on_disk).sum())
+        if on_disk.size:
+            late = tier.pending(layer, on_disk)  # asked for ahead, not landed yet
+            waited = tier.wait(tier.fetch(layer, on_disk, protect=outside, clock=self.clock), layer)
+            self.ledger.add(self.phase, layer, disk_lanes=lanes_on_disk, wait_s=waited, prefetch_late=late)
+            self._dirty = True  # the next pass's tables see the rows read
+        tier.touch(layer, outside, self.clock)
+        slot_of, row_of = cache.slot_of[None], tier.in_host(layer)[None]
+        return table_rows(slot_of, row_of, self.host_rows, self.num_experts, True)[0]
+
     def _begin_pass(self, x: mx.array):
+        if self.host_tier is not None:
+            # host rows change between passes only once the passes that read them are computed
+            if self._last_y is not None:
+                mx.eval(self._last_y)
+                self._last_y = None
+            self.host_tier.boundary()
+            self._dirty = self._dirty or self.host_tier.take_changed()
+        self._missing = {}
+        if self._resumed:  # the same pass again: counted once, the slots as they were
+            if self._dirty:
+                self._refresh()
+            return
         self.tally.launch()  # the last pass's counts, queued after it
         tokens = x.size // x.shape[-1]
         self.phase = "decode" if x.ndim < 2 or x.shape[-2] == 1 else "prefill"
@@ -314,37 +505,56 @@ class TwoTierRuntime(Runtime):
         self._routed, self._hit, self._union = {}, {}, {}
 
     def _end_pass(self, y: mx.array) -> mx.array:
-        """`y`, the last MoE layer's output, once the pass's counts are added (lazily) and tied to it."""
-        # the routing counts feed admission alone: none is made where it is off (device-kept rows)
-        counted = {i: ids for i, ids in self._routed.items() if not self._full[i]} if self.admissions else {}
-        self.tally.add(self.clock, PHASES.index(self.phase), counted, self._hit, self._union)
-        y = self.tally.tie(y) if self.phase == "decode" else y  # computed with the token, not on their own
+        """`y`, the last MoE layer's output, once the pass's counts are added (lazily) and tied to it; a
+        flagged pass's are kept until its flags are read (`first_missing_layer`)."""
+        booked = PassBooking(self._routed, self._hit, self._union, self._lookups)
+        self._routed, self._hit, self._union, self._lookups = {}, {}, {}, {}
+        if self.host_tier is not None:
+            self._last_y = y
+        if self._flagged:
+            self._unbooked = booked
+            return y
+        y = self._book(booked, y)
         if self.kept_rows is not None:
             self.kept_rows.end_pass()
-        if self._recording is not None:
-            self._recording.add(self._routed)
-        self._prompt_done = self._prompt_done or self.phase == "prefill"
-        self._routed, self._hit, self._union = {}, {}, {}
         if self._kernel_fills is not None:  # what a slot fill at the next pass waits for (`_admit`)
             self._last_output = y
+        return y
+
+    def _book(self, booked: "PassBooking", y: mx.array | None = None):
+        """Count a pass's lookups, add its routing and hits to the tally (tied to `y`, its last MoE output,
+        in a decoded pass), record its routing."""
+        for layer, (lookups, hits) in booked.lookups.items():
+            self.ledger.count_lookups(self.phase, layer, lookups, hits)
+        # the routing counts feed admission alone: none is made where it is off (device-kept rows)
+        routed = booked.routed
+        counted = {i: ids for i, ids in routed.items() if not self._full[i]} if self.admissions else {}
+        self.tally.add(self.clock, PHASES.index(self.phase), counted, booked.hit, booked.union)
+        if y is not None and self.phase == "decode":  # computed with the token, not on their own
+            y = self.tally.tie(y)
+        if self._recording is not None:
+            self._recording.add(routed)
+        self._prompt_done = self._prompt_done or self.phase == "prefill"
         return y
 
     def _refresh(self):
         """Remake the device tables after slots changed (admission, seeding, a snapshot): all layers' rows
         written into a host array the device reads (`HostRing`: no array made from host bytes), copied
         into device memory once, each layer's tables views of that copy."""
-        num_experts = self.num_experts
+        num_experts, host_rows = self.num_experts, self.host_rows
         slot_of = np.stack([c.slot_of for c in self.caches])
         resident = slot_of >= 0
         own = np.arange(num_experts)
-        rows = self._table_ring.write(np.where(resident, num_experts + slot_of, own)) + 0
+        row_of = self.host_tier.row_of if self.host_tier is not None else own
+        table = table_rows(slot_of, row_of, host_rows, num_experts, self.bounded)
+        rows = self._table_ring.write(table) + 0
         self._table_ring.used_by(rows)
         self._resident, self._full = resident, resident.all(axis=1)
         self._tables = [rows[i] for i in range(len(self.caches))]
         in_order = self._full & (slot_of == own).all(axis=1)
         in_order[list(self._landed)] = False  # their slots wait for fills the views would not wait for
         self._direct = [  # the slot rows alone (views: nothing copied)
-            tuple(part[num_experts:] for part in stack.values()) if ok else None
+            tuple(part[host_rows:] for part in stack.values()) if ok else None
             for stack, ok in zip(self.stacks, in_order)
         ]
         for layer, landed in self._landed.items():  # this pass reads those slots only once they are filled
@@ -362,6 +572,7 @@ class TwoTierRuntime(Runtime):
         fills = [
             (cache, *self.admission.swaps(i, cache.expert_in_slot)) for i, cache in enumerate(self.caches)
         ]
+        fills = [self._from_host(*f) for f in fills]
         fills = [f for f in fills if f[1].size]
         if fills and self._kernel_fills is not None and self._last_output is not None:
             self._fill_by_kernels(self._kernel_fills, fills, self._last_output)
@@ -378,7 +589,7 @@ class TwoTierRuntime(Runtime):
         `after`, the last pass's last MoE output (so after every read of the slots they overwrite), and the
         tables of the layers filled are made from them (`_refresh`)."""
         t0 = time.perf_counter()
-        self._landed.update(kernels.fill_layers(self.stacks, fills, self.num_experts, after))
+        self._landed.update(kernels.fill_layers(self.stacks, self._moves(fills), self.host_rows, after))
         _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
         self._dirty = True  # the tables are out of date
 
@@ -387,12 +598,107 @@ class TwoTierRuntime(Runtime):
         in the same stacks, in place, and do the caches' bookkeeping."""
         t0 = time.perf_counter()
         self._last_output = None  # it holds the last pass's graph, and with it a stack
-        slot_fill.write_after_wait(self.stacks, fills, self.num_experts)
+        if self.host_tier is not None:  # reads in flight hold views of the stacks
+            self.host_tier.drain()
+        slot_fill.write_after_wait(self.stacks, self._moves(fills))
         for cache, _, _ in fills:
             layer = cache.layer
-            self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.num_experts)
+            self.stack_moves += follow_moves(self.stacks[layer], self._addresses[layer], self.host_rows)
+        if self.host_tier is not None:  # the copies are done: the rows they were made from are free
+            self.host_tier.boundary()
         _book_fills(self.ledger, self.phase, fills, (time.perf_counter() - t0) / len(fills))
         self._dirty = True  # the tables are out of date
+
+    def _fill_from_anywhere(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray):
+        """`_fill` of experts `ids` into `slots` of `cache`'s layer; past the host's memory those on disk
+        are read into the host tier first, as many at a time as it has rows."""
+        if self.host_tier is None:
+            self._fill([(cache, ids, slots)])
+            return
+        step = self.host_rows
+        for start in range(0, len(ids), step):
+            some, into = ids[start : start + step], slots[start : start + step]
+            tier = self.host_tier
+            tier.wait(tier.fetch(cache.layer, some, clock=self.clock), cache.layer)
+            self._fill([(cache, some, into)])
+
+    def _from_host(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray):
+        """(cache, ids, slots) of a fill, past the host's memory only the experts in host rows (one on disk
+        is read into a slot only once a pass has read it into the host tier)."""
+        if self.host_tier is None:
+            return cache, ids, slots
+        held = self.host_tier.in_host(cache.layer)[ids] >= 0
+        return cache, ids[held], slots[held]
+
+    def _moves(self, fills) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Per (cache, ids, slots) of `fills`: (layer, the experts' host rows, their slot rows); past the
+        host's memory the experts leave the host tier (the tiers do not overlap: `host_tier.py`)."""
+        moves = []
+        for cache, ids, slots in fills:
+            layer = cache.layer
+            if self.host_tier is None:
+                sources = ids
+            else:
+                sources = self.host_tier.in_host(layer)[ids]
+                assert (sources >= 0).all(), "a fill from the host tier of an expert not in it"
+                self.host_tier.give_back(layer, ids)
+            moves.append((layer, np.asarray(sources, np.int64), self.host_rows + np.asarray(slots, np.int64)))
+        return moves
+
+
+@dataclass(frozen=True)
+class PassBooking:
+    """What a pass books once it stands, by layer: routed ids, hit lanes, staged counts, (lookups, hits
+    known from the shape)."""
+
+    routed: dict
+    hit: dict
+    union: dict
+    lookups: dict
+
+    def before(self, layer: int) -> "PassBooking":
+        """The layers before `layer`."""
+
+        def keep(d):
+            return {i: v for i, v in d.items() if i < layer}
+
+        return PassBooking(keep(self.routed), keep(self.hit), keep(self.union), keep(self.lookups))
+
+    def merged(self, later: "PassBooking") -> "PassBooking":
+        """These layers with `later`'s."""
+        return PassBooking(
+            {**self.routed, **later.routed},
+            {**self.hit, **later.hit},
+            {**self.union, **later.union},
+            {**self.lookups, **later.lookups},
+        )
+
+
+def _host_experts(settings: TwoTierSettings, caches: list[LayerCache], top_k: int) -> list[np.ndarray]:
+    """Per layer, the experts the host tier holds at the start: every one in expert order, or past the
+    host's memory (`settings.host_experts`) the first that many (a UserError where that cannot hold one
+    position's experts read from disk, or the path runs what three tiers do not yet: rows kept by the
+    device, forecasts)."""
+    E = caches[0].num_experts
+    H = settings.host_experts
+    if H is None or H >= E:
+        return [np.arange(E) for _ in caches]
+    if H < max(1, top_k):
+        raise UserError(
+            f"host_experts must be at least the experts a position routes to ({top_k}): those read from"
+            f" disk for a layer are in host rows at once; got {H}"
+        )
+    if kept_by_device(settings, caches) or settings.kept_rows.rows or settings.forecast.kind != "none":
+        raise UserError(
+            "past the host's memory (host_experts below the experts a layer) the device's slots are admitted"
+            " by routing counts: give two_tier=True, no kept rows and no forecast"
+        )
+    return [np.arange(H) for _ in caches]
+
+
+def _device_rows(caches: list[LayerCache], settings: TwoTierSettings) -> int:
+    """Rows of each stack in device memory: the slots and kept rows, one at least."""
+    return max(1, caches[0].capacity + settings.kept_rows.rows)
 
 
 def _book_fills(ledger: Ledger, phase: str, fills, seconds: float):
@@ -442,12 +748,15 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     `settings.kept_by_device`: the slots themselves are such rows (the host's caches stay empty, admission
     off), unless every expert fits in them."""
     predicted = forecast_of(settings, blocks, kept_by_device(settings, caches))
+    host_ids = _host_experts(settings, caches, top_k_of(blocks[0].block))
     # the slots and kept rows of each layer, one on the device at least
-    rows = [max(1, cache.capacity + settings.kept_rows.rows) for cache in caches]
-    stacks = read_stacks(store, [(c.layout, c.targets, n) for c, n in zip(caches, rows)], progress)
+    rows = _device_rows(caches, settings)
+    layers = [(c.layout, c.targets, rows, ids) for c, ids in zip(caches, host_ids)]
+    stacks = read_stacks(store, layers, progress)
     switches = [switch_on(block.switch, stack) for block, stack in zip(blocks, stacks)]
     steps = [LayerSteps(switch, stack) for switch, stack in zip(switches, stacks)]
-    runtime = TwoTierRuntime(store, caches, stacks, steps, settings, predicted)
+    bounded = len(host_ids[0]) < caches[0].num_experts  # past the host's memory
+    runtime = TwoTierRuntime(store, caches, stacks, steps, settings, predicted, host_ids if bounded else None)
     by_block = all(block.owner is not None for block in blocks)
     verdict = CompileVerdict()  # shared: the first block that fuses otherwise sends all op by op
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):

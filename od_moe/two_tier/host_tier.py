@@ -1,0 +1,244 @@
+"""The host tier of three tiers: a bounded number of each layer's experts in host memory (rows 0..H-1 of
+its stack, which the device reads in place), the rest on disk, read into those rows by reader threads.
+
+Where every expert fits in host memory the stack's host rows are the experts in expert order (two tiers).
+Past the host's memory they are H rows per layer (`TwoTierSettings.host_experts`) holding any H of its
+experts: `row_of` says which row holds an expert (-1: on disk), and the runtime's tables send a lane to
+that row, to a device slot, or mark it absent (`ABSENT`: the pass flags the lane and is run again, exactly,
+once its experts are read: `disk_passes.py`). The tiers do not overlap: an expert copied into a device slot
+gives its host row back.
+
+A row is written only while no pass can read it: a read goes into a free row (never in a table), and a row
+given back (evicted, or its expert promoted to a slot) is free only from the next pass boundary on
+(`boundary`), once the passes that may still read it are computed (the runtime waits for each pass's flags
+before the next begins). Reads run on `threads` reader threads (disk bytes to the rows' in-memory bytes
+with numpy: `slot_arrays.host_bits`), never on MLX's thread; a failed read leaves its row free and its
+expert on disk (the error reaches the pass that waits for it). Not here: the tables and passes
+(`two_tier_runtime.py`), when reads are asked for (`disk_passes.py`), reading the files (`storage/store.py`).
+"""
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from ..caching.layer_cache import LayerCache
+from ..caching.slot_arrays import host_bits
+from ..storage.layout import ExpertRows
+from ..storage.store import ExpertStore
+from .mapped import host_view
+
+ABSENT = 0xFFFFFFFF  # a table entry (uint32): the expert is on disk, its lanes flagged
+
+
+class NoRoomError(RuntimeError):
+    """Every host row of a layer holds an expert the running pass needs (or a read in flight)."""
+
+
+class HostTier:
+    """Per layer, which expert each host row holds and when it was last used, the free rows, and the reads
+    in flight. `initial[layer]`: the experts the load read into rows 0.. (in that order). `book(layer,
+    **counts)` counts into the ledger (`accounting/ledger.py`'s fields), on the thread that calls the
+    methods: reads started (`experts_read`, `bytes_read`, `prefetch_reads` of them ahead of need), their
+    seconds once landed (`disk_read_s`), and reads ahead used before eviction (`prefetch_useful`) or not
+    (`prefetch_wasted`)."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        caches: list[LayerCache],
+        stacks: list[dict],
+        rows: int,
+        initial: list[np.ndarray],
+        book: Callable[..., None],
+        threads: int = 4,
+    ):
+        self.store, self.caches, self.rows, self._book = store, caches, rows, book
+        layers, experts = len(caches), caches[0].num_experts
+        self.expert_in_row = np.full((layers, rows), -1, dtype=np.int64)
+        self.row_of = np.full((layers, experts), -1, dtype=np.int64)
+        for layer, ids in enumerate(initial):
+            self.expert_in_row[layer, : len(ids)] = ids
+            self.row_of[layer, ids] = np.arange(len(ids))
+        self.last_use = np.zeros((layers, rows), dtype=np.int64)
+        self.ahead = np.zeros((layers, rows), dtype=bool)  # read ahead of need, not used yet
+        self.changed = False  # which expert a row holds changed since `take_changed`
+        self._given_back: list[tuple[int, int]] = []  # (layer, row): free from the next boundary
+        self._pending: dict[tuple[int, int], tuple[int, Future]] = {}  # (layer, expert) -> (row, read)
+        self._stacks = stacks
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="od-moe-disk")
+        self.threads = threads
+
+    # -- where experts are -------------------------------------------------------------------------
+    def in_host(self, layer: int) -> np.ndarray:
+        """Per expert of `layer`, its host row (-1: on disk or a read in flight)."""
+        return self.row_of[layer]
+
+    def touch(self, layer: int, ids: np.ndarray, clock: int):
+        """Experts `ids` of `layer` were read by a pass at `clock` (least recently used rows go first)."""
+        rows = self.row_of[layer, ids]
+        rows = rows[rows >= 0]
+        self.last_use[layer, rows] = clock
+        useful = int(self.ahead[layer, rows].sum())
+        if useful:
+            self.ahead[layer, rows] = False
+            self._book(layer, prefetch_useful=useful)
+
+    def pending(self, layer: int, ids) -> int:
+        """How many of experts `ids` of `layer` are being read."""
+        return sum((layer, int(i)) in self._pending for i in np.asarray(ids).tolist())
+
+    def take_changed(self) -> bool:
+        """Whether any row changed its expert since the last call."""
+        changed, self.changed = self.changed, False
+        return changed
+
+    def give_back(self, layer: int, ids: np.ndarray):
+        """Experts `ids` of `layer` leave the host tier (copied into a device slot): their rows are free
+        from the next boundary."""
+        for expert in np.asarray(ids, dtype=np.int64):
+            row = int(self.row_of[layer, expert])
+            if row >= 0:
+                self.row_of[layer, expert] = -1
+                self.expert_in_row[layer, row] = -1
+                self.ahead[layer, row] = False
+                self._given_back.append((layer, row))
+                self.changed = True
+
+    def boundary(self):
+        """A pass boundary: no pass is in flight, so rows given back are free; reads that landed are in."""
+        self._given_back = []
+        self.landed()
+
+    # -- reads -------------------------------------------------------------------------------------
+    def fetch(
+        self, layer: int, ids, protect=(), clock: int = 0, ahead: bool = False
+    ) -> list[tuple[int, int, Future]]:
+        """Start reading experts `ids` of `layer` (those neither in host rows nor being read) into free
+        rows, else the least recently used rows whose experts are not in `protect` or ids; returns every
+        asked expert's (expert, row, read) in flight. `ahead`: read ahead of need (a forecast's).
+        `NoRoomError` where no row is left."""
+        keep = set(np.asarray(protect, dtype=np.int64).tolist()) | set(np.asarray(ids).tolist())
+        started = []
+        views = None  # the host writes rows through these: made here, held by the reads alone
+        for expert in np.asarray(ids, dtype=np.int64).tolist():
+            if self.row_of[layer, expert] >= 0:
+                continue
+            if (layer, expert) not in self._pending:
+                row = self._free_row(layer, keep)
+                self.expert_in_row[layer, row] = -2  # taken by a read
+                self.last_use[layer, row] = clock
+                self.ahead[layer, row] = ahead
+                if views is None:  # a view held between passes would make MLX copy a stack it fills
+                    views = {key: host_view(array) for key, array in self._stacks[layer].items()}
+                future = self._pool.submit(self._read, layer, expert, row, views)
+                self._pending[(layer, expert)] = (row, future)
+                nbytes = self.caches[layer].layout.expert_nbytes
+                self._book(layer, experts_read=1, bytes_read=nbytes, prefetch_reads=int(ahead))
+            row, future = self._pending[(layer, expert)]
+            started.append((expert, row, future))
+        return started
+
+    def wait(self, started: list[tuple[int, int, Future]], layer: int) -> float:
+        """Wait for `started` reads (`fetch`'s) of `layer` and put their experts in; the seconds waited.
+        A failed read raises its error once its row is free again and its expert still on disk."""
+        t0 = time.perf_counter()
+        error = None
+        for _, _, future in started:
+            try:
+                future.result()
+            except BaseException as e:  # every read is waited for, the first error raised
+                error = error or e
+        self.landed()
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
+
+    def landed(self):
+        """Put the experts of finished reads into their rows (a failed one's row freed)."""
+        for (layer, expert), (row, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[(layer, expert)]
+            if future.exception() is None:
+                assert self.expert_in_row[layer, row] == -2
+                self.expert_in_row[layer, row] = expert
+                self.row_of[layer, expert] = row
+                self.changed = True
+                self._book(layer, disk_read_s=future.result())
+            else:
+                self.expert_in_row[layer, row] = -1
+                self.ahead[layer, row] = False
+
+    def drain(self):
+        """Wait for every read in flight (errors dropped: their rows freed)."""
+        for _, future in list(self._pending.values()):
+            future.exception()
+        self.landed()
+
+    def close(self):
+        self.drain()
+        self._pool.shutdown(wait=True)
+
+    def _free_row(self, layer: int, keep: set) -> int:
+        given_back = {row for at, row in self._given_back if at == layer}
+        held = self.expert_in_row[layer]
+        free = [r for r in np.flatnonzero(held == -1).tolist() if r not in given_back]
+        if free:
+            return free[0]
+        evictable = [
+            r for r in np.flatnonzero(held >= 0).tolist() if int(held[r]) not in keep and r not in given_back
+        ]
+        if not evictable:
+            raise NoRoomError(f"layer {layer}: all {self.rows} host rows are needed by this pass")
+        row = min(evictable, key=lambda r: self.last_use[layer, r])
+        self.row_of[layer, held[row]] = -1
+        held[row] = -1
+        self.changed = True
+        if self.ahead[layer, row]:
+            self.ahead[layer, row] = False
+            self._book(layer, prefetch_wasted=1)
+        return row
+
+    def _read(self, layer: int, expert: int, row: int, views: dict) -> float:
+        """On a reader thread: expert `expert` of `layer` from disk into host row `row` of its stack; the
+        seconds it took."""
+        cache = self.caches[layer]
+        layout = cache.layout
+        t0 = time.perf_counter()
+        staging = ExpertRows(layout, 1)
+        raw = self.store.read(layout, np.array([expert]), staging)
+        for part in layout.parts:
+            key = (part.proj, part.name)
+            bits = host_bits(raw[key], part.dtype, cache.targets[key])
+            if bits is None:
+                raise RuntimeError(
+                    f"{layout.module_path}.{part.proj}.{part.name}: numpy cannot cast {part.dtype} to"
+                    f" {cache.targets[key]} exactly; three tiers cannot read this model from disk"
+                )
+            view = views[key]
+            view[row] = np.ascontiguousarray(bits).view(view.dtype).reshape(view.shape[1:])
+        return time.perf_counter() - t0
+
+
+def table_rows(
+    slot_of: np.ndarray, row_of: np.ndarray, host_rows: int, num_experts: int, bounded: bool
+) -> np.ndarray:
+    """Per layer and expert, the stack row a lane reads: host_rows + its slot where it has one, else its
+    host row (`row_of`, or its own id where every expert is in host memory), else `ABSENT`."""
+    if not bounded:
+        return np.where(slot_of >= 0, num_experts + slot_of, np.arange(num_experts)).astype(np.uint32)
+    host = np.where(row_of >= 0, row_of, ABSENT)
+    return np.where(slot_of >= 0, host_rows + slot_of, host).astype(np.uint32)
+
+
+def flagged_through_table(boundary: int, indices: mx.array, table: mx.array, *arrays):
+    """Lanes through a three-tier table: each lane reads its expert's row (an absent one reads row 0: a wrong
+    but finite result); other outputs: hit lanes (a device slot, a row from `boundary` on) and how many
+    lanes found their expert absent ("missing", the pass runs again where it is not 0)."""
+    read = table[indices]
+    missing = read == ABSENT
+    rows = mx.where(missing, mx.array(0, dtype=read.dtype), read)
+    return arrays, rows, {"hit": (read >= boundary) & ~missing, "missing": missing.sum()}

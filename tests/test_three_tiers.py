@@ -1,0 +1,142 @@
+"""Three tiers (device slots, a bounded host tier, the disk): exact against stock mlx-lm, tiers that do not
+overlap and hold the checkpoint's bytes, counts that add up, and a failed read that corrupts nothing."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import od_moe
+from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
+from od_moe.errors import ExpertReadError, UserError
+from od_moe.two_tier.settings import AdmissionSettings, KeptRowsSettings, TwoTierSettings
+from od_moe.two_tier.two_tier_runtime import TwoTierRuntime
+from tiny_models import FAMILIES, write_mlx_model
+
+
+def three_tiers(host: int, prefetch: str = "routed", path=None, capacity=0.25, **settings):
+    given = TwoTierSettings(host_experts=host, disk_prefetch=prefetch, **settings)
+    args = (str(path),) if path is not None else ()
+    return od_moe.load(*args, capacity=capacity, two_tier=True, path_settings=given)
+
+
+def tiers_hold_their_experts(engine):
+    """Each host row and slot holds the bytes of the expert the tables give it, and no expert is in both."""
+    weights = {}
+    for f in sorted(engine.model_path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    runtime, H = engine.runtime, engine.runtime.host_rows
+    for cache, stack in zip(engine.caches, runtime.stacks):
+        row_of = runtime.host_tier.row_of[cache.layer]
+        assert not ((row_of >= 0) & (cache.slot_of >= 0)).any(), "an expert in two tiers"
+        in_host, in_slot = np.flatnonzero(row_of >= 0), np.flatnonzero(cache.slot_of >= 0)
+        assert len(in_host) <= H
+        rows = np.concatenate([row_of[in_host], H + cache.slot_of[in_slot]])
+        experts = np.concatenate([in_host, in_slot])
+        for part in cache.layout.parts:
+            held = stack[part.proj, part.name][mx.array(rows)]
+            expected = weights[f"{cache.layout.module_path}.{part.proj}.{part.name}"][mx.array(experts)]
+            assert mx.array_equal(held, expected.astype(held.dtype)), (cache.layer, part.proj, part.name)
+
+
+@pytest.mark.parametrize("host, prefetch", [(16, "routed"), (16, "none"), (8, "routed")])
+def test_three_tiers_match_mlx_lm(bundled_reference, host, prefetch):
+    engine = three_tiers(host, prefetch)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+    stats = engine.stats()
+    tiers, total = stats["tiers"], stats["total"]
+    assert tiers["experts_per_layer"] == {"device": 16, "host": host, "disk": 64 - 16 - host}
+    lanes = tiers["lanes"]
+    assert lanes["device"] == total["hits"] and sum(lanes.values()) == total["lookups"]
+    assert lanes["disk"] > 0 and lanes["host"] > 0 and lanes["device"] > 0  # every tier computed
+    disk = tiers["disk"]
+    assert disk["bytes_read"] == disk["experts_read"] * engine.caches[0].layout.expert_nbytes > 0
+    assert 0 < disk["reruns"] <= stats["passes"]["decode"]
+    if prefetch == "none":
+        assert disk["prefetch_reads"] == 0
+    else:
+        assert disk["prefetch_useful"] > 0
+        # each read ahead is used, evicted unused, or still unused in its row
+        assert disk["prefetch_useful"] + disk["prefetch_wasted"] <= disk["prefetch_reads"]
+    tiers_hold_their_experts(engine)
+    engine.close()
+
+
+def test_a_prompt_whose_experts_overflow_the_host_tier_runs_in_rounds(bundled_reference, monkeypatch):
+    """A prompt's layer routes to more experts than the host tier has rows: its positions run in rounds,
+    each computed before the next one's reads take its rows, and the tokens stay stock's."""
+    rounds = []
+    original = TwoTierRuntime._rounds
+
+    def counted(self, layer, flat):
+        found = original(self, layer, flat)
+        rounds.append(len(found))
+        return found
+
+    monkeypatch.setattr(TwoTierRuntime, "_rounds", counted)
+    engine = three_tiers(8)
+    assert od_moe_tokens(engine, PROMPTS[:1], 16) == [bundled_reference[0][:16]]
+    assert max(rounds) > 1
+
+
+def test_a_direct_call_of_the_model_is_exact(bundled_reference):
+    """A pass not run through `engine.forward` (no flags read) learns each layer's routing: stock logits."""
+    from mlx_lm import load as mlx_lm_load
+
+    from od_moe.memory import backend
+
+    stock, _ = mlx_lm_load(str(od_moe.DEFAULT_MODEL))
+    stock.set_dtype(backend.compute_dtype("auto"))
+    engine = three_tiers(8)
+    tokens = mx.array([[1, 17, 300, 42, 9, 88, 5, 600]])
+    assert mx.array_equal(engine.model(tokens), stock(tokens))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_other_families_match_mlx_lm(tmp_path, name):
+    path = write_mlx_model(tmp_path / name, FAMILIES[name])
+    prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
+    reference = reference_tokens(path, prompts, 12)
+    E = FAMILIES[name].get("num_local_experts") or FAMILIES[name].get("n_routed_experts")
+    engine = three_tiers(E // 4, path=path)
+    assert od_moe_tokens(engine, prompts, 12) == reference, name
+    assert engine.stats()["tiers"]["lanes"]["disk"] > 0
+
+
+def test_a_failed_read_fails_the_request_and_corrupts_nothing(bundled_reference, monkeypatch):
+    """A read that fails mid-token (EIO) fails that generation with the store's error; its row is free
+    again, no table names it, and the next generation gives stock's tokens."""
+    engine = three_tiers(8)
+    store = engine.runtime.store
+    original, calls = store.read, []
+
+    def failing(layout, ids, staging):
+        calls.append(1)
+        if len(calls) == 40:
+            raise ExpertReadError(f"{layout.module_path}: [Errno 5] Input/output error")
+        return original(layout, ids, staging)
+
+    monkeypatch.setattr(store, "read", failing)
+    with pytest.raises(ExpertReadError, match="Input/output error"):
+        od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS)
+    assert len(calls) >= 40
+    tier = engine.runtime.host_tier
+    assert not (tier.expert_in_row == -2).any()  # no row left taken by a read
+    tiers_hold_their_experts(engine)
+    assert od_moe_tokens(engine, PROMPTS, NEW_TOKENS) == bundled_reference
+
+
+def test_what_three_tiers_do_not_run_is_refused():
+    with pytest.raises(UserError, match="at least the experts a position routes to"):
+        three_tiers(7)
+    with pytest.raises(UserError, match="two_tier=True"):
+        three_tiers(8, kept_rows=KeptRowsSettings(rows=4))
+    # admission off: the slots stay empty, every lane read from the host tier or the disk, still exact
+    engine = three_tiers(16, admission=AdmissionSettings(enabled=False))
+    assert engine.runtime.figures().tiers == {"device": 16, "host": 16, "disk": 32}
+
+
+def test_every_path_reports_its_tiers():
+    per_layer = od_moe.load(capacity=0.25, two_tier=False)
+    assert per_layer.stats()["tiers"]["experts_per_layer"] == {"device": 16, "host": 0, "disk": 48}
+    two = od_moe.load(capacity=0.25, two_tier=True)
+    assert two.stats()["tiers"]["experts_per_layer"] == {"device": 16, "host": 64, "disk": 0}

@@ -29,8 +29,16 @@ slots filled by MLX writes after a wait, not by kernels, on CUDA; `stage=P`: its
 into device-kept rows (`KeptRowsSettings`, `ForecastSettings`): `ahead=S` rows more a layer (0 with `lru`:
 into its own rows), `forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer
 (default S, or all of `lru`'s rows), `nocopy` (decide, copy nothing), `demand=0` (no copies of a layer's own
-misses), `blocks=B` (thread blocks a copy). On the CPU backend every two-tier row runs on host memory: tokens
-and counts are meaningful there, the speeds are the CPU's.
+misses), `blocks=B` (thread blocks a copy). Past the host's memory (`two_tier/host_tier.py`): `host=H` experts
+a layer in the host tier, the rest read from disk (`--direct-io` on: past the page cache), `disk=routed|none`
+what a pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`),
+`rerun=flagged|exact` how it runs again, `threads=N` its reader threads; such a row also gives its disk MB,
+reads waited for and passes run again per decoded token, and its speed over the all-in-host row's (the first
+two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
+`--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
+reads in flight) in the same run, and each disk row's roofline: max(the all-in-host row's ms a token, the
+demand row's (`disk=none`) disk bytes a token / that rate). On the CPU backend every two-tier row runs on host
+memory: tokens and counts are meaningful there, the speeds are the CPU's.
 """
 
 import argparse
@@ -51,13 +59,14 @@ import od_moe
 from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
-from od_moe.bench.roofline import roofline_ms
+from od_moe.bench.roofline import disk_rate, roofline_ms
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock, moved_per_token
 from od_moe.two_tier import kept_rows
 from od_moe.two_tier.settings import (
     ADMIT_EVERY,
     BLOCKS,
     DEMAND_BLOCKS,
+    DISK_THREADS,
     HALF_LIFE,
     MARGIN,
     MAX_SWAPS,
@@ -104,7 +113,15 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
         predictor = _predictor_for("benchmark") if kind == "shadow" else None
         forecast = ForecastSettings(kind=kind, distance=int(given.get("distance", 1)), predictor=predictor)
     stage = int(given["stage"]) or 2**31 if "stage" in given else None  # 0: nothing staged
-    return TwoTierSettings(stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast)
+    disk = dict(
+        host_experts=int(given["host"]) if "host" in given else None,
+        disk_prefetch=given.get("disk", "routed"),
+        disk_threads=int(given.get("threads", DISK_THREADS)),
+        disk_rerun=given.get("rerun", "flagged"),
+    )
+    return TwoTierSettings(
+        stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast, **disk
+    )
 
 
 def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
@@ -114,7 +131,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     settings = None if kind == "exact" else settings_for(knobs)
     two_tier = {"exact": False, "lru": "lru"}.get(kind, True)
     t0 = time.perf_counter()
-    engine = od_moe.load(str(path), capacity=fraction, two_tier=two_tier, path_settings=settings)
+    engine = od_moe.load(
+        str(path), capacity=fraction, two_tier=two_tier, path_settings=settings, direct_io=args.direct_io
+    )
     load_s = time.perf_counter() - t0
     two_tier = engine.mode.tiered
     if two_tier and not BUS:  # once a process, on its first two-tier engine
@@ -160,6 +179,21 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         floor_ms = roofline_ms(1e3 / row["stock_tok_s"], moved, BUS["best"], 0, 1)[0]
         row.update(
             moved_bytes_per_token=moved, roofline_ms=floor_ms, x_roofline=floor_ms * row["tok_s"] / 1e3
+        )
+    if settings is not None and settings.host_experts is not None:
+        tiers = stats["tiers"]
+        disk = tiers["disk"]
+        row.update(
+            tiers=tiers["experts_per_layer"],
+            direct_io=stats["direct_io"],
+            direct_io_refused=stats["direct_io_refused"],
+            disk_mb_per_token=disk["bytes_read"] / tokens / 1e6,
+            disk_lanes_per_token=tiers["lanes"]["disk"] / tokens,
+            reruns_per_token=disk["reruns"] / tokens,
+            wait_ms_per_token=disk["wait_s"] / tokens * 1e3,
+            prefetch=[
+                disk[k] for k in ("prefetch_reads", "prefetch_useful", "prefetch_wasted", "prefetch_late")
+            ],
         )
     if prefill:
         row["prefill_stock_tok_s"] = statistics.median(s for s, _ in prefill)
@@ -213,6 +247,13 @@ def main():
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prefill", type=int, default=0, help="also prompt tok/s of a prompt this long")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument(
+        "--direct-io",
+        default="auto",
+        type=lambda v: {"on": True, "off": False}.get(v, v),
+        help="on, off, auto",
+    )
+    parser.add_argument("--disk-probe", type=float, default=0, help="seconds a count of reads in flight")
     args = parser.parse_args()
     path = model_path(args)
     stock, tokenizer, reference = load_stock(path, args.tokens)
@@ -221,6 +262,8 @@ def main():
         row = run_row(spec, path, stock, tokenizer, reference, args)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+    probe = disk_rate(path, seconds=args.disk_probe) if args.disk_probe else None
+    past_memory(rows, probe)
     headers = [
         "row",
         "mode",
@@ -252,6 +295,39 @@ def main():
         + ([r["prefill_tok_s"], r["prefill_x_stock"]] if args.prefill else [])
         for r in rows
     ]
+    disk_rows = [r for r in rows if "tiers" in r]
+    if disk_rows:
+        headers_disk = [
+            "row",
+            "tiers d/h/disk",
+            "x all-in-host",
+            "disk MB/tok",
+            "disk lanes/tok",
+            "reruns/tok",
+        ]
+        headers_disk += ["wait ms/tok", "ahead read/useful/wasted/late", "x disk roofline", "direct I/O"]
+        disk_cells = [
+            [
+                r["row"],
+                "/".join(str(r["tiers"][k]) for k in ("device", "host", "disk")),
+                r.get("x_all_in_host", "-"),
+                r["disk_mb_per_token"],
+                r["disk_lanes_per_token"],
+                r["reruns_per_token"],
+                r["wait_ms_per_token"],
+                "/".join(map(str, r["prefetch"])),
+                r.get("x_disk_roofline", "-"),
+                "on" if r["direct_io"] else f"off: {r['direct_io_refused'] or 'asked off'}",
+            ]
+            for r in disk_rows
+        ]
+        probe_line = (
+            f"; disk probe {probe['bytes_per_s'] / 1e9:.2f} GB/s at {probe['threads']} reads in flight"
+            f" ({probe['seconds']:.0f} s each of {sorted(probe['by_threads'])})"
+            if probe
+            else "; no disk probe (--disk-probe S)"
+        )
+        print(table(headers_disk, disk_cells, title="Past the host's memory" + probe_line))
     title = (
         f"{path.name} on {mx.default_device()} (MLX {mx.__version__}), {len(PROMPTS)} prompts x "
         f"{args.tokens} tokens, {args.rounds} rounds alternating with stock; x stock: median of the "
@@ -265,7 +341,26 @@ def main():
     prefill = [f"prefill {args.prefill} tok/s", "prefill x stock"] if args.prefill else []
     print(table(headers + ["same tokens"] + prefill, cells, title=title))
     if args.json:
-        Path(args.json).write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"title": title, "rows": rows, "disk_probe": probe}, indent=1))
+
+
+def past_memory(rows: list[dict], probe: dict | None):
+    """Each disk row's speed over the all-in-host row's (the first row without a host tier of its own) and,
+    with the disk's `probe`, over its roofline: max(the all-in-host row's ms a token, the demand row's
+    (`disk=none`, else this row's) disk bytes a token / the probe's rate)."""
+    in_host = next((r for r in rows if "tiers" not in r and r["mode"] == "two-tier"), None)
+    demand = next(
+        (r for r in rows if "tiers" in r and ":disk=none" in f"{r['row']}:".replace(" ", ":")), None
+    )
+    for r in rows:
+        if "tiers" not in r or in_host is None:
+            continue
+        r["x_all_in_host"] = r["x_stock"] / in_host["x_stock"]
+        if probe:
+            disk_mb = (demand or r)["disk_mb_per_token"]
+            floor_ms = max(1e3 / in_host["tok_s"], disk_mb * 1e6 / probe["bytes_per_s"] * 1e3)
+            r["disk_roofline_ms"] = floor_ms
+            r["x_disk_roofline"] = floor_ms * r["tok_s"] / 1e3
 
 
 if __name__ == "__main__":

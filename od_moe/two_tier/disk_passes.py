@@ -9,13 +9,14 @@ calls the model, through the runtime's methods (`TwoTierRuntime`, "past the host
    result) and is counted on the device.
 2. `first_missing_layer`: the counts are read once, with the logits (the sync mlx-lm makes for the token
    anyway). None: the pass stands.
-3. Else (`Missed`) its KV caches are trimmed and it runs again (`resume`): the layers before the first that
-   missed as they ran (same inputs, so the same routing and rows), from that layer on each learning its
-   routing and reading what is on disk before it computes. Before the second run starts, the experts the
-   first run routed to from its first miss on are read ahead on the reader threads (`disk_prefetch` "routed":
-   exact at the first missing layer, a forecast past it, whose inputs were wrong), so the layers of the
-   second run find them read or in flight; "none": each layer reads its own (demand). The second run is
-   flagged too: where a layer it did not run exactly missed (it cannot), it runs again from there.
+3. Else (`Missed`) the experts its first missing layer routed to are read (its inputs were right, so its
+   routing is known), and with `disk_prefetch` "routed" those it routed to past that layer (a forecast:
+   their inputs were wrong), all at once on the reader threads. Its KV caches are trimmed and it runs
+   again (`resume`): the layers before the first that missed as they ran (same inputs, so the same routing
+   and rows); from that layer on, with `disk_rerun` "flagged", flagged again once the reads landed (a layer
+   whose routing changed may miss again: it runs again from there, the `FLAGGED_RUNS`th time exactly), or
+   with "exact" each layer learning its routing (a host sync) and reading what is on disk before it
+   computes, finding the reads ahead landed or in flight.
 A pass of several positions (a prompt), or one whose caches cannot be trimmed, runs exactly from its first
 layer. The tokens are stock mlx-lm's in every case: no lane computes on a wrong row in a pass that stands.
 Not here: the tiers and the reads (`host_tier.py`), the layer passes (`two_tier_runtime.py`).
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from .settings import FLAGGED_RUNS
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,11 @@ class DiskPasses:
     """The model as mlx-lm's generation loop calls it (`model(inputs, cache=...)`), its decode passes flagged
     and run again where they met an expert on disk; every other attribute is the model's."""
 
-    def __init__(self, model, runtime, prefetch: str = "routed"):
+    def __init__(self, model, runtime, prefetch: str = "routed", rerun: str = "flagged"):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "runtime", runtime)
         object.__setattr__(self, "prefetch", prefetch)
+        object.__setattr__(self, "rerun", rerun)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -55,23 +59,27 @@ class DiskPasses:
         runtime.begin_flagged_pass()
         try:
             logits = self.model(inputs, cache=cache, **kwargs)
-            missed = runtime.first_missing_layer(logits)
+            missed, runs = runtime.first_missing_layer(logits), 1
             while missed is not None:
+                exact = self.rerun == "exact" or runs >= FLAGGED_RUNS
                 self._read_ahead(missed)
+                if not exact:  # the run's tables hold what landed before it
+                    runtime.wait_for_reads()
                 for c in cache:
                     c.trim(tokens)
-                runtime.resume(missed.first)
+                runtime.resume(missed.first, exact)
                 logits = self.model(inputs, cache=cache, **kwargs)
-                missed = runtime.first_missing_layer(logits)
+                missed, runs = runtime.first_missing_layer(logits), runs + 1
         except BaseException:
             runtime.cancel_flagged_pass()
             raise
         return logits
 
     def _read_ahead(self, missed: Missed):
-        """Start the reads the second run will want: the first missing layer's experts, then (`routed`)
-        those the first run routed to past it."""
-        if self.prefetch == "none":
-            return
-        for layer in sorted(missed.routed):
-            self.runtime.fetch_ahead(layer, missed.routed[layer])
+        """Start the reads the next run will want: the first missing layer's experts (its routing, known),
+        then (`routed`) those the run routed to past it (a forecast: their inputs were wrong)."""
+        first, *later = sorted(missed.routed)
+        self.runtime.fetch_ahead(first, missed.routed[first], ahead=False)
+        if self.prefetch == "routed":
+            for layer in later:
+                self.runtime.fetch_ahead(layer, missed.routed[layer])

@@ -86,9 +86,10 @@ class HostTier:
             self.ahead[layer, rows] = False
             self._book(layer, prefetch_useful=useful)
 
-    def pending(self, layer: int, ids) -> int:
-        """How many of experts `ids` of `layer` are being read."""
-        return sum((layer, int(i)) in self._pending for i in np.asarray(ids).tolist())
+    def pending_ahead(self, layer: int, ids) -> int:
+        """How many of experts `ids` of `layer` are being read ahead of need (a forecast's, not landed)."""
+        keys = [(layer, int(i)) for i in np.asarray(ids).tolist()]
+        return sum(bool(self.ahead[layer, self._pending[k][0]]) for k in keys if k in self._pending)
 
     def take_changed(self) -> bool:
         """Whether any row changed its expert since the last call."""
@@ -141,8 +142,8 @@ class HostTier:
             started.append((expert, row, future))
         return started
 
-    def wait(self, started: list[tuple[int, int, Future]], layer: int) -> float:
-        """Wait for `started` reads (`fetch`'s) of `layer` and put their experts in; the seconds waited.
+    def wait(self, started: list[tuple[int, int, Future]]) -> float:
+        """Wait for `started` reads (`fetch`'s) and put their experts in; the seconds waited.
         A failed read raises its error once its row is free again and its expert still on disk."""
         t0 = time.perf_counter()
         error = None
@@ -172,11 +173,19 @@ class HostTier:
                 self.expert_in_row[layer, row] = -1
                 self.ahead[layer, row] = False
 
-    def drain(self):
-        """Wait for every read in flight (errors dropped: their rows freed)."""
-        for _, future in list(self._pending.values()):
+    def wait_all(self) -> float:
+        """`wait` for every read in flight."""
+        return self.wait(self.wait_list())
+
+    def drain(self, started: list[tuple[int, int, Future]] | None = None):
+        """Wait for `started` reads (every read in flight where None); errors dropped: their rows freed."""
+        for _, _, future in started if started is not None else self.wait_list():
             future.exception()
         self.landed()
+
+    def wait_list(self) -> list[tuple[int, int, Future]]:
+        """Every read in flight, as `fetch` gives them."""
+        return [(expert, row, future) for (_, expert), (row, future) in self._pending.items()]
 
     def close(self):
         self.drain()
@@ -192,6 +201,10 @@ class HostTier:
             r for r in np.flatnonzero(held >= 0).tolist() if int(held[r]) not in keep and r not in given_back
         ]
         if not evictable:
+            in_flight = [(e, r, f) for (at, e), (r, f) in self._pending.items() if at == layer]
+            if in_flight:  # reads ahead hold the other rows: once landed, their experts may go
+                self.drain(in_flight)
+                return self._free_row(layer, keep)
             raise NoRoomError(f"layer {layer}: all {self.rows} host rows are needed by this pass")
         row = min(evictable, key=lambda r: self.last_use[layer, r])
         self.row_of[layer, held[row]] = -1

@@ -31,6 +31,8 @@ DEMAND_BLOCKS = 128
 
 FORECASTS = ("none", "next-gate", "shadow", "custom")
 DISK_PREFETCH = ("none", "routed")
+DISK_RERUNS = ("flagged", "exact")
+FLAGGED_RUNS = 3  # runs of a decode pass without waiting for routing, before one that waits at each layer
 # reads in flight from disk into the host tier: an NVMe disk serves several at once faster than one
 # (`od_moe.bench.roofline.disk_rate` measures the best count on a machine)
 DISK_THREADS = 8
@@ -104,3 +106,9 @@ class TwoTierSettings:
     # what a decode pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`):
     # "routed": the experts it routed to past its first miss; "none": each layer reads its own (demand)
     disk_prefetch: str = "routed"
+    # how a pass that met an expert on disk runs again: "exact" (from its first miss each layer learns its
+    # routing and reads what it needs first) or "flagged" (once its reads landed, no layer waiting for its
+    # routing; exact, as the last of `FLAGGED_RUNS` runs, where it missed again). On the bundled model's
+    # trained routing flagged runs missed again 2-3 times a token (`benchmarks/two_tier.py`, docs/GPU.md,
+    # "Past the host's memory")
+    disk_rerun: str = "exact"

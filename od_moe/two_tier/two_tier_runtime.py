@@ -62,7 +62,7 @@ from .layer_step import (
     through_table,
 )
 from .mapped import follow_moves, read_stacks, release_stacks, stack_addresses
-from .settings import ADMIT_PASSES, FORECASTS, TwoTierSettings
+from .settings import ADMIT_PASSES, DISK_PREFETCH, DISK_RERUNS, FORECASTS, TwoTierSettings
 from .staged_passes import positions_to_stage
 from .tally import LAG, DeviceTally, RoutingRecord, book_read
 
@@ -143,6 +143,7 @@ class TwoTierRuntime(Runtime):
         # absent lanes by layer, its booking until its flags are read, and what a pass run again keeps
         self._exact_from: int | None = 0
         self._flagged = self._resumed = False
+        self._resume_from = 0  # a pass run again: its first layer not run as before
         self._missing: dict[int, mx.array] = {}
         self._unbooked: PassBooking | None = None
         self._carried: PassBooking | None = None
@@ -233,7 +234,7 @@ class TwoTierRuntime(Runtime):
         past it, decode passes flagged and run again where they met an expert on disk (`disk_passes.py`)."""
         if self.host_tier is None:
             return model
-        return disk_passes.DiskPasses(model, self, self.settings.disk_prefetch)
+        return disk_passes.DiskPasses(model, self, self.settings.disk_prefetch, self.settings.disk_rerun)
 
     def read_ahead(self):
         """None: two tiers read nothing ahead (every expert is in host memory)."""
@@ -289,7 +290,7 @@ class TwoTierRuntime(Runtime):
         # the layers of a pass run again before its first miss (booked by `first_missing_layer`)
         if "missing" in found:
             self._missing[layer] = found["missing"]
-        if self._resumed and not exact:
+        if self._resumed and layer < self._resume_from:
             return self._end_pass(y) if layer == len(self.caches) - 1 else y
         full = self._full[layer]
         self._lookups[layer] = (indices.size, indices.size if full else 0)
@@ -377,26 +378,36 @@ class TwoTierRuntime(Runtime):
             self._exact_from = 0
             self._book(booked)
             return None
-        self.ledger.add(self.phase, first, reruns=1)
+        self.ledger.add(self.phase, first, reruns=1, disk_lanes=int(absent[first]))
         self._carried = booked.before(first)
         return disk_passes.Missed(first, {i: ids for i, ids in routed.items() if i >= first})
 
-    def resume(self, first: int):
+    def resume(self, first: int, exact: bool):
         """The pass that missed at `first` runs again (its KV caches trimmed by the caller): the layers
-        before `first` as they ran (same inputs, no booking), from `first` on each learning its routing and
-        reading what is on disk first; flagged again, so that `first_missing_layer` closes it."""
-        self._exact_from, self._flagged, self._resumed = first, True, True
+        before `first` as they ran (same inputs, no booking); from `first` on flagged again, or (`exact`)
+        each learning its routing and reading what is on disk first. `first_missing_layer` closes it."""
+        self._exact_from = first if exact else None
+        self._flagged = self._resumed = True
+        self._resume_from = first
 
-    def fetch_ahead(self, layer: int, ids: np.ndarray) -> int:
+    def wait_for_reads(self):
+        """Wait for every read from disk in flight (the seconds booked as waited), so that the next pass's
+        tables hold what they read."""
+        tier = self.host_tier
+        assert tier is not None
+        self.ledger.add(self.phase, 0, wait_s=tier.wait_all())
+
+    def fetch_ahead(self, layer: int, ids: np.ndarray, ahead: bool = True) -> int:
         """Start reading from disk the experts `ids` of `layer` that are in neither a slot nor the host tier
-        (as many as free rows allow, on the reader threads); how many reads were started."""
+        (as many as free rows allow, on the reader threads); how many were asked for. `ahead`: a forecast
+        (else known to be needed: a pass's own routing)."""
         tier = self.host_tier
         assert tier is not None
         cache = self.caches[layer]
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         wanted = ids[(cache.slot_of[ids] < 0) & (tier.in_host(layer)[ids] < 0)]
         try:
-            return len(tier.fetch(layer, wanted, protect=wanted, clock=self.clock, ahead=True))
+            return len(tier.fetch(layer, wanted, protect=wanted, clock=self.clock, ahead=ahead))
         except NoRoomError:
             return 0
 
@@ -462,8 +473,8 @@ class TwoTierRuntime(Runtime):
         on_disk = outside[tier.in_host(layer)[outside] < 0]
         lanes_on_disk = int(np.isin(ids, on_disk).sum())
         if on_disk.size:
-            late = tier.pending(layer, on_disk)  # asked for ahead, not landed yet
-            waited = tier.wait(tier.fetch(layer, on_disk, protect=outside, clock=self.clock), layer)
+            late = tier.pending_ahead(layer, on_disk)
+            waited = tier.wait(tier.fetch(layer, on_disk, protect=outside, clock=self.clock))
             self.ledger.add(self.phase, layer, disk_lanes=lanes_on_disk, wait_s=waited, prefetch_late=late)
             self._dirty = True  # the next pass's tables see the rows read
         tier.touch(layer, outside, self.clock)
@@ -619,7 +630,7 @@ class TwoTierRuntime(Runtime):
         for start in range(0, len(ids), step):
             some, into = ids[start : start + step], slots[start : start + step]
             tier = self.host_tier
-            tier.wait(tier.fetch(cache.layer, some, clock=self.clock), cache.layer)
+            tier.wait(tier.fetch(cache.layer, some, clock=self.clock))
             self._fill([(cache, some, into)])
 
     def _from_host(self, cache: LayerCache, ids: np.ndarray, slots: np.ndarray):
@@ -681,6 +692,11 @@ def _host_experts(settings: TwoTierSettings, caches: list[LayerCache], top_k: in
     device, forecasts)."""
     E = caches[0].num_experts
     H = settings.host_experts
+    if settings.disk_prefetch not in DISK_PREFETCH or settings.disk_rerun not in DISK_RERUNS:
+        raise UserError(
+            f"disk_prefetch must be one of {', '.join(DISK_PREFETCH)} and disk_rerun one of"
+            f" {', '.join(DISK_RERUNS)}, got {settings.disk_prefetch!r} and {settings.disk_rerun!r}"
+        )
     if H is None or H >= E:
         return [np.arange(E) for _ in caches]
     if H < max(1, top_k):

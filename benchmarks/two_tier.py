@@ -254,6 +254,7 @@ def main():
         help="on, off, auto",
     )
     parser.add_argument("--disk-probe", type=float, default=0, help="seconds a count of reads in flight")
+    parser.add_argument("--probe-threads", default="1,2,4,8,16", help="counts of reads in flight to probe")
     args = parser.parse_args()
     path = model_path(args)
     stock, tokenizer, reference = load_stock(path, args.tokens)
@@ -262,7 +263,8 @@ def main():
         row = run_row(spec, path, stock, tokenizer, reference, args)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    probe = disk_rate(path, seconds=args.disk_probe) if args.disk_probe else None
+    threads = tuple(int(n) for n in args.probe_threads.split(","))
+    probe = disk_rate(path, seconds=args.disk_probe, threads=threads) if args.disk_probe else None
     past_memory(rows, probe)
     headers = [
         "row",

@@ -115,9 +115,9 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
     stage = int(given["stage"]) or 2**31 if "stage" in given else None  # 0: nothing staged
     disk = dict(
         host_experts=int(given["host"]) if "host" in given else None,
-        disk_prefetch=given.get("disk", "routed"),
+        disk_prefetch=given.get("disk", TwoTierSettings.disk_prefetch),
         disk_threads=int(given.get("threads", DISK_THREADS)),
-        disk_rerun=given.get("rerun", "flagged"),
+        disk_rerun=given.get("rerun", TwoTierSettings.disk_rerun),
     )
     return TwoTierSettings(
         stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast, **disk

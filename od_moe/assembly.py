@@ -25,7 +25,7 @@ from .memory.capacity import (
     resolve_capacity,
     working_nbytes,
 )
-from .model_surgery.moe_blocks import MoEBlock, weight_nbytes
+from .model_surgery.moe_blocks import MoEBlock, top_k_of, weight_nbytes
 from .per_layer.per_layer_runtime import MISS_POLICIES
 from .per_layer.reader import read_threads_for
 from .per_layer.settings import PerLayerSettings
@@ -118,6 +118,9 @@ class Placement:
     slots: int
     choice: str | None
     non_expert_nbytes: int
+    host_experts: int | None = (
+        None  # past the host's memory: experts a layer in the host tier (`three_tiers`)
+    )
 
 
 def place_experts(
@@ -145,13 +148,54 @@ def place_experts(
     host = host_budget(memory_budget, device)
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
     mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
+    host_experts = None
+    if device is not None:  # a GPU with memory of its own: past the host's, three tiers where they fit
+        clash = clash_with_two_tiers(miss_policy, prefetch, predictor) is not None
+        mode, why, host_experts = three_tiers(
+            two_tier, clash, mode, why, host, slot_nbytes, len(blocks), num_experts, top_k_of(blocks[0].block)
+        )
     slots, choice = expert_slots(
         capacity, memory_budget, mode.tiered, model, blocks, slot_nbytes, non_expert, device, kv_per_token
     )
-    mode, why = auto_tiers(two_tier, mode, why, slot_nbytes, slots / num_experts)
+    if host_experts is None:
+        mode, why = auto_tiers(two_tier, mode, why, slot_nbytes, slots / num_experts)
     if device is not None:
         backend.limit_device_memory(device[0][0] - DEVICE_LIBRARY_NBYTES)
-    return Placement(mode, why, slots, choice, non_expert)
+    return Placement(mode, why, slots, choice, non_expert, host_experts)
+
+
+def three_tiers(
+    asked,
+    clash: bool,
+    mode: TwoTierMode,
+    why: str,
+    host_bytes: int | None,
+    slot_nbytes: int,
+    layers: int,
+    num_experts: int,
+    top_k: int,
+) -> tuple[TwoTierMode, str, int | None]:
+    """(mode, why, experts a layer in the host tier) where the device has memory of its own and the host
+    cannot hold every expert (its budget `host_bytes`, else `backend.host_room`): two tiers with a host tier
+    of what the room holds, the rest read from disk (`two_tier/host_tier.py`), unless the path was asked off
+    or for what two tiers do not run (`clash`: predictive prefetch, skip), or the room holds fewer than a
+    position's `top_k` experts a layer (the per-layer path then). Else as given, None."""
+    room = backend.host_room(host_bytes)
+    fits = slot_nbytes * num_experts * layers <= room
+    if asked not in ("auto", True) or fits or clash:
+        return mode, why, None
+    rows = min(num_experts - 1, room // (slot_nbytes * layers))
+    where = (
+        f"{room / 1e9:.2f} GB of host memory for experts of {slot_nbytes * num_experts * layers / 1e9:.2f} GB"
+    )
+    if rows < max(1, top_k):
+        return TwoTierMode.OFF, f"per-layer path: {where} holds fewer than {top_k} experts a layer", None
+    return (
+        TwoTierMode.ON,
+        f"three tiers: {rows} of {num_experts} experts a layer in host memory ({where}), the rest read from "
+        "disk, the slots admitted by routing counts",
+        rows,
+    )
 
 
 def read_threads_of(read_threads, caches: list[LayerCache]) -> int:
@@ -206,10 +250,7 @@ def two_tier_mode(
             "miss copied in",
         )
     on, why = backend.two_tier_choice(two_tier, expert_nbytes, host_bytes)
-    predicts = prefetch in ("next-gate", "predictor", "oracle") or (
-        prefetch is None and predictor is not None
-    )
-    clash = "skip mode" if miss_policy == "skip" else "predictive prefetch" if predicts else None
+    clash = clash_with_two_tiers(miss_policy, prefetch, predictor)
     if on and clash:
         if two_tier is True:
             raise UserError(
@@ -217,6 +258,14 @@ def two_tier_mode(
             )
         return TwoTierMode.OFF, f"per-layer path: {clash} was asked for"
     return (TwoTierMode.ON, why) if on else (TwoTierMode.OFF, f"per-layer path ({why})")
+
+
+def clash_with_two_tiers(miss_policy: str, prefetch, predictor) -> str | None:
+    """What of `load`'s arguments two tiers do not run ("skip mode", "predictive prefetch"), or None."""
+    predicts = prefetch in ("next-gate", "predictor", "oracle") or (
+        prefetch is None and predictor is not None
+    )
+    return "skip mode" if miss_policy == "skip" else "predictive prefetch" if predicts else None
 
 
 def say(line: str):
@@ -249,11 +298,12 @@ def build_runtime(
 
 
 def settings_for_path(
-    mode: TwoTierMode, given, miss_policy: str, read_threads: int
+    mode: TwoTierMode, given, miss_policy: str, read_threads: int, host_experts: int | None = None
 ) -> PerLayerSettings | TwoTierSettings:
     """The settings of the path `mode` runs: `given` (`load`'s `path_settings`) where it is that path's, with
-    `load`'s own miss policy and read threads on the per-layer path; a UserError where they are the other
-    path's."""
+    `load`'s own miss policy and read threads on the per-layer path, and past the host's memory the host
+    tier `place_experts` sized (`host_experts`, where `given` names none); a UserError where they are the
+    other path's."""
     if given is not None and not isinstance(given, PerLayerSettings | TwoTierSettings):
         raise UserError(
             f"path_settings must be PerLayerSettings or TwoTierSettings, got {type(given).__name__}"
@@ -265,7 +315,10 @@ def settings_for_path(
             f"{wanted.__name__}, or two_tier={TwoTierMode.OFF.argument if mode.tiered else True!r}"
         )
     if isinstance(given, TwoTierSettings) or mode.tiered:
-        return given or TwoTierSettings()
+        settings = given if isinstance(given, TwoTierSettings) else TwoTierSettings()
+        if host_experts is not None and settings.host_experts is None:
+            settings = replace(settings, host_experts=host_experts)
+        return settings
     return replace(given or PerLayerSettings(), miss_policy=miss_policy, read_threads=read_threads)
 
 

@@ -441,7 +441,7 @@ def load(
     place = place_experts(mlx_model, blocks, device, kv, prefetch=prefetch, predictor=predictor, **asked)
     caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
-    settings = settings_for_path(place.mode, path_settings, miss_policy, threads)
+    settings = settings_for_path(place.mode, path_settings, miss_policy, threads, place.host_experts)
     runtime = build_runtime(store, blocks, caches, place.mode, place.why, settings, across_ranks=bool(stage))
     if stage:
         rank_split.wrap_seams(mlx_model, stage)

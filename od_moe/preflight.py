@@ -123,7 +123,8 @@ def inspect_model(
         return {**report, "exact": False, "reason": str(e)}
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
-    tiers = _two_tier_report(slot_nbytes, slot_nbytes * num_experts * moe_layers, memory_budget)
+    top_k = top_k_of(blocks[0].block)
+    tiers = _two_tier_report(slot_nbytes, num_experts, moe_layers, top_k, memory_budget)
     kv, staged = kv_nbytes_per_token(mlx_model), slot_nbytes if tiers["auto"] else 0
     working = working_nbytes(mlx_model, moe_layers, num_experts, staged, kv_per_token=kv)
     bought = _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expert, working)
@@ -137,7 +138,7 @@ def inspect_model(
         moe_layers=moe_layers,
         moe_layer_paths=[b.path for b in blocks],
         experts_per_layer=num_experts,
-        routed_per_token=top_k_of(blocks[0].block),
+        routed_per_token=top_k,
         layout=layouts[0].layout,
         expert_bytes_on_disk=layouts[0].expert_nbytes,
         expert_bytes=slot_nbytes,
@@ -160,7 +161,7 @@ def inspect_model(
     if capacity is not None:
         report["capacity"] = _capacity_report(capacity, tiers["auto"], report, budget)
     fraction = report["capacity"]["capacity"] / num_experts if "capacity" in report else bought["fraction"]
-    report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction)
+    report["two_tier"] = _slots_report(tiers, slot_nbytes, fraction, num_experts)
     return report
 
 
@@ -239,24 +240,41 @@ def _capacity_report(capacity, tiered: bool, report: dict, budget) -> dict:
     return found
 
 
-def _two_tier_report(slot_nbytes: int, host_bytes: int, memory_budget) -> dict:
+def _two_tier_report(slot_nbytes: int, num_experts: int, layers: int, top_k: int, memory_budget) -> dict:
     """Two-tier mode by "auto" (every expert in host memory, the budget's slots on the device:
-    `two_tier/two_tier_runtime.py`): whether it is on, and why; where the device has memory of its own, a
-    memory budget is the host's, as `load` takes it (`assembly.host_budget`)."""
-    from .assembly import host_budget
+    `two_tier/two_tier_runtime.py`; past the host's memory three tiers, `assembly.three_tiers`): whether it
+    is on, and why, and the experts a layer the host tier holds (None: all, or no host tier); where the
+    device has memory of its own, a memory budget is the host's, as `load` takes it
+    (`assembly.host_budget`)."""
+    from .assembly import host_budget, three_tiers
 
+    host_bytes = slot_nbytes * num_experts * layers
     device = backend.device_memory()
-    on, why = backend.two_tier_choice("auto", host_bytes, host_budget(memory_budget, device))
-    return {"auto": bool(on), "reason": why, "host_bytes": host_bytes}
+    budget = host_budget(memory_budget, device)
+    on, why = backend.two_tier_choice("auto", host_bytes, budget)
+    mode, host_experts = TwoTierMode.ON if on else TwoTierMode.OFF, None
+    if device is not None:
+        mode, why, host_experts = three_tiers(
+            "auto", False, mode, why, budget, slot_nbytes, layers, num_experts, top_k
+        )
+    return {"auto": mode.tiered, "reason": why, "host_bytes": host_bytes, "host_experts": host_experts}
 
 
-def _slots_report(tiers: dict, slot_nbytes: int, fraction: float) -> dict:
+def _slots_report(tiers: dict, slot_nbytes: int, fraction: float, num_experts: int) -> dict:
     """`tiers` with the slots "auto" keeps at `fraction` of the experts in slots (the capacity asked, else
-    the budget's), and why."""
+    the budget's), and why; the experts a layer each tier holds ("tiers": device, host, disk)."""
     asked = TwoTierMode.ON if tiers["auto"] else TwoTierMode.OFF
-    mode, why = auto_tiers("auto", asked, tiers["reason"], slot_nbytes, fraction)
+    three = tiers["host_experts"] is not None
+    mode, why = (
+        (asked, tiers["reason"])
+        if three
+        else auto_tiers("auto", asked, tiers["reason"], slot_nbytes, fraction)
+    )
     slots = "device-kept (least recently used)" if mode is TwoTierMode.LRU else "admitted by routing counts"
-    return {**tiers, "slots": slots, "reason": why}
+    device = round(fraction * num_experts)
+    host = tiers["host_experts"] if three else num_experts if tiers["auto"] else 0
+    disk = max(0, num_experts - device - host) if three else 0 if tiers["auto"] else num_experts - device
+    return {**tiers, "slots": slots, "reason": why, "tiers": {"device": device, "host": host, "disk": disk}}
 
 
 def _rank_rows(mlx_model, blocks, slot_nbytes: int, kv: int, ranks: int) -> list[dict]:
@@ -381,6 +399,11 @@ def format_inspection(report: dict) -> str:
         f"mode       {'two-tier' if tiers['auto'] else 'per-layer'} by default: {tiers['reason']} "
         f"(host memory for every expert: {_size(tiers['host_bytes'])}; --two-tier on, off or lru chooses "
         "for generate and serve)"
+    )
+    held = tiers["tiers"]
+    lines.append(
+        f"tiers      of {report['experts_per_layer']} experts a layer: {held['device']} in slots, "
+        f"{held['host']} in host memory read in place, {held['disk']} read from disk when routed"
     )
     packed = report["packed"]
     lines.append(f"packed     {packed}" if packed else "packed     none (`od-moe pack`: one read per expert)")

@@ -8,6 +8,7 @@ import pytest
 import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.errors import ExpertReadError, UserError
+from od_moe.runtime import TwoTierMode
 from od_moe.two_tier.settings import FLAGGED_RUNS, AdmissionSettings, KeptRowsSettings, TwoTierSettings
 from od_moe.two_tier.two_tier_runtime import TwoTierRuntime
 from tiny_models import FAMILIES, write_mlx_model
@@ -143,3 +144,38 @@ def test_every_path_reports_its_tiers():
     assert per_layer.stats()["tiers"]["experts_per_layer"] == {"device": 16, "host": 0, "disk": 48}
     two = od_moe.load(capacity=0.25, two_tier=True)
     assert two.stats()["tiers"]["experts_per_layer"] == {"device": 16, "host": 64, "disk": 0}
+
+
+def test_past_the_hosts_memory_auto_sizes_a_host_tier():
+    """On a GPU with memory of its own, where the host's budget cannot hold every expert, "auto" (and
+    two_tier=True) runs three tiers with a host tier of what the budget holds; the per-layer path where
+    that is fewer than a position's experts, or where two tiers cannot run what was asked."""
+    from od_moe import assembly
+
+    ON, OFF = TwoTierMode.ON, TwoTierMode.OFF
+    expert, layers, E, k = 2_650_000, 48, 128, 8
+
+    def plan(asked, budget, clash=False, mode=OFF):
+        return assembly.three_tiers(asked, clash, mode, "why", budget, expert, layers, E, k)
+
+    assert plan("auto", expert * E * layers, mode=ON) == (ON, "why", None)  # every expert fits
+    mode, why, host = plan("auto", expert * 32 * layers + 1)
+    assert (mode, host) == (ON, 32) and why.startswith("three tiers: 32 of 128 experts a layer")
+    assert plan(True, expert * 32 * layers, mode=ON)[2] == 32  # forced on: the budget still bounds the host
+    mode, why, host = plan("auto", expert * 7 * layers)
+    assert (mode, host) == (OFF, None) and "fewer than 8 experts a layer" in why
+    assert plan("auto", expert * 32 * layers, clash=True) == (OFF, "why", None)  # predictive prefetch asked
+    assert plan(False, expert * 32 * layers) == (OFF, "why", None)
+    settings = assembly.settings_for_path(ON, None, "load", 4, host_experts=32)
+    assert isinstance(settings, TwoTierSettings) and settings.host_experts == 32
+    given = TwoTierSettings(host_experts=16)  # the caller's own host tier stands
+    assert assembly.settings_for_path(ON, given, "load", 4, host_experts=32).host_experts == 16
+
+
+def test_inspect_says_each_tiers_experts():
+    from od_moe import preflight
+
+    report = preflight.inspect_model(capacity=0.25)
+    assert report["two_tier"]["tiers"] == {"device": 16, "host": 0, "disk": 48}  # the CPU: per-layer path
+    text = preflight.format_inspection(report)
+    assert "16 in slots, 0 in host memory read in place, 48 read from disk when routed" in text

@@ -233,6 +233,14 @@ def two_tier_choice(requested, expert_nbytes: int, host_bytes: int | None = None
     return True, f"two-tier mode: every expert mapped from host memory, misses read in place ({where})"
 
 
+def host_room(host_bytes: int | None = None) -> int:
+    """Bytes of host memory the experts may take in host memory for the device to read: `host_bytes` (the
+    host's budget) where given, else `TWO_TIER_HOST_FRACTION` of what the OS says is available."""
+    if host_bytes is not None:
+        return host_bytes
+    return int(available_memory_bytes() * TWO_TIER_HOST_FRACTION)
+
+
 def map_for_device(array: mx.array, device_tail: int) -> bool:
     """Keep `array` (made from host bytes) in host memory for the GPU to read in place, its last
     `device_tail` bytes in device memory (`cuda.HostMapping`); nothing to do where arrays are host memory.

@@ -179,3 +179,63 @@ def test_inspect_says_each_tiers_experts():
     assert report["two_tier"]["tiers"] == {"device": 16, "host": 0, "disk": 48}  # the CPU: per-layer path
     text = preflight.format_inspection(report)
     assert "16 in slots, 0 in host memory read in place, 48 read from disk when routed" in text
+
+
+def test_stats_health_and_metrics_give_each_tier_and_a_failed_read_fails_one_request(monkeypatch):
+    """`--stats`, /health and /metrics show lanes per tier and what the disk did; a read that fails under a
+    running server (EIO) fails that request with one error, and the server goes on serving exactly."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from werkzeug.serving import make_server
+
+    from od_moe.accounting.report import tiers_line
+    from od_moe.server import create_app
+    from od_moe.server.worker import GenerationWorker
+
+    engine = three_tiers(16)
+    worker = GenerationWorker(engine)
+    srv = make_server("127.0.0.1", 0, create_app(worker=worker), threaded=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_port}"
+
+    def call(path, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as r:
+            text = r.read().decode()
+            return json.loads(text) if r.headers.get_content_type() == "application/json" else text
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    try:
+        first = call("/v1/completions", body)["choices"][0]["text"]
+        health, metrics = call("/health"), call("/metrics")
+        tiers = health["expert_cache_stats"]["tiers"]
+        assert tiers["experts_per_layer"] == {"device": 16, "host": 16, "disk": 32}
+        assert tiers["lanes"]["disk"] > 0 and tiers["disk"]["reruns"] > 0
+        assert f'expert_tier_lanes_total{{tier="disk"}} {tiers["lanes"]["disk"]}' in metrics
+        assert f"expert_disk_reads_total {tiers['disk']['experts_read']}" in metrics
+        line = tiers_line(tiers)
+        assert line.startswith("tiers: experts a layer device 16 / host 16 / disk 32; lanes device ")
+        assert "passes run again" in line and "MB read in" in line
+
+        store = engine.runtime.store
+        original = store.read
+
+        def failing(layout, ids, staging):
+            raise ExpertReadError(f"{layout.module_path}: [Errno 5] Input/output error")
+
+        monkeypatch.setattr(store, "read", failing)
+        other = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            call("/v1/completions", other)
+        error = json.loads(failed.value.read().decode())
+        assert "Input/output error" in json.dumps(error)
+        monkeypatch.setattr(store, "read", original)
+        assert call("/v1/completions", body)["choices"][0]["text"] == first  # served on, exactly
+        tiers_hold_their_experts(engine)
+    finally:
+        srv.shutdown()
+        worker.stop()

@@ -67,6 +67,7 @@ def format_stats(stats: dict, response=None) -> str:
     if (pause := pause_line(stats["prefetch"])) is not None:
         out.append(pause)
     out.append(memory_line(stats["memory"]))
+    out.append(tiers_line(stats["tiers"]))
     if stats.get("packed_experts"):
         out.append(f"experts read from the packed copy {stats['packed_experts']}")
     if stats.get("direct_io_refused"):
@@ -77,6 +78,27 @@ def format_stats(stats: dict, response=None) -> str:
             f"generation {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s"
         )
     return "\n".join(out)
+
+
+def tiers_line(tiers: dict) -> str:
+    """Where routed lanes found their experts, by tier, and what the disk did."""
+    held, lanes, disk = tiers["experts_per_layer"], tiers["lanes"], tiers["disk"]
+    total = sum(lanes.values()) or 1
+    line = (
+        f"tiers: experts a layer device {held['device']} / host {held['host']} / disk {held['disk']}; lanes "
+        + ", ".join(f"{k} {v} ({v / total:.1%})" for k, v in lanes.items())
+    )
+    if disk["experts_read"]:
+        line += (
+            f"; disk: {disk['experts_read']} experts, {mb(disk['bytes_read']):.1f} MB read in "
+            f"{disk['read_s']:.2f} s, waited {disk['wait_s'] * 1e3:.1f} ms"
+        )
+    if disk["reruns"]:
+        line += (
+            f", {disk['reruns']} passes run again, read ahead {disk['prefetch_reads']} (useful "
+            f"{disk['prefetch_useful']}, wasted {disk['prefetch_wasted']}, late {disk['prefetch_late']})"
+        )
+    return line
 
 
 def prefetch_line(p: dict) -> str:

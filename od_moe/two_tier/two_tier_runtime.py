@@ -130,6 +130,9 @@ class TwoTierRuntime(Runtime):
         self._landed: dict[int, mx.array] = {}  # layer -> computed once its last kernel fills landed
         self._last_output: mx.array | None = None  # the last MoE layer's output in the last pass
         self._table_ring = HostRing((len(caches), self.num_experts), np.uint32)
+        # a layer's rows when it learned its routing (past the host's memory), written in turn: a pass
+        # waits at each such layer, so the ring's arrays used layers before are computed
+        self._exact_ring = HostRing((self.num_experts,), np.uint32, depth=4)
         # this pass's routed ids, hit lanes, staged layers' counts (`staged_passes`), by layer
         self._routed: dict[int, mx.array] = {}
         self._hit: dict[int, mx.array] = {}
@@ -419,9 +422,16 @@ class TwoTierRuntime(Runtime):
     def _exact_read(self, layer: int, indices: mx.array):
         ids = np.array(indices).astype(np.int64)  # the sync
         self.host_syncs += 1
-        rows = self._present(layer, ids)
-        read = mx.array(rows[ids].astype(np.uint32))
+        read = self._rows_of(indices, self._present(layer, ids))
         return tuple(self.stacks[layer].values()), read, {"hit": read >= self.host_rows}
+
+    def _rows_of(self, indices: mx.array, rows: np.ndarray) -> mx.array:
+        """Each routed lane's row by a layer's `rows` (per expert), through a host ring (`HostRing`: no
+        array made from host bytes in a pass)."""
+        table = self._exact_ring.write(rows.astype(np.uint32))
+        read = table[indices]
+        self._exact_ring.used_by(read)
+        return read
 
     def _exact_switch(self, layer: int, x: mx.array, indices: mx.array) -> tuple[mx.array, dict]:
         """The switch of `layer` on `x`, its routed experts read from disk first, in rounds of positions
@@ -434,14 +444,13 @@ class TwoTierRuntime(Runtime):
         arrays = tuple(self.stacks[layer].values())
         rounds = self._rounds(layer, flat)
         if len(rounds) == 1:
-            rows = self._present(layer, flat)
-            read = mx.array(rows[ids].astype(np.uint32))
+            read = self._rows_of(indices, self._present(layer, flat))
             return self.steps[layer].compute(arrays, x, read), {"hit": read >= self.host_rows}
         xs = x.reshape(-1, x.shape[-1])
         outputs, hits = [], []
         for start, stop in rounds:
-            rows = self._present(layer, flat[start:stop])
-            read = mx.array(rows[flat[start:stop]].astype(np.uint32))
+            lanes = indices.reshape(-1, k)[start:stop]
+            read = self._rows_of(lanes, self._present(layer, flat[start:stop]))
             y = self.steps[layer].compute(arrays, xs[start:stop], read)
             mx.eval(y)  # before the next round's reads take its rows
             outputs.append(y)

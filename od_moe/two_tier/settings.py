@@ -108,7 +108,7 @@ class TwoTierSettings:
     disk_prefetch: str = "routed"
     # how a pass that met an expert on disk runs again: "exact" (from its first miss each layer learns its
     # routing and reads what it needs first) or "flagged" (once its reads landed, no layer waiting for its
-    # routing; exact, as the last of `FLAGGED_RUNS` runs, where it missed again). On the bundled model's
-    # trained routing flagged runs missed again 2-3 times a token (`benchmarks/two_tier.py`, docs/GPU.md,
-    # "Past the host's memory")
+    # routing; exact, as the last of `FLAGGED_RUNS` runs, where it missed again). With the bundled model's
+    # trained routing flagged second runs missed again, and ran slower (docs/GPU.md, "Past the host's
+    # memory: three tiers")
     disk_rerun: str = "exact"

@@ -12,8 +12,8 @@ stock's step and those bytes at the faster of the two bus bandwidths measured on
 engine, as in `od-moe bench --two-tier`). `static` rows stop admission after the warm-up (its slots are that
 prompt's profile), to compare with learned admission on the same slots count.
 
-    python benchmarks/two_tier.py [--model PATH | --widen 128] [--rows tt:0,tt:0.25,...] [--rounds 4]
-        [--tokens 48] [--prefill 512] [--json out.json]
+    python benchmarks/two_tier.py [--model PATH | --widen 128 | --shape NAME] [--rows tt:0,tt:0.25,...]
+        [--rounds 4] [--tokens 48] [--prefill 512] [--direct-io on] [--disk-probe 20] [--json out.json]
 
 `--prefill N`: per row also prompt tok/s of an N-token prompt (od-moe's own Python source) against stock,
 alternating, median of `--rounds` ratios (`stage=P` sets the positions from which a pass is staged,
@@ -80,6 +80,10 @@ BUS: dict = {}  # the bus's transfer rates (`Runtime.transfer_rates`), measured 
 
 
 def model_path(args) -> Path:
+    if args.shape:  # built once into --workdir (`od-moe bench --shape` finds it there too)
+        from od_moe.bench.real_shapes import build_shape, default_dest
+
+        return build_shape(args.shape, default_dest(args.workdir, args.shape))
     if not args.widen:
         return Path(args.model)
     from od_moe.bench.widen import widen_model
@@ -242,6 +246,7 @@ def main():
         "--widen", type=int, default=0, help="widen the model's experts this many times first"
     )
     parser.add_argument("--workdir", default="/tmp/odb")
+    parser.add_argument("--shape", help="a real model's shape (`od-moe bench --shape`'s names), built first")
     parser.add_argument("--rows", default="exact:0.25,tt:0,tt:0.25,static:0.25,tt:0.5,tt:1")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)

@@ -62,6 +62,7 @@ def test_three_tiers_match_mlx_lm(bundled_reference, host, prefetch, rerun):
         # each read ahead is used, evicted unused, or still unused in its row
         assert disk["prefetch_useful"] + disk["prefetch_wasted"] <= disk["prefetch_reads"]
     tiers_hold_their_experts(engine)
+    assert engine.runtime.figures().stack_moves == 0  # no view of a stack held while MLX filled it
     engine.close()
 
 

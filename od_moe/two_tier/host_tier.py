@@ -68,6 +68,9 @@ class HostTier:
         self._given_back: list[tuple[int, int]] = []  # (layer, row): free from the next boundary
         self._pending: dict[tuple[int, int], tuple[int, Future]] = {}  # (layer, expert) -> (row, read)
         self._stacks = stacks
+        # per layer, the host's views of its stack (made at its first read): let go before MLX writes a
+        # stack (`let_go`), since a view held would make MLX copy the stack it fills
+        self._views: dict[int, dict] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="od-moe-disk")
         self.threads = threads
 
@@ -123,7 +126,6 @@ class HostTier:
         `NoRoomError` where no row is left."""
         keep = set(np.asarray(protect, dtype=np.int64).tolist()) | set(np.asarray(ids).tolist())
         started = []
-        views = None  # the host writes rows through these: made here, held by the reads alone
         for expert in np.asarray(ids, dtype=np.int64).tolist():
             if self.row_of[layer, expert] >= 0:
                 continue
@@ -132,9 +134,7 @@ class HostTier:
                 self.expert_in_row[layer, row] = -2  # taken by a read
                 self.last_use[layer, row] = clock
                 self.ahead[layer, row] = ahead
-                if views is None:  # a view held between passes would make MLX copy a stack it fills
-                    views = {key: host_view(array) for key, array in self._stacks[layer].items()}
-                future = self._pool.submit(self._read, layer, expert, row, views)
+                future = self._pool.submit(self._read, layer, expert, row, self._views_of(layer))
                 self._pending[(layer, expert)] = (row, future)
                 nbytes = self.caches[layer].layout.expert_nbytes
                 self._book(layer, experts_read=1, bytes_read=nbytes, prefetch_reads=int(ahead))
@@ -172,6 +172,16 @@ class HostTier:
             else:
                 self.expert_in_row[layer, row] = -1
                 self.ahead[layer, row] = False
+
+    def _views_of(self, layer: int) -> dict:
+        if layer not in self._views:
+            self._views[layer] = {key: host_view(array) for key, array in self._stacks[layer].items()}
+        return self._views[layer]
+
+    def let_go(self):
+        """Wait for every read and let go of the views of the stacks (before MLX writes one)."""
+        self.drain()
+        self._views = {}
 
     def wait_all(self) -> float:
         """`wait` for every read in flight."""

@@ -618,8 +618,8 @@ class TwoTierRuntime(Runtime):
         in the same stacks, in place, and do the caches' bookkeeping."""
         t0 = time.perf_counter()
         self._last_output = None  # it holds the last pass's graph, and with it a stack
-        if self.host_tier is not None:  # reads in flight hold views of the stacks
-            self.host_tier.drain()
+        if self.host_tier is not None:  # reads and the tier hold views of the stacks
+            self.host_tier.let_go()
         slot_fill.write_after_wait(self.stacks, self._moves(fills))
         for cache, _, _ in fills:
             layer = cache.layer

@@ -32,7 +32,8 @@ into its own rows), `forecast=shadow|gate|none`, `distance=D` layers ahead, `per
 misses), `blocks=B` (thread blocks a copy). Past the host's memory (`two_tier/host_tier.py`): `host=H` experts
 a layer in the host tier, the rest read from disk (`--direct-io` on: past the page cache), `disk=routed|none`
 what a pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`),
-`rerun=flagged|exact` how it runs again, `threads=N` its reader threads; such a row also gives its disk MB,
+`rerun=flagged|exact` how it runs again, `lag=L` how many layers after a layer its flags are read (0: with
+the logits only), `threads=N` its reader threads; such a row also gives its disk MB,
 reads waited for and passes run again per decoded token, and its speed over the all-in-host row's (the first
 two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
 `--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
@@ -122,6 +123,7 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
         disk_prefetch=given.get("disk", TwoTierSettings.disk_prefetch),
         disk_threads=int(given.get("threads", DISK_THREADS)),
         disk_rerun=given.get("rerun", TwoTierSettings.disk_rerun),
+        flag_lag=int(given.get("lag", TwoTierSettings.flag_lag)),
     )
     return TwoTierSettings(
         stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast, **disk

@@ -30,6 +30,14 @@ import numpy as np
 from .settings import FLAGGED_RUNS
 
 
+class StoppedAt(Exception):
+    """A flagged pass stopped at its first layer with an absent lane (`TwoTierRuntime._watch_flags`)."""
+
+    def __init__(self, layer: int):
+        super().__init__(f"a flagged pass met an expert on disk at MoE layer {layer}")
+        self.layer = layer
+
+
 @dataclass(frozen=True)
 class Missed:
     """A flagged pass that met an expert on disk: the first layer that did, and the experts the pass routed
@@ -56,26 +64,34 @@ class DiskPasses:
         runtime, tokens = self.runtime, inputs.shape[-1]
         if cache is None or tokens != 1 or not all(hasattr(c, "trim") and c.is_trimmable() for c in cache):
             return self.model(inputs, cache=cache, **kwargs)  # every layer exact
+        offsets = [getattr(c, "offset", None) for c in cache]
         runtime.begin_flagged_pass()
         try:
-            logits = self.model(inputs, cache=cache, **kwargs)
-            missed, runs = runtime.first_missing_layer(logits), 1
-            while missed is not None:
+            missed, runs = self._run(inputs, cache, kwargs), 1
+            while not isinstance(missed, mx.array):
                 exact = self.rerun == "exact" or runs >= FLAGGED_RUNS
                 self._read_ahead(missed)
                 if not exact:  # the run's tables hold what landed before it
                     runtime.wait_for_reads()
-                for c in cache:
-                    c.trim(tokens)
+                _trim(cache, offsets, tokens)
                 runtime.resume(missed.first, exact)
-                logits = self.model(inputs, cache=cache, **kwargs)
-                missed, runs = runtime.first_missing_layer(logits), runs + 1
+                missed, runs = self._run(inputs, cache, kwargs), runs + 1
         except BaseException:
             runtime.cancel_flagged_pass()
             raise
-        return logits
+        return missed
 
-    def _read_ahead(self, missed: Missed):
+    def _run(self, inputs: mx.array, cache, kwargs) -> "mx.array | Missed":
+        """A flagged run of the model: its logits where it stands, else what it missed (where it stopped
+        early, or where its flags said so with the logits)."""
+        try:
+            logits = self.model(inputs, cache=cache, **kwargs)
+        except StoppedAt as stopped:
+            return self.runtime.stopped_pass(stopped.layer)
+        missed = self.runtime.first_missing_layer(logits)
+        return logits if missed is None else missed
+
+    def _read_ahead(self, missed: "Missed"):
         """Start the reads the next run will want: the first missing layer's experts (its routing, known),
         then (`routed`) those the run routed to past it (a forecast: their inputs were wrong)."""
         first, *later = sorted(missed.routed)
@@ -83,3 +99,12 @@ class DiskPasses:
         if self.prefetch == "routed":
             for layer in later:
                 self.runtime.fetch_ahead(layer, missed.routed[layer])
+
+
+def _trim(cache, offsets: list, tokens: int):
+    """Take back what a run wrote into the KV caches: back to `offsets` (a run that stopped early wrote
+    only the layers it reached), or `tokens` from each where a cache has no offset."""
+    for c, offset in zip(cache, offsets):
+        written = tokens if offset is None else c.offset - offset
+        if written:
+            c.trim(written)

@@ -112,3 +112,6 @@ class TwoTierSettings:
     # trained routing flagged second runs missed again, and ran slower (docs/GPU.md, "Past the host's
     # memory: three tiers")
     disk_rerun: str = "exact"
+    # a flagged pass reads each layer's count of absent lanes this many layers after it, stopping there
+    # where it is not 0 (the rest of the pass would be computed wrong); 0: counts read with the logits only
+    flag_lag: int = 2

@@ -29,6 +29,7 @@ do with a pass (`layer_step.py`), the CUDA advice (`cuda.HostMapping`), or the p
 prefetch (`per_layer/per_layer_runtime.py`).
 """
 
+import collections
 import functools
 import time
 import weakref
@@ -148,6 +149,7 @@ class TwoTierRuntime(Runtime):
         self._flagged = self._resumed = False
         self._resume_from = 0  # a pass run again: its first layer not run as before
         self._missing: dict[int, mx.array] = {}
+        self._watched: collections.deque = collections.deque()  # a flagged pass's layers not yet read
         self._unbooked: PassBooking | None = None
         self._carried: PassBooking | None = None
         self._last_y: mx.array | None = None  # the last pass's output, computed before host rows change
@@ -305,6 +307,8 @@ class TwoTierRuntime(Runtime):
             self._union[layer] = found["staged"]
         if "rows" in found and kept is not None:
             kept.keep(layer, found["rows"])
+        if "missing" in found and self._flagged and self.settings.flag_lag:
+            self._watch_flags(layer, y, found["missing"])
         # 6. at the last layer the pass ends, its counts tied to its output
         if layer == len(self.caches) - 1:
             y = self._end_pass(y)
@@ -354,6 +358,7 @@ class TwoTierRuntime(Runtime):
         self._exact_from, self._flagged, self._resumed = 0, False, False
         self._unbooked = self._carried = None
         self._missing = {}
+        self._watched.clear()
 
     def first_missing_layer(self, logits: mx.array) -> "disk_passes.Missed | None":
         """End a flagged pass: wait for its `logits` with its flags (its one sync) and book it where no
@@ -370,18 +375,51 @@ class TwoTierRuntime(Runtime):
         absent = dict(zip(flagged, np.array(counts).tolist())) if counts is not None else {}
         first = next((i for i in flagged if absent[i] > 0), None)
         self._missing, self._unbooked = {}, None
+        self._watched.clear()
         routed = {i: np.array(ids).reshape(-1).astype(np.int64) for i, ids in booked.routed.items()}
+        if first is not None:
+            return self._missed(booked, routed, first, int(absent[first]))
         if self.host_tier is not None:  # the host tier's least recently used rows go first
             for i, ids in routed.items():
-                if first is None or i < first:
+                self.host_tier.touch(i, ids, self.clock)
+        self._carried = None
+        self._flagged = self._resumed = False
+        self._exact_from = 0
+        self._book(booked)
+        return None
+
+    def _watch_flags(self, layer: int, y: mx.array, missing: mx.array):
+        """A flagged pass's layer is computed as it is built; `flag_lag` layers on, its count of absent
+        lanes is read (the device has that many layers queued meanwhile), and where it is not 0 the pass
+        stops there (`disk_passes.StoppedAt`): what it would compute past it is wrong."""
+        mx.async_eval(y, missing)
+        self._watched.append((layer, y, missing))
+        if len(self._watched) <= self.settings.flag_lag:
+            return
+        watched, _, count = self._watched.popleft()
+        if count.item() > 0:
+            mx.eval(y)  # every layer queued computed: the reads that follow may take their rows
+            self._watched.clear()
+            raise disk_passes.StoppedAt(watched)
+
+    def stopped_pass(self, first: int) -> "disk_passes.Missed":
+        """End a flagged pass that stopped at layer `first` (`disk_passes.StoppedAt`): as
+        `first_missing_layer` ends one that missed there, from the layers it ran."""
+        booked = PassBooking(self._routed, self._hit, self._union, self._lookups)
+        self._routed, self._hit, self._union, self._lookups = {}, {}, {}, {}
+        if self._carried is not None:
+            booked = self._carried.merged(booked)
+        absent = int(np.array(self._missing[first]))
+        self._missing = {}
+        routed = {i: np.array(ids).reshape(-1).astype(np.int64) for i, ids in booked.routed.items()}
+        return self._missed(booked, routed, first, absent)
+
+    def _missed(self, booked: "PassBooking", routed: dict, first: int, absent: int) -> "disk_passes.Missed":
+        if self.host_tier is not None:  # the host tier's least recently used rows go first
+            for i, ids in routed.items():
+                if i < first:
                     self.host_tier.touch(i, ids, self.clock)
-        if first is None:
-            self._carried = None
-            self._flagged = self._resumed = False
-            self._exact_from = 0
-            self._book(booked)
-            return None
-        self.ledger.add(self.phase, first, reruns=1, disk_lanes=int(absent[first]))
+        self.ledger.add(self.phase, first, reruns=1, disk_lanes=absent)
         self._carried = booked.before(first)
         return disk_passes.Missed(first, {i: ids for i, ids in routed.items() if i >= first})
 
@@ -499,6 +537,7 @@ class TwoTierRuntime(Runtime):
             self.host_tier.boundary()
             self._dirty = self._dirty or self.host_tier.take_changed()
         self._missing = {}
+        self._watched.clear()
         if self._resumed:  # the same pass again: counted once, the slots as they were
             if self._dirty:
                 self._refresh()

@@ -55,6 +55,7 @@ def test_three_tiers_match_mlx_lm(bundled_reference, host, prefetch, rerun):
     assert disk["bytes_read"] == disk["experts_read"] * engine.caches[0].layout.expert_nbytes > 0
     # a pass runs again once where the second run waits at each layer, up to FLAGGED_RUNS times otherwise
     assert 0 < disk["reruns"] <= stats["passes"]["decode"] * (FLAGGED_RUNS if rerun == "flagged" else 1)
+    assert 0 < disk["stopped_passes"] <= disk["reruns"]  # most stop a few layers past their first miss
     if prefetch == "none":
         assert disk["prefetch_reads"] == disk["prefetch_late"] == 0
     else:
@@ -64,6 +65,15 @@ def test_three_tiers_match_mlx_lm(bundled_reference, host, prefetch, rerun):
     tiers_hold_their_experts(engine)
     assert engine.runtime.figures().stack_moves == 0  # no view of a stack held while MLX filled it
     engine.close()
+
+
+def test_a_flagged_pass_read_only_with_its_logits_runs_to_the_end(bundled_reference):
+    """`flag_lag=0`: a flagged pass's counts are read with the logits alone, so none stops early; the
+    tokens are the same."""
+    engine = three_tiers(16, flag_lag=0)
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    disk = engine.stats()["tiers"]["disk"]
+    assert disk["reruns"] > 0 and disk["stopped_passes"] == 0
 
 
 def test_a_prompt_whose_experts_overflow_the_host_tier_runs_in_rounds(bundled_reference, monkeypatch):

@@ -24,7 +24,8 @@ Per phase (prefill, decode) and MoE layer (`LAYER_FIELDS`):
   `expert_hits`).
 - past the host's memory (`two_tier/host_tier.py`): `disk_lanes`, lanes whose expert was on disk when its
   layer learned its routing (read before it computed); `reruns`, decode passes run again from this layer,
-  their first with an expert on disk; every read from disk is in `experts_read` and `bytes_read` (its
+  their first with an expert on disk (`stopped_passes` of them stopped a few layers past it, not run to
+  the end); every read from disk is in `experts_read` and `bytes_read` (its
   seconds on a reader thread in `disk_read_s`; the pass's wait for reads in `wait_s`), `prefetch_reads`
   those read ahead of need, whose outcome is counted as the per-layer path's prefetch is. A lane in
   neither a device slot (`hits`) nor on disk was read in place from the host tier (`tier_figures`).
@@ -73,6 +74,7 @@ LAYER_FIELDS = (
     "reruns",
     "prefetch_reads",
     "disk_read_s",
+    "stopped_passes",
 )
 READER_FIELDS = ("issued", "completed", "reader_s", "dropped", "busy_s")
 FOUND_IN = ("prompt", "output")  # where prompt lookup found a draft: in the prompt, or in the answer so far
@@ -298,6 +300,7 @@ def tier_figures(led: Ledger, tiers: dict[str, int]) -> dict:
             "read_s": read_s,
             "wait_s": float(led.total("wait_s")),
             "reruns": int(led.total("reruns")),
+            "stopped_passes": int(led.total("stopped_passes")),
             "prefetch_reads": int(led.total("prefetch_reads")),
             "prefetch_useful": int(led.total("prefetch_useful")),
             "prefetch_wasted": int(led.total("prefetch_wasted")),

@@ -411,6 +411,7 @@ class TwoTierRuntime(Runtime):
             booked = self._carried.merged(booked)
         absent = int(np.array(self._missing[first]))
         self._missing = {}
+        self.ledger.add(self.phase, first, stopped_passes=1)
         routed = {i: np.array(ids).reshape(-1).astype(np.int64) for i, ids in booked.routed.items()}
         return self._missed(booked, routed, first, absent)
 

@@ -32,8 +32,10 @@ into its own rows), `forecast=shadow|gate|none`, `distance=D` layers ahead, `per
 misses), `blocks=B` (thread blocks a copy). Past the host's memory (`two_tier/host_tier.py`): `host=H` experts
 a layer in the host tier, the rest read from disk (`--direct-io` on: past the page cache), `disk=routed|none`
 what a pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`),
-`rerun=flagged|exact` how it runs again, `lag=L` how many layers after a layer its flags are read (0: with
-the logits only), `threads=N` its reader threads; such a row also gives its disk MB,
+`rerun=flagged|exact` how it runs again, `forecast=shadow|gate` with `distance=D`: the layers that wait for
+their routing read the forecast's experts of the layer D on from disk ahead, `lag=L` how many layers after a
+layer its flags are read (0: with the logits only), `threads=N` its reader threads; such a row also gives its
+disk MB,
 reads waited for and passes run again per decoded token, and its speed over the all-in-host row's (the first
 two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
 `--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
@@ -114,7 +116,7 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
     )
     forecast = ForecastSettings()
     kind = {"shadow": "shadow", "gate": "next-gate", "none": "none"}[given.get("forecast", "shadow")]
-    if "ahead" in given and kind != "none":
+    if ("ahead" in given or "host" in given and "forecast" in given) and kind != "none":
         predictor = _predictor_for("benchmark") if kind == "shadow" else None
         forecast = ForecastSettings(kind=kind, distance=int(given.get("distance", 1)), predictor=predictor)
     stage = int(given["stage"]) or 2**31 if "stage" in given else None  # 0: nothing staged

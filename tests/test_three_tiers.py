@@ -76,6 +76,17 @@ def test_a_flagged_pass_read_only_with_its_logits_runs_to_the_end(bundled_refere
     assert disk["reruns"] > 0 and disk["stopped_passes"] == 0
 
 
+def test_forecasts_read_later_layers_experts_from_disk_ahead(bundled_reference):
+    """Next-gate forecasts at the layers that wait for their routing read the experts two layers on from
+    disk ahead of them: reads ahead are counted and most are used; the tokens are stock's."""
+    from od_moe.two_tier.settings import ForecastSettings
+
+    engine = three_tiers(16, prefetch="none", forecast=ForecastSettings(kind="next-gate", distance=2))
+    assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
+    disk = engine.stats()["tiers"]["disk"]
+    assert disk["prefetch_reads"] > 0 and disk["prefetch_useful"] > disk["prefetch_reads"] / 2
+
+
 def test_a_prompt_whose_experts_overflow_the_host_tier_runs_in_rounds(bundled_reference, monkeypatch):
     """A prompt's layer routes to more experts than the host tier has rows: its positions run in rounds,
     each computed before the next one's reads take its rows, and the tokens stay stock's."""

@@ -111,6 +111,9 @@ class TwoTierRuntime(Runtime):
             slots, kept = [c.capacity for c in caches], settings.kept_rows.rows
         self.kept_rows = KeptRows(stacks, self.num_experts, slots, kept, settings.kept_rows) if kept else None
         self.forecast = forecast if self.kept_rows is not None else None
+        # past the host's memory: forecasts read from disk into the host tier (`_forecast_reads`)
+        self.disk_forecast = forecast if host_ids is not None else None
+        self._top_k = 0  # experts a position routes to (learned from the first routed ids)
         held = device_rows if self.device_lru else caches[0].capacity + kept  # expert rows in device memory
         stage = settings.stage_positions
         self.stage_positions = stage or positions_to_stage(caches[0].layout.expert_nbytes, held)
@@ -280,6 +283,8 @@ class TwoTierRuntime(Runtime):
         # 3. where each routed expert is read this pass: its row in the table (host tier, device slot, or
         # a device-kept row after the layer's own copies), each lane finding its row (`Lanes`)
         exact = self.bounded and self._exact_from is not None and layer >= self._exact_from
+        if exact and self.disk_forecast is not None and self.phase == "decode":
+            self._forecast_reads(layer, x)
         lanes = self._exact_lanes(layer) if exact else self._lanes(layer, positions)
         # 4. routing (in the block), each lane's row, the expert products: one compiled call where it can be
         if block is not None:
@@ -453,6 +458,17 @@ class TwoTierRuntime(Runtime):
         except NoRoomError:
             return 0
 
+    def _forecast_reads(self, layer: int, x: mx.array):
+        """At a layer that learns its routing (it waits anyway), the forecast's top experts of later layers
+        from its hidden state `x`, read from disk ahead of them (`fetch_ahead`)."""
+        forecasts = self.disk_forecast(layer, x) if self.disk_forecast is not None else []
+        if not forecasts or not self._top_k:
+            return
+        k = self._top_k
+        tops = [mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k] for _, scores in forecasts]
+        for (target, _), top in zip(forecasts, np.array(mx.stack(tops)) if tops else []):
+            self.fetch_ahead(target, top.reshape(-1))
+
     def _exact_lanes(self, layer: int) -> Lanes:
         """Lanes that learn their routing (a host sync) and find each expert a row, reading those on disk
         into the host tier first (`_present`)."""
@@ -461,6 +477,7 @@ class TwoTierRuntime(Runtime):
     def _exact_read(self, layer: int, indices: mx.array):
         ids = np.array(indices).astype(np.int64)  # the sync
         self.host_syncs += 1
+        self._top_k = ids.shape[-1]
         read = self._rows_of(indices, self._present(layer, ids))
         return tuple(self.stacks[layer].values()), read, {"hit": read >= self.host_rows}
 
@@ -753,10 +770,10 @@ def _host_experts(settings: TwoTierSettings, caches: list[LayerCache], top_k: in
             f"host_experts must be at least the experts a position routes to ({top_k}): those read from"
             f" disk for a layer are in host rows at once; got {H}"
         )
-    if kept_by_device(settings, caches) or settings.kept_rows.rows or settings.forecast.kind != "none":
+    if kept_by_device(settings, caches) or settings.kept_rows.rows:
         raise UserError(
             "past the host's memory (host_experts below the experts a layer) the device's slots are admitted"
-            " by routing counts: give two_tier=True, no kept rows and no forecast"
+            " by routing counts: give two_tier=True and no kept rows"
         )
     return [np.arange(H) for _ in caches]
 
@@ -781,18 +798,21 @@ def kept_by_device(settings: TwoTierSettings, caches: list[LayerCache]) -> bool:
     return settings.kept_by_device and caches[0].capacity < caches[0].num_experts
 
 
-def forecast_of(settings: TwoTierSettings, blocks, device_lru: bool) -> Callable | None:
+def forecast_of(
+    settings: TwoTierSettings, blocks, device_lru: bool, bounded: bool = False
+) -> Callable | None:
     """The forecast `settings.forecast` asks for, over the routers of `blocks` (mlx-lm's MoE blocks), or None:
-    a UserError for an unknown kind, or one whose experts have no device-kept rows to be copied into."""
+    a UserError for an unknown kind, or one with nothing to fill: no device-kept rows to copy experts into
+    and (`bounded`) no host tier to read them into from disk."""
     asked = settings.forecast
     if asked.kind not in FORECASTS:
         raise UserError(f"forecast kind must be one of {', '.join(FORECASTS)}, got {asked.kind!r}")
     if asked.kind == "none":
         return None
-    if not (device_lru or settings.kept_rows.rows):
+    if not (device_lru or settings.kept_rows.rows or bounded):
         raise UserError(
-            "forecasts copy experts into rows the device keeps: give KeptRowsSettings(rows=N) or "
-            "two_tier='lru'"
+            "forecasts copy experts into rows the device keeps, or read them from disk into a host tier: "
+            "give KeptRowsSettings(rows=N), two_tier='lru' or host_experts"
         )
     if asked.kind == "custom":
         return asked.custom
@@ -812,15 +832,15 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     slots, kept on the device (`kept_rows.py`: filled by the layer's misses and forecasts);
     `settings.kept_by_device`: the slots themselves are such rows (the host's caches stay empty, admission
     off), unless every expert fits in them."""
-    predicted = forecast_of(settings, blocks, kept_by_device(settings, caches))
     host_ids = _host_experts(settings, caches, top_k_of(blocks[0].block))
+    bounded = len(host_ids[0]) < caches[0].num_experts  # past the host's memory
+    predicted = forecast_of(settings, blocks, kept_by_device(settings, caches), bounded)
     # the slots and kept rows of each layer, one on the device at least
     rows = _device_rows(caches, settings)
     layers = [(c.layout, c.targets, rows, ids) for c, ids in zip(caches, host_ids)]
     stacks = read_stacks(store, layers, progress)
     switches = [switch_on(block.switch, stack) for block, stack in zip(blocks, stacks)]
     steps = [LayerSteps(switch, stack) for switch, stack in zip(switches, stacks)]
-    bounded = len(host_ids[0]) < caches[0].num_experts  # past the host's memory
     runtime = TwoTierRuntime(store, caches, stacks, steps, settings, predicted, host_ids if bounded else None)
     by_block = all(block.owner is not None for block in blocks)
     verdict = CompileVerdict()  # shared: the first block that fuses otherwise sends all op by op

@@ -111,6 +111,18 @@ class HostTier:
                 self._given_back.append((layer, row))
                 self.changed = True
 
+    def swap(self, layer: int, leaving: np.ndarray, arriving: np.ndarray, clock: int):
+        """Experts `leaving` of `layer` go to device slots and the experts `arriving` (their slots' last
+        holders) take their host rows, in order; the caller copies the bytes both ways."""
+        for out, into in zip(np.asarray(leaving, np.int64), np.asarray(arriving, np.int64)):
+            row = int(self.row_of[layer, out])
+            self.row_of[layer, out] = -1
+            self.row_of[layer, into] = row
+            self.expert_in_row[layer, row] = into
+            self.last_use[layer, row] = clock
+            self.ahead[layer, row] = False
+            self.changed = True
+
     def boundary(self):
         """A pass boundary: no pass is in flight, so rows given back are free; reads that landed are in."""
         self._given_back = []

@@ -708,18 +708,29 @@ class TwoTierRuntime(Runtime):
         return cache, ids[held], slots[held]
 
     def _moves(self, fills) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Per (cache, ids, slots) of `fills`: (layer, the experts' host rows, their slot rows); past the
-        host's memory the experts leave the host tier (the tiers do not overlap: `host_tier.py`)."""
+        """Per (cache, ids, slots) of `fills`: (layer, source rows, target rows), the experts' host rows into
+        their slot rows. Past the host's memory the tiers do not overlap (`host_tier.py`): an expert leaves
+        its host row, and the expert its slot held takes that row (the two rows swapped: `write_after_wait`
+        gathers every source before it writes), else the row is given back."""
         moves = []
         for cache, ids, slots in fills:
-            layer = cache.layer
+            layer, targets = cache.layer, self.host_rows + np.asarray(slots, np.int64)
             if self.host_tier is None:
-                sources = ids
-            else:
-                sources = self.host_tier.in_host(layer)[ids]
-                assert (sources >= 0).all(), "a fill from the host tier of an expert not in it"
-                self.host_tier.give_back(layer, ids)
-            moves.append((layer, np.asarray(sources, np.int64), self.host_rows + np.asarray(slots, np.int64)))
+                moves.append((layer, np.asarray(ids, np.int64), targets))
+                continue
+            sources = self.host_tier.in_host(layer)[ids]
+            assert (sources >= 0).all(), "a fill from the host tier of an expert not in it"
+            victims = cache.expert_in_slot[slots]
+            demoted = victims >= 0
+            self.host_tier.swap(layer, ids[demoted], victims[demoted], self.clock)
+            self.host_tier.give_back(layer, ids[~demoted])
+            moves.append(
+                (
+                    layer,
+                    np.concatenate([sources, targets[demoted]]),
+                    np.concatenate([targets, sources[demoted]]),
+                )
+            )
         return moves
 
 

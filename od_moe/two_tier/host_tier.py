@@ -6,7 +6,7 @@ Past the host's memory they are H rows per layer (`TwoTierSettings.host_experts`
 experts: `row_of` says which row holds an expert (-1: on disk), and the runtime's tables send a lane to
 that row, to a device slot, or mark it absent (`ABSENT`: the pass flags the lane and is run again, exactly,
 once its experts are read: `disk_passes.py`). The tiers do not overlap: an expert copied into a device slot
-gives its host row back.
+leaves its host row to the expert the slot held (`swap`), or gives it back.
 
 A row is written only while no pass can read it: a read goes into a free row (never in a table), and a row
 given back (evicted, or its expert promoted to a slot) is free only from the next pass boundary on

@@ -45,6 +45,18 @@ def test_a_batch_gives_stock_mlx_lms_batch_tokens(capacity, reference):
     assert total["lookups"] == total["hits"] + total["misses"] > 0
 
 
+def test_a_three_tier_batch_gives_stock_mlx_lms_batch_tokens(reference):
+    """Past the host's memory a batch's decode passes are flagged and run again where one sequence met an
+    expert on disk (without stopping early: a batch's caches do not say how far each was written)."""
+    from od_moe.two_tier.settings import TwoTierSettings
+
+    engine = od_moe.load(capacity=0.25, two_tier=True, path_settings=TwoTierSettings(host_experts=16))
+    got = engine.batch_generate(PROMPTS, max_tokens=TOKENS)
+    assert got.token_ids == reference.token_ids
+    disk = engine.stats()["tiers"]["disk"]
+    assert disk["reruns"] > 0 and disk["stopped_passes"] == 0
+
+
 @pytest.mark.parametrize("capacity,mode", [(0, True), (0.25, True), (0.25, "lru")])
 def test_a_two_tier_batch_gives_stock_mlx_lms_batch_tokens(capacity, mode, reference):
     """Two-tier mode batches too: lanes of every sequence whose expert has no slot are read in place (a

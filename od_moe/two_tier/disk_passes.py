@@ -65,7 +65,8 @@ class DiskPasses:
         if cache is None or tokens != 1 or not all(hasattr(c, "trim") and c.is_trimmable() for c in cache):
             return self.model(inputs, cache=cache, **kwargs)  # every layer exact
         offsets = [getattr(c, "offset", None) for c in cache]
-        runtime.begin_flagged_pass()
+        # a run may stop early where each cache says how far it was written (a batch's caches do not)
+        runtime.begin_flagged_pass(stop_early=all(isinstance(o, int) for o in offsets))
         try:
             missed, runs = self._run(inputs, cache, kwargs), 1
             while not isinstance(missed, mx.array):
@@ -103,8 +104,9 @@ class DiskPasses:
 
 def _trim(cache, offsets: list, tokens: int):
     """Take back what a run wrote into the KV caches: back to `offsets` (a run that stopped early wrote
-    only the layers it reached), or `tokens` from each where a cache has no offset."""
+    only the layers it reached), or `tokens` from each where a cache's offset is not a count (a batch's
+    runs do not stop early)."""
     for c, offset in zip(cache, offsets):
-        written = tokens if offset is None else c.offset - offset
+        written = c.offset - offset if isinstance(offset, int) else tokens
         if written:
             c.trim(written)

@@ -150,6 +150,7 @@ class TwoTierRuntime(Runtime):
         # absent lanes by layer, its booking until its flags are read, and what a pass run again keeps
         self._exact_from: int | None = 0
         self._flagged = self._resumed = False
+        self._stop_early = True  # a flagged pass stops at its first miss (`begin_flagged_pass`)
         self._resume_from = 0  # a pass run again: its first layer not run as before
         self._missing: dict[int, mx.array] = {}
         self._watched: collections.deque = collections.deque()  # a flagged pass's layers not yet read
@@ -312,7 +313,7 @@ class TwoTierRuntime(Runtime):
             self._union[layer] = found["staged"]
         if "rows" in found and kept is not None:
             kept.keep(layer, found["rows"])
-        if "missing" in found and self._flagged and self.settings.flag_lag:
+        if "missing" in found and self._flagged and self._stop_early and self.settings.flag_lag:
             self._watch_flags(layer, y, found["missing"])
         # 6. at the last layer the pass ends, its counts tied to its output
         if layer == len(self.caches) - 1:
@@ -353,10 +354,12 @@ class TwoTierRuntime(Runtime):
     def _book_disk(self, layer: int, **counts):
         self.ledger.add(self.phase, layer, **counts)
 
-    def begin_flagged_pass(self):
+    def begin_flagged_pass(self, stop_early: bool = True):
         """The next pass runs flagged: no layer waits for its routing, a lane whose expert is on disk reads
-        a wrong row and is counted, until `first_missing_layer` reads the counts."""
+        a wrong row and is counted, until `first_missing_layer` reads the counts; `stop_early`: each
+        layer's count read `flag_lag` layers on, the pass stopping at the first not 0 (and its runs again)."""
         self._exact_from, self._flagged = None, True
+        self._stop_early = stop_early
 
     def cancel_flagged_pass(self):
         """The flagged pass did not finish (it raised): passes run exactly again."""

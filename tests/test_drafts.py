@@ -475,6 +475,7 @@ def test_sampling_with_prompt_lookup_keeps_the_target_s_distribution(stock):
     standard deviations), which a loop that kept drafts it should have resampled would miss. An engine given
     the same seed samples the same tokens as stock's model through the same loop."""
     import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
 
     from od_moe.generation.prompt_lookup import History, LookupCounts, lookup_generate_step
     from od_moe.generation.sampling import make_sampler
@@ -487,11 +488,25 @@ def test_sampling_with_prompt_lookup_keeps_the_target_s_distribution(stock):
     temperature = next(t for t in (1.0, 1.5, 2.0, 3.0, 5.0) if mx.softmax(logits / t)[draft].item() < 0.8)
     p = mx.softmax(logits / temperature)[draft].item()
     samples = 400
+    # the prompt but its last token computed once: each sample starts from a copy of its caches (the
+    # loop prefills the same tokens the same way), and draws from there
+    prefilled = make_prompt_cache(target)
+    target(mx.array(prompt[:-1])[None], cache=prefilled)
+    mx.eval([c.state for c in prefilled])
     firsts = []
     for seed in range(samples):
         sampler = make_sampler(temperature, seed=seed)
+        cache = make_prompt_cache(target)
+        for c, done in zip(cache, prefilled):
+            c.state = done.state
         steps = lookup_generate_step(
-            mx.array(prompt), target, max_tokens=2, num_draft_tokens=1, sampler=sampler, counts=LookupCounts()
+            mx.array(prompt[-1:]),
+            target,
+            max_tokens=2,
+            num_draft_tokens=1,
+            sampler=sampler,
+            counts=LookupCounts(),
+            prompt_cache=[*cache, History(prompt[:-1])],
         )
         firsts.append(next(steps)[0])
     frequency, sigma = firsts.count(draft) / samples, np.sqrt(p * (1 - p) / samples)

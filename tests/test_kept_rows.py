@@ -272,18 +272,20 @@ def test_a_bad_two_tier_value_is_refused():
     reason="the CUDA kernel's emulation compiles with g++ (Debian: apt-get install g++); .ci/run installs it",
 )
 @pytest.mark.parametrize(
-    "E, C, S, P, sizes, decay",
+    "E, C, S, P, sizes, decay, calls",
     [
-        (128, 4, 32, 4, [12, 4], None),  # 4-byte loads, 3 threads a block
-        (128, 4, 32, 4, [12, 4], 0.9),
-        (64, 0, 8, 8, [12, 4], None),  # few rows: evictions at most calls
-        (64, 0, 8, 8, [1024, 12], 0.9),  # 256 threads a block
-        (512, 0, 128, 10, [12, 4], None),  # Qwen3-Next's experts and rows at 25%
+        (128, 4, 32, 4, [12, 4], None, 60),  # 4-byte loads, 3 threads a block
+        (128, 4, 32, 4, [12, 4], 0.9, 60),
+        (64, 0, 8, 8, [12, 4], None, 60),  # few rows: evictions at most calls
+        # 256 threads a block, each a thread of this machine meeting at every barrier (49 s for 60 calls on
+        # 2 cores, 10 s for 20): fewer calls
+        (64, 0, 8, 8, [1024, 12], 0.9, 20),
+        (512, 0, 128, 10, [12, 4], None, 60),  # Qwen3-Next's experts and rows at 25%
     ],
 )
-def test_the_cuda_kernel_emulated_decides_and_copies_as_plan(E, C, S, P, sizes, decay):
+def test_the_cuda_kernel_emulated_decides_and_copies_as_plan(E, C, S, P, sizes, decay, calls):
     """The device-kept rows' CUDA source, compiled for the CPU (`cuda_emulation.py`), against `plan` over the
     same calls: every table, lane, row, age, score and count equal after each call, and the same bytes in the
     rows at the end. It fails on a kernel whose blocks all leave before copying, or that breaks an age tie
     the other way."""
-    assert cuda_emulation.differences(60, E, C, S, P, sizes, seed=E + S, decay=decay) == []
+    assert cuda_emulation.differences(calls, E, C, S, P, sizes, seed=E + S, decay=decay) == []

@@ -105,6 +105,28 @@ def test_a_prompt_whose_experts_overflow_the_host_tier_runs_in_rounds(bundled_re
     assert max(rounds) > 1
 
 
+def test_no_computation_reads_a_row_past_a_bounded_stack(monkeypatch):
+    """Every product a bounded stack's layer computes (a pass's, and the compile check's of each block)
+    reads rows inside the stack: on CUDA a row past it faults (an H100 did, in `compiles_exactly`), while
+    the CPU reads on."""
+    from od_moe.two_tier.layer_step import LayerSteps
+
+    original, outside = LayerSteps.compute, []
+
+    def checked(self, arrays, x, rows, traced=False):
+        try:  # concrete rows only: a trace's cannot be evaluated
+            past = int(mx.max(rows).item()) >= arrays[0].shape[0]
+        except ValueError:
+            past = False
+        outside.append(past)
+        return original(self, arrays, x, rows, traced)
+
+    monkeypatch.setattr(LayerSteps, "compute", checked)
+    engine = three_tiers(8)
+    od_moe_tokens(engine, PROMPTS[:1], 8)
+    assert outside and not any(outside)
+
+
 def test_a_direct_call_of_the_model_is_exact(bundled_reference):
     """A pass not run through `engine.forward` (no flags read) learns each layer's routing: stock logits."""
     from mlx_lm import load as mlx_lm_load

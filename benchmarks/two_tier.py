@@ -193,6 +193,8 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         disk = tiers["disk"]
         row.update(
             tiers=tiers["experts_per_layer"],
+            # nothing read ahead: the demand row a disk roofline is taken from
+            demand_only=settings.disk_prefetch == "none" and settings.forecast.kind == "none",
             direct_io=stats["direct_io"],
             direct_io_refused=stats["direct_io_refused"],
             disk_mb_per_token=disk["bytes_read"] / tokens / 1e6,
@@ -358,11 +360,9 @@ def main():
 def past_memory(rows: list[dict], probe: dict | None):
     """Each disk row's speed over the all-in-host row's (the first row without a host tier of its own) and,
     with the disk's `probe`, over its roofline: max(the all-in-host row's ms a token, the demand row's
-    (`disk=none`, else this row's) disk bytes a token / the probe's rate)."""
+    (`disk=none` and no forecast, else this row's) disk bytes a token / the probe's rate)."""
     in_host = next((r for r in rows if "tiers" not in r and r["mode"] == "two-tier"), None)
-    demand = next(
-        (r for r in rows if "tiers" in r and ":disk=none" in f"{r['row']}:".replace(" ", ":")), None
-    )
+    demand = next((r for r in rows if r.get("demand_only")), None)
     for r in rows:
         if "tiers" not in r or in_host is None:
             continue

@@ -72,12 +72,16 @@ class HostTier:
         # stack (`let_go`), since a view held would make MLX copy the stack it fills
         self._views: dict[int, dict] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="od-moe-disk")
-        self.threads = threads
 
     # -- where experts are -------------------------------------------------------------------------
     def in_host(self, layer: int) -> np.ndarray:
         """Per expert of `layer`, its host row (-1: on disk or a read in flight)."""
         return self.row_of[layer]
+
+    def on_disk(self, layer: int, ids: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
+        """Those of experts `ids` of `layer` in neither a device slot (`slot_of`, the layer's) nor a host
+        row."""
+        return ids[(slot_of[ids] < 0) & (self.row_of[layer, ids] < 0)]
 
     def touch(self, layer: int, ids: np.ndarray, clock: int):
         """Experts `ids` of `layer` were read by a pass at `clock` (least recently used rows go first)."""
@@ -258,13 +262,9 @@ class HostTier:
         return time.perf_counter() - t0
 
 
-def table_rows(
-    slot_of: np.ndarray, row_of: np.ndarray, host_rows: int, num_experts: int, bounded: bool
-) -> np.ndarray:
+def table_rows(slot_of: np.ndarray, row_of: np.ndarray, host_rows: int) -> np.ndarray:
     """Per layer and expert, the stack row a lane reads: host_rows + its slot where it has one, else its
-    host row (`row_of`, or its own id where every expert is in host memory), else `ABSENT`."""
-    if not bounded:
-        return np.where(slot_of >= 0, num_experts + slot_of, np.arange(num_experts)).astype(np.uint32)
+    host row (`row_of`: its own id where every expert is in host memory, -1 on disk), else `ABSENT`."""
     host = np.where(row_of >= 0, row_of, ABSENT)
     return np.where(slot_of >= 0, host_rows + slot_of, host).astype(np.uint32)
 

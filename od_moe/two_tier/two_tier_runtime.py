@@ -83,6 +83,7 @@ class TwoTierRuntime(Runtime):
         settings: TwoTierSettings,
         forecast: Callable | None = None,
         host_ids: list[np.ndarray] | None = None,
+        top_k: int = 0,
     ):
         self.store, self.caches, self.stacks, self.steps = store, caches, stacks, steps
         self.num_experts = caches[0].num_experts
@@ -92,7 +93,6 @@ class TwoTierRuntime(Runtime):
         self.host_rows = next(iter(stacks[0].values())).shape[0] - _device_rows(caches, settings)
         self.ledger = Ledger(len(caches))
         self.phase = "prefill"
-        self.bounded = host_ids is not None
         self.host_tier = (
             HostTier(store, caches, stacks, self.host_rows, host_ids, self._book_disk, settings.disk_threads)
             if host_ids is not None
@@ -113,7 +113,7 @@ class TwoTierRuntime(Runtime):
         self.forecast = forecast if self.kept_rows is not None else None
         # past the host's memory: forecasts read from disk into the host tier (`_forecast_reads`)
         self.disk_forecast = forecast if host_ids is not None else None
-        self._top_k = 0  # experts a position routes to (learned from the first routed ids)
+        self.top_k = top_k  # experts a position routes to (a forecast reads that many a layer)
         held = device_rows if self.device_lru else caches[0].capacity + kept  # expert rows in device memory
         stage = settings.stage_positions
         self.stage_positions = stage or positions_to_stage(caches[0].layout.expert_nbytes, held)
@@ -253,7 +253,7 @@ class TwoTierRuntime(Runtime):
         """No prefetch and no optimistic passes; whether the device keeps the slots; stacks moved; the
         tiers (past the host's memory the tiers do not overlap: an expert is in one)."""
         device = next(iter(self.stacks[0].values())).shape[0] - self.host_rows
-        disk = max(0, self.num_experts - device - self.host_rows) if self.bounded else 0
+        disk = max(0, self.num_experts - device - self.host_rows) if self.host_tier is not None else 0
         tiers = {"device": device, "host": self.host_rows, "disk": disk}
         return PathFigures(kept_by_device=self.device_lru, stack_moves=self.stack_moves, tiers=tiers)
 
@@ -283,7 +283,7 @@ class TwoTierRuntime(Runtime):
                 kept.expect(target, scores)
         # 3. where each routed expert is read this pass: its row in the table (host tier, device slot, or
         # a device-kept row after the layer's own copies), each lane finding its row (`Lanes`)
-        exact = self.bounded and self._exact_from is not None and layer >= self._exact_from
+        exact = self.host_tier is not None and self._exact_from is not None and layer >= self._exact_from
         if exact and self.disk_forecast is not None and self.phase == "decode":
             self._forecast_reads(layer, x)
         lanes = self._exact_lanes(layer) if exact else self._lanes(layer, positions)
@@ -454,8 +454,7 @@ class TwoTierRuntime(Runtime):
         tier = self.host_tier
         assert tier is not None
         cache = self.caches[layer]
-        ids = np.unique(np.asarray(ids, dtype=np.int64))
-        wanted = ids[(cache.slot_of[ids] < 0) & (tier.in_host(layer)[ids] < 0)]
+        wanted = tier.on_disk(layer, np.unique(np.asarray(ids, dtype=np.int64)), cache.slot_of)
         try:
             return len(tier.fetch(layer, wanted, protect=wanted, clock=self.clock, ahead=ahead))
         except NoRoomError:
@@ -465,9 +464,9 @@ class TwoTierRuntime(Runtime):
         """At a layer that learns its routing (it waits anyway), the forecast's top experts of later layers
         from its hidden state `x`, read from disk ahead of them (`fetch_ahead`)."""
         forecasts = self.disk_forecast(layer, x) if self.disk_forecast is not None else []
-        if not forecasts or not self._top_k:
+        if not forecasts:
             return
-        k = self._top_k
+        k = self.top_k
         tops = [mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k] for _, scores in forecasts]
         for (target, _), top in zip(forecasts, np.array(mx.stack(tops)) if tops else []):
             self.fetch_ahead(target, top.reshape(-1))
@@ -480,7 +479,6 @@ class TwoTierRuntime(Runtime):
     def _exact_read(self, layer: int, indices: mx.array):
         ids = np.array(indices).astype(np.int64)  # the sync
         self.host_syncs += 1
-        self._top_k = ids.shape[-1]
         read = self._rows_of(indices, self._present(layer, ids))
         return tuple(self.stacks[layer].values()), read, {"hit": read >= self.host_rows}
 
@@ -538,7 +536,7 @@ class TwoTierRuntime(Runtime):
         assert tier is not None
         needed = np.unique(ids)
         outside = needed[cache.slot_of[needed] < 0]
-        on_disk = outside[tier.in_host(layer)[outside] < 0]
+        on_disk = tier.on_disk(layer, outside, cache.slot_of)
         lanes_on_disk = int(np.isin(ids, on_disk).sum())
         if on_disk.size:
             late = tier.pending_ahead(layer, on_disk)
@@ -546,8 +544,7 @@ class TwoTierRuntime(Runtime):
             self.ledger.add(self.phase, layer, disk_lanes=lanes_on_disk, wait_s=waited, prefetch_late=late)
             self._dirty = True  # the next pass's tables see the rows read
         tier.touch(layer, outside, self.clock)
-        slot_of, row_of = cache.slot_of[None], tier.in_host(layer)[None]
-        return table_rows(slot_of, row_of, self.host_rows, self.num_experts, True)[0]
+        return table_rows(cache.slot_of, tier.in_host(layer), self.host_rows)
 
     def _begin_pass(self, x: mx.array):
         if self.host_tier is not None:
@@ -626,7 +623,7 @@ class TwoTierRuntime(Runtime):
         resident = slot_of >= 0
         own = np.arange(num_experts)
         row_of = self.host_tier.row_of if self.host_tier is not None else own
-        table = table_rows(slot_of, row_of, host_rows, num_experts, self.bounded)
+        table = table_rows(slot_of, row_of, host_rows)
         rows = self._table_ring.write(table) + 0
         self._table_ring.used_by(rows)
         self._resident, self._full = resident, resident.all(axis=1)
@@ -846,7 +843,8 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     slots, kept on the device (`kept_rows.py`: filled by the layer's misses and forecasts);
     `settings.kept_by_device`: the slots themselves are such rows (the host's caches stay empty, admission
     off), unless every expert fits in them."""
-    host_ids = _host_experts(settings, caches, top_k_of(blocks[0].block))
+    top_k = top_k_of(blocks[0].block)
+    host_ids = _host_experts(settings, caches, top_k)
     bounded = len(host_ids[0]) < caches[0].num_experts  # past the host's memory
     predicted = forecast_of(settings, blocks, kept_by_device(settings, caches), bounded)
     # the slots and kept rows of each layer, one on the device at least
@@ -855,7 +853,9 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     stacks = read_stacks(store, layers, progress)
     switches = [switch_on(block.switch, stack) for block, stack in zip(blocks, stacks)]
     steps = [LayerSteps(switch, stack) for switch, stack in zip(switches, stacks)]
-    runtime = TwoTierRuntime(store, caches, stacks, steps, settings, predicted, host_ids if bounded else None)
+    runtime = TwoTierRuntime(
+        store, caches, stacks, steps, settings, predicted, host_ids if bounded else None, top_k
+    )
     by_block = all(block.owner is not None for block in blocks)
     verdict = CompileVerdict()  # shared: the first block that fuses otherwise sends all op by op
     for i, (block, cache, stack) in enumerate(zip(blocks, caches, stacks)):

@@ -3,12 +3,7 @@
 # into /tmp/rs, then its rows (ROWS, default all in host memory and device 32 + host 32 of 128 demand-only
 # and reading ahead; 2 rounds of 24 tokens, direct I/O, the disk probed 20 s at 16 reads in flight).
 set -uo pipefail
-cat /tmp/w/mlxcuda.part.aa .whl/b/mlxcuda.part.ab > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl .whl/b/*.whl
-export PYTHONPATH=$PWD:/tmp/site
-python3 -c "import mlx.core as mx, od_moe; print(mx.__version__, mx.default_device(), od_moe.__file__)" | tee -a "$OUT/log.txt"
-t=$(date +%s); lab/device_memory/build_some.sh qwen3-30b-a3b | tee -a "$OUT/log.txt"; echo "build $(( $(date +%s) - t )) s" | tee -a "$OUT/log.txt"
+source lab/three_tiers/gpu/install_and_build.sh qwen3-30b-a3b
 model=$(python3 -c "from od_moe.bench.real_shapes import default_dest as d; print(d('/tmp/rs', 'qwen3-30b-a3b', None))")
 t=$(date +%s)
 timeout $(( 560 - $(date +%s) + T0 )) python3 benchmarks/two_tier.py --model "$model" \

@@ -81,6 +81,19 @@ class _Taps:
         """Forget what the switch taps caught (before a chunk runs)."""
         self.sink.clear()
 
+    def rows(self, piece: list[int], cache, seq_index: int) -> dict:
+        """Run `piece` (the next tokens of a sequence, after what `cache` holds) and return its trace rows."""
+        self.clear()
+        try:
+            self.engine.model(mx.array(piece)[None], cache=cache)
+        except _StopForward:
+            pass
+        L = len(self.routers)
+        outputs = [self.router_output(i) for i in range(L)]
+        logits = [self.router_logits(i) for i in range(L)]
+        mx.eval([v for v in list(self.sink.values()) + outputs + logits if isinstance(v, mx.array)])
+        return _rows(self.sink, outputs, logits, L, piece, seq_index)
+
     def router_output(self, layer: int):
         tap = self.routers[layer]
         return tap.output if tap is not None else None
@@ -175,15 +188,7 @@ def record_traces(
             cache = make_prompt_cache(engine.model)
             for s in range(0, len(seq), chunk):
                 piece = seq[s : s + chunk]
-                taps.clear()
-                try:
-                    engine.model(mx.array(piece)[None], cache=cache)
-                except _StopForward:
-                    pass
-                outputs = [taps.router_output(i) for i in range(L)]
-                logits = [taps.router_logits(i) for i in range(L)]
-                mx.eval([v for v in list(taps.sink.values()) + outputs + logits if isinstance(v, mx.array)])
-                rows = _rows(taps.sink, outputs, logits, L, piece, seq_index)
+                rows = taps.rows(piece, cache, seq_index)
                 manifest["hidden_size"] = rows["features"].shape[-1]
                 for key, value in rows.items():
                     buffer.setdefault(key, []).append(value)
@@ -195,6 +200,16 @@ def record_traces(
         flush()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def record_sequence(engine, tokens: list[int], chunk: int = 128) -> dict:
+    """One token sequence's trace rows (the keys `record_traces` stores), recorded as its shards are:
+    teacher-forced through the per-layer engine `engine`, `chunk` tokens a forward."""
+    with _Taps(engine) as taps:
+        cache = make_prompt_cache(engine.model)
+        parts = [taps.rows(tokens[s : s + chunk], cache, 0) for s in range(0, len(tokens), chunk)]
+    engine.runtime.settle()
+    return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
 
 def _rows(sink, outputs, router_logits, L, piece, seq_index) -> dict:

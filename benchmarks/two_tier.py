@@ -34,8 +34,9 @@ a layer in the host tier, the rest read from disk (`--direct-io` on: past the pa
 what a pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`),
 `rerun=flagged|exact` how it runs again, `forecast=shadow|gate` with `distance=D`: the layers that wait for
 their routing read the forecast's experts of the layer D on from disk ahead, `lag=L` how many layers after a
-layer its flags are read (0: with the logits only), `threads=N` its reader threads; such a row also gives its
-disk MB,
+layer its flags are read (0: with the logits only), `threads=N` its reader threads, `evict=next-use` the
+host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`); such a row also
+gives its disk MB,
 reads waited for and passes run again per decoded token, and its speed over the all-in-host row's (the first
 two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
 `--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
@@ -126,6 +127,7 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
         disk_threads=int(given.get("threads", DISK_THREADS)),
         disk_rerun=given.get("rerun", TwoTierSettings.disk_rerun),
         flag_lag=int(given.get("lag", TwoTierSettings.flag_lag)),
+        host_next_use=_predictor_for("benchmark") if given.get("evict") == "next-use" else None,
     )
     return TwoTierSettings(
         stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast, **disk

@@ -88,6 +88,43 @@ def test_forecasts_read_later_layers_experts_from_disk_ahead(bundled_reference):
     assert disk["prefetch_reads"] > 0 and disk["prefetch_useful"] > disk["prefetch_reads"] / 2
 
 
+def _bundled_predictor():
+    from od_moe.predictor import load_predictor
+    from od_moe.storage.model_files import DEFAULT_PREDICTOR
+
+    return load_predictor(DEFAULT_PREDICTOR, od_moe.load(capacity=1.0, two_tier=False).identity)
+
+
+def test_the_next_use_head_orders_the_host_tiers_eviction(bundled_reference):
+    """With the shadow network's next-use head the host tier gives up the row whose expert is estimated to
+    be needed last, not the least recently used; every layer has estimates after decoding; the tokens are
+    stock's."""
+    engine = three_tiers(8, prefetch="none", host_next_use=_bundled_predictor())
+    assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
+    runtime = engine.runtime
+    tier, due = runtime.host_tier, runtime.next_use.due
+    assert tier.due is due and np.isfinite(due).all()
+    held = tier.expert_in_row[3].copy()
+    last_due = int(np.argmax(due[3, held]))
+    tier.last_use[3] = 100
+    tier.last_use[3, (last_due + 1) % tier.rows] = 0  # the least recently used row: another one
+    tier.boundary()
+    assert tier._free_row(3, keep=set()) == last_due
+    tiers_hold_their_experts(engine)
+    engine.close()
+
+
+def test_a_next_use_order_without_its_head_or_for_another_model_is_refused():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    c = _bundled_predictor().config
+    with pytest.raises(UserError, match="next-use head"):
+        three_tiers(16, host_next_use=SimpleNamespace(config=replace(c, next_use=False)))
+    with pytest.raises(UserError, match="MoE layers of 32 experts"):
+        three_tiers(16, host_next_use=SimpleNamespace(config=replace(c, num_experts=32)))
+
+
 def test_a_prompt_whose_experts_overflow_the_host_tier_runs_in_rounds(bundled_reference, monkeypatch):
     """A prompt's layer routes to more experts than the host tier has rows: its positions run in rounds,
     each computed before the next one's reads take its rows, and the tokens stay stock's."""

@@ -37,7 +37,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-EVICTIONS = ("lru", "predicted", "next-use")
+from .layer_cache import LFU_HALF_LIFE
+
+EVICTIONS = ("lru", "lfu", "predicted", "next-use")
+LFU_DECAY = 0.5 ** (1 / LFU_HALF_LIFE)  # a use count's factor a pass, as the caches decay them
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,8 @@ class _NextUse:
 class _Layer:
     """One MoE layer's device slots (by recency) and host rows (expert -> when it lands, ms)."""
 
-    def __init__(self, device: int, host: int, eviction: str, next_use: _NextUse | None):
-        self.device_slots, self.host_rows = device, host
+    def __init__(self, device: int, host: int, eviction: str, next_use: _NextUse | None, layers: int):
+        self.device_slots, self.host_rows, self.layers = device, host, layers
         self.eviction, self.next_use = eviction, next_use
         self.estimate: np.ndarray | None = None  # `next-use`: each expert's estimated next pass here
         self.device: OrderedDict[int, None] = OrderedDict()
@@ -136,6 +139,7 @@ class _Layer:
         self.ahead: set[int] = set()  # read ahead and not used since
         self.rank: dict[int, float] = {}  # live predictions for this layer's next run
         self.busy: set[int] = set()  # used by the pass in flight
+        self.uses: dict[int, tuple[float, int]] = {}  # `lfu`: expert -> (decayed use count, at pass)
 
     def key(self, e: int, index: int) -> tuple:
         """Lower is evicted first."""
@@ -143,6 +147,9 @@ class _Layer:
             return (-self.next_use(e, index), e)
         if self.eviction == "next-use" and self.estimate is not None:
             return (np.inf if e in self.rank else -float(self.estimate[e]), e)
+        if self.eviction == "lfu":
+            count, at = self.uses.get(e, (0.0, 0))
+            return (count * LFU_DECAY ** (index // self.layers - at), self.last.get(e, 0.0), e)
         if self.eviction == "predicted" and e in self.rank:
             return (1, self.rank[e], self.last.get(e, 0.0), e)
         return (0, 0.0, self.last.get(e, 0.0), e)
@@ -155,11 +162,13 @@ class _Layer:
         free = [e for e, landed in self.host.items() if landed <= now and e not in self.busy]
         return min(free, key=lambda e: self.key(e, index)) if free else None
 
-    def use(self, ids: list[int], now: float):
+    def use(self, ids: list[int], now: float, t: int):
         """The layer ran on `ids`: each moves to a device slot, the slot's victim to the row it left (if
         there is one: none where the host tier has no room)."""
         for e in ids:
             self.last[e] = now
+            count, at = self.uses.get(e, (0.0, t))
+            self.uses[e] = (count * LFU_DECAY ** (t - at) + 1.0, t)
             self.busy.add(e)
             if e in self.device:
                 self.device.move_to_end(e)
@@ -260,7 +269,7 @@ def replay_tiers(
         raise ValueError("a replay reads ahead by a forecast or by the oracle, not both")
     L = len(routing[0])
     layers = [
-        _Layer(device, host, eviction, _NextUse(routing, j) if oracle_distance else None) for j in range(L)
+        _Layer(device, host, eviction, _NextUse(routing, j) if oracle_distance else None, L) for j in range(L)
     ]
     disk, figures = _Disk(clock.read_ms, layers, demand_first), TierFigures()
     now = 0.0
@@ -357,7 +366,7 @@ def replay_tiers(
                     tier.ahead.discard(e)
                     figures.ahead_reads -= 1
                     figures.ahead_cancelled += 1
-            tier.use(ids, now)
+            tier.use(ids, now, t)
             if distances is not None:
                 tier.estimate = t + distances[t, j]
             now += clock.layer_ms

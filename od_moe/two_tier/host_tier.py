@@ -43,7 +43,8 @@ class HostTier:
     **counts)` counts into the ledger (`accounting/ledger.py`'s fields), on the thread that calls the
     methods: reads started (`experts_read`, `bytes_read`, `prefetch_reads` of them ahead of need), their
     seconds once landed (`disk_read_s`), and reads ahead used before eviction (`prefetch_useful`) or not
-    (`prefetch_wasted`)."""
+    (`prefetch_wasted`). `due` (layers, experts): where given and estimated, the row whose expert is due
+    last is evicted first (`host_eviction.NextUseOrder`), else the least recently used."""
 
     def __init__(
         self,
@@ -54,8 +55,10 @@ class HostTier:
         initial: list[np.ndarray],
         book: Callable[..., None],
         threads: int = 4,
+        due: np.ndarray | None = None,
     ):
         self.store, self.caches, self.rows, self._book = store, caches, rows, book
+        self.due = due  # per layer and expert, the pass it is estimated to be needed at (`host_eviction.py`)
         layers, experts = len(caches), caches[0].num_experts
         self.expert_in_row = np.full((layers, rows), -1, dtype=np.int64)
         self.row_of = np.full((layers, experts), -1, dtype=np.int64)
@@ -232,7 +235,11 @@ class HostTier:
                 self.drain(in_flight)
                 return self._free_row(layer, keep)
             raise NoRoomError(f"layer {layer}: all {self.rows} host rows are needed by this pass")
-        row = min(evictable, key=lambda r: self.last_use[layer, r])
+        due = self.due[layer] if self.due is not None else None
+        if due is not None and not np.isnan(due).all():  # the one estimated to be needed last goes
+            row = max(evictable, key=lambda r: (due[held[r]], -self.last_use[layer, r]))
+        else:
+            row = min(evictable, key=lambda r: self.last_use[layer, r])
         self.row_of[layer, held[row]] = -1
         held[row] = -1
         self.changed = True

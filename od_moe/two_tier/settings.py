@@ -103,6 +103,10 @@ class TwoTierSettings:
     # past the host's memory (`host_tier.py`): experts a layer in host memory, the rest on disk; None: all
     host_experts: int | None = None
     disk_threads: int = DISK_THREADS  # reader threads reading experts from disk into the host tier
+    # past the host's memory: the shadow network (`predictor/model.py`) whose next-use head orders the host
+    # tier's eviction, the expert estimated to be needed last first (`host_eviction.py`); None: least
+    # recently used first
+    host_next_use: Any = field(default=None, compare=False)
     # what a decode pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`):
     # "routed": the experts it routed to past its first miss; "none": each layer reads its own (demand)
     disk_prefetch: str = "routed"

@@ -49,6 +49,7 @@ from ..runtime import ExpertIds, PathFigures, Runtime, TwoTierMode
 from ..storage.store import ExpertStore
 from . import bus_probe, disk_passes, forecast, slot_fill, staged_passes
 from .admission import Admission
+from .host_eviction import NextUseOrder
 from .host_ring import HostRing
 from .host_tier import HostTier, NoRoomError, flagged_through_table, table_rows
 from .kept_rows import KeptRows
@@ -84,6 +85,7 @@ class TwoTierRuntime(Runtime):
         forecast: Callable | None = None,
         host_ids: list[np.ndarray] | None = None,
         top_k: int = 0,
+        next_use: NextUseOrder | None = None,
     ):
         self.store, self.caches, self.stacks, self.steps = store, caches, stacks, steps
         self.num_experts = caches[0].num_experts
@@ -93,8 +95,13 @@ class TwoTierRuntime(Runtime):
         self.host_rows = next(iter(stacks[0].values())).shape[0] - _device_rows(caches, settings)
         self.ledger = Ledger(len(caches))
         self.phase = "prefill"
+        # past the host's memory, the next-use head's estimates order the host tier's eviction
+        self.next_use = next_use if host_ids is not None else None
+        due = self.next_use.due if self.next_use is not None else None
         self.host_tier = (
-            HostTier(store, caches, stacks, self.host_rows, host_ids, self._book_disk, settings.disk_threads)
+            HostTier(
+                store, caches, stacks, self.host_rows, host_ids, self._book_disk, settings.disk_threads, due
+            )
             if host_ids is not None
             else None
         )
@@ -284,6 +291,9 @@ class TwoTierRuntime(Runtime):
         # 3. where each routed expert is read this pass: its row in the table (host tier, device slot, or
         # a device-kept row after the layer's own copies), each lane finding its row (`Lanes`)
         exact = self.host_tier is not None and self._exact_from is not None and layer >= self._exact_from
+        rerun = self._resumed and layer < self._resume_from  # as it ran before: its inputs are made
+        if self.next_use is not None and self.phase == "decode" and positions == 1 and not rerun:
+            self.next_use.inputs(layer, x)
         if exact and self.disk_forecast is not None and self.phase == "decode":
             self._forecast_reads(layer, x)
         lanes = self._exact_lanes(layer) if exact else self._lanes(layer, positions)
@@ -379,7 +389,8 @@ class TwoTierRuntime(Runtime):
         assert booked is not None, "first_missing_layer without a flagged pass"
         if self._carried is not None:  # a pass run again: the layers before its first miss as first run
             booked = self._carried.merged(booked)
-        mx.eval(logits, [] if counts is None else counts, list(booked.routed.values()))
+        head = self.next_use.pending() if self.next_use is not None else []
+        mx.eval(logits, [] if counts is None else counts, list(booked.routed.values()), head)
         absent = dict(zip(flagged, np.array(counts).tolist())) if counts is not None else {}
         first = next((i for i in flagged if absent[i] > 0), None)
         self._missing, self._unbooked = {}, None
@@ -390,6 +401,8 @@ class TwoTierRuntime(Runtime):
         if self.host_tier is not None:  # the host tier's least recently used rows go first
             for i, ids in routed.items():
                 self.host_tier.touch(i, ids, self.clock)
+                if self.next_use is not None:
+                    self.next_use.routed(i, ids, self.clock)
         self._carried = None
         self._flagged = self._resumed = False
         self._exact_from = 0
@@ -428,6 +441,10 @@ class TwoTierRuntime(Runtime):
             for i, ids in routed.items():
                 if i < first:
                     self.host_tier.touch(i, ids, self.clock)
+                    if self.next_use is not None:
+                        self.next_use.routed(i, ids, self.clock)
+        if self.next_use is not None:  # computed from wrong inputs past the miss: made again when run again
+            self.next_use.forget(range(first, len(self.caches)))
         self.ledger.add(self.phase, first, reruns=1, disk_lanes=absent)
         self._carried = booked.before(first)
         return disk_passes.Missed(first, {i: ids for i, ids in routed.items() if i >= first})
@@ -835,6 +852,26 @@ def forecast_of(
     return forecast.next_gate_forecast(routers, asked.distance)
 
 
+def next_use_order(predictor, blocks, caches: list[LayerCache]) -> NextUseOrder | None:
+    """The host tier's eviction order from `predictor`'s next-use head over `blocks`' routers (None: least
+    recent use); a UserError where it has no such head or was made for other layers or experts."""
+    if predictor is None:
+        return None
+    c = predictor.config
+    if not c.next_use:
+        raise UserError(
+            "host_next_use needs a shadow network with a next-use head: train one with "
+            "`od-moe train-predictor`"
+        )
+    if (c.num_layers, c.num_experts) != (len(caches), caches[0].num_experts):
+        raise UserError(
+            f"host_next_use's predictor has {c.num_layers} MoE layers of {c.num_experts} experts, the model "
+            f"{len(caches)} of {caches[0].num_experts}: give the predictor trained for this model"
+        )
+    routers = router_matrices([block.block for block in blocks])
+    return NextUseOrder(predictor.next_use, routers, caches[0].num_experts)
+
+
 def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTierSettings, progress=None):
     """Read every layer's stack (`progress.update(bytes)` as it goes), make the runtime and put a
     `TwoTierSwitch` where each block's switch was, and a `CompiledBlock` where each block was (where it has
@@ -853,8 +890,9 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
     stacks = read_stacks(store, layers, progress)
     switches = [switch_on(block.switch, stack) for block, stack in zip(blocks, stacks)]
     steps = [LayerSteps(switch, stack) for switch, stack in zip(switches, stacks)]
+    order = next_use_order(settings.host_next_use, blocks, caches) if bounded else None
     runtime = TwoTierRuntime(
-        store, caches, stacks, steps, settings, predicted, host_ids if bounded else None, top_k
+        store, caches, stacks, steps, settings, predicted, host_ids if bounded else None, top_k, order
     )
     by_block = all(block.owner is not None for block in blocks)
     verdict = CompileVerdict()  # shared: the first block that fuses otherwise sends all op by op

@@ -362,15 +362,16 @@ def main():
 def past_memory(rows: list[dict], probe: dict | None):
     """Each disk row's speed over the all-in-host row's (the first row without a host tier of its own) and,
     with the disk's `probe`, over its roofline: max(the all-in-host row's ms a token, the demand row's
-    (`disk=none` and no forecast, else this row's) disk bytes a token / the probe's rate)."""
+    (`disk=none` and no forecast, the same tiers; else this row's) disk bytes a token / the probe's rate)."""
     in_host = next((r for r in rows if "tiers" not in r and r["mode"] == "two-tier"), None)
-    demand = next((r for r in rows if r.get("demand_only")), None)
+    tiers = lambda r: tuple(r["tiers"].values())  # noqa: E731
+    demand = {tiers(r): r for r in reversed(rows) if r.get("demand_only")}  # the first of each tiers
     for r in rows:
         if "tiers" not in r or in_host is None:
             continue
         r["x_all_in_host"] = r["x_stock"] / in_host["x_stock"]
         if probe:
-            disk_mb = (demand or r)["disk_mb_per_token"]
+            disk_mb = demand.get(tiers(r), r)["disk_mb_per_token"]
             floor_ms = max(1e3 / in_host["tok_s"], disk_mb * 1e6 / probe["bytes_per_s"] * 1e3)
             r["disk_roofline_ms"] = floor_ms
             r["x_disk_roofline"] = floor_ms * r["tok_s"] / 1e3

@@ -854,7 +854,7 @@ def forecast_of(
 
 def next_use_order(predictor, blocks, caches: list[LayerCache]) -> NextUseOrder | None:
     """The host tier's eviction order from `predictor`'s next-use head over `blocks`' routers (None: least
-    recent use); a UserError where it has no such head or was made for other layers or experts."""
+    recent use); a UserError where it has no such head or was made for another shape of model."""
     if predictor is None:
         return None
     c = predictor.config
@@ -863,12 +863,14 @@ def next_use_order(predictor, blocks, caches: list[LayerCache]) -> NextUseOrder 
             "host_next_use needs a shadow network with a next-use head: train one with "
             "`od-moe train-predictor`"
         )
-    if (c.num_layers, c.num_experts) != (len(caches), caches[0].num_experts):
-        raise UserError(
-            f"host_next_use's predictor has {c.num_layers} MoE layers of {c.num_experts} experts, the model "
-            f"{len(caches)} of {caches[0].num_experts}: give the predictor trained for this model"
-        )
     routers = router_matrices([block.block for block in blocks])
+    layers, experts, hidden = routers[0].shape
+    if (c.num_layers, c.num_experts, c.hidden_size) != (layers, experts, hidden):
+        raise UserError(
+            f"host_next_use's predictor has {c.num_layers} MoE layers of {c.num_experts} experts and hidden "
+            f"size {c.hidden_size}, the model {layers} of {experts} and {hidden}: give the predictor trained "
+            "for this model"
+        )
     return NextUseOrder(predictor.next_use, routers, caches[0].num_experts)
 
 

@@ -11,7 +11,8 @@ disk's cold reads (0.92-1.28 GB/s, docs/GPU.md, the grid at a328f8c). For the Qw
 memory").
 
     python benchmarks/tier_replay.py [--model PATH] [--expert-bytes N|SHAPE] [--tiers 16+8,16+16]
-        [--distances 1,2,3] [--tokens 64] [--lag 2] [--live-tables] [--json out.json]
+        [--distances 1,2,3] [--tokens 64] [--lag 2] [--live-tables] [--demand-first] [--routed]
+        [--slots recency|admitted [--admit-every 64]] [--json out.json]
 
 `--expert-bytes bundled-real-widths`: an expert's bytes at the shape's widths (the bundled model carried
 to real widths routes as the bundled model does, `od_moe/bench/real_widths.py`). The shadow predictor
@@ -68,6 +69,10 @@ def main():
     parser.add_argument(
         "--routed", action="store_true", help="a stopped pass reads what it routed past its miss"
     )
+    parser.add_argument(
+        "--slots", default="recency", help="recency (every use into a slot) or admitted (counts)"
+    )
+    parser.add_argument("--admit-every", type=int, default=64, help="passes between admissions (admitted)")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -87,7 +92,13 @@ def main():
         policies.append(forecasts(recording, routers, k, k, d))
     tiers = [tuple(int(x) for x in pair.split("+")) for pair in args.tiers.split(",")]
     clock = TierClock(args.layer_ms, args.disk_gbs * 1e9, bytes_, args.lag)
-    options = dict(live_tables=args.live_tables, demand_first=args.demand_first, routed_ahead=args.routed)
+    options = dict(
+        live_tables=args.live_tables,
+        demand_first=args.demand_first,
+        routed_ahead=args.routed,
+        slots=args.slots,
+        admit_every=args.admit_every,
+    )
     head = next_use_distances(recording, engine.predictor) if engine.predictor is not None else None
     rows = replay_rows(recording.routing, tiers, clock, policies, distances, args.warm, head, **options)
 
@@ -99,7 +110,8 @@ def main():
         f"{passes} decode passes counted after {args.warm}; {L} MoE layers, {E} experts, top-{k}; an expert "
         f"{bytes_ / 1e6:.2f} MB, disk {args.disk_gbs:g} GB/s, {args.layer_ms:.3f} ms a layer, lag {args.lag}"
         f"{', live tables' if args.live_tables else ''}{', demand first' if args.demand_first else ''}"
-        f"{', routed read-ahead' if args.routed else ''}"
+        f"{', routed read-ahead' if args.routed else ''}, slots by {args.slots}"
+        f"{f' every {args.admit_every} passes' if args.slots == 'admitted' else ''}"
         f"; teacher-forced routing equals the decode's at "
         f"{agree}/{compared} layer passes; per decoded token:"
     )

@@ -151,3 +151,16 @@ def test_the_bundled_models_decode_is_recorded_and_replayed_under_every_policy()
     assert names[:3] == [("demand", "lru"), ("demand", "next-use"), ("oracle@1", "true next use")]
     assert len(rows) == 3 + 2 * 3 and all(r.figures.passes == 12 for r in rows)
     assert rows[2].hidden == 1.0 and rows[0].hidden is None
+
+
+def test_admitted_slots_change_only_at_admissions_recency_slots_at_every_use():
+    # expert 1 for 64 passes, then expert 2 for 65: admitted slots (every 64 passes, by decayed counts) hold
+    # 1 until pass 128, so 2 is read in place from its host row meanwhile; recency slots take 2 at once
+    routing = _one_layer(*([1] * 64 + [2] * 65))
+    clock = TierClock(layer_ms=1, disk_rate=1000, expert_bytes=1)
+    admitted = replay_tiers(routing, 1, 3, clock, warm=64, slots="admitted")
+    recency = replay_tiers(routing, 1, 3, clock, warm=64)
+    assert (admitted.disk_lanes, admitted.host_lanes, admitted.device_lanes) == (1, 63, 1)
+    assert (recency.disk_lanes, recency.host_lanes, recency.device_lanes) == (1, 0, 64)
+    with pytest.raises(ValueError, match="slots must be"):
+        replay_tiers(routing, 1, 3, clock, slots="pinned")

@@ -40,6 +40,8 @@ import numpy as np
 from .layer_cache import LFU_HALF_LIFE
 
 EVICTIONS = ("lru", "lfu", "predicted", "next-use")
+SLOTS = ("recency", "admitted")
+ADMIT_EVERY, ADMIT_MARGIN = 64, 2.0  # as `two_tier/settings.py`'s AdmissionSettings (every, margin)
 LFU_DECAY = 0.5 ** (1 / LFU_HALF_LIFE)  # a use count's factor a pass, as the caches decay them
 
 
@@ -129,8 +131,10 @@ class _NextUse:
 class _Layer:
     """One MoE layer's device slots (by recency) and host rows (expert -> when it lands, ms)."""
 
-    def __init__(self, device: int, host: int, eviction: str, next_use: _NextUse | None, layers: int):
-        self.device_slots, self.host_rows, self.layers = device, host, layers
+    def __init__(
+        self, device: int, host: int, eviction: str, next_use: _NextUse | None, layers: int, admitted: bool
+    ):
+        self.device_slots, self.host_rows, self.layers, self.admitted = device, host, layers, admitted
         self.eviction, self.next_use = eviction, next_use
         self.estimate: np.ndarray | None = None  # `next-use`: each expert's estimated next pass here
         self.device: OrderedDict[int, None] = OrderedDict()
@@ -163,8 +167,8 @@ class _Layer:
         return min(free, key=lambda e: self.key(e, index)) if free else None
 
     def use(self, ids: list[int], now: float, t: int):
-        """The layer ran on `ids`: each moves to a device slot, the slot's victim to the row it left (if
-        there is one: none where the host tier has no room)."""
+        """The layer ran on `ids`: each moves to a device slot (slots kept by recency), the slot's victim to
+        the row it left (if there is one: none where the host tier has no room)."""
         for e in ids:
             self.last[e] = now
             count, at = self.uses.get(e, (0.0, t))
@@ -173,7 +177,7 @@ class _Layer:
             if e in self.device:
                 self.device.move_to_end(e)
                 continue
-            if not self.device_slots:
+            if not self.device_slots or self.admitted:
                 continue
             del self.host[e]
             self.device[e] = None
@@ -183,6 +187,25 @@ class _Layer:
                 if len(self.host) < self.host_rows:
                     self.host[victim] = now
         self.rank.clear()  # the predictions were for the run that just happened
+
+    def admit(self, now: float, t: int):
+        """Slots admitted by counts: the most used experts in a slot or a landed host row take the slots, a
+        newcomer only where it was used `ADMIT_MARGIN` more than the one it replaces; the two swap tiers."""
+        count = lambda e: self.uses[e][0] * LFU_DECAY ** (t - self.uses[e][1]) if e in self.uses else 0.0  # noqa: E731
+        outside = sorted(
+            (e for e, landed in self.host.items() if landed <= now), key=lambda e: (-count(e), e)
+        )
+        for e in outside:
+            if len(self.device) < self.device_slots:
+                del self.host[e]
+                self.device[e] = None
+                continue
+            weakest = min(self.device, key=lambda x: (count(x), x))
+            if count(e) <= count(weakest) + ADMIT_MARGIN:
+                break
+            del self.device[weakest], self.host[e]
+            self.device[e] = None
+            self.host[weakest] = now
 
     def drop(self, e: int, figures: TierFigures):
         del self.host[e]
@@ -248,6 +271,8 @@ def replay_tiers(
     demand_first: bool = False,
     distances: np.ndarray | None = None,
     routed_ahead: bool = False,
+    slots: str = "recency",
+    admit_every: int = ADMIT_EVERY,
 ) -> TierFigures:
     """Replay decode passes' routing (`routing[t][layer]`: the routed expert ids) through `device` slots and
     `host` rows a layer, the rest on disk, under a forecast (None: demand only), host `eviction` ("lru",
@@ -260,7 +285,11 @@ def replay_tiers(
     again, after each pass's routing, which eviction "next-use" evicts by (the farthest first; a forecast's
     experts count as needed at once). `routed_ahead`: a stopped pass also reads ahead what its flagged run
     routed to in the `lag` layers past its miss (`disk_prefetch="routed"`; modelled as their true routing,
-    where the product's flagged run routed them from inputs that were wrong past the miss)."""
+    where the product's flagged run routed them from inputs that were wrong past the miss). `slots`:
+    "recency" (every routed expert into a slot, the least recently used out) or "admitted" (as the
+    product's: every `admit_every` passes by decayed use counts, `_Layer.admit`)."""
+    if slots not in SLOTS:
+        raise ValueError(f"slots must be one of {SLOTS}, got {slots!r}")
     if eviction not in EVICTIONS:
         raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
     if (eviction == "next-use") != (distances is not None):
@@ -269,7 +298,10 @@ def replay_tiers(
         raise ValueError("a replay reads ahead by a forecast or by the oracle, not both")
     L = len(routing[0])
     layers = [
-        _Layer(device, host, eviction, _NextUse(routing, j) if oracle_distance else None, L) for j in range(L)
+        _Layer(
+            device, host, eviction, _NextUse(routing, j) if oracle_distance else None, L, slots == "admitted"
+        )
+        for j in range(L)
     ]
     disk, figures = _Disk(clock.read_ms, layers, demand_first), TierFigures()
     now = 0.0
@@ -306,6 +338,8 @@ def replay_tiers(
         disk.advance(now)
         for tier in layers:
             tier.busy.clear()
+            if tier.admitted and t and t % admit_every == 0:
+                tier.admit(now, t)
             while len(tier.host) > tier.host_rows and (victim := tier.victim(now, t * L)) is not None:
                 tier.drop(victim, figures)
         for j in range(L):

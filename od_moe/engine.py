@@ -338,7 +338,7 @@ class Engine:
             # drafts (verify passes, drafted and accepted tokens) and experts moved per generated token
             **decode_figures(ledger, runtime.mode.tiered, path.kept_by_device),
             "io": io_by_phase(ledger),
-            "tiers": tier_figures(ledger, path.tiers),
+            "tiers": tier_figures(ledger, path.tiers, path.host_eviction),
             "per_pass": {phase: per_pass(ledger, phase) for phase in PHASES},
             "direct_io": runtime.store.direct_io,
             "direct_io_refused": runtime.store.direct_io_refused,  # why reads go through the page cache

@@ -77,6 +77,8 @@ class PathFigures:
     # experts a layer each tier holds at most: "device" (slots and kept rows), "host" (read in place from
     # host memory: two tiers), "disk" (the rest, read when needed)
     tiers: dict[str, int] = field(default_factory=dict)
+    # past the host's memory, which host row goes first: "recency" or "next-use" (`two_tier/host_eviction.py`)
+    host_eviction: str | None = None
 
 
 class ReadAhead(Protocol):

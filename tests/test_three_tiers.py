@@ -104,6 +104,7 @@ def test_the_next_use_head_orders_the_host_tiers_eviction(bundled_reference):
     runtime = engine.runtime
     tier, due = runtime.host_tier, runtime.next_use.due
     assert tier.due is due and np.isfinite(due).all()
+    assert engine.stats()["tiers"]["host_eviction"] == "next-use"
     held = tier.expert_in_row[3].copy()
     last_due = int(np.argmax(due[3, held]))
     tier.last_use[3] = 100
@@ -226,6 +227,7 @@ def test_every_path_reports_its_tiers():
     assert per_layer.stats()["tiers"]["experts_per_layer"] == {"device": 16, "host": 0, "disk": 48}
     two = od_moe.load(capacity=0.25, two_tier=True)
     assert two.stats()["tiers"]["experts_per_layer"] == {"device": 16, "host": 64, "disk": 0}
+    assert per_layer.stats()["tiers"]["host_eviction"] is two.stats()["tiers"]["host_eviction"] is None
 
 
 def test_past_the_hosts_memory_auto_sizes_a_host_tier():
@@ -301,7 +303,8 @@ def test_stats_health_and_metrics_give_each_tier_and_a_failed_read_fails_one_req
         assert f"expert_disk_reads_total {tiers['disk']['experts_read']}" in metrics
         line = tiers_line(tiers)
         assert line.startswith("tiers: experts a layer device 16 / host 16 / disk 32; lanes device ")
-        assert "passes run again" in line and "MB read in" in line
+        assert "passes run again" in line and "MB read in" in line and "host tier evicts by recency" in line
+        assert tiers["host_eviction"] == "recency"
 
         store = engine.runtime.store
         original = store.read

@@ -283,16 +283,18 @@ def per_pass(led: Ledger, phase: str = "decode") -> dict:
     }
 
 
-def tier_figures(led: Ledger, tiers: dict[str, int]) -> dict:
+def tier_figures(led: Ledger, tiers: dict[str, int], host_eviction: str | None = None) -> dict:
     """Where routed lanes found their experts and what the disk did: experts a layer each tier holds at
     most (`tiers`, the path's), lanes by tier (device slots, read in place from host memory, on disk when
     the layer learned its routing), and the disk's reads, bytes, seconds on the reader threads, the
-    passes' wait for them, passes run again, and reads ahead of need with their outcome."""
+    passes' wait for them, passes run again, and reads ahead of need with their outcome; past the host's
+    memory, which host row goes first (`host_eviction`: "recency" or "next-use")."""
     lookups, hits, disk_lanes = (int(led.total(name)) for name in ("lookups", "hits", "disk_lanes"))
     on_disk = disk_lanes if tiers.get("host") else lookups - hits  # the per-layer path reads every miss
     read_s = float(led.total("disk_read_s") + led.total("read_s"))
     return {
         "experts_per_layer": dict(tiers),
+        "host_eviction": host_eviction,
         "lanes": {"device": hits, "host": lookups - hits - on_disk, "disk": on_disk},
         "disk": {
             "experts_read": int(led.total("experts_read") + led.total("prefetch_taken")),

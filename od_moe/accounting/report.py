@@ -93,6 +93,8 @@ def tiers_line(tiers: dict) -> str:
             f"; disk: {disk['experts_read']} experts, {mb(disk['bytes_read']):.1f} MB read in "
             f"{disk['read_s']:.2f} s, waited {disk['wait_s'] * 1e3:.1f} ms"
         )
+    if tiers.get("host_eviction"):
+        line += f"; host tier evicts by {tiers['host_eviction']}"
     if disk["reruns"]:
         line += (
             f", {disk['reruns']} passes run again, read ahead {disk['prefetch_reads']} (useful "

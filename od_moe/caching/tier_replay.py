@@ -31,7 +31,7 @@ bus's time (a host lane costs what it cost in the all-in-host token).
 """
 
 import bisect
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -207,11 +207,60 @@ class _Layer:
             self.device[e] = None
             self.host[weakest] = now
 
-    def drop(self, e: int, figures: TierFigures):
+    def begin_pass(self, now: float, t: int, admit_every: int) -> int:
+        """Pass `t` begins: nothing in use, slots admitted where due, rows over the tier's size given up
+        (a pass needing more than it holds); how many of those were read ahead and never used."""
+        self.busy.clear()
+        if self.admitted and t and t % admit_every == 0:
+            self.admit(now, t)
+        wasted = 0
+        while len(self.host) > self.host_rows and (victim := self.victim(now, t * self.layers)) is not None:
+            wasted += self.drop(victim)
+        return wasted
+
+    def hold(self, ids: list[int]):
+        """The layer's routed experts, in use by the pass in flight (a read for one takes no row from
+        another)."""
+        self.busy.update(ids)
+
+    def predict(self, e: int, rank: float):
+        """A forecast names `e` for this layer's next run, with `rank`."""
+        self.rank[e] = max(rank, self.rank.get(e, 0.0))
+
+    def start_ahead(self, e: int, issued: float):
+        """A read ahead of `e` is queued at `issued`: its row is taken, landing when the disk reaches it."""
+        self.last[e] = issued
+        self.ahead.add(e)
+        self.host[e] = np.inf
+
+    def land(self, e: int, when: float):
+        """The read of `e` started: it lands at `when`."""
+        self.host[e] = when
+
+    def used_ahead(self, e: int) -> bool:
+        """`e` is routed: whether it was read ahead and not used since."""
+        if e not in self.ahead:
+            return False
+        self.ahead.discard(e)
+        return True
+
+    def cancel(self, e: int):
+        """A read ahead of `e` taken off the queue unstarted: its row is free."""
         del self.host[e]
-        if e in self.ahead:
-            self.ahead.discard(e)
-            figures.ahead_wasted += 1
+        self.ahead.discard(e)
+
+    def forget_ahead(self):
+        """Reads ahead made so far are no longer followed (the warm-up ended)."""
+        self.ahead.clear()
+
+    def estimate_from(self, t: int, distances: np.ndarray):
+        """The next-use head's estimates after pass `t`'s routing: the pass each expert is due at."""
+        self.estimate = t + distances
+
+    def drop(self, e: int) -> bool:
+        """Give up `e`'s host row; whether it was read ahead and never used (a wasted read)."""
+        del self.host[e]
+        return self.used_ahead(e)
 
 
 class _Disk:
@@ -230,7 +279,7 @@ class _Disk:
             self._start(*self.queue.pop(0))
 
     def ahead(self, issued: float, layer: int, expert: int):
-        self.layers[layer].host[expert] = np.inf
+        """Queue a read ahead (the layer has taken its row, `_Layer.start_ahead`)."""
         self.queue.append((issued, layer, expert))
         self.advance(issued)
 
@@ -255,7 +304,7 @@ class _Disk:
 
     def _start(self, issued: float, layer: int, expert: int):
         self.free = max(self.free, issued) + self.read_ms
-        self.layers[layer].host[expert] = self.free
+        self.layers[layer].land(expert, self.free)
 
 
 def replay_tiers(
@@ -296,119 +345,146 @@ def replay_tiers(
         raise ValueError("eviction 'next-use', and only it, evicts by distances")
     if forecast is not None and oracle_distance:
         raise ValueError("a replay reads ahead by a forecast or by the oracle, not both")
-    L = len(routing[0])
-    layers = [
+    layers = len(routing[0])
+    tiers = [
         _Layer(
-            device, host, eviction, _NextUse(routing, j) if oracle_distance else None, L, slots == "admitted"
+            device,
+            host,
+            eviction,
+            _NextUse(routing, j) if oracle_distance else None,
+            layers,
+            slots == "admitted",
         )
-        for j in range(L)
+        for j in range(layers)
     ]
-    disk, figures = _Disk(clock.read_ms, layers, demand_first), TierFigures()
-    now = 0.0
-    ranked = eviction != "lru" or bool(oracle_distance)
+    disk = _Disk(clock.read_ms, tiers, demand_first)
+    replay = _Replay(routing, tiers, disk, clock, forecast, eviction != "lru" or bool(oracle_distance))
+    return replay.run(warm, live_tables, routed_ahead, admit_every, oracle_distance, distances)
 
-    def read_ahead(made: list, issued: float):
-        disk.advance(issued)
+
+class _Replay:
+    """One replay's tiers per layer, its disk queue, its clock (ms) and its counts (`TierFigures`' fields)."""
+
+    def __init__(self, routing, layers: list[_Layer], disk: _Disk, clock: TierClock, forecast, ranked: bool):
+        self.routing, self.layers, self.disk, self.clock, self.forecast = (
+            routing,
+            layers,
+            disk,
+            clock,
+            forecast,
+        )
+        self.ranked = ranked  # a read ahead may be refused a row held by a better one
+        self.oracle_distance, self.distances = 0, None
+        self.counts: Counter[str] = Counter()
+        self.times = dict.fromkeys(("compute_ms", "wasted_ms", "stall_ms"), 0.0)
+        self.now = 0.0
+
+    def read_ahead(self, made: list, issued: float):
+        """Issue forecasts `made` ((target layer, ids, ranks, time index)) at `issued`."""
+        self.disk.advance(issued)
         for j, ids, ranks, index in made:
-            tier = layers[j]
+            tier = self.layers[j]
             for e, r in zip((int(e) for e in ids), ranks):
-                if forecast is not None:
-                    tier.rank[e] = max(float(r), tier.rank.get(e, 0.0))
+                if self.forecast is not None:
+                    tier.predict(e, float(r))
                 if e in tier.device or e in tier.host:
                     continue
                 victim = tier.victim(issued, index)
                 full = len(tier.host) >= tier.host_rows
-                if full and (victim is None or ranked and tier.key(victim, index) >= tier.key(e, index)):
-                    figures.ahead_skipped += 1
+                if full and (victim is None or self.ranked and tier.key(victim, index) >= tier.key(e, index)):
+                    self.counts["ahead_skipped"] += 1
                     continue
                 if victim is not None:
-                    tier.drop(victim, figures)
-                tier.last[e] = issued
-                tier.ahead.add(e)
-                disk.ahead(issued, j, e)
-                figures.ahead_reads += 1
+                    self.counts["ahead_wasted"] += tier.drop(victim)
+                tier.start_ahead(e, issued)
+                self.disk.ahead(issued, j, e)
+                self.counts["ahead_reads"] += 1
 
-    for t, step in enumerate(routing):
-        if t == warm:  # counted from here: reads ahead made before are no longer followed
-            figures = TierFigures()
-            for tier in layers:
-                tier.ahead.clear()
-        start, flagged, stopped_at = now, True, -1
+    def run(self, warm, live_tables, routed_ahead, admit_every, oracle_distance, distances) -> TierFigures:
+        self.oracle_distance, self.distances = oracle_distance, distances
+        for t, step in enumerate(self.routing):
+            if t == warm:  # counted from here: reads ahead made before are no longer followed
+                self.counts = Counter()
+                self.times = dict.fromkeys(self.times, 0.0)
+                for tier in self.layers:
+                    tier.forget_ahead()
+            self.disk.advance(self.now)
+            for tier in self.layers:
+                self.counts["ahead_wasted"] += tier.begin_pass(self.now, t, admit_every)
+            self.run_pass(t, step, live_tables, routed_ahead)
+        times = self.times
+        return TierFigures(
+            **self.counts,
+            compute_ms=times["compute_ms"],
+            wasted_ms=times["wasted_ms"],
+            stall_ms=times["stall_ms"],
+        )
+
+    def run_pass(self, t: int, step, live_tables: bool, routed_ahead: bool):
+        clock, disk, counts, L = self.clock, self.disk, self.counts, len(self.layers)
+        start, flagged, stopped_at = self.now, True, -1
         delayed: list[tuple[int, list]] = []  # (due layer, forecasts) made at flagged layers, not yet read
-        disk.advance(now)
-        for tier in layers:
-            tier.busy.clear()
-            if tier.admitted and t and t % admit_every == 0:
-                tier.admit(now, t)
-            while len(tier.host) > tier.host_rows and (victim := tier.victim(now, t * L)) is not None:
-                tier.drop(victim, figures)
         for j in range(L):
             index = t * L + j
-            made = _forecasts(routing, t, j, index, forecast, oracle_distance)
+            made = _forecasts(self.routing, t, j, index, self.forecast, self.oracle_distance)
             if flagged:
                 delayed.append((j + clock.lag, made))
             else:
-                read_ahead(made, now)
+                self.read_ahead(made, self.now)
             while delayed and delayed[0][0] <= j:
-                read_ahead(delayed.pop(0)[1], now)
-            disk.advance(now)
-            tier, ids = layers[j], [int(e) for e in step[j]]
-            seen = now if live_tables else start
+                self.read_ahead(delayed.pop(0)[1], self.now)
+            disk.advance(self.now)
+            tier, ids = self.layers[j], [int(e) for e in step[j]]
+            seen = self.now if live_tables else start
             if flagged and any(e not in tier.device and tier.host.get(e, np.inf) > seen for e in ids):
-                figures.stopped += 1  # the pass stops here and runs again, exact, from this layer
-                figures.wasted_ms += clock.lag * clock.layer_ms
-                now += clock.lag * clock.layer_ms
+                counts["stopped"] += 1  # the pass stops here and runs again, exact, from this layer
+                self.times["wasted_ms"] += clock.lag * clock.layer_ms
+                self.now += clock.lag * clock.layer_ms
                 flagged, stopped_at = False, j
                 for _, made in delayed:
-                    read_ahead(made, now)
+                    self.read_ahead(made, self.now)
                 delayed = []
-                disk.advance(now)
-            tier.busy.update(ids)  # a read for one of them takes no row from another
+                disk.advance(self.now)
+            tier.hold(ids)
             for e in ids:
                 if e in tier.device:
-                    figures.device_lanes += 1
+                    counts["device_lanes"] += 1
                 elif e not in tier.host:
-                    victim = tier.victim(now, index)  # None: over by a row till the pass ends
+                    victim = tier.victim(self.now, index)  # None: over by a row till the pass ends
                     if victim is not None:
-                        tier.drop(victim, figures)
-                    disk.demand(now, j, e)
-                    figures.demand_reads += 1
+                        counts["ahead_wasted"] += tier.drop(victim)
+                    disk.demand(self.now, j, e)
+                    counts["demand_reads"] += 1
                 elif tier.host[e] == np.inf:  # read ahead, still queued: read now
-                    disk.demand(now, j, e)
+                    disk.demand(self.now, j, e)
             if routed_ahead and stopped_at == j:  # what the flagged run routed to past its miss
                 later = range(j + 1, min(j + clock.lag, L - 1) + 1)
-                read_ahead([(i, step[i], np.ones(len(step[i])), index) for i in later], now)
-            ready = now
+                self.read_ahead([(i, step[i], np.ones(len(step[i])), index) for i in later], self.now)
+            ready = self.now
             for e in ids:
                 if e in tier.device:
                     continue
                 landed = tier.host[e]
-                if landed <= now:
-                    figures.host_lanes += 1
-                else:
-                    figures.disk_lanes += 1
-                if e in tier.ahead:
-                    tier.ahead.discard(e)
-                    figures.ahead_used += 1
-                    figures.ahead_late += landed > now
+                counts["host_lanes" if landed <= self.now else "disk_lanes"] += 1
+                if tier.used_ahead(e):
+                    counts["ahead_used"] += 1
+                    counts["ahead_late"] += landed > self.now
                 ready = max(ready, landed)
-            figures.stall_ms += ready - now
-            now = ready
+            self.times["stall_ms"] += ready - self.now
+            self.now = ready
             for e in [e for e in tier.rank if e in tier.ahead and e not in ids]:
                 if disk.cancel(j, e):  # predicted for this run, not routed, never started
-                    del tier.host[e]
-                    tier.ahead.discard(e)
-                    figures.ahead_reads -= 1
-                    figures.ahead_cancelled += 1
-            tier.use(ids, now, t)
-            if distances is not None:
-                tier.estimate = t + distances[t, j]
-            now += clock.layer_ms
-            figures.compute_ms += clock.layer_ms
+                    tier.cancel(e)
+                    counts["ahead_reads"] -= 1
+                    counts["ahead_cancelled"] += 1
+            tier.use(ids, self.now, t)
+            if self.distances is not None:
+                tier.estimate_from(t, self.distances[t, j])
+            self.now += clock.layer_ms
+            self.times["compute_ms"] += clock.layer_ms
         for _, made in delayed:  # read with the logits
-            read_ahead(made, now)
-        figures.passes += 1
-    return figures
+            self.read_ahead(made, self.now)
+        counts["passes"] += 1
 
 
 def _forecasts(routing, t: int, j: int, index: int, forecast: Forecast | None, distance: int) -> list:

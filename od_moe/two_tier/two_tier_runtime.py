@@ -262,7 +262,10 @@ class TwoTierRuntime(Runtime):
         device = next(iter(self.stacks[0].values())).shape[0] - self.host_rows
         disk = max(0, self.num_experts - device - self.host_rows) if self.host_tier is not None else 0
         tiers = {"device": device, "host": self.host_rows, "disk": disk}
-        return PathFigures(kept_by_device=self.device_lru, stack_moves=self.stack_moves, tiers=tiers)
+        evicts = None if self.host_tier is None else "recency" if self.next_use is None else "next-use"
+        return PathFigures(
+            kept_by_device=self.device_lru, stack_moves=self.stack_moves, tiers=tiers, host_eviction=evicts
+        )
 
     def transfer_rates(self, repeats: int = 5) -> dict[str, float]:
         """Bytes a second at which experts cross the bus on the first MoE layer (`bus_probe.py`): read in

@@ -16,15 +16,17 @@ flagged layer reaches the reader threads `lag` layers later (it is read with the
 exact layer at once.
 
 Policies: demand only (no forecast); `Forecast`s for layers ahead (the shadow network's or next-gate's top
-experts, ranked), with host eviction by least recent use (`lru`) or by predicted next use (`predicted`:
-unpredicted experts first, least recently used first, then the lowest-ranked prediction; a read ahead is
-not issued where only better-ranked predictions could give it a row) or by the next-use head's estimates
-(`next-use`: the expert estimated to be routed again last goes first, a live prediction's experts last);
-the `oracle` reads the routing of
-the next `distance` layers (on into the next pass) and evicts by true next use (Belady). A row being read,
-or used by the pass in flight, is not evicted (the product frees rows at pass boundaries). Device slots
-are kept by recency, and the slot's victim takes the host row of the expert that replaced it (the
-product swaps the two on admission; its slots follow decayed counts, not recency).
+experts, ranked); the `oracle`, reading the routing of the next `distance` layers (on into the next pass)
+and evicting by true next use (Belady). Reads are served first come, first served (as a pool of reader
+threads serves them) or a layer's own first (`demand_first`); a read ahead still queued when its layer ran
+without it is taken off the queue. Host eviction: least recent use (`lru`), decayed use counts (`lfu`),
+forecast rank (`predicted`: unpredicted experts first, least recently used first, then the lowest-ranked
+prediction; a read ahead is not issued where only better-ranked predictions could give it a row), or the
+next-use head's estimates (`next-use`: the expert estimated to be routed again last goes first, a live
+prediction's experts last). A row being read, or used by the pass in flight, is not evicted (the product
+frees rows at pass boundaries). Device slots are kept by recency (every routed expert into a slot, the
+slot's victim taking the host row it left) or admitted as the product admits them (`admitted`: every
+`admit_every` passes, the most used by decayed counts, a newcomer by a margin; the two swap tiers).
 
 Not here: the live tiers, prompts (decode passes only), copies from host to device ahead of need, the
 bus's time (a host lane costs what it cost in the all-in-host token).

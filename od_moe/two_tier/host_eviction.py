@@ -6,8 +6,9 @@ At each single-position decode pass's MoE layer the head's inputs are made lazil
 (the head's x term, and the router's log-probabilities from the layer's router weights), evaluated with the
 pass's logits; once the pass's routing of the layer is final (its flags read), the layer's routing history
 is noted and the head's expected passes until each expert is routed again become the passes at which each
-is due (`due`, which `HostTier` evicts by). Replayed on the bundled model's decode, this read 4.77 experts a
-token from disk against least recent use's 6.04 at device 16 + host 16 of 64 (`benchmarks/tier_replay.py`).
+is due (`due`, which `HostTier` evicts by). On the bundled model (device 16 of 64) it read 11% fewer bytes
+from disk than least recent use with a host tier of 16, 14% with 8 (docs/GPU.md, "Replayed against a
+clock"), at the cost of the head's work at each layer.
 Not here: the rows themselves (`host_tier.py`), the head or its training (`predictor/next_use.py`,
 `training/next_use.py`).
 """

@@ -64,9 +64,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 import od_moe
 from od_moe.accounting.report import table
@@ -77,7 +75,7 @@ from od_moe.storage.model_files import DEFAULT_PREDICTOR
 from od_moe.training.bundled import BUNDLED_TEXT
 from od_moe.training.data import Documents, split_documents
 from od_moe.training.evaluate import next_gate_logits, predictor_scores
-from od_moe.training.record import _rows, _StopForward, _Taps
+from od_moe.training.record import record_sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "lab" / "runs" / "three-tier-sim-cpu"
@@ -102,18 +100,7 @@ def record(engine, prompt: str) -> tuple[dict, int, list]:
     tokens = [r.token for r in engine.stream_generate(ids, max_tokens=TOKENS)]
     live = engine.record_routing(ids, TOKENS)
     seq = ids + tokens[:-1]  # the last token is sampled by the last pass, never fed
-    with _Taps(engine) as taps:
-        taps.clear()
-        try:
-            engine.model(mx.array(seq)[None], cache=make_prompt_cache(engine.model))
-        except _StopForward:
-            pass
-        L = len(engine.caches)
-        outputs = [taps.router_output(i) for i in range(L)]
-        logits = [taps.router_logits(i) for i in range(L)]
-        mx.eval([v for v in list(taps.sink.values()) + outputs + logits if isinstance(v, mx.array)])
-        rows = _rows(taps.sink, outputs, logits, L, seq, 0)
-    # the last MoE layer's routing: `_StopForward` stops before its switch, which the taps still caught
+    rows = record_sequence(engine, seq, chunk=len(seq))  # one forward, as `od-moe eval-predictor` records
     return rows, len(ids), live
 
 

@@ -305,6 +305,10 @@ def test_stats_health_and_metrics_give_each_tier_and_a_failed_read_fails_one_req
         assert line.startswith("tiers: experts a layer device 16 / host 16 / disk 32; lanes device ")
         assert "passes run again" in line and "MB read in" in line and "host tier evicts by recency" in line
         assert tiers["host_eviction"] == "recency"
+        card = call("/dashboard/data")["tiers"]  # the live page's
+        assert card["experts_per_layer"] == tiers["experts_per_layer"] and card["host_eviction"] == "recency"
+        assert card["disk_bytes_read"] >= tiers["disk"]["bytes_read"] > 0 and card["reruns"] > 0
+        assert sum(card["lane_shares"].values()) == pytest.approx(1.0) and card["lane_shares"]["disk"] > 0
 
         store = engine.runtime.store
         original = store.read

@@ -7,7 +7,8 @@ the worker's request counters; `History` keeps samples of the last minutes, so t
 tok/s are there as soon as the page opens, and every viewer sees the same curves. The per-layer strip says,
 per expert, whether it is resident and how it got there (pinned, prefetched and not used yet, prefetched,
 read on demand); `batch` is the running batch (its size, the queue, each request's tok/s); `drafts` the draft
-model's acceptance, where one is loaded.
+model's acceptance, where one is loaded; `tiers` where lanes found their experts (device slots, host memory,
+disk) and what the disk did.
 Not here: /health and /metrics (`health.py`), the API routes (`app.py`).
 """
 
@@ -97,6 +98,22 @@ def strip(cache) -> str:
     return "".join(CODES[out])
 
 
+def tier_card(tiers: dict, passes: int) -> dict:
+    """The tiers as the page shows them: experts a layer in each, each tier's share of the routed lanes (all
+    passes), and what the disk did (bytes read, the wait a decode pass, passes run again because one met an
+    expert on disk), and which host row goes first past the host's memory."""
+    lanes, disk = tiers["lanes"], tiers["disk"]
+    total = sum(lanes.values())
+    return {
+        "experts_per_layer": tiers["experts_per_layer"],
+        "lane_shares": {tier: n / total if total else None for tier, n in lanes.items()},
+        "disk_bytes_read": disk["bytes_read"],
+        "disk_wait_ms_per_pass": disk["wait_s"] * 1e3 / passes if passes else None,
+        "reruns": disk["reruns"],
+        "host_eviction": tiers["host_eviction"],
+    }
+
+
 def dashboard_data(worker, name: str, started: float, history: History) -> dict:
     """The document the page draws: decode figures since the server started (the ones /health gives),
     rates over the last seconds, plot points, requests and the per-layer strip."""
@@ -141,6 +158,7 @@ def dashboard_data(worker, name: str, started: float, history: History) -> dict:
         "history": recent["points"],
         "requests": requests,
         "batch": batch_figures(worker),
+        "tiers": tier_card(stats["tiers"], passes),
         "ranks": worker.rank_rows(),  # across ranks: one row each
         "cache": {
             "capacity": stats["capacity"],

@@ -119,6 +119,16 @@ function render(d) {
   show("drafted", drafts.drafted, String(drafts.drafted));
   $("draft-model").textContent = drafts.model == null ? "none" : drafts.model + " (" +
     drafts.num_draft_tokens + " a pass)";
+  const tiers = d.tiers, held = tiers.experts_per_layer;
+  show("tiers", held.disk, held.device + " / " + held.host + " / " + held.disk);
+  $("tier-lanes").textContent = ["device", "host", "disk"]
+    .map((k) => k + " " + pct(tiers.lane_shares[k])).join(", ");
+  show("disk-read", tiers.disk_bytes_read, bytes(tiers.disk_bytes_read));
+  show("disk-wait", tiers.disk_wait_ms_per_pass, tiers.disk_wait_ms_per_pass == null ? "–" :
+    num(tiers.disk_wait_ms_per_pass, 2) + " ms");
+  show("reruns", tiers.reruns, String(tiers.reruns));
+  $("host-eviction").textContent = tiers.host_eviction == null ? "" :
+    "(host tier evicts by " + tiers.host_eviction + ")";
   show("device-memory", d.memory.device_bytes, d.memory.device_bytes == null ? "none of its own" :
     bytes(d.memory.device_bytes));
   show("host-memory", d.memory.host_bytes, bytes(d.memory.host_bytes));

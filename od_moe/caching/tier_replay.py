@@ -154,11 +154,15 @@ class _Layer:
         if self.eviction == "next-use" and self.estimate is not None:
             return (np.inf if e in self.rank else -float(self.estimate[e]), e)
         if self.eviction == "lfu":
-            count, at = self.uses.get(e, (0.0, 0))
-            return (count * LFU_DECAY ** (index // self.layers - at), self.last.get(e, 0.0), e)
+            return (self.count(e, index // self.layers), self.last.get(e, 0.0), e)
         if self.eviction == "predicted" and e in self.rank:
             return (1, self.rank[e], self.last.get(e, 0.0), e)
         return (0, 0.0, self.last.get(e, 0.0), e)
+
+    def count(self, e: int, t: int) -> float:
+        """`e`'s use count here, decayed to pass `t`."""
+        count, at = self.uses.get(e, (0.0, t))
+        return count * LFU_DECAY ** (t - at)
 
     def victim(self, now: float, index: int) -> int | None:
         """The host row's expert to evict (None: a row is free, or every row is being read or used by the
@@ -173,8 +177,7 @@ class _Layer:
         the row it left (if there is one: none where the host tier has no room)."""
         for e in ids:
             self.last[e] = now
-            count, at = self.uses.get(e, (0.0, t))
-            self.uses[e] = (count * LFU_DECAY ** (t - at) + 1.0, t)
+            self.uses[e] = (self.count(e, t) + 1.0, t)
             self.busy.add(e)
             if e in self.device:
                 self.device.move_to_end(e)
@@ -193,17 +196,16 @@ class _Layer:
     def admit(self, now: float, t: int):
         """Slots admitted by counts: the most used experts in a slot or a landed host row take the slots, a
         newcomer only where it was used `ADMIT_MARGIN` more than the one it replaces; the two swap tiers."""
-        count = lambda e: self.uses[e][0] * LFU_DECAY ** (t - self.uses[e][1]) if e in self.uses else 0.0  # noqa: E731
         outside = sorted(
-            (e for e, landed in self.host.items() if landed <= now), key=lambda e: (-count(e), e)
+            (e for e, landed in self.host.items() if landed <= now), key=lambda e: (-self.count(e, t), e)
         )
         for e in outside:
             if len(self.device) < self.device_slots:
                 del self.host[e]
                 self.device[e] = None
                 continue
-            weakest = min(self.device, key=lambda x: (count(x), x))
-            if count(e) <= count(weakest) + ADMIT_MARGIN:
+            weakest = min(self.device, key=lambda x: (self.count(x, t), x))
+            if self.count(e, t) <= self.count(weakest, t) + ADMIT_MARGIN:
                 break
             del self.device[weakest], self.host[e]
             self.device[e] = None
@@ -292,9 +294,7 @@ class _Disk:
                 self._start(*self.queue.pop(0))
         if self.layers[layer].host.get(expert, np.inf) < np.inf:  # a read ahead, started just now
             return
-        queued = next((q for q in self.queue if q[1:] == (layer, expert)), None)
-        if queued is not None:
-            self.queue.remove(queued)
+        self.cancel(layer, expert)  # queued ahead of need: read now instead
         self._start(now, layer, expert)
 
     def cancel(self, layer: int, expert: int) -> bool:
@@ -360,23 +360,20 @@ def replay_tiers(
         for j in range(layers)
     ]
     disk = _Disk(clock.read_ms, tiers, demand_first)
-    replay = _Replay(routing, tiers, disk, clock, forecast, eviction != "lru" or bool(oracle_distance))
-    return replay.run(warm, live_tables, routed_ahead, admit_every, oracle_distance, distances)
+    ranked = eviction != "lru" or bool(oracle_distance)
+    replay = _Replay(routing, tiers, disk, clock, forecast, ranked, oracle_distance, distances)
+    return replay.run(warm, live_tables, routed_ahead, admit_every)
 
 
 class _Replay:
     """One replay's tiers per layer, its disk queue, its clock (ms) and its counts (`TierFigures`' fields)."""
 
-    def __init__(self, routing, layers: list[_Layer], disk: _Disk, clock: TierClock, forecast, ranked: bool):
-        self.routing, self.layers, self.disk, self.clock, self.forecast = (
-            routing,
-            layers,
-            disk,
-            clock,
-            forecast,
-        )
+    def __init__(
+        self, routing, layers, disk: _Disk, clock: TierClock, forecast, ranked, oracle_distance, distances
+    ):
+        self.routing, self.layers, self.disk, self.clock = routing, layers, disk, clock
+        self.forecast, self.oracle_distance, self.distances = forecast, oracle_distance, distances
         self.ranked = ranked  # a read ahead may be refused a row held by a better one
-        self.oracle_distance, self.distances = 0, None
         self.counts: Counter[str] = Counter()
         self.times = dict.fromkeys(("compute_ms", "wasted_ms", "stall_ms"), 0.0)
         self.now = 0.0
@@ -402,8 +399,7 @@ class _Replay:
                 self.disk.ahead(issued, j, e)
                 self.counts["ahead_reads"] += 1
 
-    def run(self, warm, live_tables, routed_ahead, admit_every, oracle_distance, distances) -> TierFigures:
-        self.oracle_distance, self.distances = oracle_distance, distances
+    def run(self, warm: int, live_tables: bool, routed_ahead: bool, admit_every: int) -> TierFigures:
         for t, step in enumerate(self.routing):
             if t == warm:  # counted from here: reads ahead made before are no longer followed
                 self.counts = Counter()

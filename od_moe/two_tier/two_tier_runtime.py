@@ -401,16 +401,22 @@ class TwoTierRuntime(Runtime):
         routed = {i: np.array(ids).reshape(-1).astype(np.int64) for i, ids in booked.routed.items()}
         if first is not None:
             return self._missed(booked, routed, first, int(absent[first]))
-        if self.host_tier is not None:  # the host tier's least recently used rows go first
-            for i, ids in routed.items():
-                self.host_tier.touch(i, ids, self.clock)
-                if self.next_use is not None:
-                    self.next_use.routed(i, ids, self.clock)
+        self._routing_final(routed)
         self._carried = None
         self._flagged = self._resumed = False
         self._exact_from = 0
         self._book(booked)
         return None
+
+    def _routing_final(self, routed: dict[int, np.ndarray]):
+        """Past the host's memory, these layers' routing in the pass just ended stands: their host rows
+        were used now (least recently used rows go first), and the next-use head estimates from it."""
+        if self.host_tier is None:
+            return
+        for i, ids in routed.items():
+            self.host_tier.touch(i, ids, self.clock)
+            if self.next_use is not None:
+                self.next_use.routed(i, ids, self.clock)
 
     def _watch_flags(self, layer: int, y: mx.array, missing: mx.array):
         """A flagged pass's layer is computed as it is built; `flag_lag` layers on, its count of absent
@@ -440,12 +446,7 @@ class TwoTierRuntime(Runtime):
         return self._missed(booked, routed, first, absent)
 
     def _missed(self, booked: "PassBooking", routed: dict, first: int, absent: int) -> "disk_passes.Missed":
-        if self.host_tier is not None:  # the host tier's least recently used rows go first
-            for i, ids in routed.items():
-                if i < first:
-                    self.host_tier.touch(i, ids, self.clock)
-                    if self.next_use is not None:
-                        self.next_use.routed(i, ids, self.clock)
+        self._routing_final({i: ids for i, ids in routed.items() if i < first})
         if self.next_use is not None:  # computed from wrong inputs past the miss: made again when run again
             self.next_use.forget(range(first, len(self.caches)))
         self.ledger.add(self.phase, first, reruns=1, disk_lanes=absent)
@@ -488,7 +489,7 @@ class TwoTierRuntime(Runtime):
             return
         k = self.top_k
         tops = [mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k] for _, scores in forecasts]
-        for (target, _), top in zip(forecasts, np.array(mx.stack(tops)) if tops else []):
+        for (target, _), top in zip(forecasts, np.array(mx.stack(tops))):
             self.fetch_ahead(target, top.reshape(-1))
 
     def _exact_lanes(self, layer: int) -> Lanes:

@@ -35,8 +35,9 @@ what a pass that met an expert on disk reads ahead before it runs again (`disk_p
 `rerun=flagged|exact` how it runs again, `forecast=shadow|gate` with `distance=D`: the layers that wait for
 their routing read the forecast's experts of the layer D on from disk ahead, `lag=L` how many layers after a
 layer its flags are read (0: with the logits only), `threads=N` its reader threads, `evict=next-use` the
-host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`); such a row also
-gives its disk MB,
+host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`; on the bundled
+model at real widths `forecast=shadow` and `evict=next-use` use that network carried to its widths,
+`real_widths.pad_predictor`); such a row also gives its disk MB,
 reads waited for and passes run again per decoded token, and its speed over the all-in-host row's (the first
 two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
 `--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
@@ -63,7 +64,9 @@ import od_moe
 from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.prefetch import _predictor_for
+from od_moe.bench.real_widths import PADDED, pad_predictor
 from od_moe.bench.roofline import disk_rate, roofline_ms
+from od_moe.bench.shards import RECORD
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock, moved_per_token
 from od_moe.two_tier import kept_rows
 from od_moe.two_tier.settings import (
@@ -95,8 +98,19 @@ def model_path(args) -> Path:
     return widen_model(args.model, Path(args.workdir) / f"widened-x{args.widen}", args.widen)
 
 
-def settings_for(knobs: list[str]) -> TwoTierSettings:
-    """The two-tier settings a row's knobs ask for (see the module's docstring)."""
+@functools.cache
+def bench_predictor(model: Path | None = None):
+    """The bundled shadow network, carried to hidden 2048 where `model` is the bundled model at real widths
+    (`od_moe.bench.real_widths.pad_predictor`)."""
+    predictor = _predictor_for("benchmark")
+    config = json.loads((model / "config.json").read_text()) if model is not None else {}
+    if config.get(RECORD, {}).get("shape") == PADDED:
+        predictor = pad_predictor(predictor, config["hidden_size"])
+    return predictor
+
+
+def settings_for(knobs: list[str], model: Path | None = None) -> TwoTierSettings:
+    """The two-tier settings a row's knobs ask for (see the module's docstring) on `model`."""
     given = dict(k.split("=") if "=" in k else (k, "1") for k in knobs)
     admission = AdmissionSettings(
         every=int(given.get("admit_every", ADMIT_EVERY)),
@@ -118,7 +132,7 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
     forecast = ForecastSettings()
     kind = {"shadow": "shadow", "gate": "next-gate", "none": "none"}[given.get("forecast", "shadow")]
     if ("ahead" in given or "host" in given and "forecast" in given) and kind != "none":
-        predictor = _predictor_for("benchmark") if kind == "shadow" else None
+        predictor = bench_predictor(model) if kind == "shadow" else None
         forecast = ForecastSettings(kind=kind, distance=int(given.get("distance", 1)), predictor=predictor)
     stage = int(given["stage"]) or 2**31 if "stage" in given else None  # 0: nothing staged
     disk = dict(
@@ -127,7 +141,7 @@ def settings_for(knobs: list[str]) -> TwoTierSettings:
         disk_threads=int(given.get("threads", DISK_THREADS)),
         disk_rerun=given.get("rerun", TwoTierSettings.disk_rerun),
         flag_lag=int(given.get("lag", TwoTierSettings.flag_lag)),
-        host_next_use=_predictor_for("benchmark") if given.get("evict") == "next-use" else None,
+        host_next_use=bench_predictor(model) if given.get("evict") == "next-use" else None,
     )
     return TwoTierSettings(
         stage_positions=stage, admission=admission, kept_rows=rows, forecast=forecast, **disk
@@ -138,7 +152,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     kind, fraction, *knobs = spec.split(":")
     label = " ".join([kind, f"{float(fraction):.1%}", *knobs])
     fraction = float(fraction)
-    settings = None if kind == "exact" else settings_for(knobs)
+    settings = None if kind == "exact" else settings_for(knobs, path)
     two_tier = {"exact": False, "lru": "lru"}.get(kind, True)
     t0 = time.perf_counter()
     engine = od_moe.load(

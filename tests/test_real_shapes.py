@@ -99,11 +99,16 @@ def test_mxfp4_rounds_to_the_nearest_e2m1_value():
     assert mx.all((largest >= 4) & (largest < 8)).item()
 
 
-def test_bundled_real_widths_compute_what_the_bundled_model_computes(tmp_path):
+@pytest.fixture(scope="module")
+def bundled_real_widths(tmp_path_factory):
+    return real_shapes.build_shape(real_shapes.PADDED, tmp_path_factory.mktemp("padded") / "padded")
+
+
+def test_bundled_real_widths_compute_what_the_bundled_model_computes(bundled_real_widths):
     """The bundled model padded to hidden 2048 and experts 768 wide: the same greedy tokens and logits
     close (float32, as od-moe computes on the CPU; the rescaled norm weights' bfloat16 rounding moves the
     logits by up to 0.34 of 18 on the bench's prompts: `real_shapes._Padding`)."""
-    padded = real_shapes.build_shape(real_shapes.PADDED, tmp_path / "padded")
+    padded = bundled_real_widths
     config = json.loads((padded / "config.json").read_text())
     assert (config["hidden_size"], config["moe_intermediate_size"]) == (2048, 768)
     assert real_shapes.expert_nbytes(real_shapes.PADDED) == real_shapes.expert_nbytes("qwen3-30b-a3b")
@@ -116,6 +121,32 @@ def test_bundled_real_widths_compute_what_the_bundled_model_computes(tmp_path):
     assert mx.abs(logits[0] - logits[1]).max().item() < 0.5 < 10 < mx.abs(logits[0]).max().item()
     assert mx.array_equal(logits[0].argmax(-1), logits[1].argmax(-1))
     assert reference_tokens(padded, PROMPTS, 4) == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS, 4)
+
+
+def test_the_padded_predictor_predicts_on_the_copy_what_it_predicts_on_the_bundled_model(bundled_real_widths):
+    """`pad_predictor`: the bundled shadow network on the padded model's own recorded hidden states and router
+    logits (taps of the per-layer path) ranks the experts of every target layer as the bundled network
+    ranks them on the bundled model's, up to the copy's rounding; its next-use head's x term likewise."""
+    from od_moe.bench.prefetch import _predictor_for
+    from od_moe.bench.real_widths import pad_predictor
+    from od_moe.training.record import record_sequence
+
+    tops, x_terms = [], []
+    for path in (od_moe.DEFAULT_MODEL, bundled_real_widths):
+        engine = od_moe.load(str(path), two_tier=False, prefetch="none")
+        engine.model.set_dtype(mx.float32)
+        predictor = _predictor_for(engine.identity)
+        if path != od_moe.DEFAULT_MODEL:
+            predictor = pad_predictor(predictor, 2048)
+        predictor.attach_routers(*engine.routers())
+        rows = record_sequence(engine, engine.encode(PROMPTS[0] + PROMPTS[1]))
+        x, logits = mx.array(rows["features"].astype("float32")), mx.array(rows["logits"].astype("float32"))
+        tops.append([predictor.predict_topk(s, x[:, s], logits[:, s], 8) for s in range(7)])
+        x_terms.append(predictor.next_use.x_term(3, x[:, 3]))
+    assert x.shape[-1] == 2048 and mx.all(x[..., 192:] == 0).item()
+    same = sum(mx.sum(mx.sort(a, -1) == mx.sort(b, -1)).item() for a, b in zip(*tops))
+    assert same >= 0.97 * sum(a.size for a in tops[0])
+    assert mx.abs(x_terms[0] - x_terms[1]).max().item() < 0.05 * mx.abs(x_terms[0]).max().item()
 
 
 def test_user_mistakes_say_what_to_do():

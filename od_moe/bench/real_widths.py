@@ -5,6 +5,7 @@ computes what the bundled model computes and routes as it routes (up to one roun
 its kernels see real widths: on CUDA a hidden size that is no multiple of 128 sends the down projection
 to a slow kernel (DESIGN.md, "On a GPU"). Only Qwen3-MoE checkpoints in MLX layout, affine-quantized
 (the bundled one), are supported.
+`pad_predictor` carries the bundled shadow network along, so that the predictor's rows run on the copy.
 Not here: checkpoints drawn from a recipe (`real_shapes.py`), wider experts at the bundled hidden size
 (`widen.py`).
 """
@@ -12,13 +13,16 @@ Not here: checkpoints drawn from a recipe (`real_shapes.py`), wider experts at t
 import json
 import math
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
+from ..predictor.model import ShadowPredictor
 from ..storage.model_files import DEFAULT_MODEL
 from .shards import Tensor, raw, safetensors_dtype, write_checkpoint
 
@@ -131,3 +135,25 @@ def pad_bundled(dest, source=DEFAULT_MODEL, hidden: int = HIDDEN, width: int = E
     return write_checkpoint(
         dest, padding.tensors, produce, config, record, f"padding to hidden {new}", source=source
     )
+
+
+def pad_predictor(predictor: ShadowPredictor, hidden: int = HIDDEN) -> ShadowPredictor:
+    """`predictor` (the bundled model's shadow network) for its copy at hidden size `hidden` (`pad_bundled`):
+    zero weights on the extra hidden channels, which stay 0 in the copy, so that on the copy's hidden states
+    it gives what it gives on the bundled model's (its inputs, the hidden state and router logits, are the
+    same up to the copy's rounding). Its identity stays the bundled model's: `retarget` it."""
+    c = predictor.config
+    if hidden < c.hidden_size:
+        raise UserError(f"pad the predictor to a hidden size of at least {c.hidden_size}, got {hidden}")
+    padded = ShadowPredictor(replace(c, hidden_size=hidden))
+    weights = dict(tree_flatten(predictor.parameters()))
+    extra = hidden - c.hidden_size
+    for name, value in list(weights.items()):
+        if name.startswith("trunks.") and name.endswith(".weight"):  # (rank, hidden + experts)
+            zeros = mx.zeros((value.shape[0], extra), value.dtype)
+            weights[name] = mx.concatenate([value[:, : c.hidden_size], zeros, value[:, c.hidden_size :]], 1)
+        elif name == "next_use.proj":  # (layers, hidden, experts)
+            weights[name] = mx.concatenate([value, mx.zeros((value.shape[0], extra, value.shape[2]))], 1)
+    padded.update(tree_unflatten(list(weights.items())))
+    mx.eval(padded.parameters())
+    return padded

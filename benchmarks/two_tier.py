@@ -17,7 +17,9 @@ prompt's profile), to compare with learned admission on the same slots count.
 
 `--prefill N`: per row also prompt tok/s of an N-token prompt (od-moe's own Python source) against stock,
 alternating, median of `--rounds` ratios (`stage=P` sets the positions from which a pass is staged,
-`two_tier/staged_passes.py`; `stage=0` stages nothing).
+`two_tier/staged_passes.py`; `stage=0` stages nothing). Past the host's memory also its first token's ms, the
+disk MB a prompt read, and with a probe the bound over the first token: the bound is 1.2 x that read at the
+probe's rate + the all-in-host row's first token (>= 1 meets it).
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
 `lru:F:decay=D`: by decayed routing counts, not recency);
@@ -170,7 +172,11 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     gaps: dict = {}
     ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds, gaps)
     stats = engine.stats()
+    bounded = settings is not None and settings.host_experts is not None  # past the host's memory
+    before = stats["tiers"]["disk"]["bytes_read"] if bounded else 0
     prefill = prefill_ratios(engine, stock, tokenizer, args.prefill, args.rounds) if args.prefill else None
+    # what the prompts read from disk (the warm-up's and each round's)
+    prefill_disk = engine.stats()["tiers"]["disk"]["bytes_read"] - before if bounded else 0
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
@@ -204,7 +210,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         row.update(
             moved_bytes_per_token=moved, roofline_ms=floor_ms, x_roofline=floor_ms * row["tok_s"] / 1e3
         )
-    if settings is not None and settings.host_experts is not None:
+    if bounded:
         tiers = stats["tiers"]
         disk = tiers["disk"]
         row.update(
@@ -225,6 +231,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         row["prefill_stock_tok_s"] = statistics.median(s for s, _ in prefill)
         row["prefill_tok_s"] = statistics.median(t for _, t in prefill)
         row["prefill_x_stock"] = statistics.median(t / s for s, t in prefill)
+        row["first_token_ms"] = args.prefill / row["prefill_tok_s"] * 1e3
+        if "tiers" in row:
+            row["prefill_disk_mb"] = prefill_disk / (len(prefill) + 1) / 1e6
     del engine
     gc.collect()
     mx.clear_cache()
@@ -335,6 +344,8 @@ def main():
             "reruns/tok",
         ]
         headers_disk += ["wait ms/tok", "ahead read/useful/wasted/late", "x disk roofline", "direct I/O"]
+        if args.prefill:
+            headers_disk += ["first token ms", "prompt disk MB", "bound / first token"]
         disk_cells = [
             [
                 r["row"],
@@ -348,6 +359,11 @@ def main():
                 r.get("x_disk_roofline", "-"),
                 "on" if r["direct_io"] else f"off: {r['direct_io_refused'] or 'asked off'}",
             ]
+            + (
+                [r["first_token_ms"], r["prefill_disk_mb"], r.get("x_first_token_bound", "-")]
+                if args.prefill
+                else []
+            )
             for r in disk_rows
         ]
         probe_line = (
@@ -389,6 +405,10 @@ def past_memory(rows: list[dict], probe: dict | None):
             floor_ms = max(1e3 / in_host["tok_s"], disk_mb * 1e6 / probe["bytes_per_s"] * 1e3)
             r["disk_roofline_ms"] = floor_ms
             r["x_disk_roofline"] = floor_ms * r["tok_s"] / 1e3
+            if "prefill_disk_mb" in r and "first_token_ms" in in_host:  # the first token's bound over its ms
+                read_ms = r["prefill_disk_mb"] * 1e6 / probe["bytes_per_s"] * 1e3
+                r["first_token_bound_ms"] = 1.2 * read_ms + in_host["first_token_ms"]
+                r["x_first_token_bound"] = r["first_token_bound_ms"] / r["first_token_ms"]
 
 
 if __name__ == "__main__":

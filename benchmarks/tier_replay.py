@@ -12,15 +12,16 @@ memory").
 
     python benchmarks/tier_replay.py [--model PATH] [--expert-bytes N|SHAPE] [--tiers 16+8,16+16]
         [--distances 1,2,3] [--tokens 64] [--lag 2] [--live-tables] [--demand-first] [--routed]
-        [--slots recency|admitted [--admit-every 64]] [--json out.json]
+        [--slots recency|admitted [--admit-every 64]] [--floor F] [--json out.json]
 
 `--expert-bytes bundled-real-widths`: an expert's bytes at the shape's widths (the bundled model carried
 to real widths routes as the bundled model does, `od_moe/bench/real_widths.py`). The shadow predictor
-runs where the model has one (the bundled model's, or `--predictor DIR`). Per row: disk reads a token
-(demand + ahead) and their MB, host lanes, reads ahead used late, wasted (evicted unused) over all reads,
-passes stopped at a miss, stall (ms waited for reads) and the modelled ms a token, its speed over all in
-host memory and over the disk roofline (max(all in host, the demand row's disk bytes a token / the disk's
-rate)), and the stall hidden: (T_demand - T) / (T_demand - T_oracle), the oracle at the same distance.
+runs where the model has one (the bundled model's, or `--predictor DIR`). `--floor F`: forecasts read
+ahead only the experts whose top-k x probability is at least F (`ForecastSettings.floor`). Per row: disk
+reads a token (demand + ahead) and their MB, host lanes, reads ahead used late, wasted (evicted unused) over
+all reads, passes stopped at a miss, stall (ms waited for reads) and the modelled ms a token, its speed over
+all in host memory and over the disk roofline (max(all in host, the demand row's disk bytes a token / the
+disk's rate)), and the stall hidden: (T_demand - T) / (T_demand - T_oracle), the oracle at the same distance.
 See `od_moe/caching/tier_replay.py` for what is modelled and what is not.
 """
 
@@ -73,6 +74,12 @@ def main():
         "--slots", default="recency", help="recency (every use into a slot) or admitted (counts)"
     )
     parser.add_argument("--admit-every", type=int, default=64, help="passes between admissions (admitted)")
+    parser.add_argument(
+        "--floor",
+        type=float,
+        default=0.0,
+        help="read ahead only experts whose top-k x probability reaches it",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -88,8 +95,8 @@ def main():
     policies = []
     for d in distances:
         if engine.predictor is not None and d <= engine.predictor.config.lookahead:
-            policies.append(forecasts(recording, routers, k, k, d, engine.predictor))
-        policies.append(forecasts(recording, routers, k, k, d))
+            policies.append(forecasts(recording, routers, k, k, d, engine.predictor, args.floor))
+        policies.append(forecasts(recording, routers, k, k, d, floor=args.floor))
     tiers = [tuple(int(x) for x in pair.split("+")) for pair in args.tiers.split(",")]
     clock = TierClock(args.layer_ms, args.disk_gbs * 1e9, bytes_, args.lag)
     options = dict(
@@ -112,6 +119,7 @@ def main():
         f"{', live tables' if args.live_tables else ''}{', demand first' if args.demand_first else ''}"
         f"{', routed read-ahead' if args.routed else ''}, slots by {args.slots}"
         f"{f' every {args.admit_every} passes' if args.slots == 'admitted' else ''}"
+        f"{f', forecasts read from top-k x probability {args.floor:g}' if args.floor else ''}"
         f"; teacher-forced routing equals the decode's at "
         f"{agree}/{compared} layer passes; per decoded token:"
     )

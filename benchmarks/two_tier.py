@@ -35,7 +35,8 @@ misses), `blocks=B` (thread blocks a copy). Past the host's memory (`two_tier/ho
 a layer in the host tier, the rest read from disk (`--direct-io` on: past the page cache), `disk=routed|none`
 what a pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`),
 `rerun=flagged|exact` how it runs again, `forecast=shadow|gate` with `distance=D`: the layers that wait for
-their routing read the forecast's experts of the layer D on from disk ahead, `lag=L` how many layers after a
+their routing read the forecast's experts of the layer D on from disk ahead (`floor=F`: those whose top-k x
+probability reaches F, `ForecastSettings.floor`), `lag=L` how many layers after a
 layer its flags are read (0: with the logits only), `threads=N` its reader threads, `evict=next-use` the
 host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`; on the bundled
 model at real widths `forecast=shadow` and `evict=next-use` use that network carried to its widths,
@@ -75,6 +76,7 @@ from od_moe.two_tier.settings import (
     ADMIT_EVERY,
     BLOCKS,
     DEMAND_BLOCKS,
+    DISK_FLOOR,
     DISK_THREADS,
     HALF_LIFE,
     MARGIN,
@@ -135,7 +137,12 @@ def settings_for(knobs: list[str], model: Path | None = None) -> TwoTierSettings
     kind = {"shadow": "shadow", "gate": "next-gate", "none": "none"}[given.get("forecast", "shadow")]
     if ("ahead" in given or "host" in given and "forecast" in given) and kind != "none":
         predictor = bench_predictor(model) if kind == "shadow" else None
-        forecast = ForecastSettings(kind=kind, distance=int(given.get("distance", 1)), predictor=predictor)
+        forecast = ForecastSettings(
+            kind=kind,
+            distance=int(given.get("distance", 1)),
+            predictor=predictor,
+            floor=float(given.get("floor", DISK_FLOOR)),
+        )
     stage = int(given["stage"]) or 2**31 if "stage" in given else None  # 0: nothing staged
     disk = dict(
         host_experts=int(given["host"]) if "host" in given else None,

@@ -86,6 +86,12 @@ def test_forecasts_read_later_layers_experts_from_disk_ahead(bundled_reference):
     assert od_moe_tokens(engine, PROMPTS[:2], NEW_TOKENS) == bundled_reference[:2]
     disk = engine.stats()["tiers"]["disk"]
     assert disk["prefetch_reads"] > 0 and disk["prefetch_useful"] > disk["prefetch_reads"] / 2
+    # no expert's top-k x probability reaches 8.5 (top-8: at most 8): nothing is read ahead
+    never = ForecastSettings(kind="next-gate", distance=2, floor=8.5)
+    engine = three_tiers(16, prefetch="none", forecast=never)
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    disk = engine.stats()["tiers"]["disk"]
+    assert disk["prefetch_reads"] == 0 and disk["experts_read"] > 0
 
 
 def _bundled_predictor():

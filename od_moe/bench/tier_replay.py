@@ -58,20 +58,28 @@ def record_decode(engine, prompts: list[str], max_tokens: int) -> DecodeRecordin
     return DecodeRecording(routing, traces, np.array(rows), (agree, compared))
 
 
-def _ranked(scores: np.ndarray, m: int, k: int, distance: int) -> tuple[np.ndarray, np.ndarray]:
-    """The m best of one row of scores (ties by expert id) and their ranks: min(1, k x softmax
-    probability), discounted with distance as `PredictorPolicy` ranks them."""
+def _ranked(scores: np.ndarray, m: int, k: int, distance: int) -> tuple[np.ndarray, ...]:
+    """The m best of one row of scores (ties by expert id), their ranks (min(1, k x softmax probability),
+    discounted with distance as `PredictorPolicy` ranks them) and k x their probability."""
     z = np.exp(scores - scores.max())
     p = z / z.sum()
     order = np.lexsort((np.arange(len(p)), -p))[:m]
-    return order, np.minimum(p[order] * k, 1.0) * DISTANCE_DISCOUNT ** (distance - 1)
+    confidence = p[order] * k
+    return order, np.minimum(confidence, 1.0) * DISTANCE_DISCOUNT ** (distance - 1), confidence
 
 
 def forecasts(
-    recording: DecodeRecording, routers, top_k: int, per: int, distance: int, predictor=None
+    recording: DecodeRecording,
+    routers,
+    top_k: int,
+    per: int,
+    distance: int,
+    predictor=None,
+    floor: float = 0.0,
 ) -> Forecast:
     """What the shadow `predictor` (None: next-gate) reads ahead from each decode pass's layers: its `per`
-    best experts of each of the next `distance` layers in the pass."""
+    best experts of each of the next `distance` layers in the pass, those whose `top_k` x probability is at
+    least `floor` (`ForecastSettings.floor`)."""
     traces, rows = recording.traces, recording.rows
     L = traces["ids"].shape[1]
     ahead: list[list[dict]] = [[{} for _ in range(L)] for _ in rows]
@@ -86,7 +94,8 @@ def forecasts(
             if j - i > distance:
                 continue
             for t, r in enumerate(rows):
-                ahead[t][i][j] = _ranked(scores[r, n].astype(np.float64), per, top_k, j - i)
+                ids, ranks, confidence = _ranked(scores[r, n].astype(np.float64), per, top_k, j - i)
+                ahead[t][i][j] = ids[confidence >= floor], ranks[confidence >= floor]
     name = "predictor" if predictor is not None else "next-gate"
     return Forecast(f"{name}@{distance}", ahead)
 

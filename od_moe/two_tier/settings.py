@@ -33,6 +33,7 @@ FORECASTS = ("none", "next-gate", "shadow", "custom")
 DISK_PREFETCH = ("none", "routed")
 DISK_RERUNS = ("flagged", "exact")
 FLAGGED_RUNS = 3  # runs of a decode pass without waiting for routing, before one that waits at each layer
+DISK_FLOOR = 0.7  # `ForecastSettings.floor`
 # reads in flight from disk into the host tier: an NVMe disk serves several at once faster than one
 # (`od_moe.bench.roofline.disk_rate` measures the best count on a machine)
 DISK_THREADS = 8
@@ -82,6 +83,11 @@ class ForecastSettings:
 
     kind: str = "none"  # one of `FORECASTS`
     distance: int = 1  # layers ahead
+    # past the host's memory, a forecast's expert is read from disk ahead only where top-k x its probability
+    # is at least this (0: its top k all). Replayed on the bundled model's routing (16 + 8 and 16 + 16, the
+    # shadow network 1-2 layers ahead, next-use eviction), reads ahead below 0.7 took rows and disk time from
+    # experts needed sooner: they hid less of the stall (docs/GPU.md, "Replayed against a clock")
+    floor: float = DISK_FLOOR
     predictor: Any = field(default=None, compare=False)  # the shadow network (`predictor/model.py`)
     custom: Callable | None = field(default=None, compare=False)
 

@@ -483,14 +483,21 @@ class TwoTierRuntime(Runtime):
 
     def _forecast_reads(self, layer: int, x: mx.array):
         """At a layer that learns its routing (it waits anyway), the forecast's top experts of later layers
-        from its hidden state `x`, read from disk ahead of them (`fetch_ahead`)."""
+        from its hidden state `x`, those confident enough (`ForecastSettings.floor`), read from disk ahead
+        of them (`fetch_ahead`)."""
         forecasts = self.disk_forecast(layer, x) if self.disk_forecast is not None else []
         if not forecasts:
             return
         k = self.top_k
-        tops = [mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k] for _, scores in forecasts]
-        for (target, _), top in zip(forecasts, np.array(mx.stack(tops))):
-            self.fetch_ahead(target, top.reshape(-1))
+        tops, confident = [], []
+        for _, scores in forecasts:
+            top = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+            p = mx.take_along_axis(mx.softmax(scores.astype(mx.float32), axis=-1), top, axis=-1)
+            tops.append(top)
+            confident.append(p * k >= self.settings.forecast.floor)
+        ids, keep = (np.array(a) for a in (mx.stack(tops), mx.stack(confident)))  # one wait
+        for (target, _), top, kept in zip(forecasts, ids, keep):
+            self.fetch_ahead(target, top[kept])
 
     def _exact_lanes(self, layer: int) -> Lanes:
         """Lanes that learn their routing (a host sync) and find each expert a row, reading those on disk

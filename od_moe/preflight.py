@@ -412,12 +412,18 @@ def format_inspection(report: dict) -> str:
 
 def _budget_line(report: dict) -> str:
     """The memory budget: the engine's, and the slots it buys; where the device has memory of its own, the
-    host's, and whether it holds every expert (two-tier mode)."""
+    host's, and whether it holds every expert (two tiers) or some of each layer's (three tiers)."""
     budget = report["memory_budget"]
     given = f"{_size(budget['bytes'])}{' (70% of available memory)' if budget['auto'] else ''}"
     if report["device"]:
-        holds = "holds" if report["two_tier"]["auto"] else "does not hold"
-        return f"host       {given} {holds} every expert ({_size(report['all_experts_bytes'])}) for two tiers"
+        tiers, every = report["two_tier"], _size(report["all_experts_bytes"])
+        if tiers["host_experts"] is not None:
+            return (
+                f"host       {given} holds {tiers['host_experts']} of {report['experts_per_layer']} experts "
+                f"a layer of {every} (three tiers: the rest read from disk)"
+            )
+        holds = "holds" if tiers["auto"] else "does not hold"
+        return f"host       {given} {holds} every expert ({every}) for two tiers"
     if not budget["capacity"]:
         return f"budget     {given} holds no expert: too small (the error below says what it needs)"
     return f"budget     {given} holds {budget['capacity']} experts per layer ({budget['fraction']:.1%})"

@@ -107,3 +107,22 @@ def test_inspects_mode_line_speaks_the_command_lines_language(capsys):
     assert main(["inspect"]) == 0
     (mode,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mode ")]
     assert "two_tier=" not in mode and "--two-tier on, off or lru chooses" in mode
+
+
+def test_the_host_line_says_three_tiers_where_the_host_holds_some_experts(monkeypatch):
+    """On a device with memory of its own, a host budget below the experts' bytes gives three tiers: the
+    host line says how many experts a layer the host holds (it said "holds every expert" there), as the
+    tiers line does."""
+    from od_moe.preflight import format_inspection
+
+    monkeypatch.setattr(backend, "device_memory", lambda: (8 * 10**9, 8 * 10**9))
+    report = inspect_model(memory_budget="5MB", capacity=16)
+    host = report["two_tier"]["host_experts"]
+    assert host is not None and 8 <= host < 64
+    lines = {line.split()[0]: line for line in format_inspection(report).splitlines()}
+    assert f"holds {host} of 64 experts a layer" in lines["host"] and "every expert" not in lines["host"]
+    assert f"{host} in host memory" in lines["tiers"]
+    whole = inspect_model(memory_budget="64MB", capacity=16)
+    assert whole["two_tier"]["host_experts"] is None
+    (line,) = [line for line in format_inspection(whole).splitlines() if line.startswith("host ")]
+    assert "every expert (11.80 MB) for two tiers" in line and "three tiers" not in line

@@ -151,8 +151,18 @@ def place_experts(
     host_experts = None
     if device is not None:  # a GPU with memory of its own: past the host's, three tiers where they fit
         clash = clash_with_two_tiers(miss_policy, prefetch, predictor) is not None
+        held = host_held(non_expert)
         mode, why, host_experts = three_tiers(
-            two_tier, clash, mode, why, host, slot_nbytes, len(blocks), num_experts, top_k_of(blocks[0].block)
+            two_tier,
+            clash,
+            mode,
+            why,
+            host,
+            slot_nbytes,
+            len(blocks),
+            num_experts,
+            top_k_of(blocks[0].block),
+            held,
         )
     slots, choice = expert_slots(
         capacity, memory_budget, mode.tiered, model, blocks, slot_nbytes, non_expert, device, kv_per_token
@@ -162,6 +172,15 @@ def place_experts(
     if device is not None:
         backend.limit_device_memory(device[0][0] - DEVICE_LIBRARY_NBYTES)
     return Placement(mode, why, slots, choice, non_expert, host_experts)
+
+
+def host_held(non_expert: int) -> int:
+    """What a process holds in host memory besides the experts' host tier, which a host budget must leave
+    room for: its resident set before the experts are read (the interpreter, MLX and the device's runtime,
+    the tokenizer; in `inspect`, its own process stands for the engine's) and the non-expert weights, read
+    through host memory. A cgroup with `memory.max` at the budget killed a load that took the whole budget
+    for the host tier (docs/GPU.md, "Within the budget")."""
+    return backend.resident_bytes() + non_expert
 
 
 def three_tiers(
@@ -174,19 +193,26 @@ def three_tiers(
     layers: int,
     num_experts: int,
     top_k: int,
+    held: int = 0,
 ) -> tuple[TwoTierMode, str, int | None]:
     """(mode, why, experts a layer in the host tier) where the device has memory of its own and the host
-    cannot hold every expert (its budget `host_bytes`, else `backend.host_room`): two tiers with a host tier
-    of what the room holds, the rest read from disk (`two_tier/host_tier.py`), unless the path was asked off
-    or for what two tiers do not run (`clash`: predictive prefetch, skip), or the room holds fewer than a
-    position's `top_k` experts a layer (the per-layer path then). Else as given, None."""
-    room = backend.host_room(host_bytes)
+    cannot hold every expert (its budget `host_bytes` less `held`, what the process holds in host memory
+    besides the experts; else `backend.host_room`): two tiers with a host tier of what the room holds, the
+    rest read from disk (`two_tier/host_tier.py`), unless the path was asked off or for what two tiers do not
+    run (`clash`: predictive prefetch, skip), or the room holds fewer than a position's `top_k` experts a
+    layer (the per-layer path then). Else as given, None."""
+    room = backend.host_room(host_bytes, held)
     fits = slot_nbytes * num_experts * layers <= room
     if asked not in ("auto", True) or fits or clash:
         return mode, why, None
     rows = min(num_experts - 1, room // (slot_nbytes * layers))
     where = (
         f"{room / 1e9:.2f} GB of host memory for experts of {slot_nbytes * num_experts * layers / 1e9:.2f} GB"
+        + (
+            f": the budget less {held / 1e9:.2f} GB the process holds besides"
+            if host_bytes is not None
+            else ""
+        )
     )
     if rows < max(1, top_k):
         return TwoTierMode.OFF, f"per-layer path: {where} holds fewer than {top_k} experts a layer", None

@@ -124,7 +124,7 @@ def inspect_model(
     num_experts, moe_layers = blocks[0].num_experts, len(blocks)
     slot_nbytes, non_expert = weight_nbytes(mlx_model, blocks)
     top_k = top_k_of(blocks[0].block)
-    tiers = _two_tier_report(slot_nbytes, num_experts, moe_layers, top_k, memory_budget)
+    tiers = _two_tier_report(slot_nbytes, num_experts, moe_layers, top_k, memory_budget, non_expert)
     kv, staged = kv_nbytes_per_token(mlx_model), slot_nbytes if tiers["auto"] else 0
     working = working_nbytes(mlx_model, moe_layers, num_experts, staged, kv_per_token=kv)
     bought = _budget_report(memory_budget, num_experts, moe_layers, slot_nbytes, non_expert, working)
@@ -240,13 +240,15 @@ def _capacity_report(capacity, tiered: bool, report: dict, budget) -> dict:
     return found
 
 
-def _two_tier_report(slot_nbytes: int, num_experts: int, layers: int, top_k: int, memory_budget) -> dict:
+def _two_tier_report(
+    slot_nbytes: int, num_experts: int, layers: int, top_k: int, memory_budget, non_expert: int
+) -> dict:
     """Two-tier mode by "auto" (every expert in host memory, the budget's slots on the device:
     `two_tier/two_tier_runtime.py`; past the host's memory three tiers, `assembly.three_tiers`): whether it
     is on, and why, and the experts a layer the host tier holds (None: all, or no host tier); where the
     device has memory of its own, a memory budget is the host's, as `load` takes it
     (`assembly.host_budget`)."""
-    from .assembly import host_budget, three_tiers
+    from .assembly import host_budget, host_held, three_tiers
 
     host_bytes = slot_nbytes * num_experts * layers
     device = backend.device_memory()
@@ -254,8 +256,9 @@ def _two_tier_report(slot_nbytes: int, num_experts: int, layers: int, top_k: int
     on, why = backend.two_tier_choice("auto", host_bytes, budget)
     mode, host_experts = TwoTierMode.ON if on else TwoTierMode.OFF, None
     if device is not None:
+        held = host_held(non_expert)
         mode, why, host_experts = three_tiers(
-            "auto", False, mode, why, budget, slot_nbytes, layers, num_experts, top_k
+            "auto", False, mode, why, budget, slot_nbytes, layers, num_experts, top_k, held
         )
     return {"auto": mode.tiered, "reason": why, "host_bytes": host_bytes, "host_experts": host_experts}
 

@@ -111,17 +111,21 @@ def test_inspects_mode_line_speaks_the_command_lines_language(capsys):
 
 def test_the_host_line_says_three_tiers_where_the_host_holds_some_experts(monkeypatch):
     """On a device with memory of its own, a host budget below the experts' bytes gives three tiers: the
-    host line says how many experts a layer the host holds (it said "holds every expert" there), as the
-    tiers line does."""
+    host tier is the budget less what the process holds besides (its resident set, here 1 MB, and the
+    non-expert weights), and the host line says how many experts a layer it holds (it said "holds every
+    expert" there), as the tiers line does."""
     from od_moe.preflight import format_inspection
 
     monkeypatch.setattr(backend, "device_memory", lambda: (8 * 10**9, 8 * 10**9))
-    report = inspect_model(memory_budget="5MB", capacity=16)
+    monkeypatch.setattr(backend, "resident_bytes", lambda: 10**6)
+    report = inspect_model(memory_budget="8MB", capacity=16)
     host = report["two_tier"]["host_experts"]
-    assert host is not None and 8 <= host < 64
+    held = 10**6 + report["non_expert_bytes"]
+    assert host == (8 * 10**6 - held) // (report["expert_bytes"] * 8) and 8 <= host < 64
     lines = {line.split()[0]: line for line in format_inspection(report).splitlines()}
     assert f"holds {host} of 64 experts a layer" in lines["host"] and "every expert" not in lines["host"]
     assert f"{host} in host memory" in lines["tiers"]
+    assert f"the budget less {held / 1e9:.2f} GB the process holds besides" in lines["mode"]
     whole = inspect_model(memory_budget="64MB", capacity=16)
     assert whole["two_tier"]["host_experts"] is None
     (line,) = [line for line in format_inspection(whole).splitlines() if line.startswith("host ")]

@@ -233,12 +233,18 @@ def two_tier_choice(requested, expert_nbytes: int, host_bytes: int | None = None
     return True, f"two-tier mode: every expert mapped from host memory, misses read in place ({where})"
 
 
-def host_room(host_bytes: int | None = None) -> int:
+def host_room(host_bytes: int | None = None, held: int = 0) -> int:
     """Bytes of host memory the experts may take in host memory for the device to read: `host_bytes` (the
-    host's budget) where given, else `TWO_TIER_HOST_FRACTION` of what the OS says is available."""
+    host's budget) less `held`, what the process holds in host memory besides them, where a budget is given;
+    else `TWO_TIER_HOST_FRACTION` of what the OS says is available (which the process's memory is not)."""
     if host_bytes is not None:
-        return host_bytes
+        return max(0, host_bytes - held)
     return int(available_memory_bytes() * TWO_TIER_HOST_FRACTION)
+
+
+def resident_bytes() -> int:
+    """The process's resident set now (0 where the OS does not say)."""
+    return _resident_bytes() or 0
 
 
 def map_for_device(array: mx.array, device_tail: int) -> bool:

@@ -79,7 +79,7 @@ class NextUseHead(nn.Module):
             object.__setattr__(self, "_host", host)
         scale, weights, bias = (a[layer] for a in self._host)
         logits = scale[:, None] * x_term[..., None, :] + np.swapaxes(feats @ weights.T, -1, -2) + bias
-        return expected_distance(1.0 / (1.0 + np.exp(-logits)))
+        return expected_distance(np.exp(-np.logaddexp(0.0, -logits)))  # the sigmoid, without overflow
 
     def changed(self):
         """Drop the host copies (after training or loading new weights)."""

@@ -87,17 +87,12 @@ def drop_from_cache(folder: Path):
 def cached_bytes(folder: Path) -> int:
     """Bytes of the files under `folder` in the page cache (mincore over a map of each)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    c = ctypes
+    map_file = c.CFUNCTYPE(c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long)(
+        ("mmap", libc)
+    )
+    mincore = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_size_t, c.c_void_p, use_errno=True)(("mincore", libc))
+    munmap = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_size_t)(("munmap", libc))
     page, total = mmap.PAGESIZE, 0
     for f in folder.rglob("*"):
         length = f.stat().st_size if f.is_file() else 0
@@ -105,13 +100,13 @@ def cached_bytes(folder: Path) -> int:
             continue
         fd = os.open(f, os.O_RDONLY)
         try:
-            address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            address = map_file(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
             if address in (None, ctypes.c_void_p(-1).value):
                 raise OSError(ctypes.get_errno(), f"mmap {f}")
             vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
-            if libc.mincore(address, length, vec) != 0:
+            if mincore(address, length, vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore {f}")
-            libc.munmap(address, length)
+            munmap(address, length)
             total += sum(v & 1 for v in vec) * page
         finally:
             os.close(fd)

@@ -166,7 +166,8 @@ def _add_generate(sub):
     gen.add_argument(
         "--predictor",
         help="a shadow predictor folder (train-predictor's --out); 'bundled' for the embedded model's "
-        "(default: none, no predictor)",
+        "(default: none, no predictor). Past the host's memory on CUDA (three tiers) it orders the host "
+        "tier's eviction where its report finds its next-use head reading less than recency",
     )
     gen.add_argument(
         "--prefetch",

@@ -8,8 +8,10 @@ predictor against the model. Not here: the files themselves (`storage/model_file
 `two_tier/two_tier_runtime.py`).
 """
 
+import json
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from . import per_layer, two_tier
 from .caching.layer_cache import EVICTION_POLICIES, LayerCache
@@ -150,11 +152,12 @@ def place_experts(
     mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
     host_experts = None
     if device is not None:  # a GPU with memory of its own: past the host's, three tiers where they fit
-        clash = clash_with_two_tiers(miss_policy, prefetch, predictor) is not None
+        # a predictor alone (no prefetch policy asked) orders three tiers' eviction (`eviction_predictor`)
+        clash = clash_with_two_tiers(miss_policy, prefetch, predictor if prefetch is not None else None)
         held = host_held(non_expert)
         mode, why, host_experts = three_tiers(
             two_tier,
-            clash,
+            clash is not None,
             mode,
             why,
             host,
@@ -346,6 +349,43 @@ def settings_for_path(
             settings = replace(settings, host_experts=host_experts)
         return settings
     return replace(given or PerLayerSettings(), miss_policy=miss_policy, read_threads=read_threads)
+
+
+def eviction_predictor(predictor, identity: str, resident: float):
+    """Past the host's memory, the predictor `load` was given (a folder or a `ShadowPredictor`, for the model
+    `identity`) orders the host tier's eviction by its next-use head (`two_tier/host_eviction.py`) where it
+    has one and its own report (`report.json` beside a folder, from `od-moe train-predictor`) does not show
+    that head reading more than recency at the resident fraction nearest `resident`: (the predictor or None,
+    the line saying which order and why). A head can read fewer bytes than recency or more, as its report
+    and the replay find (docs/GPU.md, "The predictor's rows on a GPU, and a run within its budget")."""
+    from .predictor import ShadowPredictor, load_predictor
+
+    report = None
+    if isinstance(predictor, ShadowPredictor):
+        if predictor.config.model_identity != identity:
+            raise UserError(
+                f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
+                f"this model is {identity}): train one for this model"
+            )
+    else:
+        report = Path(predictor).expanduser() / "report.json"
+        predictor = load_predictor(predictor, identity)
+    if not predictor.config.next_use:
+        return None, "the host tier evicts by recency: the predictor has no next-use head"
+    table = (
+        json.loads(report.read_text()).get("eviction") if report is not None and report.is_file() else None
+    )
+    if not table:
+        return predictor, "the host tier evicts by the predictor's next-use head"
+    nearest = min(table, key=lambda fraction: abs(float(fraction) - resident))
+    head, recency = (table[nearest][k]["reads_per_token"] for k in ("next-use", "lru"))
+    said = (
+        f"(its report: {head:.1f} experts read a token against recency's {recency:.1f} at "
+        f"{float(nearest):.1%} resident)"
+    )
+    if head > recency:
+        return None, f"the host tier evicts by recency: the predictor's next-use head reads more {said}"
+    return predictor, f"the host tier evicts by the predictor's next-use head {said}"
 
 
 def attach_predictor(engine, predictor):

@@ -10,6 +10,7 @@ bytes.
 
 import contextlib
 from collections.abc import Generator
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ from .assembly import (
     cache_for,
     check_policies,
     device_plan,
+    eviction_predictor,
     place_experts,
     read_threads_of,
     say,
@@ -401,6 +403,8 @@ def load(
         bytes or "8GB" for the whole engine (None and no capacity: 70% of available memory).
     miss_policy: "load" (exact) or "skip" (approximate). eviction: "lru" or "lfu".
     predictor: a shadow predictor folder written by `od-moe train-predictor` (checked against this model).
+        Past the host's memory (three tiers), with no `prefetch` asked, it orders the host tier's eviction
+        instead (`assembly.eviction_predictor`: where its report finds its next-use head reading less).
     snapshot: a folder saved by `Engine.save_snapshot` to warm-start from.
     prefetch: "none", "profile", "next-gate", "predictor" or "oracle" (see `prefetch/policies.py`); default:
         "predictor" with a predictor, else "none".
@@ -442,7 +446,16 @@ def load(
     caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
     settings = settings_for_path(place.mode, path_settings, miss_policy, threads, place.host_experts)
-    runtime = build_runtime(store, blocks, caches, place.mode, place.why, settings, across_ranks=bool(stage))
+    why = place.why
+    if place.host_experts is not None and predictor is not None and prefetch is None:
+        # three tiers run no prefetch policy: the predictor may order the host tier's eviction instead
+        resident = (place.slots + place.host_experts) / blocks[0].num_experts
+        chosen, said = eviction_predictor(predictor, identity, resident)
+        why = f"{why}; {said}"
+        if chosen is not None and isinstance(settings, TwoTierSettings) and settings.host_next_use is None:
+            settings = replace(settings, host_next_use=chosen)
+        predictor, prefetch = None, "none"
+    runtime = build_runtime(store, blocks, caches, place.mode, why, settings, across_ranks=bool(stage))
     if stage:
         rank_split.wrap_seams(mlx_model, stage)
     mx.eval(mlx_model.parameters())  # non-expert weights and the empty slots; experts stay on disk
@@ -461,7 +474,7 @@ def load(
         device_budget=device,
         kv_nbytes_per_token=kv,
     )
-    for line in filter(None, (place.why if two_tier != "auto" or place.mode.tiered else None, place.choice)):
+    for line in filter(None, (why if two_tier != "auto" or place.mode.tiered else None, place.choice)):
         say(line)
     engine.start(predictor, prefetch, snapshot)
     return engine

@@ -334,3 +334,53 @@ def test_stats_health_and_metrics_give_each_tier_and_a_failed_read_fails_one_req
     finally:
         srv.shutdown()
         worker.stop()
+
+
+@pytest.fixture
+def past_the_hosts_memory(monkeypatch):
+    """`load` placing experts as on a GPU with memory of its own (8 GB) whose process holds 1 MB besides the
+    experts: `--memory-budget` is then the host's, and 8 MB holds 28 of the bundled model's 64 experts a
+    layer beside 16 slots (three tiers)."""
+    from od_moe.memory import backend
+
+    monkeypatch.setattr(backend, "device_memory", lambda: (8 * 10**9, 8 * 10**9))
+    monkeypatch.setattr(backend, "resident_bytes", lambda: 10**6)
+
+
+def test_a_predictor_given_to_load_orders_the_host_tiers_eviction(past_the_hosts_memory, bundled_reference):
+    """A predictor given to `load` past the host's memory, no prefetch policy asked: three tiers (not the
+    per-layer path), the host tier evicting by its next-use head, which its report found reading fewer
+    experts than recency; the mode line says so, the tokens are stock's. Asking for predictive prefetch
+    still takes the per-layer path."""
+    from od_moe.storage.model_files import DEFAULT_PREDICTOR
+
+    engine = od_moe.load(memory_budget="8MB", capacity=16, predictor=DEFAULT_PREDICTOR)
+    stats = engine.stats()
+    assert engine.mode is TwoTierMode.ON and stats["tiers"]["experts_per_layer"]["disk"] > 0
+    assert stats["tiers"]["host_eviction"] == "next-use" and engine.policy_name == "none"
+    assert "evicts by the predictor's next-use head (its report: 7.4 experts" in engine.mode_reason
+    assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1]
+    engine.close()
+    asked = od_moe.load(memory_budget="8MB", capacity=16, predictor=DEFAULT_PREDICTOR, prefetch="predictor")
+    assert asked.mode is TwoTierMode.OFF and asked.policy_name == "predictor"
+    asked.close()
+
+
+def test_a_predictor_whose_report_finds_its_head_reading_more_leaves_recency(past_the_hosts_memory, tmp_path):
+    """Where the predictor's own report has its next-use head reading more experts than recency at the
+    resident fraction nearest the tiers', the host tier keeps recency, and the mode line says why."""
+    import json
+    import shutil
+
+    from od_moe.storage.model_files import DEFAULT_PREDICTOR
+
+    folder = shutil.copytree(DEFAULT_PREDICTOR, tmp_path / "predictor")
+    report = json.loads((folder / "report.json").read_text())
+    report["eviction"]["0.5"]["next-use"]["reads_per_token"] = 12.0  # recency: 11.2
+    (folder / "report.json").write_text(json.dumps(report))
+    engine = od_moe.load(memory_budget="8MB", capacity=16, predictor=str(folder))
+    assert engine.mode is TwoTierMode.ON and engine.stats()["tiers"]["host_eviction"] == "recency"
+    assert (
+        "evicts by recency: the predictor's next-use head reads more (its report: 12.0" in engine.mode_reason
+    )
+    engine.close()

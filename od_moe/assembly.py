@@ -358,18 +358,10 @@ def eviction_predictor(predictor, identity: str, resident: float):
     that head reading more than recency at the resident fraction nearest `resident`: (the predictor or None,
     the line saying which order and why). A head can read fewer bytes than recency or more, as its report
     and the replay find (docs/GPU.md, "The predictor's rows on a GPU, and a run within its budget")."""
-    from .predictor import ShadowPredictor, load_predictor
+    from .predictor import ShadowPredictor
 
-    report = None
-    if isinstance(predictor, ShadowPredictor):
-        if predictor.config.model_identity != identity:
-            raise UserError(
-                f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
-                f"this model is {identity}): train one for this model"
-            )
-    else:
-        report = Path(predictor).expanduser() / "report.json"
-        predictor = load_predictor(predictor, identity)
+    report = None if isinstance(predictor, ShadowPredictor) else Path(predictor).expanduser() / "report.json"
+    predictor = _predictor_for_model(predictor, identity)
     if not predictor.config.next_use:
         return None, "the host tier evicts by recency: the predictor has no next-use head"
     table = (
@@ -388,17 +380,24 @@ def eviction_predictor(predictor, identity: str, resident: float):
     return predictor, f"the host tier evicts by the predictor's next-use head {said}"
 
 
-def attach_predictor(engine, predictor):
-    """A shadow predictor (a folder or a `ShadowPredictor`) checked against this model, with its routers."""
+def _predictor_for_model(predictor, identity: str):
+    """A shadow predictor (a folder or a `ShadowPredictor`) trained for the model `identity`, else a
+    UserError."""
     from .predictor import ShadowPredictor, load_predictor
 
     if not isinstance(predictor, ShadowPredictor):
-        predictor = load_predictor(predictor, engine.identity)
-    elif predictor.config.model_identity != engine.identity:
+        return load_predictor(predictor, identity)
+    if predictor.config.model_identity != identity:
         raise UserError(
             f"the predictor was trained for another model (identity {predictor.config.model_identity}, "
-            f"this model is {engine.identity}): train one for this model"
+            f"this model is {identity}): train one for this model"
         )
+    return predictor
+
+
+def attach_predictor(engine, predictor):
+    """A shadow predictor (a folder or a `ShadowPredictor`) checked against this model, with its routers."""
+    predictor = _predictor_for_model(predictor, engine.identity)
     if engine.stage is not None:  # a pipeline rank predicts its own layers
         predictor = predictor.for_layers(engine.stage.moe_offset, len(engine.caches))
     c, weights = predictor.config, engine.routers()[0]

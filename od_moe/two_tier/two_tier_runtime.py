@@ -495,7 +495,9 @@ class TwoTierRuntime(Runtime):
             p = mx.take_along_axis(mx.softmax(scores.astype(mx.float32), axis=-1), top, axis=-1)
             tops.append(top)
             confident.append(p * k >= self.settings.forecast.floor)
-        ids, keep = (np.array(a) for a in (mx.stack(tops), mx.stack(confident)))  # one wait
+        stacked = mx.stack(tops), mx.stack(confident)
+        mx.eval(*stacked)  # one wait
+        ids, keep = (np.array(a) for a in stacked)
         for (target, _), top, kept in zip(forecasts, ids, keep):
             self.fetch_ahead(target, top[kept])
 

@@ -180,10 +180,7 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     ratios, speeds, same = alternate(engine, stock, tokenizer, reference, args.tokens, args.rounds, gaps)
     stats = engine.stats()
     bounded = settings is not None and settings.host_experts is not None  # past the host's memory
-    before = stats["tiers"]["disk"]["bytes_read"] if bounded else 0
     prefill = prefill_ratios(engine, stock, tokenizer, args.prefill, args.rounds) if args.prefill else None
-    # what the prompts read from disk (the warm-up's and each round's)
-    prefill_disk = engine.stats()["tiers"]["disk"]["bytes_read"] - before if bounded else 0
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
@@ -239,8 +236,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
         row["prefill_tok_s"] = statistics.median(t for _, t in prefill)
         row["prefill_x_stock"] = statistics.median(t / s for s, t in prefill)
         row["first_token_ms"] = args.prefill / row["prefill_tok_s"] * 1e3
-        if "tiers" in row:
-            row["prefill_disk_mb"] = prefill_disk / (len(prefill) + 1) / 1e6
+        if bounded:  # what the prompts read from disk (the warm-up's and each round's)
+            read = engine.stats()["tiers"]["disk"]["bytes_read"] - stats["tiers"]["disk"]["bytes_read"]
+            row["prefill_disk_mb"] = read / (len(prefill) + 1) / 1e6
     del engine
     gc.collect()
     mx.clear_cache()

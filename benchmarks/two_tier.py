@@ -18,8 +18,10 @@ prompt's profile), to compare with learned admission on the same slots count.
 `--prefill N`: per row also prompt tok/s of an N-token prompt (od-moe's own Python source) against stock,
 alternating, median of `--rounds` ratios (`stage=P` sets the positions from which a pass is staged,
 `two_tier/staged_passes.py`; `stage=0` stages nothing). Past the host's memory also its first token's ms, the
-disk MB a prompt read, and with a probe the bound over the first token: the bound is 1.2 x that read at the
-probe's rate + the all-in-host row's first token (>= 1 meets it).
+disk MB a prompt read, and with a probe the bound over the first token: 1.2 x the prompt's touched experts
+read once at the probe's rate + the all-in-host row's first token (>= 1 meets it). The touched experts are
+the prompt's routing recorded on the all-in-host row; per layer those beyond what the row's tiers hold
+(device + host) count, fewer than the touched experts the tiers did not hold, so the bound is the stricter.
 
 Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the device (`two_tier="lru"`;
 `lru:F:decay=D`: by decayed routing counts, not recency);
@@ -62,6 +64,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 
 import od_moe
 from od_moe.accounting.report import table
@@ -181,6 +184,9 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
     stats = engine.stats()
     bounded = settings is not None and settings.host_experts is not None  # past the host's memory
     prefill = prefill_ratios(engine, stock, tokenizer, args.prefill, args.rounds) if args.prefill else None
+    touched = (
+        touched_experts(engine, tokenizer, args.prefill) if prefill and not bounded and two_tier else None
+    )
     decode = stats["total"]["decode"]
     tokens = max(1, stats["positions"]["decode"])  # decode passes
     row = {
@@ -231,6 +237,8 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
                 disk[k] for k in ("prefetch_reads", "prefetch_useful", "prefetch_wasted", "prefetch_late")
             ],
         )
+    if touched is not None:
+        row.update(prefill_touched=touched, expert_bytes=engine.caches[0].layout.expert_nbytes)
     if prefill:
         row["prefill_stock_tok_s"] = statistics.median(s for s, _ in prefill)
         row["prefill_tok_s"] = statistics.median(t for _, t in prefill)
@@ -261,11 +269,24 @@ def frozen(engine, path: Path, fraction: float, settings: TwoTierSettings, token
     return engine
 
 
-def prefill_ratios(engine, stock, tokenizer, length: int, rounds: int) -> list[tuple[float, float]]:
-    """(stock's, the engine's) prompt tok/s on a `length`-token prompt (od-moe's own source, real Python),
-    alternating, after one of each to warm up."""
+def prefill_prompt(tokenizer, length: int) -> list[int]:
+    """A `length`-token prompt: od-moe's own source, real Python."""
     text = "".join(path.read_text() for path in sorted(Path(od_moe.__file__).parent.glob("*.py")))
-    prompt = tokenizer.encode(text)[:length]
+    return tokenizer.encode(text)[:length]
+
+
+def touched_experts(engine, tokenizer, length: int) -> list[int]:
+    """How many distinct experts each MoE layer's routing touches over the `length`-token prompt and its
+    first token (the engine's routing, recorded)."""
+    passes = engine.record_routing(prefill_prompt(tokenizer, length), max_tokens=1)
+    layers = sorted({j for p in passes for j in p})
+    return [len(np.unique(np.concatenate([np.ravel(p[j]) for p in passes if j in p]))) for j in layers]
+
+
+def prefill_ratios(engine, stock, tokenizer, length: int, rounds: int) -> list[tuple[float, float]]:
+    """(stock's, the engine's) prompt tok/s on a `length`-token prompt (`prefill_prompt`), alternating, after
+    one of each to warm up."""
+    prompt = prefill_prompt(tokenizer, length)
 
     def tps(generate) -> float:
         return [r for r in generate(prompt, max_tokens=1)][-1].prompt_tps
@@ -350,7 +371,7 @@ def main():
         ]
         headers_disk += ["wait ms/tok", "ahead read/useful/wasted/late", "x disk roofline", "direct I/O"]
         if args.prefill:
-            headers_disk += ["first token ms", "prompt disk MB", "bound / first token"]
+            headers_disk += ["first token ms", "prompt disk MB", "read once MB", "bound / first token"]
         disk_cells = [
             [
                 r["row"],
@@ -365,7 +386,12 @@ def main():
                 "on" if r["direct_io"] else f"off: {r['direct_io_refused'] or 'asked off'}",
             ]
             + (
-                [r["first_token_ms"], r["prefill_disk_mb"], r.get("x_first_token_bound", "-")]
+                [
+                    r["first_token_ms"],
+                    r["prefill_disk_mb"],
+                    r.get("prefill_read_once_mb", "-"),
+                    r.get("x_first_token_bound", "-"),
+                ]
                 if args.prefill
                 else []
             )
@@ -410,8 +436,11 @@ def past_memory(rows: list[dict], probe: dict | None):
             floor_ms = max(1e3 / in_host["tok_s"], disk_mb * 1e6 / probe["bytes_per_s"] * 1e3)
             r["disk_roofline_ms"] = floor_ms
             r["x_disk_roofline"] = floor_ms * r["tok_s"] / 1e3
-            if "prefill_disk_mb" in r and "first_token_ms" in in_host:  # the first token's bound over its ms
-                read_ms = r["prefill_disk_mb"] * 1e6 / probe["bytes_per_s"] * 1e3
+            if "prefill_disk_mb" in r and "prefill_touched" in in_host:  # the first token's bound over its ms
+                held = r["tiers"]["device"] + r["tiers"]["host"]
+                once = sum(max(0, n - held) for n in in_host["prefill_touched"]) * in_host["expert_bytes"]
+                r["prefill_read_once_mb"] = once / 1e6
+                read_ms = once / probe["bytes_per_s"] * 1e3
                 r["first_token_bound_ms"] = 1.2 * read_ms + in_host["first_token_ms"]
                 r["x_first_token_bound"] = r["first_token_bound_ms"] / r["first_token_ms"]
 

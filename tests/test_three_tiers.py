@@ -132,21 +132,32 @@ def test_a_next_use_order_without_its_head_or_for_another_model_is_refused():
         three_tiers(16, host_next_use=SimpleNamespace(config=replace(c, num_experts=32)))
 
 
-def test_a_prompt_whose_experts_overflow_the_host_tier_runs_in_rounds(bundled_reference, monkeypatch):
-    """A prompt's layer routes to more experts than the host tier has rows: its positions run in rounds,
-    each computed before the next one's reads take its rows, and the tokens stay stock's."""
-    rounds = []
-    original = TwoTierRuntime._rounds
+def test_a_prompt_whose_experts_overflow_the_host_tier_reads_each_once(bundled_reference, monkeypatch):
+    """A prompt's layer routes to more experts than the host tier has rows: its lanes run in groups of
+    experts, each computed before the next one's reads take its rows; the prompt's pass reads no expert
+    twice, and the tokens stay stock's."""
+    from od_moe.two_tier.host_tier import HostTier
 
-    def counted(self, layer, flat):
-        found = original(self, layer, flat)
-        rounds.append(len(found))
+    groups, reads = [], []
+    original_groups, original_fetch = TwoTierRuntime._expert_groups, HostTier.fetch
+
+    def counted(self, layer, ids):
+        found = original_groups(self, layer, ids)
+        groups.append(len(found))
         return found
 
-    monkeypatch.setattr(TwoTierRuntime, "_rounds", counted)
+    def fetch(self, layer, ids, protect=(), clock=0, ahead=False):
+        absent = [int(e) for e in np.asarray(ids).tolist() if self.in_host(layer)[e] < 0]
+        reads.extend((clock, layer, e) for e in absent)
+        return original_fetch(self, layer, ids, protect, clock, ahead)
+
+    monkeypatch.setattr(TwoTierRuntime, "_expert_groups", counted)
+    monkeypatch.setattr(HostTier, "fetch", fetch)
     engine = three_tiers(8)
     assert od_moe_tokens(engine, PROMPTS[:1], 16) == [bundled_reference[0][:16]]
-    assert max(rounds) > 1
+    assert max(groups) > 1
+    prompt = [r for r in reads if r[0] == reads[0][0]]  # the first pass: all but the prompt's last token
+    assert len(prompt) > 8 and len(set(prompt)) == len(prompt)
 
 
 def test_no_computation_reads_a_row_past_a_bounded_stack(monkeypatch):

@@ -521,47 +521,63 @@ class TwoTierRuntime(Runtime):
         return read
 
     def _exact_switch(self, layer: int, x: mx.array, indices: mx.array) -> tuple[mx.array, dict]:
-        """The switch of `layer` on `x`, its routed experts read from disk first, in rounds of positions
-        whose experts fit the host tier where they do not all fit at once (each round computed before the
-        next reads). Exact: each lane computed on its expert's bytes as in one round."""
+        """The switch of `layer` on `x`, its routed experts read from disk first. Where they do not all fit
+        the host tier at once, in groups of experts that do (`_expert_groups`), each group's lanes computed
+        before the next group's reads take its rows: every expert is read at most once a pass, however many
+        positions route to it. Exact: each lane computed on its expert's bytes as in one call."""
         ids = np.array(indices).astype(np.int64)  # the sync
         self.host_syncs += 1
-        k = ids.shape[-1]
-        flat = ids.reshape(-1, k)
         arrays = tuple(self.stacks[layer].values())
-        rounds = self._rounds(layer, flat)
-        if len(rounds) == 1:
-            read = self._rows_of(indices, self._present(layer, flat))
+        groups, kept = self._expert_groups(layer, ids)
+        if len(groups) == 1:
+            read = self._rows_of(indices, self._present(layer, ids))
             return self.steps[layer].compute(arrays, x, read), {"hit": read >= self.host_rows}
-        xs = x.reshape(-1, x.shape[-1])
-        outputs, hits = [], []
-        for start, stop in rounds:
-            lanes = indices.reshape(-1, k)[start:stop]
-            read = self._rows_of(lanes, self._present(layer, flat[start:stop]))
-            y = self.steps[layer].compute(arrays, xs[start:stop], read)
-            mx.eval(y)  # before the next round's reads take its rows
-            outputs.append(y)
-            hits.append(read >= self.host_rows)
-        y = mx.concatenate(outputs, axis=0)
-        return y.reshape(*ids.shape, *y.shape[2:]), {"hit": mx.concatenate(hits, axis=0).reshape(ids.shape)}
+        k, flat = ids.shape[-1], ids.reshape(-1)
+        xs, lanes_all = x.reshape(-1, x.shape[-1]), indices.reshape(-1, 1)
+        order, outputs, hits = [], [], []
+        for group in groups:
+            lanes = np.flatnonzero(np.isin(flat, group))
+            picked = mx.array(lanes)
+            read = self._rows_of(lanes_all[picked], self._present(layer, flat[lanes], kept))
+            y = self.steps[layer].compute(arrays, xs[picked // k], read)
+            mx.eval(y)  # before the next group's reads take its rows
+            order.append(lanes)
+            outputs.append(y.reshape(lanes.size, -1))
+            hits.append(read.reshape(-1) >= self.host_rows)
+        back = mx.array(np.argsort(np.concatenate(order)))  # each lane back in its place
+        y = mx.concatenate(outputs, axis=0)[back]
+        return y.reshape(*ids.shape, -1), {"hit": mx.concatenate(hits, axis=0)[back].reshape(ids.shape)}
 
-    def _rounds(self, layer: int, flat: np.ndarray) -> list[tuple[int, int]]:
-        """Runs of positions (start, stop) whose experts outside the slots fit the host tier's rows."""
-        in_slot = self.caches[layer].slot_of >= 0
-        rounds: list[tuple[int, int]] = []
-        start, seen = 0, set[int]()
-        for position, ids in enumerate(flat.tolist()):
-            outside = {i for i in ids if not in_slot[i]}
-            if len(seen | outside) > self.host_rows and position > start:
-                rounds.append((start, position))
-                start, seen = position, set()
-            seen |= outside
-        rounds.append((start, len(flat)))
-        return rounds
+    def _expert_groups(self, layer: int, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """(The experts `ids` route to, in groups whose experts outside the device slots fit the host tier's
+        rows; experts kept in their host rows through every group). The last group is the experts latest
+        used, so that the host tier holds them for the passes after; up to half the rows' worth of them
+        already in host rows are kept there throughout (else an earlier group's reads would take their rows
+        and the last group read them again). The others go first: those in host rows (read by no group),
+        then those on disk by their last position. The slots' experts go with the first group."""
+        needed = np.unique(ids)
+        slot_of, H = self.caches[layer].slot_of, self.host_rows
+        outside = needed[slot_of[needed] < 0]
+        if outside.size <= H or self.host_tier is None:
+            return [needed], np.zeros(0, np.int64)
+        positions = ids.reshape(-1, ids.shape[-1])
+        last = np.full(self.num_experts, -1)
+        np.maximum.at(last, positions, np.arange(positions.shape[0])[:, None])
+        outside = outside[np.argsort(last[outside], kind="stable")]  # the latest used last
+        held = self.host_tier.in_host(layer)[outside] >= 0
+        final, final_held = outside[-H:], held[-H:]
+        kept = final[final_held][-(H // 2) :]
+        final = final[~final_held | np.isin(final, kept)]
+        first = ~np.isin(outside, final)
+        early = np.concatenate([outside[first & held], outside[first & ~held]])
+        room = H - kept.size
+        groups = [early[s : s + room] for s in range(0, early.size, room)] + [final]
+        groups[0] = np.concatenate([needed[slot_of[needed] >= 0], groups[0]])
+        return groups, kept
 
-    def _present(self, layer: int, ids: np.ndarray) -> np.ndarray:
+    def _present(self, layer: int, ids: np.ndarray, keep: np.ndarray | tuple = ()) -> np.ndarray:
         """Every expert of `ids` in a slot or a host row (those on disk read now, on the reader threads):
-        the layer's rows per expert (`host_tier.table_rows`)."""
+        the layer's rows per expert (`host_tier.table_rows`). `keep`: experts whose rows no read takes."""
         tier, cache = self.host_tier, self.caches[layer]
         assert tier is not None
         needed = np.unique(ids)
@@ -570,7 +586,8 @@ class TwoTierRuntime(Runtime):
         lanes_on_disk = int(np.isin(ids, on_disk).sum())
         if on_disk.size:
             late = tier.pending_ahead(layer, on_disk)
-            waited = tier.wait(tier.fetch(layer, on_disk, protect=outside, clock=self.clock))
+            protect = np.concatenate([outside, np.asarray(keep, np.int64)])
+            waited = tier.wait(tier.fetch(layer, on_disk, protect=protect, clock=self.clock))
             self.ledger.add(self.phase, layer, disk_lanes=lanes_on_disk, wait_s=waited, prefetch_late=late)
             self._dirty = True  # the next pass's tables see the rows read
         tier.touch(layer, outside, self.clock)

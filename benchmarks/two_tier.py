@@ -317,7 +317,12 @@ def main():
     )
     parser.add_argument("--disk-probe", type=float, default=0, help="seconds a count of reads in flight")
     parser.add_argument("--probe-threads", default="1,2,4,8,16", help="counts of reads in flight to probe")
+    parser.add_argument(
+        "--cpu", action="store_true", help="run on MLX's CPU backend (a GPU machine's CPU as unified memory)"
+    )
     args = parser.parse_args()
+    if args.cpu:
+        mx.set_default_device(mx.cpu)
     path = model_path(args)
     stock, tokenizer, reference = load_stock(path, args.tokens)
     rows = []

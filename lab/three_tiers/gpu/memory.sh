@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: memory.sh SHAPE DEVICE HOST: od-moe generate past the host's memory on /tmp/rs's SHAPE (q30 or bw),
+# Usage: memory.sh SHAPE DEVICE HOST: od-moe generate past the host's memory on /tmp/rs's SHAPE (q30, next24 or bw),
 # DEVICE experts a layer in device slots and a --memory-budget sized for HOST in the host tier (inspect's
 # expert bytes x layers x HOST), direct I/O on, 64 tokens, run under lab/three_tiers/within_budget.py (resident
 # set and page cache against that budget; the checkpoint dropped from the page cache first). Output:
@@ -7,8 +7,9 @@
 set -u
 shape=$1; device=$2; host=$3
 export PYTHONPATH=$PWD:/tmp/site
-name=$([ "$shape" = q30 ] && echo qwen3-30b-a3b || echo bundled-real-widths)
-model=$(python3 -c "from od_moe.bench.real_shapes import default_dest as d; print(d('/tmp/rs', '$name', None))")
+case $shape in q30) name=qwen3-30b-a3b layers=None ;; next24) name=qwen3-next-80b-a3b layers=24 ;;
+    *) name=bundled-real-widths layers=None ;; esac
+model=$(python3 -c "from od_moe.bench.real_shapes import default_dest as d; print(d('/tmp/rs', '$name', $layers))")
 budget=$(python3 -m od_moe inspect "$model" --json | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['moe_layers'] * d['expert_bytes'] * $host + 2**20)")
 python3 -m od_moe inspect "$model" --memory-budget "$budget" --capacity "$device" | tee "$OUT/memory-$shape-$host.txt"
 prompt="Write a Python function that parses a CSV file and returns the rows as dictionaries."

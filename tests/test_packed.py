@@ -170,3 +170,28 @@ def test_packed_reads_through_direct_io_give_the_same_bytes(packed_model):
         layout = store.block_layout(module, parts, 64)
         got = store.read(layout, [3, 4, 50], ExpertRows(layout, 3))
         assert layout.packed is not None and np.array_equal(got.flat, want.flat)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_experts_spans_read_its_bytes(packed_model, packed):
+    """An expert read as several requests at once (`ExpertStore.spans`, as three tiers' reader threads
+    read it) gives the bytes one read gives, packed or not, through the page cache and past it; the
+    spans cut no block twice and none is longer than asked (but one block)."""
+    from od_moe.storage.store import DIRECT_ALIGN
+
+    engine = od_moe.load(str(packed_model), capacity=4, packed=packed)
+    layout, store = engine.caches[5].layout, engine.runtime.store
+    assert (layout.packed is not None) == packed
+    want = store.read(layout, [7], ExpertRows(layout, 1))
+    for direct in (False, True):
+        store.use_direct_io(direct)
+        staging = ExpertRows(layout, 1)
+        spans = store.spans(layout, 7, staging, 3 * DIRECT_ALIGN)
+        assert len(spans) > 1 and all(len(s.view) <= 4 * DIRECT_ALIGN for s in spans)
+        for earlier, later in zip(spans, spans[1:]):
+            if earlier.file_index == later.file_index and later.offset == earlier.offset + len(earlier.view):
+                assert later.offset % DIRECT_ALIGN == 0  # a cut inside a run falls on a block
+        for span in reversed(spans):  # any order: each lands in its own place
+            store.read_span(layout, 7, span)
+        assert np.array_equal(staging.flat[0], want.flat[0])
+    engine.close()

@@ -211,15 +211,15 @@ def test_a_failed_read_fails_the_request_and_corrupts_nothing(bundled_reference,
     again, no table names it, and the next generation gives stock's tokens."""
     engine = three_tiers(8)
     store = engine.runtime.store
-    original, calls = store.read, []
+    original, calls = store.read_span, []
 
-    def failing(layout, ids, staging):
+    def failing(layout, expert, span):  # one request of an expert's read, on a reader thread
         calls.append(1)
         if len(calls) == 40:
             raise ExpertReadError(f"{layout.module_path}: [Errno 5] Input/output error")
-        return original(layout, ids, staging)
+        return original(layout, expert, span)
 
-    monkeypatch.setattr(store, "read", failing)
+    monkeypatch.setattr(store, "read_span", failing)
     with pytest.raises(ExpertReadError, match="Input/output error"):
         od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS)
     assert len(calls) >= 40
@@ -328,18 +328,18 @@ def test_stats_health_and_metrics_give_each_tier_and_a_failed_read_fails_one_req
         assert sum(card["lane_shares"].values()) == pytest.approx(1.0) and card["lane_shares"]["disk"] > 0
 
         store = engine.runtime.store
-        original = store.read
+        original = store.read_span
 
-        def failing(layout, ids, staging):
+        def failing(layout, expert, span):
             raise ExpertReadError(f"{layout.module_path}: [Errno 5] Input/output error")
 
-        monkeypatch.setattr(store, "read", failing)
+        monkeypatch.setattr(store, "read_span", failing)
         other = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
         with pytest.raises(urllib.error.HTTPError) as failed:
             call("/v1/completions", other)
         error = json.loads(failed.value.read().decode())
         assert "Input/output error" in json.dumps(error)
-        monkeypatch.setattr(store, "read", original)
+        monkeypatch.setattr(store, "read_span", original)
         assert call("/v1/completions", body)["choices"][0]["text"] == first  # served on, exactly
         tiers_hold_their_experts(engine)
     finally:

@@ -44,6 +44,15 @@ DIRECT_ALIGN = 4096  # O_DIRECT wants aligned offsets, lengths and buffers; 4 Ki
 BOUNCE_BYTES = 4 * 2**20  # per-thread aligned buffer for O_DIRECT reads
 
 
+@dataclass(frozen=True)
+class Span:
+    """One request of an expert's read (`ExpertStore.spans`): `view`'s bytes from `offset` of a file."""
+
+    file_index: int
+    offset: int
+    view: memoryview
+
+
 def _open_direct(path: Path) -> tuple[int, bool]:
     """(fd, needs alignment) for reads that bypass the page cache; an OSError saying why where the OS or
     the file system offers no such reads (tmpfs refuses O_DIRECT, for example)."""
@@ -312,6 +321,36 @@ class ExpertStore:
             self.read_parts(layout, ids, staging.row_views)
         parts = {(p.proj, p.name): staging.buffers[(p.proj, p.name)][:n] for p in layout.parts}
         return ExpertBytes(parts, staging.flat[:n])
+
+    def spans(self, layout: BlockLayout, expert: int, staging: ExpertRows, most: int) -> list[Span]:
+        """Expert `expert`'s bytes as requests of at most about `most` bytes into `staging`'s row 0, cut at
+        aligned file offsets (no block read twice with direct I/O): reader threads run them at once
+        (`read_span`), where one request an expert would keep one in flight. No I/O here."""
+        if layout.packed is not None:
+            file_index, base = layout.packed
+            flat = memoryview(staging.flat[0].reshape(-1))
+            placed = [(file_index, base + expert * layout.expert_nbytes, flat)]
+        else:
+            placed = [
+                (int(p.files[expert]), int(p.offsets[expert]), staging.row_views[(p.proj, p.name)][0])
+                for p in layout.parts
+            ]
+        found = []
+        for file_index, offset, view in placed:
+            end, at = offset + len(view), offset
+            while at < end:
+                cut = max((at + most) // DIRECT_ALIGN * DIRECT_ALIGN, at + 1)
+                cut = end if cut >= end else cut
+                found.append(Span(file_index, at, view[at - offset : cut - offset]))
+                at = cut
+        return found
+
+    def read_span(self, layout: BlockLayout, expert: int, span: "Span"):
+        """One of `spans`' requests (on a reader thread), refused where its file changed since load; errors
+        as `read` raises them."""
+        ids = np.array([expert])
+        self._refuse_changed(layout, ids, [span.file_index])
+        self._read_run(layout, ids, span.file_index, [span.view], span.offset)
 
     def read_parts(self, layout: BlockLayout, ids: ExpertIds, row_views: dict[tuple[str, str], list]):
         """Read each part of the experts `ids` (not packed) into `row_views[(proj, name)][i]`, memory of that

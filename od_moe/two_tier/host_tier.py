@@ -17,6 +17,7 @@ expert on disk (the error reaches the pass that waits for it). Not here: the tab
 (`two_tier_runtime.py`), when reads are asked for (`disk_passes.py`), reading the files (`storage/store.py`).
 """
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ from ..storage.layout import ExpertRows
 from ..storage.store import ExpertStore
 from .mapped import host_view
 
+SPAN_BYTES = 512 * 1024  # at most a request: an expert of a few MB is several reads at once
 ABSENT = 0xFFFFFFFF  # a table entry (uint32): the expert is on disk, its lanes flagged
 
 
@@ -153,7 +155,7 @@ class HostTier:
                 self.expert_in_row[layer, row] = -2  # taken by a read
                 self.last_use[layer, row] = clock
                 self.ahead[layer, row] = ahead
-                future = self._pool.submit(self._read, layer, expert, row, self._views_of(layer))
+                future = self._start_read(layer, expert, row)
                 self._pending[(layer, expert)] = (row, future)
                 nbytes = self.caches[layer].layout.expert_nbytes
                 self._book(layer, experts_read=1, bytes_read=nbytes, prefetch_reads=int(ahead))
@@ -248,25 +250,69 @@ class HostTier:
             self._book(layer, prefetch_wasted=1)
         return row
 
-    def _read(self, layer: int, expert: int, row: int, views: dict) -> float:
-        """On a reader thread: expert `expert` of `layer` from disk into host row `row` of its stack; the
-        seconds it took."""
-        cache = self.caches[layer]
-        layout = cache.layout
-        t0 = time.perf_counter()
+    def _start_read(self, layer: int, expert: int, row: int) -> Future:
+        """Read expert `expert` of `layer` into host row `row`: its bytes in requests of at most
+        `SPAN_BYTES` (`ExpertStore.spans`) run at once on the reader threads into staging memory, then,
+        once the last has landed (on its thread), converted into the row. The read's future gives the
+        seconds from its first request's start to the row written."""
+        layout = self.caches[layer].layout
         staging = ExpertRows(layout, 1)
-        raw = self.store.read(layout, np.array([expert]), staging)
-        for part in layout.parts:
+        spans = self.store.spans(layout, expert, staging, SPAN_BYTES)
+        views = self._views_of(layer)
+        read = _SpanRead(len(spans), lambda: self._into_row(layer, row, staging, views))
+        for span in spans:
+            self._pool.submit(read.run, self.store.read_span, layout, expert, span)
+        return read.future
+
+    def _into_row(self, layer: int, row: int, staging: ExpertRows, views: dict):
+        """A landed expert's staging bytes into its host row, in the computing dtype."""
+        cache = self.caches[layer]
+        for part in cache.layout.parts:
             key = (part.proj, part.name)
-            bits = host_bits(raw[key], part.dtype, cache.targets[key])
+            bits = host_bits(staging.buffers[key][0], part.dtype, cache.targets[key])
             if bits is None:
                 raise RuntimeError(
-                    f"{layout.module_path}.{part.proj}.{part.name}: numpy cannot cast {part.dtype} to"
+                    f"{cache.layout.module_path}.{part.proj}.{part.name}: numpy cannot cast {part.dtype} to"
                     f" {cache.targets[key]} exactly; three tiers cannot read this model from disk"
                 )
             view = views[key]
             view[row] = np.ascontiguousarray(bits).view(view.dtype).reshape(view.shape[1:])
-        return time.perf_counter() - t0
+
+
+class _SpanRead:
+    """One expert's read as `spans` requests on the reader threads: the last to finish writes the row
+    (`finish`) and settles `future` (the seconds, or the first request's error)."""
+
+    def __init__(self, spans: int, finish: Callable[[], None]):
+        self.future: Future = Future()
+        self._left, self._finish, self._lock = spans, finish, threading.Lock()
+        self._error: BaseException | None = None
+        self._start: float | None = None
+
+    def run(self, read: Callable, *args):
+        start = time.perf_counter()
+        try:
+            read(*args)
+        except BaseException as e:  # the read's error, for whoever waits on the future
+            error: BaseException | None = e
+        else:
+            error = None
+        with self._lock:
+            self._start = start if self._start is None else min(self._start, start)
+            self._error = self._error or error
+            self._left -= 1
+            last = self._left == 0
+        if not last:
+            return
+        if self._error is None:
+            try:
+                self._finish()
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            self.future.set_exception(self._error)
+        else:
+            self.future.set_result(time.perf_counter() - self._start)
 
 
 def table_rows(slot_of: np.ndarray, row_of: np.ndarray, host_rows: int) -> np.ndarray:

@@ -4,7 +4,7 @@
 # on. Output: $OUT/TAG.json, TAG.txt, TAG.err, log.txt.
 set -u
 tag=$1; shape=$2; rows=$3; shift 3
-export PYTHONPATH=$PWD:/tmp/site
+export PYTHONPATH=${PYTHONPATH:-$PWD:/tmp/site}
 case $shape in q30) name=qwen3-30b-a3b layers=None ;; next24) name=qwen3-next-80b-a3b layers=24 ;;
     *) name=bundled-real-widths layers=None ;; esac
 model=$(python3 -c "from od_moe.bench.real_shapes import default_dest as d; print(d('/tmp/rs', '$name', $layers))")

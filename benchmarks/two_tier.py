@@ -39,7 +39,8 @@ what a pass that met an expert on disk reads ahead before it runs again (`disk_p
 `rerun=flagged|exact` how it runs again, `forecast=shadow|gate` with `distance=D`: the layers that wait for
 their routing read the forecast's experts of the layer D on from disk ahead (`floor=F`: those whose top-k x
 probability reaches F, `ForecastSettings.floor`), `lag=L` how many layers after a
-layer its flags are read (0: with the logits only), `threads=N` its reader threads, `evict=next-use` the
+layer its flags are read (0: with the logits only), `threads=N` its reader threads, `span=B` the most bytes
+of a request of an expert's read (0: one thread an expert, one request a part), `evict=next-use` the
 host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`; on the bundled
 model at real widths `forecast=shadow` and `evict=next-use` use that network carried to its widths,
 `real_widths.pad_predictor`); such a row also gives its disk MB,
@@ -80,6 +81,7 @@ from od_moe.two_tier.settings import (
     BLOCKS,
     DEMAND_BLOCKS,
     DISK_FLOOR,
+    DISK_SPAN,
     DISK_THREADS,
     HALF_LIFE,
     MARGIN,
@@ -151,6 +153,7 @@ def settings_for(knobs: list[str], model: Path | None = None) -> TwoTierSettings
         host_experts=int(given["host"]) if "host" in given else None,
         disk_prefetch=given.get("disk", TwoTierSettings.disk_prefetch),
         disk_threads=int(given.get("threads", DISK_THREADS)),
+        disk_span=int(given.get("span", DISK_SPAN)),
         disk_rerun=given.get("rerun", TwoTierSettings.disk_rerun),
         flag_lag=int(given.get("lag", TwoTierSettings.flag_lag)),
         host_next_use=bench_predictor(model) if given.get("evict") == "next-use" else None,

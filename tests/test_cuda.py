@@ -279,3 +279,14 @@ def test_on_cuda_attention_runs_on_mlx_kernels_unless_the_environment_asks_for_c
     assert backend.attention_choice() == "0" and os.environ[backend.CUDNN_ATTENTION] == "0"
     monkeypatch.setenv(backend.CUDNN_ATTENTION, "1")
     assert backend.attention_choice() is None and os.environ[backend.CUDNN_ATTENTION] == "1"
+
+
+def test_past_the_hosts_memory_a_stack_is_made_on_the_device(monkeypatch):
+    """A stack is made (its zeros' first touch) on CPU streams where arrays are host memory or the host
+    holds every expert; on CUDA past the host's memory on the device, so its slot rows never take host
+    memory (an H100 run's load outgrew a 4.08 GB budget when every layer's slots were made on the host)."""
+    stream = mx.new_stream(mx.cpu)
+    assert backend.stack_zeros_on(True, stream) == stream  # this CPU: arrays are host memory
+    monkeypatch.setattr(backend, "arrays_in_host_memory", lambda: False)
+    assert backend.stack_zeros_on(False, stream) == stream
+    assert backend.stack_zeros_on(True, stream) == mx.gpu

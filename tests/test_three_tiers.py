@@ -9,7 +9,13 @@ import od_moe
 from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.errors import ExpertReadError, UserError
 from od_moe.runtime import TwoTierMode
-from od_moe.two_tier.settings import FLAGGED_RUNS, AdmissionSettings, KeptRowsSettings, TwoTierSettings
+from od_moe.two_tier.settings import (
+    DISK_SPAN,
+    FLAGGED_RUNS,
+    AdmissionSettings,
+    KeptRowsSettings,
+    TwoTierSettings,
+)
 from od_moe.two_tier.two_tier_runtime import TwoTierRuntime
 from tiny_models import FAMILIES, write_mlx_model
 
@@ -40,10 +46,13 @@ def tiers_hold_their_experts(engine):
 
 
 @pytest.mark.parametrize(
-    "host, prefetch, rerun", [(16, "routed", "exact"), (16, "none", "exact"), (8, "routed", "flagged")]
+    "host, prefetch, rerun, span",
+    # span: an expert's read in requests of at most that many bytes (the bundled model's parts are 384 B to
+    # 6 KB: 4 KB cuts some), 0 one thread an expert
+    [(16, "routed", "exact", DISK_SPAN), (16, "none", "exact", 0), (8, "routed", "flagged", 4096)],
 )
-def test_three_tiers_match_mlx_lm(bundled_reference, host, prefetch, rerun):
-    engine = three_tiers(host, prefetch, rerun=rerun)
+def test_three_tiers_match_mlx_lm(bundled_reference, host, prefetch, rerun, span):
+    engine = three_tiers(host, prefetch, rerun=rerun, disk_span=span)
     prompts = 2 if rerun == "exact" else 1  # flagged second runs run more passes: one prompt
     assert od_moe_tokens(engine, PROMPTS[:prompts], NEW_TOKENS) == bundled_reference[:prompts]
     stats = engine.stats()
@@ -134,8 +143,8 @@ def test_a_next_use_order_without_its_head_or_for_another_model_is_refused():
 
 def test_a_prompt_whose_experts_overflow_the_host_tier_reads_each_once(bundled_reference, monkeypatch):
     """A prompt's layer routes to more experts than the host tier has rows: its lanes run in groups of
-    experts, each computed before the next one's reads take its rows; the prompt's pass reads no expert
-    twice, and the tokens stay stock's."""
+    experts, each computed on a device copy of its experts before the next one's reads take its rows; the
+    prompt's pass reads no expert twice, and the tokens stay stock's."""
     from od_moe.two_tier.host_tier import HostTier
 
     groups, reads = [], []
@@ -151,11 +160,23 @@ def test_a_prompt_whose_experts_overflow_the_host_tier_reads_each_once(bundled_r
         reads.extend((clock, layer, e) for e in absent)
         return original_fetch(self, layer, ids, protect, clock, ahead)
 
+    from od_moe.two_tier import staged_passes
+
+    copied, original_take = [], staged_passes.take_rows
+
+    def take_rows(arrays, sources, count, by_kernel):
+        copied.append((sources.size, int(count.item())))
+        return original_take(arrays, sources, count, by_kernel)
+
     monkeypatch.setattr(TwoTierRuntime, "_expert_groups", counted)
     monkeypatch.setattr(HostTier, "fetch", fetch)
+    monkeypatch.setattr(staged_passes, "take_rows", take_rows)
     engine = three_tiers(8)
     assert od_moe_tokens(engine, PROMPTS[:1], 16) == [bundled_reference[0][:16]]
     assert max(groups) > 1
+    # the prompt's groups computed on device copies of their experts, each copied once: at most the rows
+    # of the tiers a group spans (8 host rows and 16 slots), and as many as it routes to
+    assert copied and all(rows == count <= 8 + 16 for rows, count in copied)
     prompt = [r for r in reads if r[0] == reads[0][0]]  # the first pass: all but the prompt's last token
     assert len(prompt) > 8 and len(set(prompt)) == len(prompt)
 

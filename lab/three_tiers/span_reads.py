@@ -14,7 +14,7 @@ import numpy as np
 
 from od_moe.engine import model_layouts
 from od_moe.storage.layout import ExpertRows
-from od_moe.two_tier.host_tier import SPAN_BYTES
+from od_moe.two_tier.settings import DISK_SPAN
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
     def spans(layout, ids):
         futures = []
         for e in ids:
-            for span in store.spans(layout, e, ExpertRows(layout, 1), SPAN_BYTES):
+            for span in store.spans(layout, e, ExpertRows(layout, 1), DISK_SPAN):
                 futures.append(pool.submit(store.read_span, layout, e, span))
         return futures
 

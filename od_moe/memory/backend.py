@@ -189,6 +189,16 @@ def arrays_in_host_memory() -> bool:
     return not (mx.default_device().type == mx.gpu and not mx.metal.is_available())
 
 
+def stack_zeros_on(past_host_memory: bool, cpu_stream):
+    """Where a mapped stack is made (its zeros written: the first touch of its memory): `cpu_stream` where
+    arrays are host memory, or where the host holds every expert (CPU streams write them fastest,
+    docs/GPU.md, "Time to first token"); on CUDA past the host's memory (a bounded host tier) the device, so
+    that the slot rows, held on the device afterwards, never take host memory. Made on the host they did,
+    every layer's at once, before their advice moved them: more than the host's budget
+    (`two_tier/mapped.py`). The host rows move to the host as the host writes them."""
+    return cpu_stream if arrays_in_host_memory() or not past_host_memory else mx.gpu
+
+
 def sends_between_ranks() -> bool:
     """Whether `mx.distributed.send`/`recv` run on this device: not on CUDA (MLX 0.32: "Send has no CUDA
     implementation"), where a pipeline hands hidden states over with a collective instead

@@ -48,9 +48,11 @@ class HostRing:
         self._last = k
         return self.arrays[k]
 
-    def used_by(self, made: mx.array):
-        """`made` reads the array the last `write` returned: that array is written again only after it."""
-        self._users[self._last] = made
+    def used_by(self, made: mx.array, written: mx.array | None = None):
+        """`made` reads the array the last `write` returned (or `written`, one `write` returned): that
+        array is written again only after it."""
+        k = self._last if written is None else next(i for i, a in enumerate(self.arrays) if a is written)
+        self._users[k] = made
 
 
 def _release(arrays: list[mx.array]):

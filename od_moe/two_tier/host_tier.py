@@ -31,7 +31,6 @@ from ..storage.layout import ExpertRows
 from ..storage.store import ExpertStore
 from .mapped import host_view
 
-SPAN_BYTES = 512 * 1024  # at most a request: an expert of a few MB is several reads at once
 ABSENT = 0xFFFFFFFF  # a table entry (uint32): the expert is on disk, its lanes flagged
 
 
@@ -58,8 +57,10 @@ class HostTier:
         book: Callable[..., None],
         threads: int = 4,
         due: np.ndarray | None = None,
+        span: int = 0,
     ):
         self.store, self.caches, self.rows, self._book = store, caches, rows, book
+        self.span = span  # an expert's read in requests of at most this many bytes at once; 0: one
         self.due = due  # per layer and expert, the pass it is estimated to be needed at (`host_eviction.py`)
         layers, experts = len(caches), caches[0].num_experts
         self.expert_in_row = np.full((layers, rows), -1, dtype=np.int64)
@@ -251,18 +252,27 @@ class HostTier:
         return row
 
     def _start_read(self, layer: int, expert: int, row: int) -> Future:
-        """Read expert `expert` of `layer` into host row `row`: its bytes in requests of at most
-        `SPAN_BYTES` (`ExpertStore.spans`) run at once on the reader threads into staging memory, then,
-        once the last has landed (on its thread), converted into the row. The read's future gives the
-        seconds from its first request's start to the row written."""
+        """Read expert `expert` of `layer` into host row `row`: its bytes in requests of at most `span`
+        (`ExpertStore.spans`) run at once on the reader threads into staging memory, then, once the last has
+        landed (on its thread), converted into the row; with no span, by one thread (one request a part).
+        The read's future gives the seconds from its first request's start to the row written."""
         layout = self.caches[layer].layout
         staging = ExpertRows(layout, 1)
-        spans = self.store.spans(layout, expert, staging, SPAN_BYTES)
         views = self._views_of(layer)
+        if not self.span:
+            return self._pool.submit(self._read_whole, layer, expert, row, staging, views)
+        spans = self.store.spans(layout, expert, staging, self.span)
         read = _SpanRead(len(spans), lambda: self._into_row(layer, row, staging, views))
         for span in spans:
             self._pool.submit(read.run, self.store.read_span, layout, expert, span)
         return read.future
+
+    def _read_whole(self, layer: int, expert: int, row: int, staging: ExpertRows, views: dict) -> float:
+        """On a reader thread: expert `expert` of `layer` read and put into host row `row`; the seconds."""
+        t0 = time.perf_counter()
+        self.store.read(self.caches[layer].layout, np.array([expert]), staging)
+        self._into_row(layer, row, staging, views)
+        return time.perf_counter() - t0
 
     def _into_row(self, layer: int, row: int, staging: ExpertRows, views: dict):
         """A landed expert's staging bytes into its host row, in the computing dtype."""

@@ -173,10 +173,11 @@ def _finish(
 
 
 def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array, np.ndarray | None]]]:
-    """Per layer, per part, an evaluated MLX array of zeros (E + slots rows of the part's shape, unsigned
+    """Per layer, per part, an evaluated MLX array of zeros (H + slots rows of the part's shape, unsigned
     integers of its target's size) made on a CPU stream, so in host memory on every backend (managed
     memory on CUDA), and a writable numpy view of it where MLX gives one (`_writable`). The arrays are
-    spread over `LOAD_THREADS` CPU streams by bytes, each stream its own thread, and evaluated together."""
+    spread over `LOAD_THREADS` CPU streams by bytes, each stream its own thread, and evaluated together.
+    On CUDA past the host's memory they are made on the device instead (`backend.stack_zeros_on`)."""
     streams = _fill_streams()
     load = [0] * len(streams)
     arrays = []
@@ -185,7 +186,8 @@ def _host_stacks(layers) -> list[dict[tuple[str, str], tuple[mx.array, np.ndarra
         for p in layout.parts:
             key, size = (p.proj, p.name), targets[(p.proj, p.name)].size
             i = load.index(min(load))
-            layer[key] = mx.zeros((len(host_ids) + slots, *p.shape), dtype=_mx_uint(size), stream=streams[i])
+            stream = backend.stack_zeros_on(len(host_ids) < layout.num_experts, streams[i])
+            layer[key] = mx.zeros((len(host_ids) + slots, *p.shape), dtype=_mx_uint(size), stream=stream)
             load[i] += layer[key].nbytes
         arrays.append(layer)
     mx.eval([list(layer.values()) for layer in arrays])

@@ -37,6 +37,9 @@ DISK_FLOOR = 0.7  # `ForecastSettings.floor`
 # reads in flight from disk into the host tier: an NVMe disk serves several at once faster than one
 # (`od_moe.bench.roofline.disk_rate` measures the best count on a machine)
 DISK_THREADS = 8
+# at most a request of an expert's read past the host's memory: an expert of a few MB is several requests
+# in flight at once, where one an expert would keep one or two in flight for a layer's few experts
+DISK_SPAN = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class TwoTierSettings:
     # past the host's memory (`host_tier.py`): experts a layer in host memory, the rest on disk; None: all
     host_experts: int | None = None
     disk_threads: int = DISK_THREADS  # reader threads reading experts from disk into the host tier
+    # an expert's read in requests of at most this many bytes at once (`ExpertStore.spans`); 0: one thread
+    # an expert, one request a part
+    disk_span: int = DISK_SPAN
     # past the host's memory: the shadow network (`predictor/model.py`) whose next-use head orders the host
     # tier's eviction, the expert estimated to be needed last first (`host_eviction.py`); None: least
     # recently used first

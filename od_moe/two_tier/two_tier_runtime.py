@@ -100,7 +100,15 @@ class TwoTierRuntime(Runtime):
         due = self.next_use.due if self.next_use is not None else None
         self.host_tier = (
             HostTier(
-                store, caches, stacks, self.host_rows, host_ids, self._book_disk, settings.disk_threads, due
+                store,
+                caches,
+                stacks,
+                self.host_rows,
+                host_ids,
+                self._book_disk,
+                settings.disk_threads,
+                due,
+                settings.disk_span,
             )
             if host_ids is not None
             else None
@@ -524,29 +532,55 @@ class TwoTierRuntime(Runtime):
         """The switch of `layer` on `x`, its routed experts read from disk first. Where they do not all fit
         the host tier at once, in groups of experts that do (`_expert_groups`), each group's lanes computed
         before the next group's reads take its rows: every expert is read at most once a pass, however many
-        positions route to it. Exact: each lane computed on its expert's bytes as in one call."""
+        positions route to it. A pass of several positions computes on a device copy of the experts it
+        routes to (`_staged`), so that an expert crosses the bus once, not once a lane. Exact: each lane
+        computed on its expert's bytes as in one call."""
         ids = np.array(indices).astype(np.int64)  # the sync
         self.host_syncs += 1
-        arrays = tuple(self.stacks[layer].values())
         groups, kept = self._expert_groups(layer, ids)
+        # a prompt's or a batch's pass (a decode pass's lanes route to distinct experts: nothing to share)
+        staged = ids.size // ids.shape[-1] >= max(2, self.stage_positions)
         if len(groups) == 1:
-            read = self._rows_of(indices, self._present(layer, ids))
-            return self.steps[layer].compute(arrays, x, read), {"hit": read >= self.host_rows}
+            return self._group_pass(layer, x, indices, ids, self._present(layer, ids), staged)
         k, flat = ids.shape[-1], ids.reshape(-1)
         xs, lanes_all = x.reshape(-1, x.shape[-1]), indices.reshape(-1, 1)
         order, outputs, hits = [], [], []
         for group in groups:
             lanes = np.flatnonzero(np.isin(flat, group))
             picked = mx.array(lanes)
-            read = self._rows_of(lanes_all[picked], self._present(layer, flat[lanes], kept))
-            y = self.steps[layer].compute(arrays, xs[picked // k], read)
+            rows = self._present(layer, flat[lanes], kept)
+            y, found = self._group_pass(
+                layer, xs[picked // k], lanes_all[picked], flat[lanes, None], rows, staged
+            )
             mx.eval(y)  # before the next group's reads take its rows
             order.append(lanes)
             outputs.append(y.reshape(lanes.size, -1))
-            hits.append(read.reshape(-1) >= self.host_rows)
+            hits.append(found["hit"].reshape(-1))
         back = mx.array(np.argsort(np.concatenate(order)))  # each lane back in its place
         y = mx.concatenate(outputs, axis=0)[back]
         return y.reshape(*ids.shape, -1), {"hit": mx.concatenate(hits, axis=0)[back].reshape(ids.shape)}
+
+    def _group_pass(
+        self, layer: int, x: mx.array, indices: mx.array, ids: np.ndarray, rows: np.ndarray, staged: bool
+    ) -> tuple[mx.array, dict]:
+        """The switch of `layer` on `x` and its lanes `indices` (`ids` on the host), every expert they route
+        to present at its row of `rows` (per expert): read in place, or (`staged`) from a device copy of those
+        experts' rows made first, each copied once (`staged_passes.take_rows`)."""
+        arrays = tuple(self.stacks[layer].values())
+        if not staged:
+            read = self._rows_of(indices, rows)
+            return self.steps[layer].compute(arrays, x, read), {"hit": read >= self.host_rows}
+        experts = np.unique(ids)
+        place = np.zeros(self.num_experts, np.uint32)
+        place[experts] = np.arange(experts.size)
+        sources = self._exact_ring.write(np.resize(rows[experts], self.num_experts))
+        copies = staged_passes.take_rows(
+            list(arrays), sources[: experts.size], mx.array(experts.size), slot_fill.available()
+        )
+        read = self._rows_of(indices, place)
+        y = self.steps[layer].compute(tuple(copies), x, read)
+        self._exact_ring.used_by(y, sources)
+        return y, {"hit": mx.array(rows[ids] >= self.host_rows)}
 
     def _expert_groups(self, layer: int, ids: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
         """(The experts `ids` route to, in groups whose experts outside the device slots fit the host tier's

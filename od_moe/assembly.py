@@ -149,10 +149,14 @@ def place_experts(
     slot_nbytes, non_expert = weight_nbytes(model, blocks)
     host = host_budget(memory_budget, device)
     expert_nbytes = slot_nbytes * num_experts * len(blocks)
-    mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
+    # on a GPU with memory of its own a predictor alone (no prefetch policy asked) orders three tiers'
+    # eviction (`eviction_predictor`): whether it clashes with two tiers waits for where experts live
+    alone = device is not None and prefetch is None and predictor is not None
+    mode, why = two_tier_mode(
+        two_tier, expert_nbytes, miss_policy, prefetch, None if alone else predictor, host
+    )
     host_experts = None
     if device is not None:  # a GPU with memory of its own: past the host's, three tiers where they fit
-        # a predictor alone (no prefetch policy asked) orders three tiers' eviction (`eviction_predictor`)
         clash = clash_with_two_tiers(miss_policy, prefetch, predictor if prefetch is not None else None)
         held = host_held(non_expert)
         mode, why, host_experts = three_tiers(
@@ -167,6 +171,8 @@ def place_experts(
             top_k_of(blocks[0].block),
             held,
         )
+    if alone and host_experts is None:  # every expert in host memory: the predictor is for prefetch
+        mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predictor, host)
     slots, choice = expert_slots(
         capacity, memory_budget, mode.tiered, model, blocks, slot_nbytes, non_expert, device, kv_per_token
     )

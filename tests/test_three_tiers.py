@@ -383,7 +383,7 @@ def test_a_predictor_given_to_load_orders_the_host_tiers_eviction(past_the_hosts
     """A predictor given to `load` past the host's memory, no prefetch policy asked: three tiers (not the
     per-layer path), the host tier evicting by its next-use head, which its report found reading fewer
     experts than recency; the mode line says so, the tokens are stock's. Asking for predictive prefetch
-    still takes the per-layer path."""
+    still takes the per-layer path; two tiers asked for take the predictor alone the same way."""
     from od_moe.storage.model_files import DEFAULT_PREDICTOR
 
     engine = od_moe.load(memory_budget="8MB", capacity=16, predictor=DEFAULT_PREDICTOR)
@@ -396,6 +396,13 @@ def test_a_predictor_given_to_load_orders_the_host_tiers_eviction(past_the_hosts
     asked = od_moe.load(memory_budget="8MB", capacity=16, predictor=DEFAULT_PREDICTOR, prefetch="predictor")
     assert asked.mode is TwoTierMode.OFF and asked.policy_name == "predictor"
     asked.close()
+    # two tiers asked for (`--two-tier on`) run the same three tiers; with every expert in host memory a
+    # predictor alone is predictive prefetch, which two tiers refuse
+    forced = od_moe.load(memory_budget="8MB", capacity=16, predictor=DEFAULT_PREDICTOR, two_tier=True)
+    assert forced.stats()["tiers"]["host_eviction"] == "next-use" and forced.policy_name == "none"
+    forced.close()
+    with pytest.raises(UserError, match="it takes no predictive prefetch"):
+        od_moe.load(memory_budget="8GB", capacity=16, predictor=DEFAULT_PREDICTOR, two_tier=True)
 
 
 def test_a_predictor_whose_report_finds_its_head_reading_more_leaves_recency(past_the_hosts_memory, tmp_path):

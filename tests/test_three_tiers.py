@@ -216,13 +216,14 @@ def test_a_direct_call_of_the_model_is_exact(bundled_reference):
     assert mx.array_equal(engine.model(tokens), stock(tokens))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_other_families_match_mlx_lm(tmp_path, name):
     path = write_mlx_model(tmp_path / name, FAMILIES[name])
     prompts = [[1, 17, 300, 42, 9, 88], [5, 600, 23, 23, 7]]
     reference = reference_tokens(path, prompts, 12)
-    E = FAMILIES[name].get("num_local_experts") or FAMILIES[name].get("n_routed_experts")
-    engine = three_tiers(E // 4, path=path)
+    config = FAMILIES[name]
+    E = config.get("num_local_experts") or config.get("n_routed_experts") or config["num_experts"]
+    engine = three_tiers(max(E // 4, config["num_experts_per_tok"]), path=path)
     assert od_moe_tokens(engine, prompts, 12) == reference, name
     assert engine.stats()["tiers"]["lanes"]["disk"] > 0
 

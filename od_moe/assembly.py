@@ -406,10 +406,8 @@ def attach_predictor(engine, predictor):
     predictor = _predictor_for_model(predictor, engine.identity)
     if engine.stage is not None:  # a pipeline rank predicts its own layers
         predictor = predictor.for_layers(engine.stage.moe_offset, len(engine.caches))
-    c, weights = predictor.config, engine.routers()[0]
-    expected = {"num_layers": len(engine.caches), "num_experts": engine.num_experts}
-    expected["hidden_size"] = weights.shape[-1]
-    wrong = [f"{k} {getattr(c, k)} (the model has {v})" for k, v in expected.items() if getattr(c, k) != v]
+    hidden = engine.routers()[0].shape[-1]
+    wrong = predictor.config.misfits(len(engine.caches), engine.num_experts, hidden)
     if wrong:
         raise UserError(
             f"the predictor does not fit this model: {', '.join(wrong)}; train one for this model with "

@@ -47,6 +47,14 @@ class PredictorConfig:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
+    def misfits(self, num_layers: int, num_experts: int, hidden_size: int) -> list[str]:
+        """What of this predictor's shape differs from a model's (its MoE layers, experts a layer and hidden
+        size), each as "num_experts 32 (the model has 64)"; empty where it fits."""
+        model = {"num_layers": num_layers, "num_experts": num_experts, "hidden_size": hidden_size}
+        return [
+            f"{k} {getattr(self, k)} (the model has {v})" for k, v in model.items() if getattr(self, k) != v
+        ]
+
     def targets(self, source: int) -> list[int]:
         """The target layers a prediction made at `source` covers."""
         return list(range(source + 1, min(source + self.lookahead, self.num_layers - 1) + 1))

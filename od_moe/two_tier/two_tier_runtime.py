@@ -928,12 +928,11 @@ def next_use_order(predictor, blocks, caches: list[LayerCache]) -> NextUseOrder 
             "`od-moe train-predictor`"
         )
     routers = router_matrices([block.block for block in blocks])
-    layers, experts, hidden = routers[0].shape
-    if (c.num_layers, c.num_experts, c.hidden_size) != (layers, experts, hidden):
+    wrong = c.misfits(*routers[0].shape)  # (layers, experts, hidden size)
+    if wrong:
         raise UserError(
-            f"host_next_use's predictor has {c.num_layers} MoE layers of {c.num_experts} experts and hidden "
-            f"size {c.hidden_size}, the model {layers} of {experts} and {hidden}: give the predictor trained "
-            "for this model"
+            f"host_next_use's predictor does not fit this model: {', '.join(wrong)}; give the predictor "
+            "trained for this model"
         )
     return NextUseOrder(predictor.next_use, routers, caches[0].num_experts)
 

@@ -10,6 +10,7 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.errors import ExpertReadError, UserError
 from od_moe.runtime import TwoTierMode
 from od_moe.two_tier.settings import (
+    ADMIT_EVERY_PAST_HOST,
     DISK_SPAN,
     FLAGGED_RUNS,
     AdmissionSettings,
@@ -291,8 +292,11 @@ def test_past_the_hosts_memory_auto_sizes_a_host_tier():
     assert plan(False, expert * 32 * layers) == (OFF, "why", None)
     settings = assembly.settings_for_path(ON, None, "load", 4, host_experts=32)
     assert isinstance(settings, TwoTierSettings) and settings.host_experts == 32
-    given = TwoTierSettings(host_experts=16)  # the caller's own host tier stands
-    assert assembly.settings_for_path(ON, given, "load", 4, host_experts=32).host_experts == 16
+    assert settings.admission.every == ADMIT_EVERY_PAST_HOST < AdmissionSettings().every  # admitted oftener
+    given = TwoTierSettings(host_experts=16)  # the caller's own host tier and cadence stand
+    chosen = assembly.settings_for_path(ON, given, "load", 4, host_experts=32)
+    assert chosen.host_experts == 16 and chosen.admission == AdmissionSettings()
+    assert assembly.settings_for_path(ON, None, "load", 4).admission == AdmissionSettings()  # all in host
 
 
 def test_inspect_says_each_tiers_experts():

@@ -19,6 +19,12 @@ from typing import Any
 # passes, a batch would admit too rarely and miss more; admitting every few passes decoded slower
 # (`docs/GPU.md`, "Slots and admission")
 ADMIT_EVERY, ADMIT_PASSES = 64, 8
+# Past the host's memory a miss outside the slots and host rows is a disk read, and a host tier of a few rows
+# a layer keeps too few of them for recency to make up for slots admitted rarely: admitting every 8
+# positions read 14-21% fewer bytes from disk with host tiers of 8 (the bundled model at 16 + 8, the
+# Qwen3-30B-A3B shape's first 8 layers at 32 + 8; none fewer at 16 + 16), where a fill costs a few
+# milliseconds against tens for the reads (`docs/GPU.md`, "Admission past the host's memory")
+ADMIT_EVERY_PAST_HOST = 8
 HALF_LIFE = 32.0  # forward passes after which a routing count weighs half
 MARGIN = 2.0  # decayed uses a newcomer must have over the expert it replaces (a copy costs ~3 reads)
 MAX_SWAPS = 8  # replacements per layer per admission (filling free slots is not limited)

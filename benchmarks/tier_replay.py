@@ -12,7 +12,7 @@ memory").
 
     python benchmarks/tier_replay.py [--model PATH] [--expert-bytes N|SHAPE] [--tiers 16+8,16+16]
         [--distances 1,2,3] [--tokens 64] [--lag 2] [--live-tables] [--demand-first] [--routed]
-        [--slots recency|admitted [--admit-every 64]] [--floor F] [--json out.json]
+        [--slots recency|admitted [--admit-every 8]] [--floor F] [--json out.json]
 
 `--expert-bytes bundled-real-widths`: an expert's bytes at the shape's widths (the bundled model carried
 to real widths routes as the bundled model does, `od_moe/bench/real_widths.py`). The shadow predictor
@@ -37,7 +37,7 @@ from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.real_shapes import expert_nbytes
 from od_moe.bench.tier_replay import forecasts, next_use_distances, record_decode, replay_rows
-from od_moe.caching.tier_replay import TierClock
+from od_moe.caching.tier_replay import ADMIT_EVERY, TierClock
 from od_moe.storage.model_files import DEFAULT_PREDICTOR
 from od_moe.training.bundled import BUNDLED_TEXT
 from od_moe.training.data import Documents, split_documents
@@ -73,7 +73,9 @@ def main():
     parser.add_argument(
         "--slots", default="recency", help="recency (every use into a slot) or admitted (counts)"
     )
-    parser.add_argument("--admit-every", type=int, default=64, help="passes between admissions (admitted)")
+    parser.add_argument(
+        "--admit-every", type=int, default=ADMIT_EVERY, help="passes between admissions (admitted)"
+    )
     parser.add_argument(
         "--floor",
         type=float,

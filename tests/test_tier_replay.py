@@ -158,7 +158,7 @@ def test_admitted_slots_change_only_at_admissions_recency_slots_at_every_use():
     # 1 until pass 128, so 2 is read in place from its host row meanwhile; recency slots take 2 at once
     routing = _one_layer(*([1] * 64 + [2] * 65))
     clock = TierClock(layer_ms=1, disk_rate=1000, expert_bytes=1)
-    admitted = replay_tiers(routing, 1, 3, clock, warm=64, slots="admitted")
+    admitted = replay_tiers(routing, 1, 3, clock, warm=64, slots="admitted", admit_every=64)
     recency = replay_tiers(routing, 1, 3, clock, warm=64)
     assert (admitted.disk_lanes, admitted.host_lanes, admitted.device_lanes) == (1, 63, 1)
     assert (recency.disk_lanes, recency.host_lanes, recency.device_lanes) == (1, 0, 64)

@@ -43,7 +43,8 @@ from .layer_cache import LFU_HALF_LIFE
 
 EVICTIONS = ("lru", "lfu", "predicted", "next-use")
 SLOTS = ("recency", "admitted")
-ADMIT_EVERY, ADMIT_MARGIN = 64, 2.0  # as `two_tier/settings.py`'s AdmissionSettings (every, margin)
+# as `two_tier/settings.py` admits past the host's memory (ADMIT_EVERY_PAST_HOST; AdmissionSettings' margin)
+ADMIT_EVERY, ADMIT_MARGIN = 8, 2.0
 LFU_DECAY = 0.5 ** (1 / LFU_HALF_LIFE)  # a use count's factor a pass, as the caches decay them
 
 

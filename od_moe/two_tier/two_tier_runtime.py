@@ -533,7 +533,7 @@ class TwoTierRuntime(Runtime):
         the host tier at once, in groups of experts that do (`_expert_groups`), each group's lanes computed
         before the next group's reads take its rows: every expert is read at most once a pass, however many
         positions route to it. A pass of several positions computes on a device copy of the experts it
-        routes to (`_staged`), so that an expert crosses the bus once, not once a lane. Exact: each lane
+        routes to (`_group_pass`), so that an expert crosses the bus once, not once a lane. Exact: each lane
         computed on its expert's bytes as in one call."""
         ids = np.array(indices).astype(np.int64)  # the sync
         self.host_syncs += 1
@@ -600,7 +600,8 @@ class TwoTierRuntime(Runtime):
         outside = outside[np.argsort(last[outside], kind="stable")]  # the latest used last
         held = self.host_tier.in_host(layer)[outside] >= 0
         final, final_held = outside[-H:], held[-H:]
-        kept = final[final_held][-(H // 2) :]
+        held_last = final[final_held]
+        kept = held_last[held_last.size - min(held_last.size, H // 2) :]  # H // 2 may be 0
         final = final[~final_held | np.isin(final, kept)]
         first = ~np.isin(outside, final)
         early = np.concatenate([outside[first & held], outside[first & ~held]])

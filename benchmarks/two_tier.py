@@ -44,8 +44,9 @@ layer its flags are read (0: with the logits only), `threads=N` its reader threa
 of a request of an expert's read (0: one thread an expert, one request a part), `evict=next-use` the
 host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`; on the bundled
 model at real widths `forecast=shadow` and `evict=next-use` use that network carried to its widths,
-`real_widths.pad_predictor`); such a row also gives its disk MB,
-reads waited for and passes run again per decoded token, and its speed over the all-in-host row's (the first
+`real_widths.pad_predictor`); such a row also gives its disk MB (the decode passes' reads; with the
+prompts' in the JSON's `disk_mb_per_token_with_prompts`), reads waited for and passes run again per decoded
+token, and its speed over the all-in-host row's (the first
 two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
 `--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
 reads in flight) in the same run, and each disk row's roofline: max(the all-in-host row's ms a token, the
@@ -235,7 +236,10 @@ def run_row(spec: str, path: Path, stock, tokenizer, reference, args) -> dict:
             demand_only=settings.disk_prefetch == "none" and settings.forecast.kind == "none",
             direct_io=stats["direct_io"],
             direct_io_refused=stats["direct_io_refused"],
-            disk_mb_per_token=disk["bytes_read"] / tokens / 1e6,
+            # the decode passes' reads (decoded tokens' speed is what the disk roofline bounds), and with
+            # the prompts' too
+            disk_mb_per_token=stats["io"]["decode"]["bytes_read"] / tokens / 1e6,
+            disk_mb_per_token_with_prompts=disk["bytes_read"] / tokens / 1e6,
             disk_lanes_per_token=tiers["lanes"]["disk"] / tokens,
             reruns_per_token=disk["reruns"] / tokens,
             wait_ms_per_token=disk["wait_s"] / tokens * 1e3,

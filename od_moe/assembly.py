@@ -152,12 +152,11 @@ def place_experts(
     # on a GPU with memory of its own a predictor alone (no prefetch policy asked) orders three tiers'
     # eviction (`eviction_predictor`): whether it clashes with two tiers waits for where experts live
     alone = device is not None and prefetch is None and predictor is not None
-    mode, why = two_tier_mode(
-        two_tier, expert_nbytes, miss_policy, prefetch, None if alone else predictor, host
-    )
+    predicts = None if alone else predictor  # what two tiers are asked to predict with
+    mode, why = two_tier_mode(two_tier, expert_nbytes, miss_policy, prefetch, predicts, host)
     host_experts = None
     if device is not None:  # a GPU with memory of its own: past the host's, three tiers where they fit
-        clash = clash_with_two_tiers(miss_policy, prefetch, predictor if prefetch is not None else None)
+        clash = clash_with_two_tiers(miss_policy, prefetch, predicts)
         held = host_held(non_expert)
         mode, why, host_experts = three_tiers(
             two_tier,

@@ -95,7 +95,8 @@ def forecasts(
                 continue
             for t, r in enumerate(rows):
                 ids, ranks, confidence = _ranked(scores[r, n].astype(np.float64), per, top_k, j - i)
-                ahead[t][i][j] = ids[confidence >= floor], ranks[confidence >= floor]
+                sure = confidence >= floor
+                ahead[t][i][j] = ids[sure], ranks[sure]
     name = "predictor" if predictor is not None else "next-gate"
     return Forecast(f"{name}@{distance}", ahead)
 

@@ -441,20 +441,23 @@ class ExpertStore:
         if bounce is None:
             raw = np.empty(BOUNCE_BYTES + DIRECT_ALIGN, dtype=np.uint8)
             start = -raw.ctypes.data % DIRECT_ALIGN
-            # numpy's stubs give ndarray the buffer protocol only for Python 3.12+; it has it on all
-            bounce = self._bounce.buffer = memoryview(raw[start : start + BOUNCE_BYTES])  # type: ignore[arg-type]
+            bounce = self._bounce.buffer = raw[start : start + BOUNCE_BYTES]
+        # numpy's stubs give ndarray the buffer protocol only for Python 3.12+; it has it on all
+        whole = memoryview(bounce)  # type: ignore[arg-type]
         end = offset + sum(len(v) for v in views)
         pos = offset - offset % DIRECT_ALIGN
         while pos < end:
             span = min(BOUNCE_BYTES, -(-(end - pos) // DIRECT_ALIGN) * DIRECT_ALIGN)
-            got = os.preadv(fd, [bounce[:span]], pos)
+            got = os.preadv(fd, [whole[:span]], pos)
             lo, hi = max(offset, pos), min(end, pos + max(got, 0))
             if got <= 0 or (got < span and hi < end):
                 raise OSError(f"short read at byte {max(pos, offset)}: the file is truncated or unreadable")
             at = lo - offset
             for view in _after(views, at):  # the bounce's bytes, spread over the views they belong to
                 take = min(len(view), hi - lo)
-                view[:take] = bounce[lo - pos : lo - pos + take]
+                # numpy copies without the GIL (a memoryview's slice copy holds it), so reader threads
+                # copying do not stall MLX's thread as it builds a layer
+                np.frombuffer(view, np.uint8, take)[:] = bounce[lo - pos : lo - pos + take]
                 lo += take
                 if lo == hi:
                     break

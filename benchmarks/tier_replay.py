@@ -12,12 +12,15 @@ memory").
 
     python benchmarks/tier_replay.py [--model PATH] [--expert-bytes N|SHAPE] [--tiers 16+8,16+16]
         [--distances 1,2,3] [--tokens 64] [--lag 2] [--live-tables] [--demand-first] [--routed]
-        [--slots recency|admitted [--admit-every 8]] [--floor F] [--json out.json]
+        [--slots recency|admitted [--admit-every 8] [--half-life 32] [--margin 2]] [--floor F]
+        [--json out.json]
 
 `--expert-bytes bundled-real-widths`: an expert's bytes at the shape's widths (the bundled model carried
 to real widths routes as the bundled model does, `od_moe/bench/real_widths.py`). The shadow predictor
 runs where the model has one (the bundled model's, or `--predictor DIR`). `--floor F`: forecasts read
-ahead only the experts whose top-k x probability is at least F (`ForecastSettings.floor`). Per row: disk
+ahead only the experts whose top-k x probability is at least F (`ForecastSettings.floor`). `--slots
+admitted` admits as the product does past the host's memory (`SlotAdmission`: its cadence, its counts'
+half-life in passes and a newcomer's margin, by default the product's). Per row: disk
 reads a token (demand + ahead) and their MB, host lanes, reads ahead used late, wasted (evicted unused) over
 all reads, passes stopped at a miss, stall (ms waited for reads) and the modelled ms a token, its speed over
 all in host memory and over the disk roofline (max(all in host, the demand row's disk bytes a token / the
@@ -37,7 +40,7 @@ from od_moe.accounting.report import table
 from od_moe.bench.foundation import PROMPTS
 from od_moe.bench.real_shapes import expert_nbytes
 from od_moe.bench.tier_replay import forecasts, next_use_distances, record_decode, replay_rows
-from od_moe.caching.tier_replay import ADMIT_EVERY, TierClock
+from od_moe.caching.tier_replay import SlotAdmission, TierClock
 from od_moe.storage.model_files import DEFAULT_PREDICTOR
 from od_moe.training.bundled import BUNDLED_TEXT
 from od_moe.training.data import Documents, split_documents
@@ -73,8 +76,15 @@ def main():
     parser.add_argument(
         "--slots", default="recency", help="recency (every use into a slot) or admitted (counts)"
     )
+    product = SlotAdmission()
     parser.add_argument(
-        "--admit-every", type=int, default=ADMIT_EVERY, help="passes between admissions (admitted)"
+        "--admit-every", type=int, default=product.every, help="passes between admissions (admitted)"
+    )
+    parser.add_argument(
+        "--half-life", type=float, default=product.half_life, help="passes a count takes to halve (admitted)"
+    )
+    parser.add_argument(
+        "--margin", type=float, default=product.margin, help="a newcomer's count over a holder's (admitted)"
     )
     parser.add_argument(
         "--floor",
@@ -106,7 +116,7 @@ def main():
         demand_first=args.demand_first,
         routed_ahead=args.routed,
         slots=args.slots,
-        admit_every=args.admit_every,
+        admission=SlotAdmission(args.admit_every, args.half_life, args.margin),
     )
     head = next_use_distances(recording, engine.predictor) if engine.predictor is not None else None
     rows = replay_rows(recording.routing, tiers, clock, policies, distances, args.warm, head, **options)
@@ -114,13 +124,14 @@ def main():
     E, L = engine.num_experts, len(recording.routing[0])
     passes = rows[0].figures.passes
     agree, compared = recording.agreement
+    admitted = f" every {args.admit_every} passes (half-life {args.half_life:g}, margin {args.margin:g})"
     title = (
         f"Three tiers replayed: {Path(args.model).name}, {len(texts)} prompts x {args.tokens} greedy tokens, "
         f"{passes} decode passes counted after {args.warm}; {L} MoE layers, {E} experts, top-{k}; an expert "
         f"{bytes_ / 1e6:.2f} MB, disk {args.disk_gbs:g} GB/s, {args.layer_ms:.3f} ms a layer, lag {args.lag}"
         f"{', live tables' if args.live_tables else ''}{', demand first' if args.demand_first else ''}"
         f"{', routed read-ahead' if args.routed else ''}, slots by {args.slots}"
-        f"{f' every {args.admit_every} passes' if args.slots == 'admitted' else ''}"
+        f"{admitted if args.slots == 'admitted' else ''}"
         f"{f', forecasts read from top-k x probability {args.floor:g}' if args.floor else ''}"
         f"; teacher-forced routing equals the decode's at "
         f"{agree}/{compared} layer passes; per decoded token:"

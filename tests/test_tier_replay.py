@@ -7,7 +7,7 @@ import pytest
 
 import od_moe
 from od_moe.bench.tier_replay import forecasts, next_use_distances, record_decode, replay_rows
-from od_moe.caching.tier_replay import Forecast, TierClock, replay_tiers
+from od_moe.caching.tier_replay import Forecast, SlotAdmission, TierClock, replay_tiers
 from od_moe.storage.model_files import DEFAULT_PREDICTOR
 
 
@@ -158,9 +158,28 @@ def test_admitted_slots_change_only_at_admissions_recency_slots_at_every_use():
     # 1 until pass 128, so 2 is read in place from its host row meanwhile; recency slots take 2 at once
     routing = _one_layer(*([1] * 64 + [2] * 65))
     clock = TierClock(layer_ms=1, disk_rate=1000, expert_bytes=1)
-    admitted = replay_tiers(routing, 1, 3, clock, warm=64, slots="admitted", admit_every=64)
+    admitted = replay_tiers(
+        routing, 1, 3, clock, warm=64, slots="admitted", admission=SlotAdmission(every=64)
+    )
     recency = replay_tiers(routing, 1, 3, clock, warm=64)
     assert (admitted.disk_lanes, admitted.host_lanes, admitted.device_lanes) == (1, 63, 1)
     assert (recency.disk_lanes, recency.host_lanes, recency.device_lanes) == (1, 0, 64)
     with pytest.raises(ValueError, match="slots must be"):
         replay_tiers(routing, 1, 3, clock, slots="pinned")
+
+
+def test_admission_half_life_and_margin_decide_when_a_newcomer_takes_the_slot():
+    # expert 1 for 64 passes, then expert 2 for 64, one slot admitted every 8 passes: counts that halve each
+    # pass give 2 the slot at the first admission after it is routed (pass 72); halving every 8 passes, 2
+    # passes 1's count by the margin of 2 after 11 passes (pass 75), so it takes the slot at pass 80; counts
+    # that do not decay keep 1 (64 uses) in the slot throughout
+    routing = _one_layer(*([1] * 64 + [2] * 64))
+    clock = TierClock(layer_ms=1, disk_rate=1000, expert_bytes=1)
+
+    def device_lanes(half_life: float, margin: float) -> int:
+        admission = SlotAdmission(every=8, half_life=half_life, margin=margin)
+        return replay_tiers(routing, 1, 3, clock, warm=64, slots="admitted", admission=admission).device_lanes
+
+    assert device_lanes(1.0, 0.0) == 128 - 72
+    assert device_lanes(8.0, 2.0) == 128 - 80
+    assert device_lanes(1e9, 2.0) == 0

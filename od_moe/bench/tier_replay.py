@@ -149,7 +149,7 @@ def replay_rows(
     """Per (device, host) pair: demand only, the oracle at each distance, and each forecast with host
     eviction by recency and by predicted next use, and where the next-use head's estimates are given
     (`distances_ahead`, passes x layers x experts) by them too, all replayed on `routing` after `warm`
-    passes (`options`: `replay_tiers`' live_tables, demand_first, routed_ahead, slots, admit_every)."""
+    passes (`options`: `replay_tiers`' live_tables, demand_first, routed_ahead, slots, admission)."""
     return [
         row
         for device, host in tiers

@@ -25,8 +25,9 @@ prediction; a read ahead is not issued where only better-ranked predictions coul
 next-use head's estimates (`next-use`: the expert estimated to be routed again last goes first, a live
 prediction's experts last). A row being read, or used by the pass in flight, is not evicted (the product
 frees rows at pass boundaries). Device slots are kept by recency (every routed expert into a slot, the
-slot's victim taking the host row it left) or admitted as the product admits them (`admitted`: every
-`admit_every` passes, the most used by decayed counts, a newcomer by a margin; the two swap tiers).
+slot's victim taking the host row it left) or admitted as the product admits them (`admitted`,
+`SlotAdmission`: every few passes, the most used by decayed counts, a newcomer by a margin; the two
+swap tiers).
 
 Not here: the live tiers, prompts (decode passes only), copies from host to device ahead of need, the
 bus's time (a host lane costs what it cost in the all-in-host token).
@@ -39,13 +40,28 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from ..two_tier.settings import ADMIT_EVERY_PAST_HOST, HALF_LIFE, MARGIN
 from .layer_cache import LFU_HALF_LIFE
 
 EVICTIONS = ("lru", "lfu", "predicted", "next-use")
 SLOTS = ("recency", "admitted")
-# as `two_tier/settings.py` admits past the host's memory (ADMIT_EVERY_PAST_HOST; AdmissionSettings' margin)
-ADMIT_EVERY, ADMIT_MARGIN = 8, 2.0
 LFU_DECAY = 0.5 ** (1 / LFU_HALF_LIFE)  # a use count's factor a pass, as the caches decay them
+
+
+@dataclass(frozen=True)
+class SlotAdmission:
+    """How "admitted" slots are chosen, as the product admits them past the host's memory (`two_tier/
+    settings.py`): every `every` passes, by routing counts that halve every `half_life` passes, a newcomer
+    only where its count exceeds the slot holder's by `margin`."""
+
+    every: int = ADMIT_EVERY_PAST_HOST
+    half_life: float = HALF_LIFE
+    margin: float = MARGIN
+
+    @property
+    def decay(self) -> float:
+        """A count's factor a pass."""
+        return 0.5 ** (1 / self.half_life)
 
 
 @dataclass(frozen=True)
@@ -135,9 +151,18 @@ class _Layer:
     """One MoE layer's device slots (by recency) and host rows (expert -> when it lands, ms)."""
 
     def __init__(
-        self, device: int, host: int, eviction: str, next_use: _NextUse | None, layers: int, admitted: bool
+        self,
+        device: int,
+        host: int,
+        eviction: str,
+        next_use: _NextUse | None,
+        layers: int,
+        admission: SlotAdmission | None,
     ):
-        self.device_slots, self.host_rows, self.layers, self.admitted = device, host, layers, admitted
+        self.device_slots, self.host_rows, self.layers, self.admission = device, host, layers, admission
+        self.admitted = admission is not None
+        # use counts decay as admission's where slots are admitted (`lfu` eviction then counts the same way)
+        self.decay = LFU_DECAY if admission is None else admission.decay
         self.eviction, self.next_use = eviction, next_use
         self.estimate: np.ndarray | None = None  # `next-use`: each expert's estimated next pass here
         self.device: OrderedDict[int, None] = OrderedDict()
@@ -163,7 +188,7 @@ class _Layer:
     def count(self, e: int, t: int) -> float:
         """`e`'s use count here, decayed to pass `t`."""
         count, at = self.uses.get(e, (0.0, t))
-        return count * LFU_DECAY ** (t - at)
+        return count * self.decay ** (t - at)
 
     def victim(self, now: float, index: int) -> int | None:
         """The host row's expert to evict (None: a row is free, or every row is being read or used by the
@@ -196,7 +221,9 @@ class _Layer:
 
     def admit(self, now: float, t: int):
         """Slots admitted by counts: the most used experts in a slot or a landed host row take the slots, a
-        newcomer only where it was used `ADMIT_MARGIN` more than the one it replaces; the two swap tiers."""
+        newcomer only where it was used the admission's margin more than the one it replaces; the two swap
+        tiers."""
+        assert self.admission is not None
         outside = sorted(
             (e for e, landed in self.host.items() if landed <= now), key=lambda e: (-self.count(e, t), e)
         )
@@ -206,17 +233,17 @@ class _Layer:
                 self.device[e] = None
                 continue
             weakest = min(self.device, key=lambda x: (self.count(x, t), x))
-            if self.count(e, t) <= self.count(weakest, t) + ADMIT_MARGIN:
+            if self.count(e, t) <= self.count(weakest, t) + self.admission.margin:
                 break
             del self.device[weakest], self.host[e]
             self.device[e] = None
             self.host[weakest] = now
 
-    def begin_pass(self, now: float, t: int, admit_every: int) -> int:
+    def begin_pass(self, now: float, t: int) -> int:
         """Pass `t` begins: nothing in use, slots admitted where due, rows over the tier's size given up
         (a pass needing more than it holds); how many of those were read ahead and never used."""
         self.busy.clear()
-        if self.admitted and t and t % admit_every == 0:
+        if self.admission is not None and t and t % self.admission.every == 0:
             self.admit(now, t)
         wasted = 0
         while len(self.host) > self.host_rows and (victim := self.victim(now, t * self.layers)) is not None:
@@ -324,7 +351,7 @@ def replay_tiers(
     distances: np.ndarray | None = None,
     routed_ahead: bool = False,
     slots: str = "recency",
-    admit_every: int = ADMIT_EVERY,
+    admission: SlotAdmission = SlotAdmission(),
 ) -> TierFigures:
     """Replay decode passes' routing (`routing[t][layer]`: the routed expert ids) through `device` slots and
     `host` rows a layer, the rest on disk, under a forecast (None: demand only), host `eviction` ("lru",
@@ -339,7 +366,7 @@ def replay_tiers(
     routed to in the `lag` layers past its miss (`disk_prefetch="routed"`; modelled as their true routing,
     where the product's flagged run routed them from inputs that were wrong past the miss). `slots`:
     "recency" (every routed expert into a slot, the least recently used out) or "admitted" (as the
-    product's: every `admit_every` passes by decayed use counts, `_Layer.admit`)."""
+    product's, by `admission`: `_Layer.admit`)."""
     if slots not in SLOTS:
         raise ValueError(f"slots must be one of {SLOTS}, got {slots!r}")
     if eviction not in EVICTIONS:
@@ -356,14 +383,14 @@ def replay_tiers(
             eviction,
             _NextUse(routing, j) if oracle_distance else None,
             layers,
-            slots == "admitted",
+            admission if slots == "admitted" else None,
         )
         for j in range(layers)
     ]
     disk = _Disk(clock.read_ms, tiers, demand_first)
     ranked = eviction != "lru" or bool(oracle_distance)
     replay = _Replay(routing, tiers, disk, clock, forecast, ranked, oracle_distance, distances)
-    return replay.run(warm, live_tables, routed_ahead, admit_every)
+    return replay.run(warm, live_tables, routed_ahead)
 
 
 class _Replay:
@@ -400,7 +427,7 @@ class _Replay:
                 self.disk.ahead(issued, j, e)
                 self.counts["ahead_reads"] += 1
 
-    def run(self, warm: int, live_tables: bool, routed_ahead: bool, admit_every: int) -> TierFigures:
+    def run(self, warm: int, live_tables: bool, routed_ahead: bool) -> TierFigures:
         for t, step in enumerate(self.routing):
             if t == warm:  # counted from here: reads ahead made before are no longer followed
                 self.counts = Counter()
@@ -409,7 +436,7 @@ class _Replay:
                     tier.forget_ahead()
             self.disk.advance(self.now)
             for tier in self.layers:
-                self.counts["ahead_wasted"] += tier.begin_pass(self.now, t, admit_every)
+                self.counts["ahead_wasted"] += tier.begin_pass(self.now, t)
             self.run_pass(t, step, live_tables, routed_ahead)
         times = self.times
         return TierFigures(

@@ -9,6 +9,7 @@ import od_moe
 from od_moe.bench.tier_replay import forecasts, next_use_distances, record_decode, replay_rows
 from od_moe.caching.tier_replay import Forecast, SlotAdmission, TierClock, replay_tiers
 from od_moe.storage.model_files import DEFAULT_PREDICTOR
+from od_moe.two_tier.settings import ADMIT_EVERY_PAST_HOST, AdmissionSettings
 
 
 def _one_layer(*experts):
@@ -183,3 +184,9 @@ def test_admission_half_life_and_margin_decide_when_a_newcomer_takes_the_slot():
     assert device_lanes(1.0, 0.0) == 128 - 72
     assert device_lanes(8.0, 2.0) == 128 - 80
     assert device_lanes(1e9, 2.0) == 0
+
+
+def test_the_replays_admission_is_the_products_past_the_hosts_memory():
+    replayed, product = SlotAdmission(), AdmissionSettings()
+    assert replayed.every == ADMIT_EVERY_PAST_HOST
+    assert (replayed.half_life, replayed.margin) == (product.half_life, product.margin)

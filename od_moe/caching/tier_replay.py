@@ -40,7 +40,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..two_tier.settings import ADMIT_EVERY_PAST_HOST, HALF_LIFE, MARGIN
 from .layer_cache import LFU_HALF_LIFE
 
 EVICTIONS = ("lru", "lfu", "predicted", "next-use")
@@ -54,9 +53,11 @@ class SlotAdmission:
     settings.py`): every `every` passes, by routing counts that halve every `half_life` passes, a newcomer
     only where its count exceeds the slot holder's by `margin`."""
 
-    every: int = ADMIT_EVERY_PAST_HOST
-    half_life: float = HALF_LIFE
-    margin: float = MARGIN
+    # the product's (`ADMIT_EVERY_PAST_HOST`, `HALF_LIFE`, `MARGIN`; caching sits below two_tier, and a test
+    # holds the two equal)
+    every: int = 8
+    half_life: float = 32.0
+    margin: float = 2.0
 
     @property
     def decay(self) -> float:

@@ -10,6 +10,6 @@ lab/three_tiers/gpu/memory.sh q30 32 32
 model=$(python3 -c "from od_moe.bench.real_shapes import default_dest as d; print(d('/tmp/rs', 'qwen3-30b-a3b', None))")
 t=$(date +%s)
 timeout ${PROFILE_LIMIT:-150} python3 lab/three_tiers/prefill_profile.py "$model" tt:0.25:host=32:disk=none \
-    --tokens ${PROFILE_TOKENS:-1024} --top 40 >"$OUT/prefill-profile.txt" 2>&1
+    --tokens ${PROFILE_TOKENS:-1024} --top 40 --stacks 40 >"$OUT/prefill-profile.txt" 2>&1
 echo "prefill profile rc $? $(( $(date +%s) - t )) s" | tee -a "$OUT/log.txt"
 head -60 "$OUT/prefill-profile.txt"

@@ -28,8 +28,9 @@ Rows: `tt:F` two-tier at fraction F; `lru:F` two-tier with its slots kept by the
 `static:F` the same as `tt` with admission frozen after the warm-up (a second engine, from the first's
 snapshot, admission off); `exact:F` the per-layer path (today's default off CUDA). Settings may follow
 (`two_tier/settings.py`'s `TwoTierSettings`, given to `load` as `path_settings`), e.g.
-`tt:0.25:margin=8:admit_every=16` (`AdmissionSettings`' margin, max_swaps, half_life and every, by default
-`ADMIT_EVERY_PAST_HOST` where a row has `host=H`, as `load` admits past the host's memory; `fills=mlx`:
+`tt:0.25:margin=8:admit_every=16` (`AdmissionSettings`' margin, max_swaps, half_life and every, by
+default its `cadence`, as `load` admits: every 8 positions where a row has `host=H`, past the host's
+memory, else 64; `fills=mlx`:
 slots filled by MLX writes after a wait, not by kernels, on CUDA; `stage=P`: its stage_positions). Forecasts
 into device-kept rows (`KeptRowsSettings`, `ForecastSettings`): `ahead=S` rows more a layer (0 with `lru`:
 into its own rows), `forecast=shadow|gate|none`, `distance=D` layers ahead, `per=P` experts predicted a layer
@@ -79,8 +80,6 @@ from od_moe.bench.shards import RECORD
 from od_moe.bench.two_tier_grid import WARM_PROMPT, alternate, load_stock, moved_per_token
 from od_moe.two_tier import kept_rows
 from od_moe.two_tier.settings import (
-    ADMIT_EVERY,
-    ADMIT_EVERY_PAST_HOST,
     BLOCKS,
     DEMAND_BLOCKS,
     DISK_FLOOR,
@@ -124,9 +123,8 @@ def bench_predictor(model: Path | None = None):
 def settings_for(knobs: list[str], model: Path | None = None) -> TwoTierSettings:
     """The two-tier settings a row's knobs ask for (see the module's docstring) on `model`."""
     given = dict(k.split("=") if "=" in k else (k, "1") for k in knobs)
-    cadence = ADMIT_EVERY_PAST_HOST if "host" in given else ADMIT_EVERY  # as `load` admits
     admission = AdmissionSettings(
-        every=int(given.get("admit_every", cadence)),
+        every=int(given["admit_every"]) if "admit_every" in given else None,  # None: as `load` admits
         margin=float(given.get("margin", MARGIN)),
         max_swaps=int(given.get("max_swaps", MAX_SWAPS)),
         half_life=float(given.get("half_life", HALF_LIFE)),

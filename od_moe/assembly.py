@@ -34,7 +34,7 @@ from .per_layer.settings import PerLayerSettings
 from .progress import byte_progress
 from .runtime import Runtime, TwoTierMode
 from .storage.store import ExpertStore
-from .two_tier.settings import ADMIT_EVERY_PAST_HOST, AdmissionSettings, TwoTierSettings
+from .two_tier.settings import TwoTierSettings
 from .two_tier.staged_passes import positions_to_stage
 
 
@@ -336,9 +336,8 @@ def settings_for_path(
 ) -> PerLayerSettings | TwoTierSettings:
     """The settings of the path `mode` runs: `given` (`load`'s `path_settings`) where it is that path's, with
     `load`'s own miss policy and read threads on the per-layer path, and past the host's memory the host
-    tier `place_experts` sized (`host_experts`, where `given` names none), admitting slots every
-    `ADMIT_EVERY_PAST_HOST` positions where `given` sets no other cadence; a UserError where they are the
-    other path's."""
+    tier `place_experts` sized (`host_experts`, where `given` names none; slots are then admitted at
+    `AdmissionSettings.cadence`'s past the host's memory); a UserError where they are the other path's."""
     if given is not None and not isinstance(given, PerLayerSettings | TwoTierSettings):
         raise UserError(
             f"path_settings must be PerLayerSettings or TwoTierSettings, got {type(given).__name__}"
@@ -353,8 +352,6 @@ def settings_for_path(
         settings = given if isinstance(given, TwoTierSettings) else TwoTierSettings()
         if host_experts is not None and settings.host_experts is None:
             settings = replace(settings, host_experts=host_experts)
-            if settings.admission == AdmissionSettings():  # the default cadence: past the host's, its own
-                settings = replace(settings, admission=AdmissionSettings(every=ADMIT_EVERY_PAST_HOST))
         return settings
     return replace(given or PerLayerSettings(), miss_policy=miss_policy, read_threads=read_threads)
 

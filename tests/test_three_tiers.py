@@ -10,7 +10,9 @@ from conftest import NEW_TOKENS, PROMPTS, od_moe_tokens, reference_tokens
 from od_moe.errors import ExpertReadError, UserError
 from od_moe.runtime import TwoTierMode
 from od_moe.two_tier.settings import (
+    ADMIT_EVERY,
     ADMIT_EVERY_PAST_HOST,
+    ADMIT_PASSES,
     DISK_SPAN,
     FLAGGED_RUNS,
     AdmissionSettings,
@@ -292,11 +294,23 @@ def test_past_the_hosts_memory_auto_sizes_a_host_tier():
     assert plan(False, expert * 32 * layers) == (OFF, "why", None)
     settings = assembly.settings_for_path(ON, None, "load", 4, host_experts=32)
     assert isinstance(settings, TwoTierSettings) and settings.host_experts == 32
-    assert settings.admission.every == ADMIT_EVERY_PAST_HOST < AdmissionSettings().every  # admitted oftener
-    given = TwoTierSettings(host_experts=16)  # the caller's own host tier and cadence stand
-    chosen = assembly.settings_for_path(ON, given, "load", 4, host_experts=32)
-    assert chosen.host_experts == 16 and chosen.admission == AdmissionSettings()
-    assert assembly.settings_for_path(ON, None, "load", 4).admission == AdmissionSettings()  # all in host
+    given = TwoTierSettings(host_experts=16)  # the caller's own host tier stands
+    assert assembly.settings_for_path(ON, given, "load", 4, host_experts=32).host_experts == 16
+
+
+def test_slots_are_admitted_oftener_past_the_hosts_memory_unless_the_caller_says():
+    assert AdmissionSettings().cadence(past_host_memory=True) == ADMIT_EVERY_PAST_HOST
+    assert AdmissionSettings().cadence(past_host_memory=False) == ADMIT_EVERY > ADMIT_EVERY_PAST_HOST
+    assert AdmissionSettings(every=64).cadence(past_host_memory=True) == 64
+    # the running engines': 24 tokens past the host's memory admit every 8 passes (at least `ADMIT_PASSES`
+    # apart), and with every expert in host memory only the prompt's routing is admitted (at its first
+    # decoded token), the next due 64 positions on
+    last = {}
+    for host_experts in (16, None):
+        engine = three_tiers(16) if host_experts else od_moe.load(capacity=0.25, two_tier=True)
+        list(engine.stream_generate("def f(x):", max_tokens=24))
+        last[host_experts] = engine.runtime._admitted_at  # the pass of the last admission
+    assert last[16] >= 3 * ADMIT_PASSES and last[None] < ADMIT_PASSES
 
 
 def test_inspect_says_each_tiers_experts():

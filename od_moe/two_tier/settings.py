@@ -54,13 +54,20 @@ class AdmissionSettings:
     are copied in. Off where the device keeps the slots (`TwoTierSettings.kept_by_device`)."""
 
     enabled: bool = True  # fill slots between passes (off: they stay as loaded, seeded or restored)
-    every: int = ADMIT_EVERY  # positions between admissions
+    every: int | None = None  # positions between admissions; None: the tiers' own (`cadence`)
     half_life: float = HALF_LIFE
     margin: float = MARGIN
     max_swaps: int = MAX_SWAPS
     # fills as CUDA kernels with no wait (`slot_fill.py`); False: MLX writes after a wait; None: where MLX
     # runs on CUDA (elsewhere True needs a stand-in for the kernel, as the tests give)
     by_kernel: bool | None = None
+
+    def cadence(self, past_host_memory: bool) -> int:
+        """Positions between admissions: `every` where given, else `ADMIT_EVERY_PAST_HOST` past the host's
+        memory (a bounded host tier, the rest on disk) and `ADMIT_EVERY` where the host holds every expert."""
+        if self.every is not None:
+            return self.every
+        return ADMIT_EVERY_PAST_HOST if past_host_memory else ADMIT_EVERY
 
 
 @dataclass(frozen=True)

@@ -648,7 +648,7 @@ class TwoTierRuntime(Runtime):
         self.clock += 1
         self.ledger.count_forward(self.phase, tokens)
         self._since_admission += tokens  # positions, and passes in `clock`
-        every = self.settings.admission.every
+        every = self.settings.admission.cadence(past_host_memory=self.host_tier is not None)
         due = self._since_admission >= every and self.clock - self._admitted_at >= ADMIT_PASSES
         if self.admissions and due:
             # passes LAG back are done in a pipelined loop (mlx-lm waits for each token two passes on)

@@ -113,7 +113,9 @@ def expert_slots(
 @dataclass(frozen=True)
 class Placement:
     """Where a model's experts live: the path (`mode`) and why, slots per MoE layer, the line saying how a
-    device budget chose them (None where it did not), and the non-expert bytes beside them."""
+    device budget chose them (None where it did not), the non-expert bytes beside them, and past the host's
+    memory the host tier's experts a layer and whether the predictor given orders its eviction (given with
+    no prefetch policy: `eviction_predictor` decides whether it does)."""
 
     mode: TwoTierMode
     why: str
@@ -123,6 +125,7 @@ class Placement:
     host_experts: int | None = (
         None  # past the host's memory: experts a layer in the host tier (`three_tiers`)
     )
+    predictor_evicts: bool = False
 
 
 def place_experts(
@@ -179,7 +182,8 @@ def place_experts(
         mode, why = auto_tiers(two_tier, mode, why, slot_nbytes, slots / num_experts)
     if device is not None:
         backend.limit_device_memory(device[0][0] - DEVICE_LIBRARY_NBYTES)
-    return Placement(mode, why, slots, choice, non_expert, host_experts)
+    evicts = alone and host_experts is not None
+    return Placement(mode, why, slots, choice, non_expert, host_experts, evicts)
 
 
 def host_held(non_expert: int) -> int:

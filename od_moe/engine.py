@@ -447,7 +447,7 @@ def load(
     threads = read_threads_of(read_threads, caches)
     settings = settings_for_path(place.mode, path_settings, miss_policy, threads, place.host_experts)
     why = place.why
-    if place.host_experts is not None and predictor is not None and prefetch is None:
+    if place.predictor_evicts and place.host_experts is not None:
         # three tiers run no prefetch policy: the predictor may order the host tier's eviction instead
         resident = (place.slots + place.host_experts) / blocks[0].num_experts
         chosen, said = eviction_predictor(predictor, identity, resident)

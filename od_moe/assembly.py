@@ -420,7 +420,10 @@ def attach_predictor(engine, predictor):
     return predictor
 
 
-def cache_for(block: MoEBlock, index: int, store: ExpertStore, slots: int, eviction: str) -> LayerCache:
-    """The resident cache of MoE block `block` (the `index`-th), `slots` experts large."""
+def cache_for(
+    block: MoEBlock, index: int, store: ExpertStore, slots: int, eviction: str, own_rows: bool = True
+) -> LayerCache:
+    """The resident cache of MoE block `block` (the `index`-th), `slots` experts large (`own_rows`: its arrays
+    hold them; False where two tiers hold them in their stacks, `LayerCache`)."""
     layout = store.block_layout(block.path, block.expert_parts(), block.num_experts)
-    return LayerCache(index, block.projections, layout, slots, eviction)
+    return LayerCache(index, block.projections, layout, slots, eviction, own_rows)

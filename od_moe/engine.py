@@ -443,13 +443,14 @@ def load(
     device = device_plan(device_memory, context_tokens, sequences, max_positions(path))
     asked = dict(two_tier=two_tier, capacity=capacity, memory_budget=memory_budget, miss_policy=miss_policy)
     place = place_experts(mlx_model, blocks, device, kv, prefetch=prefetch, predictor=predictor, **asked)
-    caches = [cache_for(block, i, store, place.slots, eviction) for i, block in enumerate(blocks)]
+    own_rows = not place.mode.tiered  # two tiers hold the slots in their stacks' last rows
+    caches = [cache_for(block, i, store, place.slots, eviction, own_rows) for i, block in enumerate(blocks)]
     threads = read_threads_of(read_threads, caches)
     settings = settings_for_path(place.mode, path_settings, miss_policy, threads, place.host_experts)
     why = place.why
     if place.predictor_evicts and place.host_experts is not None:
         # three tiers run no prefetch policy: the predictor may order the host tier's eviction instead
-        resident = (place.slots + place.host_experts) / blocks[0].num_experts
+        resident = (place.slots + place.host_experts) / caches[0].num_experts
         chosen, said = eviction_predictor(predictor, identity, resident)
         why = f"{why}; {said}"
         if chosen is not None and isinstance(settings, TwoTierSettings) and settings.host_next_use is None:

@@ -93,6 +93,25 @@ def test_the_stacks_are_made_under_a_memory_limit_raised_for_them(monkeypatch):
         mx.set_memory_limit(kept)
 
 
+def test_a_two_tier_load_makes_the_slots_once(monkeypatch):
+    """Two tiers hold the slots in their stacks' last rows: the caches made before the stacks make no slot
+    rows of their own (made, they held the slots' bytes a second time until the load gave them back: the
+    load's peak, past a host budget on the unified memory of a Mac or this CPU)."""
+    from od_moe.two_tier import mapped
+
+    seen, make = [], mapped._host_stacks
+    monkeypatch.setattr(
+        mapped, "_host_stacks", lambda layers: (seen.append(mx.get_active_memory()), make(layers))[1]
+    )
+    engine = od_moe.load(capacity=0.25, two_tier=True)
+    slots = sum(cache.slot_nbytes * cache.capacity for cache in engine.caches)
+    assert len(seen) == 1 and seen[0] < slots  # MLX's memory as the stacks are made: no slot rows yet
+    engine.close()
+    per_layer = od_moe.load(capacity=0.25, two_tier=False)  # the per-layer path's slots are the caches'
+    assert all(c.stacked_arrays()["gate_proj.weight"].shape[0] == c.capacity for c in per_layer.caches)
+    per_layer.close()
+
+
 def test_a_load_that_fails_reading_the_stacks_takes_back_what_it_advised(monkeypatch):
     """A read that fails half-way through the stacks (the disk, a file changed) fails the load, and the
     layers already advised for the device are taken back: MLX's limit is not left raised by arrays nobody

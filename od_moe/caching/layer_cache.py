@@ -51,7 +51,11 @@ class LayerCache:
         layout: BlockLayout,
         capacity: int,
         eviction: str = "lru",
+        own_rows: bool = True,
     ):
+        """`own_rows`: the slots' arrays hold their `capacity` rows; False where another runtime holds the
+        slots' bytes (two tiers: its stacks' last rows), so that the cache's arrays are made empty and a load
+        never holds both (the slots' bytes twice over at its peak)."""
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}")
         self.layer = layer
@@ -59,7 +63,7 @@ class LayerCache:
         self.num_experts = E = layout.num_experts
         self.capacity = C = capacity
         self.eviction = eviction
-        self.arrays = SlotArrays(layer, projections, layout, C)
+        self.arrays = SlotArrays(layer, projections, layout, C if own_rows else 0)
         self.projections, self.targets = projections, self.arrays.targets
         self.slot_of = np.full(E, -1, dtype=np.int64)
         self.expert_in_slot = np.full(C, -1, dtype=np.int64)

@@ -33,8 +33,10 @@ def available() -> bool:
 def write_after_wait(stacks: list[dict], moves: list[tuple[int, np.ndarray, np.ndarray]]):
     """For each (layer, source rows, slot rows) of `moves`: copy the source rows (experts' host rows) of
     that layer's stack into its slot rows, with MLX writes made once no pass in flight holds a stack (so
-    MLX writes each in place)."""
-    copies = []
+    MLX writes each in place). A layer at a time, every source of the layer gathered before it writes (a
+    move may swap two of its rows): every layer's copies gathered at once held all the rows a fill moves
+    beside the stacks (on a Mac, memory beyond the budget)."""
+    mx.synchronize()
     for layer, sources, targets in moves:
         source: int | mx.array
         to: int | mx.array
@@ -42,12 +44,11 @@ def write_after_wait(stacks: list[dict], moves: list[tuple[int, np.ndarray, np.n
             source, to = int(sources[0]), int(targets[0])
         else:
             source, to = mx.array(sources.astype(np.int32)), mx.array(targets.astype(np.int32))
-        copies += [(rows, to, rows[source]) for rows in stacks[layer].values()]
-    mx.eval([copied for *_, copied in copies])
-    mx.synchronize()
-    for rows, to, copied in copies:
-        rows[to] = copied
-    mx.eval([rows for rows, *_ in copies])
+        copies = [(rows, rows[source]) for rows in stacks[layer].values()]
+        mx.eval([copied for _, copied in copies])
+        for rows, copied in copies:
+            rows[to] = copied
+        mx.eval([rows for rows, _ in copies])
 
 
 class KernelFills:

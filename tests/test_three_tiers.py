@@ -307,9 +307,10 @@ def test_slots_are_admitted_oftener_past_the_hosts_memory_unless_the_caller_says
     # decoded token), the next due 64 positions on
     last = {}
     for host_experts in (16, None):
-        engine = three_tiers(16) if host_experts else od_moe.load(capacity=0.25, two_tier=True)
+        engine = three_tiers(host_experts) if host_experts else od_moe.load(capacity=0.25, two_tier=True)
         list(engine.stream_generate("def f(x):", max_tokens=24))
         last[host_experts] = engine.runtime._admitted_at  # the pass of the last admission
+        engine.close()
     assert last[16] >= 3 * ADMIT_PASSES and last[None] < ADMIT_PASSES
 
 

@@ -161,7 +161,6 @@ class _Layer:
         admission: SlotAdmission | None,
     ):
         self.device_slots, self.host_rows, self.layers, self.admission = device, host, layers, admission
-        self.admitted = admission is not None
         # use counts decay as admission's where slots are admitted (`lfu` eviction then counts the same way)
         self.decay = LFU_DECAY if admission is None else admission.decay
         self.eviction, self.next_use = eviction, next_use
@@ -209,7 +208,7 @@ class _Layer:
             if e in self.device:
                 self.device.move_to_end(e)
                 continue
-            if not self.device_slots or self.admitted:
+            if not self.device_slots or self.admission is not None:
                 continue
             del self.host[e]
             self.device[e] = None

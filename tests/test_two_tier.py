@@ -310,7 +310,8 @@ def test_a_pass_never_waits_for_the_device(monkeypatch):
     # a decode pass's counts are computed with its token (`DeviceTally.tie`): the prompt's alone are
     # evaluated on their own, when the first decode pass starts
     assert launches == [prompt_clock]
-    assert [name for name, _ in calls].count("synchronize") == len(fills)
+    # each fill waits (once per layer it writes, so that no kernel holds the stack it writes), none else
+    assert {clock for name, clock in calls if name == "synchronize"} == set(fills)
     assert runtime.stack_moves == 0
     assert len(ages) >= 2 and min(ages) >= two_tier.LAG
     assert out == reference_tokens(od_moe.DEFAULT_MODEL, PROMPTS[1:2], 25)[0][:24]

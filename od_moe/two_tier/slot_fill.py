@@ -36,7 +36,6 @@ def write_after_wait(stacks: list[dict], moves: list[tuple[int, np.ndarray, np.n
     MLX writes each in place). A layer at a time, every source of the layer gathered before it writes (a
     move may swap two of its rows): every layer's copies gathered at once held all the rows a fill moves
     beside the stacks (on a Mac, memory beyond the budget)."""
-    mx.synchronize()
     for layer, sources, targets in moves:
         source: int | mx.array
         to: int | mx.array
@@ -46,6 +45,9 @@ def write_after_wait(stacks: list[dict], moves: list[tuple[int, np.ndarray, np.n
             source, to = mx.array(sources.astype(np.int32)), mx.array(targets.astype(np.int32))
         copies = [(rows, rows[source]) for rows in stacks[layer].values()]
         mx.eval([copied for _, copied in copies])
+        # every kernel that read the stack done and let go of it, the gathers' too: on CUDA a stack still
+        # held is copied, not written in place (docs/GPU.md, "Runs again from the first miss")
+        mx.synchronize()
         for rows, copied in copies:
             rows[to] = copied
         mx.eval([rows for rows, _ in copies])

@@ -40,14 +40,16 @@ a layer in the host tier, the rest read from disk (`--direct-io` on: past the pa
 what a pass that met an expert on disk reads ahead before it runs again (`disk_passes.py`),
 `rerun=flagged|exact` how it runs again, `forecast=shadow|gate` with `distance=D`: the layers that wait for
 their routing read the forecast's experts of the layer D on from disk ahead (`floor=F`: those whose top-k x
-probability reaches F, `ForecastSettings.floor`), `lag=L` how many layers after a
-layer its flags are read (0: with the logits only), `threads=N` its reader threads, `span=B` the most bytes
-of a request of an expert's read (0: one thread an expert, one request a part), `evict=next-use` the
-host tier evicts by the bundled shadow network's next-use head (`two_tier/host_eviction.py`; on the bundled
-model at real widths `forecast=shadow` and `evict=next-use` use that network carried to its widths,
-`real_widths.pad_predictor`); such a row also gives its disk MB (the decode passes' reads; with the
-prompts' in the JSON's `disk_mb_per_token_with_prompts`), reads waited for and passes run again per decoded
-token, and its speed over the all-in-host row's (the first
+probability reaches F, `ForecastSettings.floor`), `lag=L` how many layers after a layer its flags are read
+(0: with the logits only), `stop=0` a flagged pass runs on past its first miss, reading each missing layer's
+experts as found (`TwoTierSettings.flag_stop`), `head=N` its first N MoE layers learn their routing first
+(`TwoTierSettings.exact_layers`), `threads=N` its reader threads, `span=B` the most bytes of a request of an
+expert's read (0: one thread an expert, one request a part), `evict=next-use` the host tier evicts by the
+bundled shadow network's next-use head (`two_tier/host_eviction.py`; on the bundled model at real widths
+`forecast=shadow` and `evict=next-use` use that network carried to its widths, `real_widths.pad_predictor`);
+such a row also gives its disk MB (the decode passes' reads; with the prompts' in the JSON's
+`disk_mb_per_token_with_prompts`), reads waited for and passes run again per decoded token, and its speed
+over the all-in-host row's (the first
 two-tier row without `host=`, e.g. `tt:0.25`, the same slots).
 `--disk-probe S`: the disk's rate (`od_moe.bench.roofline.disk_rate`, O_DIRECT, S seconds at each of 1-16
 reads in flight) in the same run, and each disk row's roofline: max(the all-in-host row's ms a token, the
@@ -158,6 +160,8 @@ def settings_for(knobs: list[str], model: Path | None = None) -> TwoTierSettings
         disk_span=int(given.get("span", DISK_SPAN)),
         disk_rerun=given.get("rerun", TwoTierSettings.disk_rerun),
         flag_lag=int(given.get("lag", TwoTierSettings.flag_lag)),
+        flag_stop=bool(int(given.get("stop", int(TwoTierSettings.flag_stop)))),
+        exact_layers=int(given.get("head", TwoTierSettings.exact_layers)),
         host_next_use=bench_predictor(model) if given.get("evict") == "next-use" else None,
     )
     return TwoTierSettings(

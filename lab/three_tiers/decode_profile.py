@@ -24,7 +24,9 @@ from od_moe.bench.foundation import PROMPTS
 def profile_row(model: str, row: str, bench: dict, tokens: int, top: int, direct_io: bool):
     kind, fraction, *knobs = row.split(":")
     settings = bench["settings_for"](knobs, Path(model))
-    engine = od_moe.load(model, capacity=float(fraction), two_tier=True, path_settings=settings, direct_io=direct_io)
+    engine = od_moe.load(
+        model, capacity=float(fraction), two_tier=True, path_settings=settings, direct_io=direct_io
+    )
     print(f"== {row}: {engine.mode}", flush=True)
     list(engine.stream_generate(PROMPTS[0], max_tokens=8))  # kernels, the first reads
     engine.reset_stats()
@@ -35,7 +37,7 @@ def profile_row(model: str, row: str, bench: dict, tokens: int, top: int, direct
     profile.enable()
     for prompt in PROMPTS:
         last = None
-        for out in engine.stream_generate(prompt, max_tokens=tokens):
+        for _ in engine.stream_generate(prompt, max_tokens=tokens):
             now = time.perf_counter()
             if last is not None:  # decode tokens only: the first comes with the prompt
                 gaps.append(1000 * (now - last))
@@ -43,8 +45,10 @@ def profile_row(model: str, row: str, bench: dict, tokens: int, top: int, direct
     profile.disable()
     wall = time.perf_counter() - start
     ms = np.array(gaps)
-    print(f"{len(ms)} decode tokens, {wall:.2f} s in all; ms a token mean {ms.mean():.2f}, deciles "
-          + " ".join(f"{v:.1f}" for v in np.percentile(ms, np.arange(0, 101, 10))))
+    print(
+        f"{len(ms)} decode tokens, {wall:.2f} s in all; ms a token mean {ms.mean():.2f}, deciles "
+        + " ".join(f"{v:.1f}" for v in np.percentile(ms, np.arange(0, 101, 10)))
+    )
     stats = engine.stats()
     print("host syncs a decode token:", round((engine.runtime.host_syncs - syncs) / max(len(ms), 1), 2))
     print("tiers:", json.dumps(stats.get("tiers", {}), default=str)[:1500])

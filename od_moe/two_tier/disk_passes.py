@@ -11,9 +11,13 @@ calls the model, through the runtime's methods (`TwoTierRuntime`, "past the host
    anyway). None: the pass stands.
 3. Else (`Missed`) the experts its first missing layer routed to are read (its inputs were right, so its
    routing is known), and with `disk_prefetch` "routed" those it routed to past that layer (a forecast:
-   their inputs were wrong), all at once on the reader threads. Its KV caches are trimmed and it runs
-   again (`resume`): the layers before the first that missed as they ran (same inputs, so the same routing
-   and rows); from that layer on, with `disk_rerun` "flagged", flagged again once the reads landed (a layer
+   their inputs were wrong), all at once on the reader threads; with `flag_stop` off the pass ran on to its
+   end and started each layer's reads as its count was read (`TwoTierRuntime._watch_flags`). Its KV caches
+   are trimmed from the first missing layer's decoder layer on and it runs again (`resume`): the decoder
+   layers before that one give the outputs they gave (recorded: the same inputs, so the same routing and
+   rows), or, where the model's caches or layers are not mlx-lm's plain ones (a mask or offset made from a
+   cache the skipped layers would leave one position on), every cache is trimmed and those layers compute
+   again; from that layer on, with `disk_rerun` "flagged", flagged again once the reads landed (a layer
    whose routing changed may miss again: it runs again from there, the `FLAGGED_RUNS`th time exactly), or
    with "exact" each layer learning its routing (a host sync) and reading what is on disk before it
    computes, finding the reads ahead landed or in flight.
@@ -22,10 +26,13 @@ layer. The tokens are stock mlx-lm's in every case: no lane computes on a wrong 
 Not here: the tiers and the reads (`host_tier.py`), the layer passes (`two_tier_runtime.py`).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .settings import FLAGGED_RUNS
 
@@ -49,11 +56,15 @@ class Missed:
 
 class DiskPasses:
     """The model as mlx-lm's generation loop calls it (`model(inputs, cache=...)`), its decode passes flagged
-    and run again where they met an expert on disk; every other attribute is the model's."""
+    and run again where they met an expert on disk; every other attribute is the model's. `decoder_of`: per
+    MoE layer, the index of its decoder layer in `model.layers` (and in the KV caches)."""
 
-    def __init__(self, model, runtime, prefetch: str = "routed", rerun: str = "flagged"):
+    def __init__(
+        self, model, runtime, decoder_of: list[int], prefetch: str = "routed", rerun: str = "flagged"
+    ):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "runtime", runtime)
+        object.__setattr__(self, "decoder_of", decoder_of)
         object.__setattr__(self, "prefetch", prefetch)
         object.__setattr__(self, "rerun", rerun)
 
@@ -67,26 +78,45 @@ class DiskPasses:
         offsets = [getattr(c, "offset", None) for c in cache]
         # a run may stop early where each cache says how far it was written (a batch's caches do not)
         runtime.begin_flagged_pass(stop_early=all(isinstance(o, int) for o in offsets))
+        layers = self._skippable(cache)
+        outputs: dict[int, object] = {}  # decoder layer -> its output in this pass, as last run
         try:
-            missed, runs = self._run(inputs, cache, kwargs), 1
+            missed, runs = self._run(inputs, cache, kwargs, layers, outputs, 0), 1
             while not isinstance(missed, mx.array):
                 exact = self.rerun == "exact" or runs >= FLAGGED_RUNS
                 self._read_ahead(missed)
                 if not exact:  # the run's tables hold what landed before it
                     runtime.wait_for_reads()
-                _trim(cache, offsets, tokens)
-                runtime.resume(missed.first, exact)
-                missed, runs = self._run(inputs, cache, kwargs), runs + 1
+                start = self.decoder_of[missed.first] if layers is not None else 0
+                _trim(cache, offsets, tokens, start)
+                runtime.resume(missed.first, exact, skipped=start > 0)
+                missed, runs = self._run(inputs, cache, kwargs, layers, outputs, start), runs + 1
         except BaseException:
             runtime.cancel_flagged_pass()
             raise
         return missed
 
-    def _run(self, inputs: mx.array, cache, kwargs) -> "mx.array | Missed":
-        """A flagged run of the model: its logits where it stands, else what it missed (where it stopped
-        early, or where its flags said so with the logits)."""
+    def _skippable(self, cache) -> list | None:
+        """The model's decoder layers where a pass run again may skip those before its first miss: each an
+        mlx-lm layer (not a pipeline's stand-in) with a plain KV cache, whose mask for one position is made
+        from no offset; else None (every cache trimmed, every layer run again)."""
+        layers = _layer_list(self.model)
+        if layers is None or len(layers) != len(cache):
+            return None
+        plain = all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
+        own = all(type(layer).__module__.startswith("mlx_lm.") for layer in layers)
+        return layers if plain and own else None
+
+    def _run(self, inputs: mx.array, cache, kwargs, layers, outputs: dict, start: int) -> "mx.array | Missed":
+        """A flagged run of the model from decoder layer `start` (those before it give their `outputs`): its
+        logits where it stands, else what it missed (where it stopped early, or where its flags said so
+        with the logits)."""
         try:
-            logits = self.model(inputs, cache=cache, **kwargs)
+            if layers is None:
+                logits = self.model(inputs, cache=cache, **kwargs)
+            else:
+                with _recorded(layers, outputs, start):
+                    logits = self.model(inputs, cache=cache, **kwargs)
         except StoppedAt as stopped:
             return self.runtime.stopped_pass(stopped.layer)
         missed = self.runtime.first_missing_layer(logits)
@@ -102,11 +132,73 @@ class DiskPasses:
                 self.runtime.fetch_ahead(layer, missed.routed[layer])
 
 
-def _trim(cache, offsets: list, tokens: int):
-    """Take back what a run wrote into the KV caches: back to `offsets` (a run that stopped early wrote
-    only the layers it reached), or `tokens` from each where a cache's offset is not a count (a batch's
-    runs do not stop early)."""
-    for c, offset in zip(cache, offsets):
+class _Recorded:
+    """A decoder layer in a flagged run: computed, its output kept (`outputs[index]`)."""
+
+    def __init__(self, layer, outputs: dict, index: int):
+        self.layer, self.outputs, self.index = layer, outputs, index
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        self.outputs[self.index] = out
+        return out
+
+
+class _Skipped:
+    """A decoder layer before a run's first miss, in the run again: the output it gave, its cache as is."""
+
+    def __init__(self, layer, output):
+        self.layer, self.output = layer, output
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.output
+
+
+def _layer_list(model) -> list | None:
+    """The list that holds `model.layers` (mlx-lm's models give a copy of it, e.g. `pipeline_layers`): the
+    list among the model's modules whose items are those layers."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, list) or not layers:
+        return None
+    found, todo = None, [model]
+    while todo and found is None:
+        module = todo.pop()
+        for value in module.values() if isinstance(module, dict) else ():
+            if isinstance(value, list) and len(value) == len(layers):
+                if all(a is b for a, b in zip(value, layers)):
+                    found = value
+                    break
+            elif isinstance(value, dict):  # a module (mlx's modules are dicts) or a dict of them
+                todo.append(value)
+    return found
+
+
+@contextmanager
+def _recorded(layers: list, outputs: dict, start: int) -> Iterator[None]:
+    """For one run of the model, its decoder `layers` before `start` give their recorded `outputs`, those
+    from `start` on are computed and recorded; the model's own layers are back afterwards."""
+    own = list(layers)
+    layers[:] = [
+        _Skipped(layer, outputs[i]) if i < start else _Recorded(layer, outputs, i)
+        for i, layer in enumerate(own)
+    ]
+    try:
+        yield
+    finally:
+        layers[:] = own
+
+
+def _trim(cache, offsets: list, tokens: int, start: int = 0):
+    """Take back what a run wrote into the KV caches from decoder layer `start` on: back to `offsets` (a run
+    that stopped early wrote only the layers it reached), or `tokens` from each where a cache's offset is
+    not a count (a batch's runs do not stop early)."""
+    for c, offset in list(zip(cache, offsets))[start:]:
         written = c.offset - offset if isinstance(offset, int) else tokens
         if written:
             c.trim(written)

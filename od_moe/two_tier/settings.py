@@ -144,3 +144,11 @@ class TwoTierSettings:
     # a flagged pass reads each layer's count of absent lanes this many layers after it, stopping there
     # where it is not 0 (the rest of the pass would be computed wrong); 0: counts read with the logits only
     flag_lag: int = 2
+    # a flagged pass stops at the first layer whose count shows absent lanes (read `flag_lag` layers on);
+    # False: it runs to its end, each such layer's experts on disk read from then on (the first's known,
+    # later ones a forecast: their inputs were wrong), so the run again finds them landed or in flight
+    flag_stop: bool = True
+    # a flagged decode pass's first this many MoE layers learn their routing (a host sync each) and read what
+    # is on disk before they compute, as a pass run again exactly does: a miss there would run the whole
+    # pass again, and a model's first layers, routed from little more than the token, miss the most
+    exact_layers: int = 0

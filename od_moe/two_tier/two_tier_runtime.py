@@ -31,6 +31,7 @@ prefetch (`per_layer/per_layer_runtime.py`).
 
 import collections
 import functools
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -166,6 +167,7 @@ class TwoTierRuntime(Runtime):
         self._exact_from: int | None = 0
         self._flagged = self._resumed = False
         self._stop_early = True  # a flagged pass stops at its first miss (`begin_flagged_pass`)
+        self._found: int | None = None  # a flagged run that runs on: the first layer it found absent lanes
         self._resume_from = 0  # a pass run again: its first layer not run as before
         self._missing: dict[int, mx.array] = {}
         self._watched: collections.deque = collections.deque()  # a flagged pass's layers not yet read
@@ -258,7 +260,9 @@ class TwoTierRuntime(Runtime):
         past it, decode passes flagged and run again where they met an expert on disk (`disk_passes.py`)."""
         if self.host_tier is None:
             return model
-        return disk_passes.DiskPasses(model, self, self.settings.disk_prefetch, self.settings.disk_rerun)
+        decoder_of = [_decoder_index(c.layout.module_path) for c in self.caches]
+        settings = self.settings
+        return disk_passes.DiskPasses(model, self, decoder_of, settings.disk_prefetch, settings.disk_rerun)
 
     def read_ahead(self):
         """None: two tiers read nothing ahead (every expert is in host memory)."""
@@ -301,7 +305,9 @@ class TwoTierRuntime(Runtime):
                 kept.expect(target, scores)
         # 3. where each routed expert is read this pass: its row in the table (host tier, device slot, or
         # a device-kept row after the layer's own copies), each lane finding its row (`Lanes`)
-        exact = self.host_tier is not None and self._exact_from is not None and layer >= self._exact_from
+        exact = self.host_tier is not None and (
+            layer >= self._exact_from if self._exact_from is not None else layer < self.settings.exact_layers
+        )
         rerun = self._resumed and layer < self._resume_from  # as it ran before: its inputs are made
         if self.next_use is not None and self.phase == "decode" and positions == 1 and not rerun:
             self.next_use.inputs(layer, x)
@@ -334,7 +340,8 @@ class TwoTierRuntime(Runtime):
             self._union[layer] = found["staged"]
         if "rows" in found and kept is not None:
             kept.keep(layer, found["rows"])
-        if "missing" in found and self._flagged and self._stop_early and self.settings.flag_lag:
+        watch = self._stop_early or not self.settings.flag_stop
+        if "missing" in found and self._flagged and watch and self.settings.flag_lag:
             self._watch_flags(layer, y, found["missing"])
         # 6. at the last layer the pass ends, its counts tied to its output
         if layer == len(self.caches) - 1:
@@ -381,6 +388,7 @@ class TwoTierRuntime(Runtime):
         layer's count read `flag_lag` layers on, the pass stopping at the first not 0 (and its runs again)."""
         self._exact_from, self._flagged = None, True
         self._stop_early = stop_early
+        self._found = None
 
     def cancel_flagged_pass(self):
         """The flagged pass did not finish (it raised): passes run exactly again."""
@@ -429,16 +437,33 @@ class TwoTierRuntime(Runtime):
     def _watch_flags(self, layer: int, y: mx.array, missing: mx.array):
         """A flagged pass's layer is computed as it is built; `flag_lag` layers on, its count of absent
         lanes is read (the device has that many layers queued meanwhile), and where it is not 0 the pass
-        stops there (`disk_passes.StoppedAt`): what it would compute past it is wrong."""
+        stops there (`disk_passes.StoppedAt`): what it would compute past it is wrong. With `flag_stop` off
+        the pass runs on and that layer's experts on disk are read from then on (`_read_found`)."""
         mx.async_eval(y, missing)
         self._watched.append((layer, y, missing))
         if len(self._watched) <= self.settings.flag_lag:
             return
         watched, _, count = self._watched.popleft()
-        if count.item() > 0:
-            mx.eval(y)  # every layer queued computed: the reads that follow may take their rows
-            self._watched.clear()
-            raise disk_passes.StoppedAt(watched)
+        if count.item() == 0:
+            return
+        if not (self._stop_early and self.settings.flag_stop):
+            self._read_found(watched)
+            return
+        mx.eval(y)  # every layer queued computed: the reads that follow may take their rows
+        self._watched.clear()
+        raise disk_passes.StoppedAt(watched)
+
+    def _read_found(self, layer: int):
+        """A flagged pass that runs on found lanes of `layer` absent: the experts it routed to there that are
+        on disk are read now, while the device computes the layers after it. Their rows may be taken from
+        experts this pass's later layers read in place; that is safe, since the pass runs again from its
+        first miss, and the layers before it are computed (its routing, read now, needed their outputs).
+        The first such layer's routing is known (a read of need); past it the inputs were wrong (a read
+        ahead)."""
+        ids = np.array(self._routed[layer]).reshape(-1).astype(np.int64)
+        ahead = self._found is not None
+        self._found = layer if self._found is None else self._found
+        self.fetch_ahead(layer, ids, ahead=ahead)
 
     def stopped_pass(self, first: int) -> "disk_passes.Missed":
         """End a flagged pass that stopped at layer `first` (`disk_passes.StoppedAt`): as
@@ -461,13 +486,17 @@ class TwoTierRuntime(Runtime):
         self._carried = booked.before(first)
         return disk_passes.Missed(first, {i: ids for i, ids in routed.items() if i >= first})
 
-    def resume(self, first: int, exact: bool):
+    def resume(self, first: int, exact: bool, skipped: bool = False):
         """The pass that missed at `first` runs again (its KV caches trimmed by the caller): the layers
-        before `first` as they ran (same inputs, no booking); from `first` on flagged again, or (`exact`)
-        each learning its routing and reading what is on disk first. `first_missing_layer` closes it."""
+        before `first` skipped (`skipped`: their outputs given again, no layer entered before `first`) or as
+        they ran (same inputs, no booking); from `first` on flagged again, or (`exact`) each learning its
+        routing and reading what is on disk first. `first_missing_layer` closes it."""
         self._exact_from = first if exact else None
         self._flagged = self._resumed = True
         self._resume_from = first
+        self._found = None
+        if skipped:  # layer 0 is not entered: the pass begins here
+            self._begin_pass(None)
 
     def wait_for_reads(self):
         """Wait for every read from disk in flight (the seconds booked as waited), so that the next pass's
@@ -483,9 +512,10 @@ class TwoTierRuntime(Runtime):
         tier = self.host_tier
         assert tier is not None
         cache = self.caches[layer]
-        wanted = tier.on_disk(layer, np.unique(np.asarray(ids, dtype=np.int64)), cache.slot_of)
-        try:
-            return len(tier.fetch(layer, wanted, protect=wanted, clock=self.clock, ahead=ahead))
+        routed = np.unique(np.asarray(ids, dtype=np.int64))
+        wanted = tier.on_disk(layer, routed, cache.slot_of)
+        try:  # no read takes the row of an expert routed with them
+            return len(tier.fetch(layer, wanted, protect=routed, clock=self.clock, ahead=ahead))
         except NoRoomError:
             return 0
 
@@ -628,7 +658,9 @@ class TwoTierRuntime(Runtime):
         tier.touch(layer, outside, self.clock)
         return table_rows(cache.slot_of, tier.in_host(layer), self.host_rows)
 
-    def _begin_pass(self, x: mx.array):
+    def _begin_pass(self, x: mx.array | None):
+        """Between passes (`x`: the first MoE layer's input; None where a pass run again skips the layers
+        before its first miss, `resume`)."""
         if self.host_tier is not None:
             # host rows change between passes only once the passes that read them are computed
             if self._last_y is not None:
@@ -642,6 +674,7 @@ class TwoTierRuntime(Runtime):
             if self._dirty:
                 self._refresh()
             return
+        assert x is not None
         self.tally.launch()  # the last pass's counts, queued after it
         tokens = x.size // x.shape[-1]
         self.phase = "decode" if x.ndim < 2 or x.shape[-2] == 1 else "prefill"
@@ -973,3 +1006,12 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype
             )
     return runtime
+
+
+def _decoder_index(module_path: str) -> int:
+    """The index of the decoder layer (in the model's `layers` and KV caches) at `module_path`, e.g. 3 for
+    `model.layers.3.mlp.switch_mlp`."""
+    found = re.search(r"(?:^|\.)layers\.(\d+)\.", module_path)
+    if found is None:
+        raise ValueError(f"{module_path}: no decoder layer index in the path")
+    return int(found.group(1))

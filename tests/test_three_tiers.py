@@ -89,6 +89,53 @@ def test_a_flagged_pass_read_only_with_its_logits_runs_to_the_end(bundled_refere
     assert disk["reruns"] > 0 and disk["stopped_passes"] == 0
 
 
+def test_a_pass_run_again_skips_the_layers_before_its_first_miss(bundled_reference, monkeypatch):
+    """A decode pass that met an expert on disk runs again from its first miss's decoder layer: the layers
+    before it give the outputs they gave (not computed again, their caches as they were), so layer i is
+    computed once a pass plus once a run again whose first miss is at i or before; the tokens are stock's,
+    with runs again flagged or exact, passes stopping at their first miss or running on, and the first
+    layers learning their routing first (none of them then misses)."""
+    computed: list[int] = []
+    layer_type = type(od_moe.load(capacity=0.25).model.model.layers[0])
+    call = layer_type.__call__
+
+    def counted(self, *args, **kwargs):
+        computed.append(id(self))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_type, "__call__", counted)
+    for settings in (
+        dict(rerun="flagged"),
+        dict(rerun="exact"),
+        dict(rerun="flagged", flag_stop=False),
+        dict(rerun="exact", flag_stop=False, exact_layers=2),
+    ):
+        engine = three_tiers(8, **settings)
+        index = {id(layer): i for i, layer in enumerate(engine.model.model.layers)}
+        firsts: list[int] = []
+        read_ahead = engine.forward._read_ahead
+        monkeypatch.setattr(
+            engine.forward, "_read_ahead", lambda m, f=firsts, r=read_ahead: (f.append(m.first), r(m))
+        )
+        computed.clear()
+        assert od_moe_tokens(engine, PROMPTS[:1], NEW_TOKENS) == bundled_reference[:1], settings
+        disk = engine.stats()["tiers"]["disk"]
+        assert disk["reruns"] == len(firsts) and any(f > 0 for f in firsts)  # some layers skipped
+        runs = np.bincount([index[i] for i in computed], minlength=len(index))
+        firsts_by_layer = np.bincount(firsts, minlength=len(index))
+        passes = runs[0] - firsts_by_layer[0]  # layer 0 runs once a pass, again only where it missed
+        ran_again = np.cumsum(firsts_by_layer)  # runs again that computed layer i
+        if disk["stopped_passes"] == 0:  # every run computed to the last layer
+            assert (runs == passes + ran_again).all(), (settings, runs, firsts)
+        else:  # a run that stopped early computed none past its stop
+            assert (runs <= passes + ran_again).all() and runs[-1] < passes + ran_again[-1]
+        assert (runs < passes + len(firsts))[1:].any()  # fewer than every run again from layer 0
+        if settings.get("exact_layers"):
+            assert min(firsts) >= 2
+        tiers_hold_their_experts(engine)
+        engine.close()
+
+
 def test_forecasts_read_later_layers_experts_from_disk_ahead(bundled_reference):
     """Next-gate forecasts at the layers that wait for their routing read the experts two layers on from
     disk ahead of them: reads ahead are counted and most are used; the tokens are stock's."""

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Call 2 (carries .whl/b), after setup1.sh: MLX into /tmp/site, the Qwen3-30B-A3B shape built into /tmp/rs,
 # then how a decode pass past the host's memory runs again, at device 32 + host 32 of 128, in one process
-# (ROWS; ROUNDS (2) rounds of 32 tokens alternating with stock, direct I/O, the disk probed PROBE (4) s at
-# each of 1-16 reads in flight): all in host memory; demand only (a miss runs the pass again, exactly from
+# (ROWS; ROUNDS (2) rounds of 32 tokens alternating with stock, direct I/O, the disk probed PROBE (4; 0:
+# not) s at each of 1-16 reads in flight; BUDGET (590) s from T0 in all): all in host memory; demand only (a miss runs the pass again, exactly from
 # the first miss); flagged runs again that skip the layers before the first miss and read what each
 # missing layer routed to as found (rerun=flagged:stop=0), with the first 2 layers exact; every layer
 # learning its routing (head=48).
@@ -12,5 +12,6 @@ T0=${T0:-$(date +%s)}
 source lab/three_tiers/gpu/install_and_build.sh qwen3-30b-a3b
 D=tt:0.25:host=32
 ROWS=${ROWS:-tt:0.25,$D:disk=none,$D:rerun=flagged:stop=0,$D:rerun=flagged:stop=0:head=2,$D:head=48}
-ROUNDS=${ROUNDS:-2} LIMIT=$(( 590 - $(date +%s) + T0 )) lab/three_tiers/gpu/rows.sh reruns q30 "$ROWS" \
-    --disk-probe ${PROBE:-4} --probe-threads 16
+probe=(); [ "${PROBE:-4}" != 0 ] && probe=(--disk-probe ${PROBE:-4} --probe-threads 16)
+ROUNDS=${ROUNDS:-2} LIMIT=$(( ${BUDGET:-590} - $(date +%s) + T0 )) lab/three_tiers/gpu/rows.sh reruns q30 "$ROWS" \
+    "${probe[@]}"

@@ -9,9 +9,11 @@
 # Output: $OUT/log.txt, reruns.{json,txt,err}.
 set -uo pipefail
 T0=${T0:-$(date +%s)}
-source lab/three_tiers/gpu/install_and_build.sh qwen3-30b-a3b
+# SHAPE q30 (48 layers) or q30-24 (its first 24: half the build's time)
+SHAPE=${SHAPE:-q30}
+source lab/three_tiers/gpu/install_and_build.sh qwen3-30b-a3b$([ $SHAPE = q30-24 ] && echo :24)
 D=tt:0.25:host=32
 ROWS=${ROWS:-tt:0.25,$D:disk=none,$D:rerun=flagged:stop=0,$D:rerun=flagged:stop=0:head=2,$D:head=48}
 probe=(); [ "${PROBE:-4}" != 0 ] && probe=(--disk-probe ${PROBE:-4} --probe-threads 16)
-ROUNDS=${ROUNDS:-2} LIMIT=$(( ${BUDGET:-590} - $(date +%s) + T0 )) lab/three_tiers/gpu/rows.sh reruns q30 "$ROWS" \
+ROUNDS=${ROUNDS:-2} LIMIT=$(( ${BUDGET:-590} - $(date +%s) + T0 )) lab/three_tiers/gpu/rows.sh reruns $SHAPE "$ROWS" \
     "${probe[@]}"

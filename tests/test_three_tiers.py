@@ -105,7 +105,6 @@ def test_a_pass_run_again_skips_the_layers_before_its_first_miss(bundled_referen
 
     monkeypatch.setattr(layer_type, "__call__", counted)
     for settings in (
-        dict(rerun="flagged"),
         dict(rerun="exact"),
         dict(rerun="flagged", flag_stop=False),
         dict(rerun="exact", flag_stop=False, exact_layers=2),

@@ -1,7 +1,8 @@
 """Lab: profile the decode of a two-tier row (`benchmarks/two_tier.py`'s row syntax, e.g.
 `tt:0.25:host=32:disk=none`): the bench's prompts, `--tokens` each, after one warm prompt; each token's
-milliseconds (sorted, in deciles), the engine's tier figures (reruns, waits, disk bytes), host syncs, and
-cProfile's top functions by cumulative and by own time: where the main thread's time per token goes.
+milliseconds (sorted, in deciles), the engine's tier figures (reruns, waits, disk bytes), passes run again
+by the MoE layer of their first miss, MoE layer passes computed a token, host syncs, and cProfile's top
+functions by cumulative and by own time: where the main thread's time per token goes.
 
     python lab/three_tiers/decode_profile.py MODEL ROW [ROW ...] [--tokens 32] [--top 30] [--direct-io on]
 """
@@ -50,6 +51,8 @@ def profile_row(model: str, row: str, bench: dict, tokens: int, top: int, direct
         + " ".join(f"{v:.1f}" for v in np.percentile(ms, np.arange(0, 101, 10)))
     )
     stats = engine.stats()
+    reruns = engine.runtime.ledger.snapshot().field("reruns").sum(axis=0)  # by the layer first missed
+    print("passes run again by first missing layer:", [int(n) for n in reruns])
     print("host syncs a decode token:", round((engine.runtime.host_syncs - syncs) / max(len(ms), 1), 2))
     print("tiers:", json.dumps(stats.get("tiers", {}), default=str)[:1500])
     print("io:", json.dumps(stats.get("io", {}), default=str)[:1500])

@@ -6,12 +6,18 @@
 # the first miss); flagged runs again that skip the layers before the first miss and read what each
 # missing layer routed to as found (rerun=flagged:stop=0), with the first 2 layers exact; every layer
 # learning its routing (head=48).
-# Output: $OUT/log.txt, reruns.{json,txt,err}.
+# First (SPANS, none: not) a single expert's read timed by request size (`lab/three_tiers/span_reads.py`).
+# Output: $OUT/log.txt, span-reads.txt, reruns.{json,txt,err}.
 set -uo pipefail
 T0=${T0:-$(date +%s)}
 # SHAPE q30 (48 layers) or q30-24 (its first 24: half the build's time)
 SHAPE=${SHAPE:-q30}
 source lab/three_tiers/gpu/install_and_build.sh qwen3-30b-a3b$([ $SHAPE = q30-24 ] && echo :24)
+model=$(python3 -c "from od_moe.bench.real_shapes import default_dest as d; print(d('/tmp/rs', 'qwen3-30b-a3b', $([ $SHAPE = q30-24 ] && echo 24 || echo None)))")
+if [ "${SPANS:-0,524288,262144,131072}" != none ]; then  # a single expert's read by request size, 16 threads
+    timeout 60 python3 lab/three_tiers/span_reads.py "$model" --experts 1,2,4 --draws 20 --threads 16 \
+        --spans ${SPANS:-0,524288,262144,131072} 2>&1 | tee "$OUT/span-reads.txt" | tee -a "$OUT/log.txt"
+fi
 D=tt:0.25:host=32
 ROWS=${ROWS:-tt:0.25,$D:disk=none,$D:rerun=flagged:stop=0,$D:rerun=flagged:stop=0:head=2,$D:head=48}
 probe=(); [ "${PROBE:-4}" != 0 ] && probe=(--disk-probe ${PROBE:-4} --probe-threads 16)

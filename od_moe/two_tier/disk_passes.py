@@ -5,8 +5,9 @@ Where some experts are on disk (`host_tier.py`), a layer cannot compute a lane w
 device slot or a host row, and learning its routing before it computes costs a host sync per layer, which
 a GPU pays in full (docs/GPU.md, "The per-layer path on CUDA"). `DiskPasses` runs a decode pass as mlx-lm
 calls the model, through the runtime's methods (`TwoTierRuntime`, "past the host's memory"):
-1. `begin_flagged_pass`: no layer waits; a lane whose expert is on disk reads a wrong row (a finite, wrong
-   result) and is counted on the device.
+1. `begin_flagged_pass`: no layer waits (but the first `exact_layers` MoE layers, which learn their routing
+   and read first); a lane whose expert is on disk reads a wrong row (a finite, wrong result) and is counted
+   on the device.
 2. `first_missing_layer`: the counts are read once, with the logits (the sync mlx-lm makes for the token
    anyway). None: the pass stands.
 3. Else (`Missed`) the experts its first missing layer routed to are read (its inputs were right, so its

@@ -134,17 +134,18 @@ class DiskPasses:
 
 
 class _Recorded:
-    """A decoder layer in a flagged run: computed, its output kept (`outputs[index]`)."""
+    """A decoder layer in a flagged run: computed, its output kept (`outputs[index]`). Its own names are
+    underscored: any other attribute is the layer's (a model's loop may read one)."""
 
     def __init__(self, layer, outputs: dict, index: int):
-        self.layer, self.outputs, self.index = layer, outputs, index
+        self._layer, self._outputs, self._index = layer, outputs, index
 
     def __getattr__(self, name):
-        return getattr(self.layer, name)
+        return getattr(self._layer, name)
 
     def __call__(self, *args, **kwargs):
-        out = self.layer(*args, **kwargs)
-        self.outputs[self.index] = out
+        out = self._layer(*args, **kwargs)
+        self._outputs[self._index] = out
         return out
 
 
@@ -152,13 +153,13 @@ class _Skipped:
     """A decoder layer before a run's first miss, in the run again: the output it gave, its cache as is."""
 
     def __init__(self, layer, output):
-        self.layer, self.output = layer, output
+        self._layer, self._output = layer, output
 
     def __getattr__(self, name):
-        return getattr(self.layer, name)
+        return getattr(self._layer, name)
 
     def __call__(self, *args, **kwargs):
-        return self.output
+        return self._output
 
 
 def _layer_list(model) -> list | None:

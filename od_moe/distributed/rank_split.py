@@ -21,7 +21,6 @@ Not here: the expert cache, reads or prefetch (each rank's engine runs them over
 import hashlib
 import os
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -33,11 +32,10 @@ from mlx_lm.models.cache import ArraysCache
 from ..errors import RankLost, UserError
 from ..memory import backend
 from ..model_surgery.mlx_lm_private import BaseCache
+from ..model_surgery.moe_blocks import decoder_layer_of
 from ..model_surgery.routing import router_matrices
 from ..units import format_bytes
 from . import heartbeat
-
-_LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
 
 
 def group_for(ranks) -> mx.distributed.Group | None:
@@ -59,13 +57,13 @@ def layers_of(model: nn.Module, block_paths: list[str]) -> tuple[str, list[int]]
     """(the module path that holds the decoder `layers` list, the indices of the layers with an MoE block)."""
     prefixes, moe = set(), set()
     for p in block_paths:
-        m = _LAYER_PATH.match(p)
-        if m is None:
+        found = decoder_layer_of(p)
+        if found is None:
             raise UserError(
                 f"the MoE block {p} is not inside a `layers` list: od-moe cannot split this model"
             )
-        prefixes.add(m.group(1) or "")
-        moe.add(int(m.group(2)))
+        prefixes.add(found[0])
+        moe.add(found[1])
     if len(prefixes) != 1:
         raise UserError(
             f"MoE blocks sit in several layer lists ({sorted(prefixes)}): cannot split this model"
@@ -75,9 +73,9 @@ def layers_of(model: nn.Module, block_paths: list[str]) -> tuple[str, list[int]]
 
 def _layer_number(block_path: str) -> int:
     """The decoder layer of the MoE block at `block_path`, one `layers_of` found inside a `layers` list."""
-    m = _LAYER_PATH.match(block_path)
-    assert m is not None  # `layers_of` refused the model otherwise
-    return int(m.group(2))
+    found = decoder_layer_of(block_path)
+    assert found is not None  # `layers_of` refused the model otherwise
+    return found[1]
 
 
 def stage_ranges(moe_layers: list[int], num_layers: int, size: int) -> list[tuple[int, int]]:

@@ -20,6 +20,15 @@ from .routing import router_of
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
+_LAYER_PATH = re.compile(r"^(?:(.*?)\.)?layers\.(\d+)\.")
+
+
+def decoder_layer_of(path: str) -> tuple[str, int] | None:
+    """(the module path that holds the decoder `layers` list, "" for the model itself; the index in it) of
+    the module at `path` (e.g. ("model", 3) for `model.layers.3.mlp.switch_mlp`); None where it sits in no
+    `layers` list."""
+    m = _LAYER_PATH.match(path)
+    return None if m is None else (m.group(1) or "", int(m.group(2)))
 
 
 @dataclass

@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from ..model_surgery.moe_blocks import decoder_layer_of
 from .settings import FLAGGED_RUNS
 
 
@@ -57,17 +58,20 @@ class Missed:
 
 class DiskPasses:
     """The model as mlx-lm's generation loop calls it (`model(inputs, cache=...)`), its decode passes flagged
-    and run again where they met an expert on disk; every other attribute is the model's. `decoder_of`: per
-    MoE layer, the index of its decoder layer in `model.layers` (and in the KV caches)."""
+    and run again where they met an expert on disk; every other attribute is the model's. `block_paths`: the
+    module path of each MoE layer's switch, in order (where its decoder layer is)."""
 
     def __init__(
-        self, model, runtime, decoder_of: list[int], prefetch: str = "routed", rerun: str = "flagged"
+        self, model, runtime, block_paths: list[str], prefetch: str = "routed", rerun: str = "flagged"
     ):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "runtime", runtime)
-        object.__setattr__(self, "decoder_of", decoder_of)
         object.__setattr__(self, "prefetch", prefetch)
         object.__setattr__(self, "rerun", rerun)
+        # the decoder layers a run again may skip, and each MoE layer's index among them (None: none skipped)
+        layers, decoder_of = _decoder_layers(model, block_paths)
+        object.__setattr__(self, "skippable_layers", layers)  # not `layers`: that name is the model's
+        object.__setattr__(self, "decoder_of", decoder_of)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -98,15 +102,13 @@ class DiskPasses:
         return missed
 
     def _skippable(self, cache) -> list | None:
-        """The model's decoder layers where a pass run again may skip those before its first miss: each an
-        mlx-lm layer (not a pipeline's stand-in) with a plain KV cache, whose mask for one position is made
-        from no offset; else None (every cache trimmed, every layer run again)."""
-        layers = _layer_list(self.model)
+        """The model's decoder layers where a pass run again may skip those before its first miss (mlx-lm's
+        own, `_decoder_layers`) and each has a plain KV cache, whose mask for one position is made from no
+        offset; else None (every cache trimmed, every layer run again)."""
+        layers = self.skippable_layers
         if layers is None or len(layers) != len(cache):
             return None
-        plain = all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
-        own = all(type(layer).__module__.startswith("mlx_lm.") for layer in layers)
-        return layers if plain and own else None
+        return layers if all(type(c) in (KVCache, QuantizedKVCache) for c in cache) else None
 
     def _run(self, inputs: mx.array, cache, kwargs, layers, outputs: dict, start: int) -> "mx.array | Missed":
         """A flagged run of the model from decoder layer `start` (those before it give their `outputs`): its
@@ -162,23 +164,20 @@ class _Skipped:
         return self._output
 
 
-def _layer_list(model) -> list | None:
-    """The list that holds `model.layers` (mlx-lm's models give a copy of it, e.g. `pipeline_layers`): the
-    list among the model's modules whose items are those layers."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, list) or not layers:
-        return None
-    found, todo = None, [model]
-    while todo and found is None:
-        module = todo.pop()
-        for value in module.values() if isinstance(module, dict) else ():
-            if isinstance(value, list) and len(value) == len(layers):
-                if all(a is b for a, b in zip(value, layers)):
-                    found = value
-                    break
-            elif isinstance(value, dict):  # a module (mlx's modules are dicts) or a dict of them
-                todo.append(value)
-    return found
+def _decoder_layers(model, block_paths: list[str]) -> tuple[list | None, list[int]]:
+    """(The list that holds the model's decoder layers, per MoE layer its index there), found from the MoE
+    blocks' paths (`decoder_layer_of`); the list None where a pass run again cannot skip layers: blocks in
+    no one `layers` list, or a layer that is not mlx-lm's own (a pipeline's stand-in)."""
+    found = [decoder_layer_of(path) for path in block_paths]
+    places = [f for f in found if f is not None]
+    if len(places) != len(found) or len({prefix for prefix, _ in places}) != 1:
+        return None, []
+    prefix = places[0][0]
+    owner = dict(model.named_modules())[prefix] if prefix else model
+    layers = getattr(owner, "layers", None)
+    if not isinstance(layers, list) or not all(type(x).__module__.startswith("mlx_lm.") for x in layers):
+        return None, []
+    return layers, [index for _, index in places]
 
 
 @contextmanager

@@ -31,7 +31,6 @@ prefetch (`per_layer/per_layer_runtime.py`).
 
 import collections
 import functools
-import re
 import time
 import weakref
 from collections.abc import Callable
@@ -167,7 +166,7 @@ class TwoTierRuntime(Runtime):
         self._exact_from: int | None = 0
         self._flagged = self._resumed = False
         self._stop_early = True  # a flagged pass stops at its first miss (`begin_flagged_pass`)
-        self._found: int | None = None  # a flagged run that runs on: the first layer it found absent lanes
+        self._found = False  # a flagged run that runs on found a layer with absent lanes (`_read_found`)
         self._resume_from = 0  # a pass run again: its first layer not run as before
         self._missing: dict[int, mx.array] = {}
         self._watched: collections.deque = collections.deque()  # a flagged pass's layers not yet read
@@ -260,9 +259,8 @@ class TwoTierRuntime(Runtime):
         past it, decode passes flagged and run again where they met an expert on disk (`disk_passes.py`)."""
         if self.host_tier is None:
             return model
-        decoder_of = [_decoder_index(c.layout.module_path) for c in self.caches]
-        settings = self.settings
-        return disk_passes.DiskPasses(model, self, decoder_of, settings.disk_prefetch, settings.disk_rerun)
+        paths, settings = [c.layout.module_path for c in self.caches], self.settings
+        return disk_passes.DiskPasses(model, self, paths, settings.disk_prefetch, settings.disk_rerun)
 
     def read_ahead(self):
         """None: two tiers read nothing ahead (every expert is in host memory)."""
@@ -388,7 +386,7 @@ class TwoTierRuntime(Runtime):
         layer's count read `flag_lag` layers on, the pass stopping at the first not 0 (and its runs again)."""
         self._exact_from, self._flagged = None, True
         self._stop_early = stop_early
-        self._found = None
+        self._found = False
 
     def cancel_flagged_pass(self):
         """The flagged pass did not finish (it raised): passes run exactly again."""
@@ -461,9 +459,8 @@ class TwoTierRuntime(Runtime):
         The first such layer's routing is known (a read of need); past it the inputs were wrong (a read
         ahead)."""
         ids = np.array(self._routed[layer]).reshape(-1).astype(np.int64)
-        ahead = self._found is not None
-        self._found = layer if self._found is None else self._found
-        self.fetch_ahead(layer, ids, ahead=ahead)
+        self.fetch_ahead(layer, ids, ahead=self._found)
+        self._found = True
 
     def stopped_pass(self, first: int) -> "disk_passes.Missed":
         """End a flagged pass that stopped at layer `first` (`disk_passes.StoppedAt`): as
@@ -494,7 +491,7 @@ class TwoTierRuntime(Runtime):
         self._exact_from = first if exact else None
         self._flagged = self._resumed = True
         self._resume_from = first
-        self._found = None
+        self._found = False
         if skipped:  # layer 0 is not entered: the pass begins here
             self._begin_pass(None)
 
@@ -1006,12 +1003,3 @@ def build(store: ExpertStore, blocks, caches: list[LayerCache], settings: TwoTie
                 (0, *part.shape), dtype=stack[part.proj, part.name].dtype
             )
     return runtime
-
-
-def _decoder_index(module_path: str) -> int:
-    """The index of the decoder layer (in the model's `layers` and KV caches) at `module_path`, e.g. 3 for
-    `model.layers.3.mlp.switch_mlp`."""
-    found = re.search(r"(?:^|\.)layers\.(\d+)\.", module_path)
-    if found is None:
-        raise ValueError(f"{module_path}: no decoder layer index in the path")
-    return int(found.group(1))
